@@ -1,0 +1,17 @@
+"""Logging set-up, called once from each entry point's ``main()`` (never at import)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: int = logging.INFO, log_file: Path | None = None) -> None:
+    """Log to stderr, and also to ``log_file`` when given (the run directory's driver log)."""
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
