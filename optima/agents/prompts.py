@@ -1,0 +1,347 @@
+"""Agent prompts and the single chat renderer used by generation, training data, tree search and evaluation.
+
+Roles and protocol follow the original (SPEC 2.1, 2.5), the wording is our own (the original has no licence):
+* information exchange ("qa"): both agents get the same role prompt; each holds private paragraphs, shares what
+  matters concisely and finishes with `<A>answer</A>`;
+* debate: Alice solves (answer in `<A>..</A>` for arc/mmlu, `\\boxed{}` for gsm8k, a MATH-specific solver for math,
+  SPEC 9.2 item 15) and Bob critiques without ever giving the answer.
+Each prompt ends with a one-line worked example of a message with its answer, because small models (SmolLM2-135M)
+rarely write the answer tag unless they see it.
+
+Every agent's view is an ordinary chat (`build_agent_messages`), unlike the original where all turns were
+`assistant` (SPEC 2.3): the system prompt holds the role instructions; the first user turn holds the task and the
+agent's private information (joined text, never a Python list repr: SPEC 9.2 item 14); the agent's own utterances
+are `assistant` turns and the partner's are `user` turns (consecutive turns of one role are merged). Utterances
+are stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`.
+
+The iteration-0 format pool (SPEC 2.5) lives in `prompt_pools/<pool>.jsonl`, one `{"index": k, "prompt": ...}`
+per line, each prompt being one extra rule that suggests a compact format. It is used only at iteration 0 of SFT
+data generation and never in training data (which always uses the base prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+from optima.tasks import Example, Task, get_task
+
+AGENT_NAMES = ("Alice", "Bob")
+POOL_DIR = Path(__file__).with_name("prompt_pools")
+# prompt set of a task -> the format pool drawn from at iteration 0.
+POOL_FOR_PROMPT_SET = {"qa": "qa", "choice": "debate", "gsm8k": "math", "math": "math"}
+_TURN_SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class RolePrompt:
+    """A role's system prompt: an intro, numbered rules and an example message (`${name}`, `${partner}` slots)."""
+
+    intro: str
+    rules: tuple[str, ...]
+    example: str
+
+    def render(self, name: str, partner: str, extra_rule: str | None = None) -> str:
+        """Return the system prompt for agent `name`, optionally with one more rule (a format-pool entry).
+
+        Args:
+            name: the agent's name.
+            partner: the other agent's name.
+            extra_rule: a rule appended after the others (iteration-0 format diversity).
+        """
+        rules = [*self.rules, extra_rule] if extra_rule else list(self.rules)
+        lines = [self.intro, "Rules:", *(f"{i}. {rule}" for i, rule in enumerate(rules, start=1))]
+        lines += ["Example of a message:", self.example]
+        return Template("\n".join(lines)).safe_substitute(name=name, partner=partner)
+
+
+_PREFIX_RULE = 'Begin each message with "${name}:".'
+
+QA_PROMPT = RolePrompt(
+    intro=(
+        "You are ${name}. You and ${partner} answer a question together. Each of you holds different information "
+        "and neither can answer alone, so you must exchange what matters."
+    ),
+    rules=(
+        "Share only the facts from your information that help answer the question, or ask ${partner} for what "
+        "you are missing. Be as brief as possible: no greetings, no full sentences needed.",
+        "Use only your information and what ${partner} tells you.",
+        "When you know the answer, end your message with it between <A> and </A>. The conversation ends when "
+        "you both give the same answer.",
+        _PREFIX_RULE,
+    ),
+    example="${name}: Lake Tana -> source of Blue Nile; Blue Nile joins White Nile at Khartoum. <A>Khartoum</A>",
+)
+
+CHOICE_SOLVER_PROMPT = RolePrompt(
+    intro="You are ${name}. You solve a multiple-choice question; ${partner} checks your reasoning.",
+    rules=(
+        "Reason step by step, briefly.",
+        "If ${partner} finds a mistake, fix it; otherwise keep your answer.",
+        "End every message with the chosen option between <A> and </A>: its letter and its text.",
+        _PREFIX_RULE,
+    ),
+    example="${name}: Ice melts when it takes in heat, so heating is the cause. <A>B) adding heat</A>",
+)
+
+GSM8K_SOLVER_PROMPT = RolePrompt(
+    intro="You are ${name}, good at mathematics. You solve a word problem; ${partner} checks your work.",
+    rules=(
+        "Think step by step, one short line per calculation.",
+        "If ${partner} finds a mistake, correct it; otherwise keep your answer.",
+        "End every message with the final answer in \\boxed{}; put only the number inside the box.",
+        _PREFIX_RULE,
+    ),
+    example="${name}: 3 boxes * 4 apples = 12 apples; 12 - 5 eaten = 7. \\boxed{7}",
+)
+
+MATH_SOLVER_PROMPT = RolePrompt(
+    intro="You are ${name}, good at mathematics. You solve a competition problem; ${partner} checks your work.",
+    rules=(
+        "Think step by step, concisely.",
+        "If ${partner} finds a mistake, correct it; otherwise keep your answer.",
+        "End every message with the final answer in \\boxed{}, simplified and written in LaTeX "
+        "(a number, a fraction, an expression, an interval, ...).",
+        _PREFIX_RULE,
+    ),
+    example="${name}: x^2 = 9/16 and x > 0, so x = 3/4. \\boxed{\\frac{3}{4}}",
+)
+
+CRITIC_PROMPT = RolePrompt(
+    intro="You are ${name}. ${partner} is solving a problem and you check the work.",
+    rules=(
+        "Check each step of ${partner}'s latest message. Point out any error and how to fix it, briefly.",
+        "If everything is right, say so in a few words.",
+        "Never state the final answer yourself: do not write <A> tags or a box.",
+        _PREFIX_RULE,
+    ),
+    example="${name}: Step 2 is wrong: 12 - 5 is 7, not 8. Redo the last step.",
+)
+
+# prompt set -> (Alice's role prompt, Bob's role prompt). Tasks choose through `Task.prompt_set`.
+ROLE_PROMPTS: dict[str, tuple[RolePrompt, RolePrompt]] = {
+    "qa": (QA_PROMPT, QA_PROMPT),
+    "choice": (CHOICE_SOLVER_PROMPT, CRITIC_PROMPT),
+    "gsm8k": (GSM8K_SOLVER_PROMPT, CRITIC_PROMPT),
+    "math": (MATH_SOLVER_PROMPT, CRITIC_PROMPT),
+}
+
+
+@dataclass(frozen=True)
+class Utterance:
+    """One message of a conversation, stored without its name prefix.
+
+    Parameters:
+        speaker (`str`): "Alice" or "Bob".
+        text (`str`): what the agent said (a leading "Name:" written by the model is removed with
+            `strip_speaker_prefix` before storing).
+    """
+
+    speaker: str
+    text: str
+
+
+def as_utterance(item: Utterance | Sequence[str] | dict) -> Utterance:
+    """Accept an `Utterance`, a `(speaker, text)` pair or a `{"speaker", "text"}` dict.
+
+    Args:
+        item: the utterance in any of those forms.
+    """
+    if isinstance(item, Utterance):
+        return item
+    if isinstance(item, dict):
+        return Utterance(item["speaker"], item["text"])
+    speaker, text = item
+    return Utterance(speaker, text)
+
+
+def agent_index(speaker: str) -> int:
+    """Return 0 for Alice and 1 for Bob.
+
+    Args:
+        speaker: an agent name.
+    """
+    if speaker not in AGENT_NAMES:
+        raise ValueError(f"unknown speaker {speaker!r}; expected one of {AGENT_NAMES}")
+    return AGENT_NAMES.index(speaker)
+
+
+def partner_of(speaker: str) -> str:
+    """Return the other agent's name.
+
+    Args:
+        speaker: "Alice" or "Bob".
+    """
+    return AGENT_NAMES[1 - agent_index(speaker)]
+
+
+def _resolve(task: Task | str) -> Task:
+    return get_task(task) if isinstance(task, str) else task
+
+
+def build_system_prompt(task: Task | str, speaker: str, extra_rule: str | None = None) -> str:
+    """Return the base system prompt of `speaker` for `task` (what training data always uses).
+
+    Args:
+        task: a `Task` or its name.
+        speaker: "Alice" or "Bob".
+        extra_rule: an optional format rule (iteration-0 pool entry).
+    """
+    role = ROLE_PROMPTS[_resolve(task).prompt_set][agent_index(speaker)]
+    return role.render(speaker, partner_of(speaker), extra_rule)
+
+
+def render_information(paragraphs: Iterable[str]) -> str:
+    """Join an agent's private paragraphs into one text block (one paragraph per line).
+
+    Args:
+        paragraphs: the agent's context.
+    """
+    return "\n".join(paragraph.strip() for paragraph in paragraphs if paragraph.strip())
+
+
+def render_task_turn(example: Example, speaker: str, task: Task | None = None) -> str:
+    """Return the first user turn: the question and, for information exchange, the agent's private information.
+
+    Args:
+        example: the question.
+        speaker: whose view this is.
+        task: the example's task (looked up from `example.task` when None).
+    """
+    task = task or get_task(example.task)
+    if task.family != "qa":
+        return f"Problem:\n{example.question}"
+    information = render_information(example.context_for(agent_index(speaker)))
+    if not information:
+        information = "none (answer from what you know and what your partner tells you)"
+    return f"Question: {example.question}{_TURN_SEPARATOR}Your information:\n{information}"
+
+
+def render_utterance(utterance: Utterance | Sequence[str] | dict) -> str:
+    """Return an utterance as it appears in a chat: `"Name: text"`.
+
+    Args:
+        utterance: the utterance.
+    """
+    utterance = as_utterance(utterance)
+    return f"{utterance.speaker}: {utterance.text}"
+
+
+def build_agent_messages(
+    example: Example,
+    speaker: str,
+    utterances: Iterable[Utterance | Sequence[str] | dict],
+    system_prompt: str | None = None,
+    task: Task | None = None,
+) -> list[dict[str, str]]:
+    """Build `speaker`'s chat view of a conversation: system, task turn, then user/assistant turns.
+
+    Own utterances become `assistant` turns, the partner's become `user` turns, each prefixed with its speaker's
+    name; consecutive turns of one role are merged (so the partner's first message joins the task turn). The list
+    always starts with system + user, so it renders with ChatML (SmolLM2) and Llama-3 templates alike.
+
+    Args:
+        example: the question.
+        speaker: "Alice" or "Bob".
+        utterances: the conversation so far, oldest first.
+        system_prompt: a rendered system prompt (e.g. from `draw_pool_prompts`); the base prompt when None.
+        task: the example's task (looked up from `example.task` when None).
+    """
+    task = task or get_task(example.task)
+    system_text = build_system_prompt(task, speaker) if system_prompt is None else system_prompt
+    messages = [
+        {"role": "system", "content": system_text},
+        {"role": "user", "content": render_task_turn(example, speaker, task)},
+    ]
+    for item in utterances:
+        utterance = as_utterance(item)
+        agent_index(utterance.speaker)  # validates the name
+        role = "assistant" if utterance.speaker == speaker else "user"
+        content = render_utterance(utterance)
+        if messages[-1]["role"] == role:
+            messages[-1] = {"role": role, "content": messages[-1]["content"] + _TURN_SEPARATOR + content}
+        else:
+            messages.append({"role": role, "content": content})
+    return messages
+
+
+def strip_speaker_prefix(text: str, name: str) -> str:
+    """Remove one leading `"Name:"` (also `**Name:**`, `**Name**:`) that the model wrote itself (SPEC 9.2 item 18).
+
+    Args:
+        text: the generated message.
+        name: the speaker's name.
+    """
+    pattern = rf"\s*(?:\*\*)?{re.escape(name)}(?:\*\*)?\s*:(?:\*\*)?[ \t]*"
+    match = re.match(pattern, text)
+    return text[match.end() :] if match else text
+
+
+def is_impersonation(utterance: Utterance | str) -> bool:
+    """Whether an utterance speaks for both agents (SPEC 3.3): both `Alice:` and `Bob:`, or one of them twice.
+
+    Args:
+        utterance: an `Utterance` (checked with its name prefix, as the original stored it) or prefixed text.
+    """
+    text = render_utterance(utterance) if isinstance(utterance, Utterance) else utterance
+    counts = [text.count(f"{name}:") for name in AGENT_NAMES]
+    return all(count >= 1 for count in counts) or any(count >= 2 for count in counts)
+
+
+def load_prompt_pool(pool: str, pool_dir: Path = POOL_DIR) -> tuple[str, ...]:
+    """Load a format pool (`qa`, `debate`, `math`): the `prompt` of each JSONL line, ordered by `index`.
+
+    Args:
+        pool: the pool name (file stem).
+        pool_dir: the folder of pool files.
+
+    Raises:
+        ValueError: on a missing file, a malformed line, or duplicate indices.
+    """
+    path = pool_dir / f"{pool}.jsonl"
+    if not path.is_file():
+        available = sorted(p.stem for p in pool_dir.glob("*.jsonl"))
+        raise ValueError(f"prompt pool {pool!r} not found at {path}; available: {available}")
+    entries: dict[int, str] = {}
+    for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        index, prompt = record.get("index"), record.get("prompt")
+        if not isinstance(index, int) or not isinstance(prompt, str) or not prompt.strip() or index in entries:
+            raise ValueError(f"{path}:{line_number}: need a unique integer 'index' and a non-empty 'prompt'")
+        entries[index] = prompt.strip()
+    if not entries:
+        raise ValueError(f"prompt pool {path} is empty")
+    return tuple(entries[index] for index in sorted(entries))
+
+
+def pool_name(task: Task | str) -> str:
+    """Return the name of the format pool a task draws from at iteration 0.
+
+    Args:
+        task: a `Task` or its name.
+    """
+    return POOL_FOR_PROMPT_SET[_resolve(task).prompt_set]
+
+
+def draw_pool_prompts(pool: Sequence[str], task: Task | str, rng: random.Random) -> tuple[str, str]:
+    """Draw iteration-0 system prompts for one conversation: (Alice's, Bob's) (SPEC 2.5).
+
+    qa: one pool rule for both agents; debate: one pool rule for Alice, Bob keeps the base critic prompt.
+
+    Args:
+        pool: the pool's rules (from `load_prompt_pool(pool_name(task))`).
+        task: a `Task` or its name.
+        rng: the caller's seeded RNG (one draw per conversation).
+    """
+    task = _resolve(task)
+    rule = rng.choice(list(pool))
+    alice = build_system_prompt(task, AGENT_NAMES[0], extra_rule=rule)
+    bob_rule = rule if task.family == "qa" else None
+    return alice, build_system_prompt(task, AGENT_NAMES[1], extra_rule=bob_rule)

@@ -1,0 +1,210 @@
+"""Answer extraction: the `<A>...</A>` tag, the last `\\boxed{...}`, and the Minerva final-answer normaliser.
+
+These parsers turn an agent's utterance into its stated answer (SPEC section 6). They are used by the turn loop's
+stop rule (SPEC 2.2), by the reward (SPEC 3.1) and by evaluation, so they must be fast and total: any string,
+including 100k characters of garbage, gives a string or None in linear time and never raises.
+
+Decisions (documented here because the original left them implicit):
+* Tag: the answer is the text between the LAST `</A>` and the nearest `<A>` before it, stripped. Newlines inside
+  the tag are allowed (the original regex had no DOTALL, so `<A>\\nParis\\n</A>` was lost). The tag is
+  case-sensitive, as in the original protocol. `<A></A>` gives "" (the caller treats "" as "no answer").
+* Boxed: the content of the last `\\boxed{`, matched brace by brace; an unbalanced box gives None.
+* `normalize_final_answer` follows Minerva's (Lewkowycz et al. 2022, App. D) steps as described in SPEC 6, written
+  from that description, with one deliberate change: unit/filler words and the article substitutions only match
+  where they do not continue a longer word, so `\\left` keeps its "ft" and "mean" keeps its "an ".
+"""
+
+from __future__ import annotations
+
+import re
+
+TAG_OPEN = "<A>"
+TAG_CLOSE = "</A>"
+BOXED_OPEN = "\\boxed{"
+
+# Minerva substitutions, applied in order (SPEC 6). The first two are article removals.
+_ARTICLES = ("an ", "a ")
+_SUBSTITUTIONS = (
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+# Unit and filler expressions that Minerva deletes (SPEC 6), in the original order.
+_REMOVED_EXPRESSIONS = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "ft", "hours", "km", "units", "\\ldots", "sue",
+    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges",
+    "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2",
+    "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"',
+    "\\dots",
+)  # fmt: skip
+# Words only match when not preceded by a letter or backslash (so `\left`, `mean`, `issue` survive).
+_WORD_GUARD = r"(?<![A-Za-z\\])"
+_REMOVED_PATTERNS = tuple(
+    re.compile(_WORD_GUARD + re.escape(expr)) if expr[0].isalpha() else re.compile(re.escape(expr))
+    for expr in _REMOVED_EXPRESSIONS
+)
+_ARTICLE_PATTERNS = tuple(re.compile(_WORD_GUARD + re.escape(article)) for article in _ARTICLES)
+# Wrappers whose content is kept; `[^{}]*` keeps the scan linear on adversarial input.
+_UNWRAP = re.compile(r"\\(?:text|textbf|overline|boxed)\{([^{}]*)\}")
+_FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
+_SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
+
+
+def parse_tag(text: str | None) -> str | None:
+    """Return the content of the last `<A>...</A>` in `text`, stripped, or None when there is none.
+
+    Args:
+        text: an utterance (any string; None is accepted and gives None).
+    """
+    if not text:
+        return None
+    end = text.rfind(TAG_CLOSE)
+    if end < 0:
+        return None
+    start = text.rfind(TAG_OPEN, 0, end)
+    if start < 0:
+        return None
+    return text[start + len(TAG_OPEN) : end].strip()
+
+
+def find_matching_brace(text: str, open_index: int) -> int | None:
+    """Return the index of the `}` that closes the `{` at `open_index`, or None when unbalanced.
+
+    Args:
+        text: the string to scan.
+        open_index: index of an opening brace in `text`.
+    """
+    depth = 0
+    for index in range(open_index, len(text)):
+        char = text[index]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return index
+    return None
+
+
+def parse_boxed(text: str | None) -> str | None:
+    """Return the raw content of the last `\\boxed{...}` in `text`, or None when absent or unbalanced.
+
+    Args:
+        text: an utterance or a reference solution.
+    """
+    if not text:
+        return None
+    start = text.rfind(BOXED_OPEN)
+    if start < 0:
+        return None
+    open_index = start + len(BOXED_OPEN) - 1
+    close_index = find_matching_brace(text, open_index)
+    if close_index is None:
+        return None
+    return text[open_index + 1 : close_index]
+
+
+def _keep_between_dollars(text: str) -> str:
+    """Keep only the text between the first two `$` (Minerva's `$...$` rule), if there are two."""
+    first = text.find("$")
+    if first < 0:
+        return text
+    second = text.find("$", first + 1)
+    if second < 0:
+        return text
+    return "$" + text[first + 1 : second] + "$"
+
+
+def normalize_final_answer(answer: str) -> str:
+    """Normalise a final answer the Minerva way (SPEC 6), so that equal answers become equal strings.
+
+    Steps: keep the text after the last `=`; remove articles, spaces and the listed unit/filler words; keep the
+    inside of `$...$`; unwrap `\\text{}`, `\\textbf{}`, `\\overline{}`, `\\boxed{}`; expand `\\fracab` and
+    `\\sqrta`; drop `$`; drop thousands commas from pure digit strings.
+
+    Args:
+        answer: the raw answer (e.g. the content of a `\\boxed{}`).
+    """
+    final = answer.split("=")[-1]
+    for pattern in _ARTICLE_PATTERNS:
+        final = pattern.sub("", final)
+    for before, after in _SUBSTITUTIONS:
+        final = final.replace(before, after)
+    for pattern in _REMOVED_PATTERNS:
+        final = pattern.sub("", final)
+    final = _keep_between_dollars(final)
+    final = _UNWRAP.sub(r"\1", final)
+    final = _FRAC_SHORTHAND.sub(r"frac{\1}{\2}", final)
+    final = _SQRT_SHORTHAND.sub(r"sqrt{\1}", final)
+    final = final.replace("$", "")
+    if final.replace(",", "").isdigit():
+        final = final.replace(",", "")
+    return final
+
+
+def parse_math_answer(text: str | None) -> str | None:
+    """Return the normalised content of the last `\\boxed{}` in `text` (the original `math_parser`), or None.
+
+    Args:
+        text: an utterance.
+    """
+    boxed = parse_boxed(text)
+    if boxed is None:
+        return None
+    return normalize_final_answer(boxed)
+
+
+# answer_style -> parser; tasks pick their parser here (no if/elif on task names).
+ANSWER_PARSERS = {"tag": parse_tag, "boxed": parse_math_answer}
+
+
+def render_answer(answer: str, answer_style: str) -> str:
+    """Write `answer` the way an agent must state it: `<A>answer</A>` or `\\boxed{answer}`.
+
+    Args:
+        answer: the answer text.
+        answer_style: "tag" or "boxed".
+    """
+    if answer_style == "tag":
+        return f"{TAG_OPEN}{answer}{TAG_CLOSE}"
+    if answer_style == "boxed":
+        return f"{BOXED_OPEN}{answer}}}"
+    raise ValueError(f"unknown answer_style {answer_style!r}; expected one of {sorted(ANSWER_PARSERS)}")
+
+
+def should_stop(previous_answer: str | None, new_answer: str | None) -> bool:
+    """The stop rule of SPEC 2.2: stop when a newly parsed answer equals the previously parsed one.
+
+    Args:
+        previous_answer: the last non-empty answer parsed so far in the conversation ("" or None if none).
+        new_answer: the answer parsed from the newest utterance (None or "" when it states none).
+    """
+    return new_answer not in (None, "") and new_answer == previous_answer
+
+
+class AnswerTracker:
+    """Tracks the parsed answers of one conversation and applies the same-answer-twice stop rule (SPEC 2.2).
+
+    Utterances without an answer (None or "") are skipped over, so in a debate
+    Alice `<A>X</A>`, Bob's critique, Alice `<A>X</A>` stops. `final_answer` is the last parsed answer ("" if none).
+    """
+
+    def __init__(self) -> None:
+        self.final_answer = ""
+
+    def update(self, new_answer: str | None) -> bool:
+        """Record the answer parsed from the newest utterance; return True when the conversation should stop.
+
+        Args:
+            new_answer: the parsed answer of the newest utterance, or None/"" when it has none.
+        """
+        if new_answer in (None, ""):
+            return False
+        stop = should_stop(self.final_answer, new_answer)
+        self.final_answer = new_answer
+        return stop

@@ -1,0 +1,219 @@
+"""Equivalence of MATH final answers: a fast string/number path, then a symbolic check in worker processes.
+
+The original compared answers with sympy's `parse_latex` + `simplify(a - b) == 0` under a 10 s `signal.alarm`,
+which only works in the main thread: called from worker threads it silently scored 0 (SPEC 6, 9.1 item 10).
+Here:
+1. Fast path (no sympy): equal after `normalize_final_answer` plus a few LaTeX spellings that never change the
+   value (`\\left`, `\\right`, `\\dfrac`, thin spaces, ...), or equal as numbers (integers, decimals, `a/b`,
+   `\\frac{a}{b}`).
+2. Symbolic path: `math-verify` (HF's LaTeX answer verifier, built on sympy) runs in a `ProcessPoolExecutor`
+   owned by a `MathVerifier`. Inside a worker the check runs in the worker's main thread, so math-verify's own
+   signal-based timeout works; a hard deadline on the future backs it up and recycles the pool if a worker hangs.
+   Callers may use one `MathVerifier` from many threads. `math-verify` is imported only inside the workers;
+   without it the symbolic path answers "not equivalent" and the verifier warns once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import logging
+import multiprocessing
+import re
+import threading
+from collections.abc import Callable
+from fractions import Fraction
+
+from optima.tasks.answers import normalize_final_answer
+
+logger = logging.getLogger(__name__)
+
+# LaTeX that changes only the spelling of an answer, removed or rewritten before comparing strings.
+_CANONICAL_REWRITES = (
+    ("\\left", ""),
+    ("\\right", ""),
+    ("\\!", ""),
+    ("\\,", ""),
+    ("\\:", ""),
+    ("\\dfrac", "\\frac"),
+    ("\\tfrac", "\\frac"),
+    ("^{\\circ}", ""),
+    ("^\\circ", ""),
+    ("\\%", ""),
+    ("%", ""),
+)
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+_FRACTION = re.compile(r"([-+]?)\\frac\{([-+]?\d+(?:\.\d*)?)\}\{([-+]?\d+(?:\.\d*)?)\}")
+_SLASH_FRACTION = re.compile(r"([-+]?\d+(?:\.\d*)?)/([-+]?\d+(?:\.\d*)?)")
+# Longer strings are not numbers worth parsing (and int() refuses more than 4300 digits anyway).
+_MAX_NUMBER_CHARS = 64
+
+
+def canonical_answer(answer: str) -> str:
+    """Return the Minerva-normalised answer with value-preserving LaTeX spellings removed.
+
+    Args:
+        answer: a final answer (raw or already normalised).
+    """
+    text = normalize_final_answer(answer)
+    for before, after in _CANONICAL_REWRITES:
+        text = text.replace(before, after)
+    return "".join(text.split())
+
+
+def numeric_value(text: str) -> Fraction | None:
+    """Parse an integer, a decimal, `a/b` or `\\frac{a}{b}` (commas and spaces ignored) into a Fraction.
+
+    Args:
+        text: a candidate number; anything else gives None.
+    """
+    text = "".join(text.split()).replace(",", "")
+    if not text or len(text) > _MAX_NUMBER_CHARS:
+        return None
+    try:
+        if _NUMBER.fullmatch(text):
+            return Fraction(text)
+        match = _FRACTION.fullmatch(text) or _SLASH_FRACTION.fullmatch(text)
+        if match is None:
+            return None
+        groups = match.groups()
+        sign = -1 if len(groups) == 3 and groups[0] == "-" else 1
+        numerator, denominator = Fraction(groups[-2]), Fraction(groups[-1])
+        return None if denominator == 0 else sign * numerator / denominator
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def fast_equivalence(prediction: str, gold: str) -> bool | None:
+    """Decide equivalence without sympy when possible: True, False, or None (undecided, try symbolic).
+
+    Args:
+        prediction: the predicted final answer.
+        gold: the reference final answer.
+    """
+    pred_text, gold_text = canonical_answer(prediction), canonical_answer(gold)
+    if pred_text == gold_text:
+        return True
+    pred_value, gold_value = numeric_value(pred_text), numeric_value(gold_text)
+    if pred_value is not None and gold_value is not None:
+        return pred_value == gold_value
+    return None
+
+
+def symbolic_check(prediction: str, gold: str, timeout_s: int) -> bool:
+    """Compare two LaTeX answers with math-verify (run inside a worker process's main thread).
+
+    Args:
+        prediction: the predicted final answer.
+        gold: the reference final answer.
+        timeout_s: math-verify's own (signal-based) time limit for parsing and for verifying.
+    """
+    from math_verify import parse, verify  # lazy: only worker processes import sympy/math-verify
+
+    gold_parsed = parse(f"${gold}$", parsing_timeout=timeout_s)
+    pred_parsed = parse(f"${prediction}$", parsing_timeout=timeout_s)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s))
+
+
+def symbolic_backend_available() -> bool:
+    """Whether `math-verify` is installed (checked without importing it)."""
+    return importlib.util.find_spec("math_verify") is not None
+
+
+class MathVerifier:
+    """Thread-safe symbolic answer checker backed by a process pool; use as a context manager.
+
+    Args:
+        max_workers: number of worker processes.
+        timeout_s: per-item time limit, in seconds.
+        check: the function run in the workers (picklable, `(prediction, gold, timeout_s) -> bool`).
+        hard_timeout_s: deadline on a worker's answer (default `3 * timeout_s + 5`: parse twice, verify once);
+            past it the pool is recycled and the item scores 0.
+    """
+
+    def __init__(
+        self,
+        max_workers: int = 2,
+        timeout_s: int = 10,
+        check: Callable[[str, str, int], bool] = symbolic_check,
+        hard_timeout_s: float | None = None,
+    ):
+        self.max_workers = max_workers
+        self.timeout_s = timeout_s
+        self.check = check
+        self.hard_timeout_s = 3 * timeout_s + 5 if hard_timeout_s is None else hard_timeout_s
+        self.available = check is not symbolic_check or symbolic_backend_available()
+        if not self.available:
+            logger.warning("math-verify is not installed: MATH answers are compared as strings and numbers only")
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> MathVerifier:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                # spawn: forking a multi-threaded parent (HTTP threads, torch) is unsafe.
+                context = multiprocessing.get_context("spawn")
+                self._executor = concurrent.futures.ProcessPoolExecutor(self.max_workers, mp_context=context)
+            return self._executor
+
+    def _recycle(self, executor: concurrent.futures.ProcessPoolExecutor) -> None:
+        """Replace a pool whose worker is stuck past the hard deadline (terminating its processes)."""
+        with self._lock:
+            if self._executor is executor:
+                self._executor = None
+        # ProcessPoolExecutor cannot cancel a running task; ending its processes is the only way to free them.
+        for process in list((executor._processes or {}).values()):
+            process.terminate()
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    def symbolic_equal(self, prediction: str, gold: str) -> bool:
+        """Run the symbolic check in a worker; False on timeout, parse failure or missing backend.
+
+        Args:
+            prediction: the predicted final answer.
+            gold: the reference final answer.
+        """
+        if not self.available:
+            return False
+        executor = self._pool()
+        future = executor.submit(self.check, prediction, gold, self.timeout_s)
+        try:
+            return bool(future.result(timeout=self.hard_timeout_s))
+        except concurrent.futures.TimeoutError:
+            logger.warning("math equivalence timed out after %ss; scored as not equivalent", self.hard_timeout_s)
+            self._recycle(executor)
+        except concurrent.futures.process.BrokenProcessPool:
+            logger.warning("math verifier pool broke; recreating it")
+            self._recycle(executor)
+        except (ValueError, TypeError, ArithmeticError, RecursionError) as error:
+            logger.debug("math equivalence check failed: %r", error)
+        return False
+
+    def is_equivalent(self, prediction: str | None, gold: str) -> bool:
+        """Whether two final answers are mathematically equal (fast path first, then symbolic).
+
+        Args:
+            prediction: the predicted final answer (None or "" is never equivalent).
+            gold: the reference final answer.
+        """
+        if not prediction or not gold:
+            return False
+        decided = fast_equivalence(prediction, gold)
+        if decided is not None:
+            return decided
+        return self.symbolic_equal(prediction, gold)
+
+    def close(self) -> None:
+        """Shut the worker pool down."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
