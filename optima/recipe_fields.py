@@ -1,0 +1,171 @@
+"""Generic recipe machinery: typed fields, type checking, the alias table and ``RecipeError``.
+
+Kept apart from ``optima.config`` (which holds the recipe dataclasses themselves) so that the dataclasses
+read as plain parameter lists, the way TRL's configs do. Nothing here knows about Optima's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+logger = logging.getLogger(__name__)
+
+# A Hugging Face hub id such as "meta-llama/Meta-Llama-3-8B-Instruct" (and not a local-looking path).
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: names the file, the field and the value.
+
+    Args:
+        field: The recipe key at fault (``None`` for file-level problems).
+        message: What is wrong, quoting the bad value.
+        path: The recipe file, filled in by ``load_recipe`` when the error comes from ``__post_init__``.
+    """
+
+    def __init__(self, field: str | None, message: str, path: str | Path | None = None):
+        self.field, self.message, self.path = field, message, path
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        what = f"{self.field}: " if self.field else ""
+        return f"{where}{what}{self.message}"
+
+    def with_path(self, path: str | Path) -> RecipeError:
+        """The same error, located in ``path``."""
+        return RecipeError(self.field, self.message, path)
+
+
+def field(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:  # noqa: A002
+    """A dataclass field with ``metadata={"help": ...}``; list defaults are copied per instance."""
+    if isinstance(default, list):
+        value = list(default)
+        return dataclasses.field(default_factory=lambda: list(value), metadata={"help": help}, **kwargs)
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def require(condition: bool, name: str, message: str) -> None:
+    """Raise ``RecipeError(name, message)`` unless ``condition`` holds."""
+    if not condition:
+        raise RecipeError(name, message)
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """True when ``value`` (already coerced) is an instance of the annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(tp))
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def coerce(name: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against ``tp``, with the few coercions YAML recipes need.
+
+    The original recipes write booleans as ``0``/``1`` (``cal_ppl: 1``) and floats as ints (``lambda2: 1``);
+    both are accepted. Anything else of the wrong type raises ``RecipeError``.
+    """
+    if tp is bool or (typing.get_origin(tp) in (Union, types.UnionType) and bool in typing.get_args(tp)):
+        if value in (0, 1) and not isinstance(value, bool):
+            value = bool(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not _matches(value, tp):
+        raise RecipeError(name, f"expected {_describe(tp)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_keys(
+    raw: dict[str, Any], cls: type, aliases: dict[str, str], unused: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Rename aliased keys (warning once each), drop keys ``cls`` accepts but ignores, reject unknown ones."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise RecipeError(None, f"keys must be strings, got {key!r}")
+        if key in aliases:
+            target = aliases[key]
+            logger.warning("recipe key %r is the original's spelling; read as %r", key, target)
+            if target in raw:
+                raise RecipeError(key, f"both {key!r} and its new name {target!r} are set; keep {target!r}")
+            key = target
+        if key in unused:
+            logger.warning("recipe key %r=%r is not used by %s; ignored", key, value, cls.__name__)
+            continue
+        if key not in names:
+            guess = difflib.get_close_matches(key, names + list(aliases), n=1)
+            hint = f"; did you mean {guess[0]!r}?" if guess else ""
+            raise RecipeError(key, f"unknown key for {cls.__name__} (value {value!r}){hint}")
+        out[key] = value
+    return out
+
+
+def build(cls: type, values: dict[str, Any]) -> Any:
+    """Type-check ``values`` against the annotations of ``cls`` and construct it."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: coerce(k, v, hints[k]) for k, v in values.items()}
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs and _required(f)]
+    if missing:
+        raise RecipeError(missing[0], f"is required by {cls.__name__} but missing")
+    return cls(**kwargs)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def resolve_path(value: str | None) -> str | None:
+    """Absolute form of a recipe path: ``~`` expanded, relative paths taken from the working directory."""
+    if value is None or value == "":
+        return value
+    return str(Path(os.path.expanduser(value)).resolve())
+
+
+def is_hub_id(value: str) -> bool:
+    """True for ``org/name`` strings that do not exist locally (loaders then use the hub)."""
+    return bool(HUB_ID.match(value)) and not Path(value).exists() and not value.startswith(".")
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``key=value`` from ``--set``; the value is read as YAML (so ``3``, ``0.5``, ``[0, 1]`` keep types)."""
+    import yaml
+
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(None, f"--set expects key=value, got {item!r}")
+    return key.strip(), yaml.safe_load(raw)

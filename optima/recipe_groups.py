@@ -1,0 +1,206 @@
+"""Field groups shared by several recipes: serving, generation, reward, SFT, DPO and training.
+
+Each group is a keyword-only dataclass mixin with its own ``validate``; ``optima.config`` composes them into
+the method recipes. Keys stay flat in YAML, as in the original recipes (``port``, ``lambda1``, ...).
+Defaults are the original's values (SPEC 1.5, 1.6, 3, 4 and the magic numbers of SPEC 9.1 item 13).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from optima.recipe_fields import field, require
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _in(name: str, value: float, low: float, high: float) -> None:
+    require(low <= value <= high, name, f"must be in [{low}, {high}], got {value!r}")
+
+
+def _positive(self: object, *names: str) -> None:
+    for name in names:
+        value = getattr(self, name)
+        require(value >= 1, name, f"must be >= 1, got {value!r}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServingFields:
+    """How the current model is served (SPEC 1.2 step 1, fixed per 9.1 items 1-3)."""
+
+    port: int = field(8000, help="first port tried; each replica takes the next free port from here")
+    devices: int | str | list[int] | None = field(
+        None, help="GPU ids, one vLLM replica each (e.g. [0,1,2,3] or '0,1'); null = all visible; ignored on CPU"
+    )
+    tensor_parallel_size: int = field(1, help="GPUs per replica for models too big for one GPU")
+    gpu_memory_utilization: float = field(0.9, help="vLLM --gpu-memory-utilization")
+    max_model_len: int | None = field(None, help="vLLM --max-model-len (null: the model's own)")
+    endpoints: list[str] = field([], help="already-running OpenAI-compatible base URLs; if set, none is launched")
+    api_key: str | None = field(None, help="API key for the servers (required when host is not loopback)")
+    host: str = field("127.0.0.1", help="address the launched servers bind to")
+    served_model_name: str = field("optima", help="model name the servers answer to")
+    thread_count: int = field(64, help="conversations in flight at once")
+    server_startup_timeout_s: float = field(900.0, help="deadline for a server to answer /health")
+    request_timeout_s: float = field(600.0, help="timeout of one chat request")
+    max_retries: int = field(3, help="retries of a transient request failure (with backoff)")
+    cpu_kvcache_space_gb: int = field(2, help="VLLM_CPU_KVCACHE_SPACE on a CPU-only machine")
+    vllm_extra_args: list[str] = field([], help="extra arguments appended to 'vllm serve'")
+
+    def validate(self) -> None:
+        _in("port", self.port, 1, 65535)
+        _positive(self, "tensor_parallel_size", "thread_count", "server_startup_timeout_s", "request_timeout_s")
+        _in("max_retries", self.max_retries, 0, 100)
+        require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        self.devices = parse_devices(self.devices)
+        for url in self.endpoints:
+            require(url.startswith(("http://", "https://")), "endpoints", f"not an http(s) URL: {url!r}")
+        require(
+            self.host in LOOPBACK_HOSTS or bool(self.api_key),
+            "host",
+            f"binding to {self.host!r} exposes the servers; set api_key too",
+        )
+
+
+def parse_devices(value: int | str | list[int] | None) -> list[int] | None:
+    """``7`` -> [7], ``"0,1"`` -> [0, 1], ``[0, 1]`` -> [0, 1], ``None`` -> None (all visible GPUs)."""
+    if value is None or isinstance(value, list):
+        devices = value
+    elif isinstance(value, int):
+        devices = [value]
+    else:
+        parts = [part.strip() for part in value.split(",") if part.strip()]
+        require(all(p.isdigit() for p in parts), "devices", f"expected GPU ids like [0, 1] or '0,1', got {value!r}")
+        devices = [int(p) for p in parts]
+    if devices is not None:
+        require(len(devices) == len(set(devices)), "devices", f"lists a GPU twice: {value!r}")
+        require(all(d >= 0 for d in devices), "devices", f"GPU ids must be >= 0, got {value!r}")
+    return devices
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationFields:
+    """Two-agent conversation sampling (SPEC 1.6, 2.2, 2.5)."""
+
+    sample_count: int = field(100, help="questions per iteration")
+    explore_count: int = field(10, help="conversations per question")
+    max_turns: int = field(10, help="utterances per conversation at most (both agents together)")
+    max_tokens: int = field(2000, help="tokens per utterance at most; longer ends the conversation as too_long")
+    temperature: float = field(0.7, help="sampling temperature from iteration 1 on")
+    temperature_iteration0: float | None = field(
+        None, help="temperature at iteration 0; null = 0.3, or 0.7 for gsm8k/math (the original's schedule)"
+    )
+    use_prompt_pool: bool = field(True, help="draw format-diverse system prompts at iteration 0 (SPEC 2.5)")
+    prompt_pool_path: str | None = field(None, help="JSONL prompt pool; null = the built-in pool of the task")
+
+    def validate(self) -> None:
+        require(self.sample_count >= 0, "sample_count", f"must be >= 0, got {self.sample_count}")
+        _positive(self, "explore_count", "max_turns", "max_tokens")
+        _in("temperature", self.temperature, 0.0, 2.0)
+        if self.temperature_iteration0 is not None:
+            _in("temperature_iteration0", self.temperature_iteration0, 0.0, 2.0)
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardFields:
+    """R = task score + lambda1 * tokens / T_max + lambda2 / max utterance LM loss (SPEC 3.1)."""
+
+    lambda1: float = field(-0.6, help="token-term coefficient (negative: fewer tokens is better)")
+    lambda2: float = field(1.0, help="LM-loss-term coefficient")
+    cal_ppl: bool = field(True, help="compute the LM-loss term (0/false drops it)")
+    loss_backend: Literal["vllm", "hf"] = field("vllm", help="LM loss from a vLLM server of the initial model, or HF")
+    loss_batch_size: int = field(8, help="texts per LM-loss batch")
+    min_tokens: int = field(40, help="conversations with at most this many tokens get token term -1")
+    max_total_tokens: int = field(2000, help="conversations above this many tokens get loss term -1")
+    overlong_penalty: float = field(-1.0, help="token/loss term of a too long or too short conversation")
+    impersonation_penalty: float = field(-10.0, help="added when an utterance speaks for the partner (SPEC 3.3)")
+
+    def validate(self) -> None:
+        require(self.lambda1 <= 0, "lambda1", f"must be <= 0 (it multiplies the token count), got {self.lambda1}")
+        require(self.lambda2 >= 0, "lambda2", f"must be >= 0, got {self.lambda2}")
+        _positive(self, "loss_batch_size", "max_total_tokens")
+        require(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainingFields:
+    """How a fine-tuning stage is launched (SPEC 8)."""
+
+    accelerate_config: str | None = field(
+        None,
+        help="name under alignment-handbook/recipes/accelerate_configs (cpu, multi_gpu, deepspeed_zero3, "
+        "fsdp) or a YAML path; null = cpu without a GPU, else deepspeed_zero3",
+    )
+    from_initial: bool = field(False, help="fine-tune the base model every iteration (data from the newest)")
+    on_empty_selection: Literal["stop", "carry_forward"] = field(
+        "stop", help="when nothing passes selection: stop, or carry the current model to the next iteration"
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class SFTFields(TrainingFields):
+    """iSFT data selection and its trainer recipe (SPEC 3.4)."""
+
+    origin_yaml_path: str | None = field(None, help="handbook-style SFT trainer YAML (base.yaml)")
+    initial_epsilon: float = field(0.5, help="keep conversations with reward >= this")
+    selection_range: list[float] | None = field(
+        None, help="[start, end) fraction of questions ranked by best reward; null = [0, 0.7] ([0.1, 0.8] for math)"
+    )
+    sft_train_fraction: float = field(0.98, help="train share of the SFT dataset (the rest is its test split)")
+
+    def validate(self) -> None:
+        require(self.origin_yaml_path is not None, "origin_yaml_path", "is required (the SFT trainer base.yaml)")
+        _in("initial_epsilon", self.initial_epsilon, -10.0, 10.0)
+        if self.selection_range is not None:
+            lo_hi = self.selection_range
+            require(
+                len(lo_hi) == 2 and 0 <= lo_hi[0] < lo_hi[1] <= 1,
+                "selection_range",
+                f"must be [start, end) with 0 <= start < end <= 1, got {lo_hi!r}",
+            )
+        require(
+            0 < self.sft_train_fraction <= 1, "sft_train_fraction", f"must be in (0, 1], got {self.sft_train_fraction}"
+        )
+
+
+@dataclasses.dataclass(kw_only=True)
+class DPOFields(TrainingFields):
+    """Tree search for preference pairs and DPO (SPEC 4)."""
+
+    origin_dpo_yaml_path: str | None = field(None, help="handbook-style DPO trainer YAML (base.yaml)")
+    initial_dpo_min_value: float = field(0.2, help="a pair needs best - worst child value > this")
+    initial_dpo_epsilon: float = field(0.4, help="a pair needs best child value > this")
+    monte_sample_count: int = field(100, help="questions searched per iteration")
+    mcts_selections: int | None = field(None, help="node selections per question; null = explore_count (iDPO) or 8")
+    mcts_rollouts: int = field(3, help="rollouts per selection")
+    mcts_top_k: int = field(10, help="selection samples among the top-k values")
+    diversity_threshold: float = field(0.25, help="normalised edit distance under which a candidate is skipped")
+    merge_threshold: float = field(0.1, help="normalised edit distance under which a new utterance merges")
+    token_quantile: float = field(0.85, help="T_max of the tree search = this quantile of probe token counts")
+    probe_count: int = field(100, help="questions of the token-quantile probe")
+    dpo_keep_fraction: float = field(0.5, help="per question, keep this share of pairs (by chosen value)")
+    dpo_train_fraction: float = field(0.9, help="train share of the DPO dataset")
+    rpo_alpha: float | None = field(1.0, help="weight of the NLL term on chosen (iDPO's RPO); null = plain DPO")
+
+    def validate(self) -> None:
+        require(
+            self.origin_dpo_yaml_path is not None, "origin_dpo_yaml_path", "is required (the DPO trainer base.yaml)"
+        )
+        _positive(self, "monte_sample_count", "mcts_rollouts", "mcts_top_k", "probe_count")
+        if self.mcts_selections is not None:
+            _positive(self, "mcts_selections")
+        for name in ("diversity_threshold", "merge_threshold", "token_quantile", "dpo_keep_fraction"):
+            _in(name, getattr(self, name), 0.0, 1.0)
+        require(
+            0 < self.dpo_train_fraction <= 1, "dpo_train_fraction", f"must be in (0, 1], got {self.dpo_train_fraction}"
+        )
+        require(
+            self.rpo_alpha is None or (self.rpo_alpha >= 0 and math.isfinite(self.rpo_alpha)),
+            "rpo_alpha",
+            f"must be >= 0 or null, got {self.rpo_alpha!r}",
+        )
