@@ -1,0 +1,148 @@
+"""Every file of a run, derived from the run directory, an iteration and a stage.
+
+One run directory per recipe (``output_dir``) replaces the original's five root paths (SPEC 0, 9.1 items
+5-6). Nothing is written into the source tree, and no other module builds run paths by hand::
+
+    <output_dir>/
+      recipe.yaml                     the validated recipe, every field
+      logs/driver.log                 what the driver said
+      vllm_cache/                     VLLM_CACHE_ROOT of the launched servers
+      checkpoints/iteration_<i>/      the model after iteration i (check_point_root_path overrides the root)
+      iteration_<i>/[sft|dpo/]        one folder per iteration (two stages in iSFT-DPO)
+        manifest.json                 finished stages, their config hash, counts and timings
+        generations.jsonl             raw conversations, one line per (question, sample)
+        rewarded.jsonl                conversations with their reward parts
+        probe.jsonl, rollouts.jsonl, pairs.jsonl    (DPO stages)
+        dataset/                      the training set (datasets.save_to_disk)
+        selection.jsonl               what selection kept and why
+        trainer.yaml                  the rendered TRL trainer recipe
+        metrics.json                  per-iteration metrics
+        logs/                         vllm_<replica>.log, train.log
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StagePaths:
+    """Files of one iteration's stage folder."""
+
+    root: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def generations(self) -> Path:
+        return self.root / "generations.jsonl"
+
+    @property
+    def rewarded(self) -> Path:
+        return self.root / "rewarded.jsonl"
+
+    @property
+    def probe(self) -> Path:
+        return self.root / "probe.jsonl"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts.jsonl"
+
+    @property
+    def pairs(self) -> Path:
+        return self.root / "pairs.jsonl"
+
+    @property
+    def dataset(self) -> Path:
+        return self.root / "dataset"
+
+    @property
+    def selection_record(self) -> Path:
+        return self.root / "selection.jsonl"
+
+    @property
+    def trainer_yaml(self) -> Path:
+        return self.root / "trainer.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def server_log(self, replica: int) -> Path:
+        return self.logs / f"vllm_{replica}.log"
+
+    @property
+    def train_log(self) -> Path:
+        return self.logs / "train.log"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The layout of one run directory.
+
+    Args:
+        output_dir: The run directory (absolute).
+        checkpoint_root: Where checkpoints go; default ``<output_dir>/checkpoints``.
+    """
+
+    output_dir: Path
+    checkpoint_root: Path | None = None
+
+    @classmethod
+    def from_recipe(cls, recipe) -> RunPaths:
+        """Paths of a validated recipe (``output_dir`` and ``check_point_root_path`` are absolute there)."""
+        root = Path(recipe.check_point_root_path) if recipe.check_point_root_path else None
+        return cls(Path(recipe.output_dir), root)
+
+    @property
+    def recipe_file(self) -> Path:
+        return self.output_dir / "recipe.yaml"
+
+    @property
+    def driver_log(self) -> Path:
+        return self.output_dir / "logs" / "driver.log"
+
+    @property
+    def vllm_cache(self) -> Path:
+        return self.output_dir / "vllm_cache"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.checkpoint_root or self.output_dir / "checkpoints"
+
+    def checkpoint(self, iteration: int, stage: str | None = None) -> Path:
+        """``checkpoints/iteration_<i>``; an intermediate stage's is ``checkpoints/<stage>_iteration_<i>``."""
+        name = f"iteration_{iteration}" if stage is None else f"{stage}_iteration_{iteration}"
+        return self.checkpoints / name
+
+    def stage(self, iteration: int, stage: str | None = None) -> StagePaths:
+        """The folder of ``iteration``, or of one of its stages (``sft``/``dpo`` in iSFT-DPO)."""
+        root = self.output_dir / f"iteration_{iteration}"
+        return StagePaths(root / stage if stage else root)
+
+
+def find_checkpoints(root: Path) -> list[tuple[str, Path]]:
+    """Checkpoints under ``root`` in iteration order: ``iteration_<k>`` folders by k, else ``root`` itself.
+
+    The original listed the folder in ``os.listdir`` order (SPEC 7.1); numeric order keeps curves straight.
+    A folder that is itself a model (holds ``config.json``) is one checkpoint named after the folder.
+    """
+    root = Path(root)
+    if (root / "config.json").is_file():
+        return [(root.name, root)]
+    found = []
+    for child in root.iterdir() if root.is_dir() else []:
+        prefix, _, number = child.name.rpartition("_")
+        if child.is_dir() and prefix.endswith("iteration") and number.isdigit():
+            found.append((prefix.removesuffix("iteration"), int(number), child))
+    # Numeric order; within one iteration an intermediate stage (sft_iteration_k) precedes iteration_k.
+    found.sort(key=lambda item: (item[1], item[0] == "", item[0]))
+    return [(path.name, path) for _, _, path in found]

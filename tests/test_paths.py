@@ -1,0 +1,33 @@
+"""Run directory layout and checkpoint discovery."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from optima.paths import RunPaths, find_checkpoints
+
+
+def test_run_layout(tmp_path):
+    paths = RunPaths(tmp_path)
+    assert paths.checkpoint(2) == tmp_path / "checkpoints" / "iteration_2"
+    assert paths.checkpoint(1, "sft") == tmp_path / "checkpoints" / "sft_iteration_1"
+    assert paths.stage(0).generations == tmp_path / "iteration_0" / "generations.jsonl"
+    assert paths.stage(3, "dpo").pairs == tmp_path / "iteration_3" / "dpo" / "pairs.jsonl"
+    assert paths.stage(0).server_log(1) == tmp_path / "iteration_0" / "logs" / "vllm_1.log"
+    assert RunPaths(tmp_path, Path("/ckpt")).checkpoint(0) == Path("/ckpt/iteration_0")
+
+
+def test_checkpoints_in_numeric_order(tmp_path):
+    for name in ("iteration_10", "iteration_2", "sft_iteration_2", "iteration_0", "notes", "iteration_x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "iteration_3").write_text("a file, not a checkpoint")
+    names = [name for name, _ in find_checkpoints(tmp_path)]
+    assert names == ["iteration_0", "sft_iteration_2", "iteration_2", "iteration_10"]
+
+
+def test_a_model_folder_is_its_own_checkpoint(tmp_path):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert find_checkpoints(model) == [("my-model", model)]
+    assert find_checkpoints(tmp_path / "absent") == []
