@@ -1,0 +1,25 @@
+r"""iDPO: iterative DPO on preference pairs mined by tree search (SPEC 1.3).
+
+Each iteration serves the current model with vLLM, lets Alice and Bob solve training questions together,
+scores every conversation (task score, token cost, readability), selects training data and fine-tunes with
+TRL; the next iteration starts from the new checkpoint. Re-running the same command resumes.
+
+    python dpo_script.py --train_config_path train/dpo_recipes/arc.yaml --vllm_env .venvs/vllm \
+        --alignment_env .venvs/train
+
+    python dpo_script.py --train_config_path train/dpo_recipes/demo_arc.yaml --dry-run   # print the plan
+
+Environments (--vllm_env, --alignment_env) are virtualenv folders, python executables or conda env names;
+they default to the project's .venvs/vllm and .venvs/train (`make setup`).
+"""
+
+from optima.cli import run_loop_script
+from optima.config import DPORecipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_loop_script(DPORecipe, __doc__, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""``python -m optima``: project set-up commands.
+
+python3 -m optima setup                 # both virtualenvs + the SmolLM2 folder (idempotent)
+python3 -m optima setup --only train    # one environment
+python -m optima prepare-model smollm2  # convert the embedded model (run inside the training env)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from optima.logging_utils import setup_logging
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPE_CLASSES = {
+    "sft": "SFTRecipe",
+    "dpo": "DPORecipe",
+    "sft_dpo": "SFTDPORecipe",
+    "inference": "InferenceRecipe",
+    "multi_sc": "MultiSCRecipe",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m optima", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    setup = sub.add_parser("setup", help="create .venvs/train and .venvs/vllm and convert the default model")
+    setup.add_argument("--venvs-dir", type=Path, default=REPO_ROOT / ".venvs")
+    setup.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
+    setup.add_argument("--only", action="append", choices=["train", "vllm"], help="build only this env")
+    setup.add_argument("--no-model", action="store_true", help="skip the model conversion")
+    prep = sub.add_parser("prepare-model", help="convert an embedded GGUF model into a Hugging Face folder")
+    prep.add_argument("model", choices=["smollm2"])
+    prep.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
+    keys = sub.add_parser("recipe-keys", help="list the recipe keys of a method (default and meaning)")
+    keys.add_argument("method", choices=[*sorted(RECIPE_CLASSES), "all"])
+    return parser
+
+
+def render_recipe_keys(method: str) -> str:
+    """A Markdown table of the recipe keys of ``method`` (``all``: every method, with a column naming them)."""
+    import dataclasses
+
+    from optima import config
+
+    methods = sorted(RECIPE_CLASSES) if method == "all" else [method]
+    rows: dict[str, list] = {}
+    for name in methods:
+        for f in dataclasses.fields(getattr(config, RECIPE_CLASSES[name])):
+            if f.name not in rows:
+                rows[f.name] = [_default_text(f), f.metadata.get("help", ""), []]
+            rows[f.name][2].append(name)
+    head = "| key | default | meaning |" + (" methods |" if method == "all" else "")
+    lines = [head, "|---|---|---|" + ("---|" if method == "all" else "")]
+    for key, (default, meaning, used) in rows.items():
+        extra = f" {', '.join(used)} |" if method == "all" else ""
+        lines.append(f"| `{key}` | {default} | {meaning} |{extra}")
+    return "\n".join(lines)
+
+
+def _default_text(f) -> str:
+    import dataclasses
+
+    if f.default is not dataclasses.MISSING:
+        return f"`{f.default!r}`"
+    if f.default_factory is not dataclasses.MISSING:
+        return f"`{f.default_factory()!r}`"
+    return "required"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    if args.command == "setup":
+        from optima.install import setup
+
+        setup(args.venvs_dir, args.models_dir, only=args.only, model="" if args.no_model else "smollm2")
+    elif args.command == "recipe-keys":
+        sys.stdout.write(render_recipe_keys(args.method) + "\n")
+    else:
+        from optima.models import prepare_model
+
+        prepare_model(args.model, args.models_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

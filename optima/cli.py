@@ -1,0 +1,204 @@
+"""Command-line plumbing shared by the five top-level scripts.
+
+The scripts keep the original flags (``--train_config_path``, ``--vllm_env``, ``--alignment_env``,
+``--skip_iteration``, ``--model_root_path``, ``--dataset_type``, ...) so the original README's commands work
+unchanged, and add ``--set key=value`` (recipe overrides, YAML-typed) and ``--dry-run`` (validate and print
+the plan; start nothing). Errors in the recipe or the environments end the script with exit code 2 and one
+message naming the file, the field and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from optima.config import RecipeError, load_recipe
+from optima.environments import EnvError, PythonEnv, resolve_env
+from optima.logging_utils import setup_logging
+
+logger = logging.getLogger(__name__)
+
+EXIT_BAD_INPUT = 2
+ENV_HELP = "a virtualenv directory, a python executable, or a conda env name (default: .venvs/{role})"
+
+
+def add_env_args(parser: argparse.ArgumentParser, train: bool = True) -> None:
+    parser.add_argument("--vllm_env", default=None, help="environment with vLLM: " + ENV_HELP.format(role="vllm"))
+    if train:
+        parser.add_argument(
+            "--alignment_env", default=None, help="environment with TRL: " + ENV_HELP.format(role="train")
+        )
+
+
+def add_control_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key (value read as YAML); repeatable",
+    )
+    parser.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="validate the recipe and print the plan (stages, models, paths, commands); start nothing",
+    )
+
+
+def build_loop_parser(description: str) -> argparse.ArgumentParser:
+    """Flags of ``sft_script.py``, ``dpo_script.py`` and ``sft_dpo_script.py``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train_config_path", required=True, help="Optima recipe YAML (train/<method>_recipes/)")
+    add_env_args(parser)
+    parser.add_argument(
+        "--skip_iteration", type=int, default=0, help="take the first N iterations as done and reuse their checkpoints"
+    )
+    parser.add_argument(
+        "--skipping",
+        type=int,
+        default=0,
+        help="original flag (advance the question cursor); slices now derive from the seed",
+    )
+    add_control_args(parser)
+    return parser
+
+
+def resolve_envs(vllm_env: str | None, alignment_env: str | None = None, train: bool = True) -> dict[str, PythonEnv]:
+    """Both environments (or only vLLM's); single-env mode is both flags naming the same env."""
+    envs = {"vllm": resolve_env(vllm_env, "vllm")}
+    if train:
+        envs["train"] = resolve_env(alignment_env, "train")
+    return envs
+
+
+def guarded(body: Callable[[], int]) -> int:
+    """Run a script body; bad input ends with one clear message and exit code 2."""
+    try:
+        return body()
+    except (RecipeError, EnvError) as exc:
+        logger.error("%s", exc)
+        return EXIT_BAD_INPUT
+
+
+def emit(text: str) -> None:
+    """Write a plan or table to stdout (the library never prints through ``print``)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def run_loop_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:
+    """Body of the three training scripts: parse, load, plan or run."""
+    args = build_loop_parser(description).parse_args(argv)
+    setup_logging()
+
+    def body() -> int:
+        if args.skipping:
+            logger.warning(
+                "--skipping %d ignored: question slices derive from (seed, iteration, stage)", args.skipping
+            )
+        recipe = load_recipe(recipe_cls, args.train_config_path, args.set, check_paths=not args.dry_run)
+        envs = resolve_envs(args.vllm_env, args.alignment_env)
+        from optima.plan import build_plan
+
+        plan = build_plan(recipe, envs, skip_iteration=args.skip_iteration)
+        if args.dry_run:
+            emit(plan.render())
+            return 0
+        from optima.pipeline import run_plan
+
+        run_plan(plan)
+        return 0
+
+    return guarded(body)
+
+
+def overrides_from_flags(args: argparse.Namespace, mapping: dict[str, str]) -> dict[str, Any]:
+    """Recipe values from explicit flags (``None`` means not given)."""
+    return {key: getattr(args, flag) for flag, key in mapping.items() if getattr(args, flag) is not None}
+
+
+# Original evaluation flags -> InferenceRecipe / MultiSCRecipe keys.
+EVAL_FLAGS = {
+    "dataset_type": "dataset_type",
+    "tokenizer_path": "tokenizer_first_path",
+    "device": "devices",
+    "port": "port",
+    "num_thread": "thread_count",
+    "limit": "limit",
+    "seed": "seed",
+    "data_dir": "data_dir",
+    "base_model_path": "initial_model_path",
+}
+
+
+def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentParser:
+    """Flags of ``inference_script.py`` (sweep) and ``multi_sc_data_generate_script.py`` (self-consistency)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if multi_sc:
+        parser.add_argument("--model_path", required=True, help="the model to sample from")
+        parser.add_argument("--output_path", help="output folder (default <model_path>/eval)")
+        parser.add_argument("--temperature", type=float, help="sampling temperature (default 0.5)")
+        parser.add_argument("--num_samples", type=int, help="conversations per question (default 50)")
+    else:
+        parser.add_argument("--model_root_path", required=True, help="folder of iteration_<k> checkpoints")
+        parser.add_argument("--output_root_path", help="output folder (default <model_root_path>/eval)")
+        parser.add_argument("--include_base", action="store_true", default=None, help="also evaluate the base model")
+    parser.add_argument("--config", help="optional recipe YAML with the same keys as the flags")
+    parser.add_argument("--dataset_type", help="hotpot_qa, mwh_qa, trival_qa, cbt, math, gsm8k, arc or mmlu")
+    parser.add_argument("--tokenizer_path", help="tokenizer for token counts (default: each model's own)")
+    parser.add_argument("--base_model_path", help="the base model (evaluated as 'base' with --include_base)")
+    parser.add_argument("--device", help="GPU ids for the vLLM replicas, e.g. 0 or 0,1,2,3 (ignored on CPU)")
+    parser.add_argument("--port", type=int, help="first port tried (default 8000)")
+    parser.add_argument("--num_thread", type=int, help="conversations in flight (default 64)")
+    parser.add_argument("--limit", type=int, help="evaluate only the first N questions")
+    parser.add_argument("--seed", type=int, help="seed of contexts and sampling (default 42)")
+    parser.add_argument("--data_dir", help="local dataset root (default $OPTIMA_DATA_DIR, else the hub)")
+    add_env_args(parser, train=False)
+    add_control_args(parser)
+    return parser
+
+
+def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:
+    """Body of the two evaluation scripts: flags -> recipe -> plan or run."""
+    multi_sc = recipe_cls.method == "multi_sc"
+    args = build_eval_parser(description, multi_sc).parse_args(argv)
+    setup_logging()
+
+    def body() -> int:
+        flags = dict(EVAL_FLAGS)
+        if multi_sc:
+            flags |= {
+                "model_path": "model_root_path",
+                "output_path": "output_root_path",
+                "temperature": "sc_temperature",
+                "num_samples": "num_samples",
+            }
+        else:
+            flags |= {
+                "model_root_path": "model_root_path",
+                "output_root_path": "output_root_path",
+                "include_base": "include_base",
+            }
+        values = overrides_from_flags(args, flags)
+        if "tokenizer_first_path" in values:
+            values["tokenizer_second_path"] = values["tokenizer_first_path"]
+        from optima.recipe_fields import parse_override
+
+        values |= dict(parse_override(item) for item in args.set)
+        recipe = load_recipe(recipe_cls, args.config, values, check_paths=not args.dry_run)
+        envs = resolve_envs(args.vllm_env, train=False)
+        if args.dry_run:
+            from optima.evaluation.plan import render_eval_plan
+
+            emit(render_eval_plan(recipe, envs))
+            return 0
+        from optima.pipeline import StageNotAvailable
+
+        raise StageNotAvailable("evaluation is not implemented yet; use --dry-run to see the plan")
+
+    return guarded(body)

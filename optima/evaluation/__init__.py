@@ -1,0 +1,1 @@
+"""Evaluation: the checkpoint sweep and multi-agent self-consistency (SPEC 7)."""

@@ -1,0 +1,46 @@
+"""What ``inference_script.py`` and ``multi_sc_data_generate_script.py`` would do, without doing it.
+
+SPEC 7.1: every ``iteration_*`` checkpoint under the root, in numeric order, is served and run greedily on
+the eval split (one conversation per question, no prompt pool). SPEC 7.3: one model, k samples per question.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from optima.config import InferenceRecipe, MultiSCRecipe
+from optima.environments import PythonEnv
+from optima.paths import find_checkpoints
+
+
+def list_models(recipe: InferenceRecipe) -> list[tuple[str, Path]]:
+    """(name, path) of every model to evaluate: ``base`` first when asked, then the checkpoints."""
+    models = find_checkpoints(Path(recipe.model_root_path))
+    if recipe.include_base and recipe.initial_model_path:
+        models.insert(0, ("base", Path(recipe.initial_model_path)))
+    return models
+
+
+def render_eval_plan(recipe: InferenceRecipe, envs: dict[str, PythonEnv]) -> str:
+    """Human-readable plan of a sweep or a self-consistency run."""
+    sc = isinstance(recipe, MultiSCRecipe)
+    models = list_models(recipe)
+    questions = f"first {recipe.limit}" if recipe.limit else "default eval size (SPEC 5, capped by the data)"
+    sampling = (
+        f"{recipe.num_samples} conversations per question at temperature {recipe.sc_temperature}"
+        if sc
+        else "1 conversation per question, greedy (temperature 0), no prompt pool"
+    )
+    lines = [
+        f"Optima {'self-consistency' if sc else 'evaluation'} plan: {recipe.dataset_type}",
+        f"  models under {recipe.model_root_path}: {len(models)}",
+        f"  vllm env: {envs['vllm'].describe()}",
+        f"  questions: {questions} of the eval split (data: {recipe.data_dir or 'hub'})",
+        f"  sampling: {sampling}",
+        f"  output: {recipe.output_root_path}",
+    ]
+    if not models:
+        lines.append("  WARNING: no iteration_<k> checkpoint and no model folder found")
+    for name, path in models:
+        lines.append(f"  [{name}] serve {path} -> {Path(recipe.output_root_path) / (name + '.jsonl')}")
+    return "\n".join(lines)
