@@ -1,0 +1,27 @@
+# Optima: the two commands of the README, and their parts.
+#   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU, ~30 min)
+#   make test   set up (if needed) and run the default test suite
+PYTHON ?= python3
+TRAIN_PY := .venvs/train/bin/python
+OPTIMA_DATA_DIR ?= $(abspath ../shared/data)
+export OPTIMA_DATA_DIR
+
+.PHONY: setup test test-slow lint demo bench
+
+setup:
+	$(PYTHON) -m optima setup
+
+lint: setup
+	$(TRAIN_PY) -m ruff check .
+
+test: setup lint
+	$(TRAIN_PY) -m pytest
+
+test-slow: setup
+	$(TRAIN_PY) -m pytest -m slow
+
+demo: setup
+	$(TRAIN_PY) sft_script.py --train_config_path train/sft_recipes/demo_arc.yaml
+
+bench: setup
+	$(TRAIN_PY) bench/run_all.py
