@@ -1,0 +1,133 @@
+"""The two-agent turn loop (SPEC 2.2) over an injected ``generate(messages, speaker) -> ChatReply`` callable.
+
+Alice speaks first; the agents alternate for at most ``max_turns`` utterances. Each agent sees its own chat view
+of the conversation (``optima.agents.prompts.build_agent_messages``). After every utterance the task's parser
+reads the answer it states; the conversation stops when the same answer is stated twice in a row (utterances
+without an answer are skipped over: ``AnswerTracker``).
+
+Where the original stored fake utterances (SPEC 9.2 item 23) this loop ends with a status instead:
+
+* ``ok``: stopped by the same-answer rule or the turn cap;
+* ``too_long``: an utterance hit ``max_tokens`` (finish reason ``length``, or as many tokens as allowed); the
+  truncated utterance is not stored, its tokens are counted in ``generated_tokens`` only;
+* ``error``: a request failed for good (``RequestFailed``); the message is kept in ``error``.
+
+Token accounting (SPEC 2.6): each utterance counts the server's ``usage.completion_tokens`` (the model's own
+tokenizer, the name prefix the model wrote included), or ``count_tokens(text)`` when the server sent no usage.
+System prompts and task turns are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, strip_speaker_prefix
+from optima.serving.client import ChatReply, RequestFailed
+from optima.tasks import Example, Task, get_task
+from optima.tasks.scoring import AnswerTracker
+
+Generate = Callable[[list[dict], str], ChatReply]
+CountTokens = Callable[[str, str], int]  # (text, speaker) -> tokens
+STATUSES = ("ok", "too_long", "error")
+
+
+@dataclass
+class ConversationResult:
+    """What one conversation produced.
+
+    Args:
+        utterances: Stored utterances (speaker + text without the name prefix).
+        tokens: Tokens of each stored utterance.
+        final_answer: Last answer parsed ("" if none).
+        status: ``ok``, ``too_long`` or ``error``.
+        stop_reason: ``same_answer``, ``max_turns``, ``too_long`` or ``error``.
+        error: The failure message when ``status == "error"``.
+        generated_tokens: Every token generated, discarded (too long) utterances included (for throughput).
+        replica: Replica that served the last request (None when none answered).
+    """
+
+    utterances: list[Utterance] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    final_answer: str = ""
+    status: str = "ok"
+    stop_reason: str = "max_turns"
+    error: str | None = None
+    generated_tokens: int = 0
+    replica: int | None = None
+
+    @property
+    def token_count(self) -> int:
+        """The paper's #Tok of this conversation: tokens of all stored utterances."""
+        return sum(self.tokens)
+
+    def agent_tokens(self) -> dict[str, int]:
+        """Tokens per agent."""
+        totals = dict.fromkeys(AGENT_NAMES, 0)
+        for utterance, count in zip(self.utterances, self.tokens, strict=True):
+            totals[utterance.speaker] += count
+        return totals
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """Length limits of a conversation (SPEC 2.2; recipe fields ``max_turns`` and ``max_tokens``)."""
+
+    max_turns: int
+    max_tokens: int
+
+
+def run_conversation(
+    example: Example,
+    system_prompts: Sequence[str],
+    generate: Generate,
+    limits: TurnLimits,
+    count_tokens: CountTokens | None = None,
+    task: Task | None = None,
+) -> ConversationResult:
+    """Run one two-agent conversation.
+
+    Args:
+        example: The question.
+        system_prompts: (Alice's, Bob's) rendered system prompts.
+        generate: Sends one agent's chat and returns the reply; raises ``RequestFailed`` on a failed request.
+        limits: ``max_turns`` utterances, ``max_tokens`` per utterance.
+        count_tokens: Token counter used when a reply carries no ``completion_tokens``.
+        task: The example's task (looked up from ``example.task`` when None).
+    """
+    task = task or get_task(example.task)
+    result, tracker = ConversationResult(), AnswerTracker()
+    for turn in range(limits.max_turns):
+        speaker = AGENT_NAMES[turn % 2]
+        messages = build_agent_messages(example, speaker, result.utterances, system_prompts[turn % 2], task)
+        try:
+            reply = generate(messages, speaker)
+        except RequestFailed as exc:
+            return _finish(result, tracker, "error", error=str(exc))
+        result.replica = reply.replica
+        tokens = reply.completion_tokens
+        if tokens is None:
+            tokens = count_tokens(reply.text, speaker) if count_tokens else 0
+        result.generated_tokens += tokens
+        if reply.finish_reason == "length" or tokens >= limits.max_tokens:
+            return _finish(result, tracker, "too_long")
+        text = strip_speaker_prefix(reply.text, speaker).strip()
+        result.utterances.append(Utterance(speaker, text))
+        result.tokens.append(tokens)
+        if tracker.update(task.parse_answer(text)):
+            return _finish(result, tracker, "ok", stop_reason="same_answer")
+    return _finish(result, tracker, "ok", stop_reason="max_turns")
+
+
+def _finish(
+    result: ConversationResult,
+    tracker: AnswerTracker,
+    status: str,
+    stop_reason: str | None = None,
+    error: str | None = None,
+) -> ConversationResult:
+    result.status = status
+    result.stop_reason = stop_reason or status
+    result.error = error
+    result.final_answer = tracker.final_answer
+    return result

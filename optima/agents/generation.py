@@ -1,0 +1,297 @@
+"""Many two-agent conversations against the served replicas, written to a resumable JSONL (SPEC 1.2 step 2, 2.4).
+
+``generate_conversations(recipe, examples, endpoints, out_path, plan)`` runs ``plan.samples`` conversations per
+question. Compared with the original (one thread per question, its samples in sequence, a random port per
+question, lost futures):
+
+* ``thread_count`` conversations are in flight at once (``ThreadPoolExecutor`` + ``as_completed``);
+* question ``q`` goes to replica ``q mod n`` (deterministic round-robin); every turn of its conversations stays on
+  that replica so vLLM's prefix cache reuses the shared system prompt and history; a dead replica fails over;
+* one line per conversation, keyed by ``(task_id, sample_index)``, flushed as it completes; a rerun skips what is
+  written (``optima.agents.store``), so a killed run resumes with nothing lost or duplicated;
+* every random choice is seeded from ``(seed, iteration, task_id, sample_index[, turn])``: the iteration-0 prompt
+  pool draw (SPEC 2.5) and each request's sampling seed, so a rerun reproduces, whatever the scheduling;
+* a failed request ends its conversation with ``status: error`` (retried on the next run); if every replica is
+  gone the run stops with ``NoReplicaLeft``.
+
+Temperature and pool follow SPEC 1.6 (``plan_generation``); evaluation and tree search build their own plans.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from optima.agents.conversation import ConversationResult, TurnLimits, run_conversation
+from optima.agents.prompts import AGENT_NAMES, build_system_prompt, draw_pool_prompts, load_prompt_pool, pool_name
+from optima.agents.store import JsonlWriter, prepare_resume
+from optima.plan import generation_temperature
+from optima.serving.client import ReplicaPool, Sampling
+from optima.tasks import Example, Task, get_task
+from optima.tasks.contexts import stable_rng
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """How one generation stage samples.
+
+    Args:
+        iteration: Iteration number (recorded, and part of every seed).
+        temperature: Sampling temperature.
+        samples: Conversations per question.
+        use_prompt_pool: Draw format-diverse system prompts (SPEC 2.5).
+        stage: Label of the stage (``sft``, ``probe``, ``eval``, ...): logs and seeds.
+    """
+
+    iteration: int
+    temperature: float
+    samples: int
+    use_prompt_pool: bool = False
+    stage: str = "sft"
+
+
+def plan_generation(recipe, iteration: int, stage: str = "sft") -> GenerationPlan:
+    """SFT data generation per SPEC 1.6: ``explore_count`` samples; the pool and the low temperature at iteration 0."""
+    pool = recipe.use_prompt_pool and iteration == 0
+    return GenerationPlan(iteration, generation_temperature(recipe, iteration), recipe.explore_count, pool, stage)
+
+
+@dataclass
+class GenerationStats:
+    """What a generation run did (``to_dict`` goes into metrics.json)."""
+
+    requested: int = 0
+    already_done: int = 0
+    written: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    per_replica: Counter = field(default_factory=Counter)
+    generated_tokens: int = 0
+    conversation_tokens: int = 0
+    elapsed_s: float = 0.0
+
+    def add(self, record: dict, generated_tokens: int) -> None:
+        self.written += 1
+        self.statuses[record["status"]] += 1
+        self.per_replica[record["replica"]] += 1
+        self.generated_tokens += generated_tokens
+        self.conversation_tokens += record["token_count"]
+
+    @property
+    def conversations_per_s(self) -> float:
+        return self.written / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "requested": self.requested,
+            "already_done": self.already_done,
+            "written": self.written,
+            "statuses": dict(self.statuses),
+            "per_replica": {str(k): v for k, v in self.per_replica.items()},
+            "generated_tokens": self.generated_tokens,
+            "conversation_tokens": self.conversation_tokens,
+            "elapsed_s": round(self.elapsed_s, 2),
+            "conversations_per_s": round(self.conversations_per_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
+
+
+@dataclass(frozen=True)
+class Job:
+    """One conversation to run: the question's position (routing), the question, the sample index."""
+
+    position: int
+    example: Example
+    sample_index: int
+
+
+class TokenCounter:
+    """Fallback token counts with the agents' tokenizers, loaded on first use (servers normally send usage)."""
+
+    def __init__(self, recipe):
+        self._paths = {
+            AGENT_NAMES[0]: recipe.tokenizer_first_path or recipe.initial_model_path,
+            AGENT_NAMES[1]: recipe.tokenizer_second_path or recipe.initial_model_path,
+        }
+        self._tokenizers: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str, speaker: str) -> int:
+        with self._lock:
+            if speaker not in self._tokenizers:
+                from transformers import AutoTokenizer
+
+                self._tokenizers[speaker] = AutoTokenizer.from_pretrained(self._paths[speaker])
+        return len(self._tokenizers[speaker].tokenize(text))
+
+
+class ConversationRunner:
+    """Runs one ``Job`` against the replica pool and turns the result into a JSONL record."""
+
+    def __init__(self, recipe, plan: GenerationPlan, pool: ReplicaPool):
+        self.recipe, self.plan, self.pool = recipe, plan, pool
+        self.limits = TurnLimits(recipe.max_turns, recipe.max_tokens)
+        self.count_tokens = TokenCounter(recipe)
+        self._pools: dict[str, tuple[str, ...]] = {}
+        self._pool_lock = threading.Lock()
+
+    def system_prompts(self, task: Task, job: Job) -> tuple[str, str]:
+        """Base prompts, or (iteration-0 SFT data) a seeded draw from the task's format pool."""
+        if not self.plan.use_prompt_pool:
+            return build_system_prompt(task, AGENT_NAMES[0]), build_system_prompt(task, AGENT_NAMES[1])
+        plan = self.plan
+        rng = stable_rng(self.recipe.seed, "pool", plan.stage, plan.iteration, job.example.id, job.sample_index)
+        return draw_pool_prompts(self._pool_for(task), task, rng)
+
+    def _pool_for(self, task: Task) -> tuple[str, ...]:
+        with self._pool_lock:
+            if task.name not in self._pools:
+                custom = self.recipe.prompt_pool_path
+                self._pools[task.name] = (
+                    load_prompt_pool(Path(custom).stem, Path(custom).parent)
+                    if custom
+                    else load_prompt_pool(pool_name(task))
+                )
+            return self._pools[task.name]
+
+    def run(self, job: Job) -> tuple[dict, int]:
+        """Run the conversation; return its record and the tokens it generated."""
+        task = get_task(job.example.task)
+        prompts = self.system_prompts(task, job)
+        replica = self.pool.route(job.position)
+        turns = iter(range(self.recipe.max_turns))
+        seed_parts = (self.recipe.seed, "turn", self.plan.stage, self.plan.iteration, job.example.id, job.sample_index)
+
+        def generate(messages: list[dict], speaker: str):
+            nonlocal replica
+            seed = stable_rng(*seed_parts, next(turns)).randrange(2**31)
+            sampling = Sampling(self.plan.temperature, self.recipe.max_tokens, seed)
+            reply = self.pool.chat(replica, messages, sampling)
+            replica = reply.replica  # after a failover the rest of the conversation stays on the new replica
+            return reply
+
+        result = run_conversation(job.example, prompts, generate, self.limits, self.count_tokens, task)
+        if result.replica is None:
+            result.replica = replica
+        return self.build_record(job, prompts, result), result.generated_tokens
+
+    def build_record(self, job: Job, prompts: Sequence[str], result: ConversationResult) -> dict:
+        """The JSONL line of one conversation (everything reward and selection need to re-render it)."""
+        example = job.example
+        return {
+            "task_id": example.id,
+            "sample_index": job.sample_index,
+            "task": example.task,
+            "question": example.question,
+            "answer": list(example.answer) if isinstance(example.answer, tuple) else example.answer,
+            "utterances": [
+                {"speaker": u.speaker, "text": u.text, "tokens": n}
+                for u, n in zip(result.utterances, result.tokens, strict=True)
+            ],
+            "token_count": result.token_count,
+            "agent_tokens": result.agent_tokens(),
+            "final_answer": result.final_answer,
+            "status": result.status,
+            "stop_reason": result.stop_reason,
+            "error": result.error,
+            "system_prompts": dict(zip(AGENT_NAMES, prompts, strict=True)),
+            "prompt_pool": self.plan.use_prompt_pool,
+            "iteration": self.plan.iteration,
+            "stage": self.plan.stage,
+            "temperature": self.plan.temperature,
+            "replica": result.replica,
+            "example": example.to_dict(),
+        }
+
+
+def generate_conversations(
+    recipe, examples: Sequence[Example], endpoints: Sequence[str], out_path: Path, plan: GenerationPlan
+) -> GenerationStats:
+    """Generate ``plan.samples`` conversations per example into ``out_path`` (resuming what is there).
+
+    Args:
+        recipe: A recipe (serving, generation and ``seed`` fields).
+        examples: The questions, in a fixed order (their position picks the replica).
+        endpoints: OpenAI base URLs (from ``optima.serving.serve``).
+        out_path: The JSONL output (e.g. ``StagePaths.generations``).
+        plan: Iteration, temperature, samples per question, prompt pool.
+
+    Raises:
+        NoReplicaLeft: every replica died; what was written stays and the next run resumes from it.
+    """
+    ids = [example.id for example in examples]
+    if len(set(ids)) != len(ids):
+        raise ValueError("example ids must be unique (they key the output lines)")
+    done = prepare_resume(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.touch()  # the stage's output exists even when there is nothing (left) to generate
+    jobs = [
+        Job(position, example, k)
+        for position, example in enumerate(examples)
+        for k in range(plan.samples)
+        if (example.id, k) not in done
+    ]
+    stats = GenerationStats(requested=len(examples) * plan.samples)
+    stats.already_done = stats.requested - len(jobs)
+    logger.info(
+        "iteration %d | generate (%s) | %d questions x %d | %d to do, %d done | %d endpoints | T=%.2f%s",
+        plan.iteration,
+        plan.stage,
+        len(examples),
+        plan.samples,
+        len(jobs),
+        stats.already_done,
+        len(endpoints),
+        plan.temperature,
+        " | prompt pool" if plan.use_prompt_pool else "",
+    )
+    if jobs:
+        pool = ReplicaPool(endpoints, recipe)
+        try:
+            _run_jobs(ConversationRunner(recipe, plan, pool), jobs, out_path, stats)
+        finally:
+            pool.close()
+    logger.info(
+        "generate | %d written, statuses %s | %.2f conversations/s, %.1f tokens/s",
+        stats.written,
+        dict(stats.statuses),
+        stats.conversations_per_s,
+        stats.tokens_per_s,
+    )
+    return stats
+
+
+def _run_jobs(runner: ConversationRunner, jobs: list[Job], out_path: Path, stats: GenerationStats) -> None:
+    from tqdm.auto import tqdm
+
+    started = time.monotonic()
+    executor = ThreadPoolExecutor(max_workers=runner.recipe.thread_count, thread_name_prefix="conversation")
+    finished = False
+    try:
+        with JsonlWriter(out_path) as writer, tqdm(total=len(jobs), unit="conv", desc="generate") as bar:
+            futures = [executor.submit(runner.run, job) for job in jobs]
+            for future in as_completed(futures):
+                record, generated = future.result()  # a worker's exception (NoReplicaLeft, a bug) stops the run
+                writer.write(record)
+                stats.add(record, generated)
+                stats.elapsed_s = time.monotonic() - started
+                bar.update()
+                bar.set_postfix(conv_s=f"{stats.conversations_per_s:.2f}", tok_s=f"{stats.tokens_per_s:.1f}")
+        finished = True
+    finally:
+        # On an error or Ctrl-C: stop retries and queued conversations at once and do not wait for requests in
+        # flight (they end when the servers are stopped by the caller's ``serve`` block).
+        runner.pool.stop_event.set()
+        executor.shutdown(wait=finished, cancel_futures=True)
+        stats.elapsed_s = time.monotonic() - started

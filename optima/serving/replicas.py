@@ -1,0 +1,167 @@
+"""``serve(...)``: the OpenAI endpoints of the current model, launched as vLLM replicas or given by the recipe.
+
+The original hard-wired 8 GPUs on ports 8000-8007 (SPEC 1.2 step 1, 9.1 item 3). Here:
+
+* GPU machine: one replica per ``tensor_parallel_size`` GPUs of ``devices`` (default: every visible GPU), each
+  with its own ``CUDA_VISIBLE_DEVICES``;
+* CPU machine: one replica with vLLM's automatic thread binding (one core stays free for its scheduler),
+  or, when asked for several (tests), the allowed cores split between them;
+* ports: the first free port from ``port`` upward, one after the other, logged with each replica;
+* ``endpoints`` in the recipe: nothing is launched; the URLs are checked (``/models``) and returned.
+
+Callers get base URLs (``http://127.0.0.1:8000/v1``) and nothing else: whether the engine runs on CPU or GPU
+is decided and hidden here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from optima.environments import PythonEnv
+from optima.paths import RunPaths, StagePaths
+from optima.recipe_fields import RecipeError
+from optima.serving.signals import sigterm_as_exit
+from optima.serving.vllm_server import (
+    Placement,
+    ServerSpec,
+    ServerStartupError,
+    build_serve_command,
+    build_serve_env,
+    find_free_port,
+    start_replicas,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def list_visible_gpus() -> list[str]:
+    """GPU ids this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else what ``nvidia-smi -L`` lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    result = subprocess.run([exe, "-L"], capture_output=True, text=True, check=False, timeout=60)
+    lines = result.stdout.splitlines() if result.returncode == 0 else []
+    return [str(i) for i, line in enumerate(ln for ln in lines if ln.startswith("GPU "))]
+
+
+def plan_replicas(recipe, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1) -> list[Placement]:
+    """Where each replica runs (pure).
+
+    Args:
+        recipe: Its ``devices`` (GPU ordinals among ``gpus``; null = all) and ``tensor_parallel_size``.
+        gpus: Visible GPU ids (empty: CPU machine).
+        cpus: CPU ids this process may run on (``os.sched_getaffinity``).
+        cpu_replicas: Replicas on a CPU machine; above 1 each gets its own slice of ``cpus``.
+    """
+    if gpus:
+        ordinals = recipe.devices if recipe.devices is not None else range(len(gpus))
+        bad = [d for d in ordinals if d >= len(gpus)]
+        if bad:
+            raise RecipeError("devices", f"GPU {bad[0]} is not visible (visible: {list(gpus)})")
+        selected = [gpus[d] for d in ordinals]
+        tp = recipe.tensor_parallel_size
+        if not selected or len(selected) % tp:
+            raise RecipeError(
+                "devices", f"{len(selected)} GPUs cannot be split into replicas of tensor_parallel_size={tp}"
+            )
+        return [Placement(gpus=tuple(selected[i : i + tp])) for i in range(0, len(selected), tp)]
+    if cpu_replicas == 1:
+        return [Placement()]
+    # Contiguous slices; with fewer cores than replicas, replicas share cores round-robin.
+    cpus = sorted(cpus)
+    per = max(len(cpus) // cpu_replicas, 1)
+    slices = [cpus[(i * per) % len(cpus) :][:per] for i in range(cpu_replicas)]
+    return [Placement(cpu_bind=",".join(map(str, s))) for s in slices]
+
+
+def build_replica_specs(
+    recipe, model_path: str, vllm_env: PythonEnv, stage_paths: StagePaths, placements: Sequence[Placement]
+) -> list[ServerSpec]:
+    """Command line, environment, port and log file of each replica (ports are probed, nothing starts)."""
+    cache_root = RunPaths.from_recipe(recipe).vllm_cache
+    specs, taken = [], []
+    for replica, placement in enumerate(placements):
+        port = find_free_port(recipe.host, recipe.port if not taken else taken[-1] + 1, taken)
+        taken.append(port)
+        argv = build_serve_command(recipe, model_path, port, vllm_env, placement)
+        env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path)
+        log = stage_paths.server_log(replica)
+        specs.append(ServerSpec(replica, tuple(argv), env, recipe.host, port, log))
+    return specs
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://h:8000`` and ``http://h:8000/v1/`` -> ``http://h:8000/v1``; other paths are kept."""
+    url = url.rstrip("/")
+    scheme, _, rest = url.partition("://")
+    return url if "/" in rest else f"{url}/v1"
+
+
+def check_endpoints(urls: Sequence[str], recipe) -> list[str]:
+    """Keep the endpoints that answer ``GET /models``; fail if none does or one serves another model."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {recipe.api_key}"} if recipe.api_key else {}
+    alive = []
+    for url in urls:
+        try:
+            response = requests.get(f"{url}/models", headers=headers, timeout=10)
+            response.raise_for_status()
+        except (requests.ConnectionError, requests.Timeout, requests.HTTPError) as exc:
+            logger.warning("endpoint %s does not answer /models (%s); not used", url, exc)
+            continue
+        names = [m.get("id") for m in response.json().get("data", [])]
+        if recipe.served_model_name not in names:
+            raise ServerStartupError(
+                f"endpoint {url} serves {names}, not served_model_name={recipe.served_model_name!r}"
+            )
+        alive.append(url)
+    if not alive:
+        raise ServerStartupError(f"none of the endpoints answers: {list(urls)}")
+    return alive
+
+
+@contextlib.contextmanager
+def serve(
+    recipe, model_path: str | Path, vllm_env: PythonEnv | None, stage_paths: StagePaths, cpu_replicas: int = 1
+) -> Iterator[list[str]]:
+    """Serve ``model_path`` for the duration of the block; yield the OpenAI base URLs of its replicas.
+
+    Servers are stopped on exit, on any exception, on Ctrl-C and on SIGTERM (turned into ``SystemExit``).
+
+    Args:
+        recipe: A recipe (serving fields, ``seed``, ``output_dir`` for the vLLM cache).
+        model_path: Model folder (or hub id) to serve.
+        vllm_env: Python environment with vLLM (unused when the recipe lists ``endpoints``).
+        stage_paths: Stage folder; replica logs go to its ``logs/vllm_<i>.log``.
+        cpu_replicas: Replicas on a machine without GPU (default 1).
+    """
+    with sigterm_as_exit():
+        if recipe.endpoints:
+            urls = check_endpoints([normalize_base_url(u) for u in recipe.endpoints], recipe)
+            logger.info("serve | %d external endpoints: %s", len(urls), ", ".join(urls))
+            yield urls
+            return
+        if vllm_env is None:
+            raise ValueError("serve() needs a vLLM environment when the recipe lists no endpoints")
+        placements = plan_replicas(recipe, list_visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas)
+        specs = build_replica_specs(recipe, str(model_path), vllm_env, stage_paths, placements)
+        where = "CPU" if placements[0].on_cpu else "GPU"
+        logger.info(
+            "serve | %s | %d %s replicas on ports %s",
+            model_path,
+            len(specs),
+            where,
+            ", ".join(str(s.port) for s in specs),
+        )
+        with start_replicas(specs, recipe.server_startup_timeout_s) as servers:
+            yield [server.spec.api_url for server in servers]

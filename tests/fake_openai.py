@@ -1,0 +1,171 @@
+"""A scripted OpenAI-compatible server (stdlib ``http.server``, 127.0.0.1, a thread) for deterministic tests.
+
+It answers ``GET /health``, ``GET /v1/models`` and ``POST /v1/chat/completions``. Each chat request is recorded
+(body and headers) and answered by ``respond(body) -> FakeReply``; the default responder makes Alice state the
+answer ``<A>B</A>`` and Bob agree, so conversations stop after three utterances.
+
+    with FakeOpenAIServer() as server:            # server.base_url == "http://127.0.0.1:<port>/v1"
+        ...
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+SPEAKER = re.compile(r"^(Alice|Bob): ", re.MULTILINE)
+
+
+@dataclass
+class FakeReply:
+    """What the fake server answers: a completion, or an HTTP error status."""
+
+    content: str = ""
+    finish_reason: str = "stop"
+    completion_tokens: int | None = None  # None: one token per whitespace-separated word
+    status: int = 200
+    delay_s: float = 0.0
+    usage: bool = True
+
+
+def speaker_of(body: dict) -> str:
+    """Whose turn it is: the name in the system prompt's first line ("You are Alice...")."""
+    return "Alice" if "Alice" in body["messages"][0]["content"].split(".")[0] else "Bob"
+
+
+def turn_of(body: dict) -> int:
+    """How many utterances the conversation already has (each is rendered as a line "Name: text")."""
+    return sum(len(SPEAKER.findall(m["content"])) for m in body["messages"][1:])
+
+
+def question_of(body: dict) -> str:
+    """The task turn (first user message)."""
+    return body["messages"][1]["content"]
+
+
+def agreeing_reply(body: dict) -> FakeReply:
+    """Alice answers B, Bob checks, Alice repeats B: stops after 3 utterances by the same-answer rule."""
+    if speaker_of(body) == "Alice":
+        return FakeReply("Alice: 2 + 2 = 4 so <A>B</A>")
+    return FakeReply("Bob: looks right")
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """No traceback when a client hangs up first (a timed-out request): that is what the tests provoke."""
+
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+class FakeOpenAIServer:
+    """The scripted server; ``requests`` holds every chat request as ``(body, lower-cased headers)``.
+
+    Args:
+        respond: Maps a request body to a ``FakeReply``.
+        model: The served model name.
+        port: Port to bind (0: any free one).
+    """
+
+    def __init__(self, respond: Callable[[dict], FakeReply] = agreeing_reply, model: str = "optima", port: int = 0):
+        self.respond, self.model = respond, model
+        self.requests: list[tuple[dict, dict]] = []
+        self._lock = threading.Lock()
+        self._httpd = _QuietServer(("127.0.0.1", port), self._handler_class())
+        self.port = self._httpd.server_address[1]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def root_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.root_url}/v1"
+
+    def bodies(self) -> list[dict]:
+        with self._lock:
+            return [body for body, _ in self.requests]
+
+    def _record(self, body: dict, headers: dict) -> None:
+        with self._lock:
+            self.requests.append((body, headers))
+
+    def _handler_class(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _send(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._send(200, {})
+                elif self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": server.model, "object": "model"}]})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server._record(body, {k.lower(): v for k, v in self.headers.items()})
+                reply = server.respond(body)
+                if reply.delay_s:
+                    time.sleep(reply.delay_s)  # a slow "model"
+                if reply.status != 200:
+                    self._send(reply.status, {"error": {"message": f"scripted {reply.status}"}})
+                    return
+                self._send(200, completion(body, reply))
+
+        return Handler
+
+    def start(self) -> FakeOpenAIServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self) -> FakeOpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def completion(body: dict, reply: FakeReply) -> dict:
+    """The chat.completion JSON of ``reply``."""
+    tokens = reply.completion_tokens if reply.completion_tokens is not None else len(reply.content.split())
+    usage = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens} if reply.usage else None
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": reply.content},
+                "finish_reason": reply.finish_reason,
+            }
+        ],
+        "usage": usage,
+    }

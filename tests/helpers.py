@@ -1,0 +1,81 @@
+"""Test helpers shared by the test modules and the driver scripts (which cannot import conftest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from optima.config import InferenceRecipe, load_recipe
+from optima.tasks import Example
+
+
+def build_test_recipe(output_dir: Path, **overrides):
+    """A validated recipe for serving/generation tests (inference recipe: no trainer YAML needed)."""
+    values = {
+        "dataset_type": "arc",
+        "initial_model_path": str(output_dir / "model"),
+        "output_dir": str(output_dir),
+        "model_root_path": str(output_dir),
+        "port": 18600,
+        "thread_count": 4,
+        "explore_count": 2,
+        "max_turns": 4,
+        "max_tokens": 32,
+        "request_timeout_s": 30.0,
+        "max_retries": 2,
+        "server_startup_timeout_s": 120.0,
+        "cpu_kvcache_space_gb": 1,
+    }
+    return load_recipe(InferenceRecipe, None, values | overrides, check_paths=False)
+
+
+def arc_examples(count: int) -> list[Example]:
+    """``count`` small multiple-choice questions (task ``arc``); ids ``q0``, ``q1``, ..."""
+    options = (("A", "3"), ("B", "4"), ("C", "5"))
+    return [
+        Example(
+            id=f"q{i}",
+            task="arc",
+            question=f"Question {i}: what is 2 + 2?",
+            answer="B",
+            score_type="choice",
+            options=options,
+        )
+        for i in range(count)
+    ]
+
+
+def read_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, pgid) of a process from /proc, or None if it is gone."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def child_groups(parent: int) -> list[int]:
+    """Process groups led by live children of ``parent`` (the servers a driver started)."""
+    groups = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = read_stat(int(entry.name))
+            if stat and stat[0] != "Z" and stat[1] == parent and stat[2] == int(entry.name):
+                groups.append(int(entry.name))
+    return groups
+
+
+def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Poll ``condition()`` until it returns something truthy (returned) or ``timeout_s`` passes (fails)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def count_lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0

@@ -1,0 +1,111 @@
+"""The turn loop with a scripted ``generate``: stop rule, turn cap, statuses, prefixes, token accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from optima.agents.conversation import TurnLimits, run_conversation
+from optima.agents.prompts import build_system_prompt
+from optima.serving import ChatReply, RequestFailed
+from optima.tasks import Example
+
+ARC = Example(id="q", task="arc", question="2 + 2?", answer="B", score_type="choice", options=(("A", "3"), ("B", "4")))
+GSM = Example(id="g", task="gsm8k", question="2 + 2?", answer="4", score_type="number")
+LIMITS = TurnLimits(max_turns=6, max_tokens=20)
+
+
+def prompts(example: Example) -> tuple[str, str]:
+    return build_system_prompt(example.task, "Alice"), build_system_prompt(example.task, "Bob")
+
+
+class Scripted:
+    """``generate`` that plays replies in order and records what each agent saw."""
+
+    def __init__(self, *replies):
+        self.replies = list(replies)
+        self.seen: list[tuple[str, list[dict]]] = []
+
+    def __call__(self, messages: list[dict], speaker: str) -> ChatReply:
+        self.seen.append((speaker, messages))
+        reply = self.replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(reply, str):
+            return ChatReply(reply, "stop", len(reply.split()), replica=0)
+        return reply
+
+
+def run(example: Example, generate, limits: TurnLimits = LIMITS, **kwargs):
+    return run_conversation(example, prompts(example), generate, limits, **kwargs)
+
+
+def test_same_answer_twice_stops_skipping_answerless_turns():
+    generate = Scripted("Alice: 4 <A>B</A>", "Bob: correct", "Alice: so <A>B</A>", "never sent")
+    result = run(ARC, generate)
+    assert (result.status, result.stop_reason, result.final_answer) == ("ok", "same_answer", "B")
+    assert [u.speaker for u in result.utterances] == ["Alice", "Bob", "Alice"]
+    assert [u.text for u in result.utterances] == ["4 <A>B</A>", "correct", "so <A>B</A>"]  # prefixes stripped
+    assert result.tokens == [3, 2, 3] and result.token_count == 8
+    assert result.agent_tokens() == {"Alice": 6, "Bob": 2}
+
+
+def test_a_changed_answer_does_not_stop():
+    generate = Scripted("<A>A</A>", "Bob: wrong", "<A>B</A>", "Bob: ok", "<A>B</A>")
+    result = run(ARC, generate)
+    assert len(result.utterances) == 5 and result.final_answer == "B" and result.stop_reason == "same_answer"
+
+
+def test_turn_cap_without_answers():
+    result = run(GSM, Scripted(*["thinking"] * 4), TurnLimits(max_turns=4, max_tokens=20))
+    assert (result.status, result.stop_reason, result.final_answer) == ("ok", "max_turns", "")
+    assert len(result.utterances) == 4
+
+
+def test_boxed_answers_for_math_tasks():
+    result = run(GSM, Scripted("Alice: \\boxed{4}", "Bob: fine", "Alice: \\boxed{4}"))
+    assert result.final_answer == "4" and result.stop_reason == "same_answer"
+
+
+@pytest.mark.parametrize(
+    "overlong", [ChatReply("cut", "length", 20, 0), ChatReply("all twenty", "stop", 20, 0)], ids=["length", "tokens"]
+)
+def test_overlong_utterance_ends_as_too_long_without_a_fake_utterance(overlong):
+    result = run(ARC, Scripted("Alice: <A>A</A>", overlong))
+    assert (result.status, result.stop_reason, result.final_answer) == ("too_long", "too_long", "A")
+    assert [u.text for u in result.utterances] == ["<A>A</A>"]
+    assert result.token_count == 2 and result.generated_tokens == 22
+
+
+def test_failed_request_ends_as_error_without_a_fake_utterance():
+    result = run(ARC, Scripted("Alice: hmm", RequestFailed("replica 0: 400 prompt too long")))
+    assert (result.status, result.stop_reason) == ("error", "error")
+    assert "prompt too long" in result.error
+    assert [u.text for u in result.utterances] == ["hmm"]
+
+
+def test_first_request_failing_records_nothing():
+    result = run(ARC, Scripted(RequestFailed("down")))
+    assert result.status == "error" and result.utterances == [] and result.token_count == 0
+
+
+def test_each_agent_sees_its_own_view():
+    generate = Scripted("Alice: 4 <A>B</A>", "Bob: correct", "Alice: <A>B</A>")
+    run(ARC, generate)
+    (first, alice_view), (second, bob_view), (_, alice_again) = generate.seen
+    assert (first, second) == ("Alice", "Bob")
+    assert alice_view[0]["content"] == prompts(ARC)[0] and bob_view[0]["content"] == prompts(ARC)[1]
+    assert [m["role"] for m in alice_view] == ["system", "user"]
+    assert "Alice: 4 <A>B</A>" in bob_view[-1]["content"] and bob_view[-1]["role"] == "user"
+    assert alice_again[-2] == {"role": "assistant", "content": "Alice: 4 <A>B</A>"}
+
+
+def test_token_counter_fills_in_missing_usage():
+    generate = Scripted(ChatReply("Alice: <A>B</A>", "stop", None, 0), ChatReply("Bob: ok", "stop", None, 1))
+    seen = []
+
+    def count(text: str, speaker: str) -> int:
+        seen.append(speaker)
+        return 7
+
+    result = run(ARC, generate, TurnLimits(max_turns=2, max_tokens=20), count_tokens=count)
+    assert result.tokens == [7, 7] and seen == ["Alice", "Bob"] and result.replica == 1

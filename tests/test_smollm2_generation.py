@@ -1,0 +1,50 @@
+"""SmolLM2-135M-Instruct served by the real vLLM on CPU: iteration-0 conversations on 4 ARC questions (slow)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from optima.agents.generation import generate_conversations, plan_generation
+from optima.agents.store import load_records
+from optima.environments import resolve_env
+from optima.paths import RunPaths
+from optima.serving import serve
+from optima.serving.vllm_server import find_free_port
+from optima.tasks import TASKS
+from tests.conftest import SMOLLM2, requires_smollm2, requires_vllm
+from tests.helpers import build_test_recipe
+
+DATA_DIR = Path(os.environ.get("OPTIMA_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+pytestmark = [pytest.mark.slow, requires_vllm, requires_smollm2]
+
+
+@pytest.mark.skipif(not (DATA_DIR / "arc_challenge").is_dir(), reason="no local ARC data (OPTIMA_DATA_DIR)")
+def test_smollm2_talks_about_four_arc_questions(tmp_path):
+    recipe = build_test_recipe(
+        tmp_path,
+        initial_model_path=str(SMOLLM2),
+        port=find_free_port("127.0.0.1", 27000),
+        explore_count=2,
+        max_turns=4,
+        max_tokens=256,
+        thread_count=8,
+        request_timeout_s=300.0,
+        server_startup_timeout_s=600.0,
+        cpu_kvcache_space_gb=2,
+    )
+    examples = TASKS["arc"].load_train(data_dir=DATA_DIR)[:4]
+    stage = RunPaths.from_recipe(recipe).stage(0)
+    plan = plan_generation(recipe, iteration=0)  # T=0.3 and the format pool, as SFT data generation at iteration 0
+    with serve(recipe, SMOLLM2, resolve_env(None, "vllm"), stage) as endpoints:
+        stats = generate_conversations(recipe, examples, endpoints, stage.generations, plan)
+    records, torn = load_records(stage.generations)
+    assert not torn and len(records) == 8 and stats.written == 8
+    assert {r["task_id"] for r in records} == {e.id for e in examples}
+    assert all(r["status"] in ("ok", "too_long") for r in records)
+    assert sum(len(r["utterances"]) for r in records) >= 8
+    assert all(r["token_count"] == sum(u["tokens"] for u in r["utterances"]) for r in records)
+    assert stats.tokens_per_s > 0

