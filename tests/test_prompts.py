@@ -91,7 +91,26 @@ def test_partner_turns_are_merged_when_consecutive():
 def test_debate_view_has_no_information_and_custom_system_prompt():
     messages = build_agent_messages(DEBATE_EXAMPLE, "Bob", [("Alice", "3 + 4 = 7. \\boxed{7}")], system_prompt="S")
     assert messages[0] == {"role": "system", "content": "S"}
-    assert messages[1]["content"] == "Problem:\nWhat is 3 + 4?\n\nAlice: 3 + 4 = 7. \\boxed{7}"
+    assert messages[1]["content"] == (
+        "Problem:\nWhat is 3 + 4?\n\nCheck Alice's answer in a few words; never give the answer yourself."
+        "\n\nAlice: 3 + 4 = 7. \\boxed{7}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("task", "speaker", "fragment"),
+    [
+        ("arc", "Alice", "<A>letter) option</A>"),
+        ("gsm8k", "Alice", "\\boxed{number}"),
+        ("math", "Alice", "\\boxed{answer}"),
+        ("arc", "Bob", "never give the answer"),
+        ("hotpot_qa", "Bob", "<A>answer</A>"),
+    ],
+)
+def test_first_user_turn_ends_with_the_answer_format(task, speaker, fragment):
+    example = QA_EXAMPLE if task == "hotpot_qa" else DEBATE_EXAMPLE
+    turn = render_task_turn(example, speaker, get_task(task))
+    assert fragment in turn.splitlines()[-1]
 
 
 def test_closed_book_and_information_rendering():

@@ -40,11 +40,18 @@ _TURN_SEPARATOR = "\n\n"
 
 @dataclass(frozen=True)
 class RolePrompt:
-    """A role's system prompt: an intro, numbered rules and an example message (`${name}`, `${partner}` slots)."""
+    """A role's system prompt: an intro, numbered rules and an example message (`${name}`, `${partner}` slots).
+
+    `reminder` closes the first user turn with the answer format in one line: small models follow the last user
+    line far more than the system prompt (SmolLM2-135M wrote no answer tag in 144 replies without it).
+    `answer_opening` is what a reply starts with when generation pre-fills the answer (`prefill_answer`).
+    """
 
     intro: str
     rules: tuple[str, ...]
     example: str
+    reminder: str = ""
+    answer_opening: str = ""
 
     def render(self, name: str, partner: str, extra_rule: str | None = None) -> str:
         """Return the system prompt for agent `name`, optionally with one more rule (a format-pool entry).
@@ -76,6 +83,7 @@ QA_PROMPT = RolePrompt(
         _PREFIX_RULE,
     ),
     example="${name}: Lake Tana -> source of Blue Nile; Blue Nile joins White Nile at Khartoum. <A>Khartoum</A>",
+    reminder="Share what helps, briefly. Once you know the answer, write it as <A>answer</A>.",
 )
 
 CHOICE_SOLVER_PROMPT = RolePrompt(
@@ -87,6 +95,8 @@ CHOICE_SOLVER_PROMPT = RolePrompt(
         _PREFIX_RULE,
     ),
     example="${name}: Ice melts when it takes in heat, so heating is the cause. <A>B) adding heat</A>",
+    reminder="Reply as: <A>letter) option</A> then one short reason.",
+    answer_opening="<A>",
 )
 
 GSM8K_SOLVER_PROMPT = RolePrompt(
@@ -98,6 +108,7 @@ GSM8K_SOLVER_PROMPT = RolePrompt(
         _PREFIX_RULE,
     ),
     example="${name}: 3 boxes * 4 apples = 12 apples; 12 - 5 eaten = 7. \\boxed{7}",
+    reminder="Calculate briefly, then write the final number as \\boxed{number}.",
 )
 
 MATH_SOLVER_PROMPT = RolePrompt(
@@ -110,6 +121,7 @@ MATH_SOLVER_PROMPT = RolePrompt(
         _PREFIX_RULE,
     ),
     example="${name}: x^2 = 9/16 and x > 0, so x = 3/4. \\boxed{\\frac{3}{4}}",
+    reminder="Solve briefly, then write the final answer as \\boxed{answer}.",
 )
 
 CRITIC_PROMPT = RolePrompt(
@@ -121,6 +133,7 @@ CRITIC_PROMPT = RolePrompt(
         _PREFIX_RULE,
     ),
     example="${name}: Step 2 is wrong: 12 - 5 is 7, not 8. Redo the last step.",
+    reminder="Check ${partner}'s answer in a few words; never give the answer yourself.",
 )
 
 # prompt set -> (Alice's role prompt, Bob's role prompt). Tasks choose through `Task.prompt_set`.
@@ -192,8 +205,17 @@ def build_system_prompt(task: Task | str, speaker: str, extra_rule: str | None =
         speaker: "Alice" or "Bob".
         extra_rule: an optional format rule (iteration-0 pool entry).
     """
-    role = ROLE_PROMPTS[_resolve(task).prompt_set][agent_index(speaker)]
-    return role.render(speaker, partner_of(speaker), extra_rule)
+    return role_prompt(task, speaker).render(speaker, partner_of(speaker), extra_rule)
+
+
+def role_prompt(task: Task | str, speaker: str) -> RolePrompt:
+    """The role prompt of `speaker` for `task` (solver/critic in debate, the same for both in qa).
+
+    Args:
+        task: a `Task` or its name.
+        speaker: "Alice" or "Bob".
+    """
+    return ROLE_PROMPTS[_resolve(task).prompt_set][agent_index(speaker)]
 
 
 def render_information(paragraphs: Iterable[str]) -> str:
@@ -214,12 +236,16 @@ def render_task_turn(example: Example, speaker: str, task: Task | None = None) -
         task: the example's task (looked up from `example.task` when None).
     """
     task = task or get_task(example.task)
+    role = role_prompt(task, speaker)
+    reminder = Template(role.reminder).safe_substitute(name=speaker, partner=partner_of(speaker))
     if task.family != "qa":
-        return f"Problem:\n{example.question}"
-    information = render_information(example.context_for(agent_index(speaker)))
-    if not information:
-        information = "none (answer from what you know and what your partner tells you)"
-    return f"Question: {example.question}{_TURN_SEPARATOR}Your information:\n{information}"
+        body = f"Problem:\n{example.question}"
+    else:
+        information = render_information(example.context_for(agent_index(speaker)))
+        if not information:
+            information = "none (answer from what you know and what your partner tells you)"
+        body = f"Question: {example.question}{_TURN_SEPARATOR}Your information:\n{information}"
+    return f"{body}{_TURN_SEPARATOR}{reminder}" if reminder else body
 
 
 def render_utterance(utterance: Utterance | Sequence[str] | dict) -> str:
