@@ -13,6 +13,7 @@ setup:
 
 lint: setup
 	$(TRAIN_PY) -m ruff check .
+	$(TRAIN_PY) -m ruff format --check .
 
 test: setup lint
 	$(TRAIN_PY) -m pytest

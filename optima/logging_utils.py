@@ -15,3 +15,6 @@ def setup_logging(level: int = logging.INFO, log_file: Path | None = None) -> No
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
+    # One line per HTTP request drowns the stage lines; keep the clients' warnings only.
+    for noisy in ("httpx", "httpx2", "httpcore", "openai", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
