@@ -22,6 +22,7 @@ from optima.logging_utils import setup_logging
 logger = logging.getLogger(__name__)
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
 ENV_HELP = "a virtualenv directory, a python executable, or a conda env name (default: .venvs/{role})"
 
 
@@ -76,13 +77,27 @@ def resolve_envs(vllm_env: str | None, alignment_env: str | None = None, train: 
     return envs
 
 
+def expected_failures() -> tuple[type[BaseException], ...]:
+    """Failures that end a run with one clear message instead of a traceback (each names what to look at)."""
+    from optima.manifest import StaleStageError
+    from optima.pipeline import NothingSelected
+    from optima.serving import NoReplicaLeft, ServerStartupError
+    from optima.tasks import DataError
+    from optima.training.launch import TrainingError
+
+    return (NothingSelected, StaleStageError, ServerStartupError, NoReplicaLeft, DataError, TrainingError)
+
+
 def guarded(body: Callable[[], int]) -> int:
-    """Run a script body; bad input ends with one clear message and exit code 2."""
+    """Run a script body; bad input ends with one clear message and exit code 2, a failed stage with 1."""
     try:
         return body()
     except (RecipeError, EnvError) as exc:
         logger.error("%s", exc)
         return EXIT_BAD_INPUT
+    except expected_failures() as exc:
+        logger.error("%s: %s", type(exc).__name__, exc)
+        return EXIT_FAILED
 
 
 def emit(text: str) -> None:

@@ -45,6 +45,7 @@ class Plan:
     paths: RunPaths
     stages: list[Stage]
     envs: dict[str, PythonEnv]
+    skip_iteration: int = 0
 
     def render(self) -> str:
         """Human-readable plan (what ``--dry-run`` prints)."""
@@ -234,7 +235,7 @@ def build_plan(recipe, envs: dict[str, PythonEnv], skip_iteration: int = 0) -> P
         else:
             raise TypeError(f"no plan for {type(recipe).__name__}")
         model = str(paths.checkpoint(i))
-    return Plan(recipe.method, recipe, paths, stages, envs)
+    return Plan(recipe.method, recipe, paths, stages, envs, skip_iteration)
 
 
 def recipe_summary(recipe) -> dict[str, Any]:

@@ -115,7 +115,9 @@ def test_relative_paths_resolve_against_the_working_directory(write_recipe, tmp_
 
 
 def test_hub_ids_are_not_paths(write_recipe, in_repo):
-    recipe = load_recipe(SFTRecipe, write_recipe(minimal_sft(initial_model_path="meta-llama/Meta-Llama-3-8B-Instruct")))
+    recipe = load_recipe(
+        SFTRecipe, write_recipe(minimal_sft(initial_model_path="meta-llama/Meta-Llama-3-8B-Instruct"))
+    )
     assert recipe.initial_model_path == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert "initial_model_path" not in recipe.input_paths()
 

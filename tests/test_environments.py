@@ -37,14 +37,22 @@ def test_python_executable():
 
 def test_conda_name_runs_through_conda_run(tmp_path, monkeypatch):
     fake = tmp_path / "conda"
-    fake.write_text("#!/bin/sh\necho conda \"$@\"\n")
+    fake.write_text('#!/bin/sh\necho conda "$@"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     env = resolve_env("optima-vllm", "vllm")
     assert env.kind == "conda"
     assert env.module_argv("vllm", "serve") == [
-        str(fake), "run", "--no-capture-output", "-n", "optima-vllm", "python", "-m", "vllm", "serve",
-    ]  # fmt: skip
+        str(fake),
+        "run",
+        "--no-capture-output",
+        "-n",
+        "optima-vllm",
+        "python",
+        "-m",
+        "vllm",
+        "serve",
+    ]
 
 
 def test_conda_name_without_conda(monkeypatch, tmp_path):

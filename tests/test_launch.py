@@ -30,7 +30,9 @@ def test_shipped_accelerate_configs():
     assert yaml.safe_load((ACCELERATE_CONFIGS / "cpu.yaml").read_text())["use_cpu"] is True
 
 
-@pytest.mark.parametrize(("name", "gpu", "stem"), [(None, False, "cpu"), (None, True, "deepspeed_zero3"), ("fsdp", False, "fsdp")])
+@pytest.mark.parametrize(
+    ("name", "gpu", "stem"), [(None, False, "cpu"), (None, True, "deepspeed_zero3"), ("fsdp", False, "fsdp")]
+)
 def test_resolve_accelerate_config(name, gpu, stem):
     assert resolve_accelerate_config(name, gpu) == ACCELERATE_CONFIGS / f"{stem}.yaml"
 
@@ -45,7 +47,9 @@ def test_accelerate_config_by_path_and_unknown(tmp_path):
 
 def test_render_and_write_trainer_yaml(tmp_path):
     base = REPO / "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml"
-    config = render_trainer_config(base, {"model_name_or_path": "/m", "dataset_name": "/d", "output_dir": "/o", "seed": None})
+    config = render_trainer_config(
+        base, {"model_name_or_path": "/m", "dataset_name": "/d", "output_dir": "/o", "seed": None}
+    )
     assert (config["model_name_or_path"], config["dataset_name"], config["output_dir"]) == ("/m", "/d", "/o")
     assert "seed" not in config and config["use_cpu"] is True
     out = write_trainer_config(config, tmp_path / "it0" / "trainer.yaml")
@@ -55,19 +59,32 @@ def test_render_and_write_trainer_yaml(tmp_path):
 
 def test_launch_argv():
     env = resolve_env(sys.executable, "train")
-    launch = TrainLaunch("dpo", env, ACCELERATE_CONFIGS / "multi_gpu.yaml", Path("/run/trainer.yaml"), 4, ("--num_machines", "2"))
+    launch = TrainLaunch(
+        "dpo", env, ACCELERATE_CONFIGS / "multi_gpu.yaml", Path("/run/trainer.yaml"), 4, ("--num_machines", "2")
+    )
     assert launch.argv() == [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / "multi_gpu.yaml"),
-        "--num_processes", "4", "--num_machines", "2", str(REPO / "alignment-handbook/scripts/run_dpo.py"),
-        "--config", "/run/trainer.yaml",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ACCELERATE_CONFIGS / "multi_gpu.yaml"),
+        "--num_processes",
+        "4",
+        "--num_machines",
+        "2",
+        str(REPO / "alignment-handbook/scripts/run_dpo.py"),
+        "--config",
+        "/run/trainer.yaml",
+    ]
 
 
 def test_failed_training_names_its_log(tmp_path):
     fake_env = tmp_path / "py"
     fake_env.write_text("#!/bin/sh\necho 'Traceback: CUDA out of memory' >&2\nexit 3\n")
     fake_env.chmod(0o755)
-    launch = TrainLaunch("sft", resolve_env(str(fake_env), "train"), ACCELERATE_CONFIGS / "cpu.yaml", tmp_path / "t.yaml")
+    launch = TrainLaunch(
+        "sft", resolve_env(str(fake_env), "train"), ACCELERATE_CONFIGS / "cpu.yaml", tmp_path / "t.yaml"
+    )
     log = tmp_path / "logs" / "train.log"
     with pytest.raises(TrainingError, match="exited with 3") as info:
         run_training(launch, log)

@@ -112,8 +112,21 @@ def test_set_overrides_reach_the_plan(in_repo, envs, capsys):
 def test_inference_dry_run_lists_checkpoints_in_numeric_order(tmp_path, capsys):
     for k in (10, 2, 0):
         (tmp_path / f"iteration_{k}").mkdir()
-    argv = ["--model_root_path", str(tmp_path), "--dataset_type", "arc", "--vllm_env", sys.executable,
-            "--device", "0,1", "--num_thread", "8", "--limit", "5", "--dry-run"]  # fmt: skip
+    argv = [
+        "--model_root_path",
+        str(tmp_path),
+        "--dataset_type",
+        "arc",
+        "--vllm_env",
+        sys.executable,
+        "--device",
+        "0,1",
+        "--num_thread",
+        "8",
+        "--limit",
+        "5",
+        "--dry-run",
+    ]
     assert load_script("inference_script").main(argv) == 0
     out = capsys.readouterr().out
     order = [out.index(f"[iteration_{k}]") for k in (0, 2, 10)]
@@ -122,8 +135,19 @@ def test_inference_dry_run_lists_checkpoints_in_numeric_order(tmp_path, capsys):
 
 def test_multi_sc_dry_run(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
-    argv = ["--model_path", str(tmp_path), "--dataset_type", "gsm8k", "--temperature", "0.7", "--num_samples", "8",
-            "--vllm_env", sys.executable, "--dry-run"]  # fmt: skip
+    argv = [
+        "--model_path",
+        str(tmp_path),
+        "--dataset_type",
+        "gsm8k",
+        "--temperature",
+        "0.7",
+        "--num_samples",
+        "8",
+        "--vllm_env",
+        sys.executable,
+        "--dry-run",
+    ]
     assert load_script("multi_sc_data_generate_script").main(argv) == 0
     out = capsys.readouterr().out
     assert "8 conversations per question at temperature 0.7" in out and f"[{tmp_path.name}]" in out
@@ -131,8 +155,17 @@ def test_multi_sc_dry_run(tmp_path, capsys):
 
 def test_scripts_run_as_commands(in_repo):
     """The README's command form, in a fresh interpreter (no test-only import paths)."""
-    argv = [sys.executable, "sft_script.py", "--train_config_path", "train/sft_recipes/gsm8k.yaml",
-            "--vllm_env", sys.executable, "--alignment_env", sys.executable, "--dry-run"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "sft_script.py",
+        "--train_config_path",
+        "train/sft_recipes/gsm8k.yaml",
+        "--vllm_env",
+        sys.executable,
+        "--alignment_env",
+        sys.executable,
+        "--dry-run",
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr
     assert "deepspeed_zero3.yaml" in out.stdout and "temperature: 0.7" in out.stdout  # gsm8k starts at 0.7

@@ -1,0 +1,137 @@
+"""The score stage: generated conversations -> rewarded questions (SPEC 1.2 step 5, 3.1, 3.3).
+
+Reads ``generations.jsonl`` (one line per conversation), groups it by question, and for each question computes
+every conversation's task score, per-utterance LM losses (under the initial model, through an injected
+``score_texts`` callable: ``optima.lm_loss``) and reward parts (``optima.reward``). Writes ``rewarded.jsonl``,
+one line per question ``{"task_id", "t_max", "results": [record + "losses" + "reward_parts" + "reward"]}``,
+appended in chunks, so a killed stage resumes at the first question not yet written.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from optima.agents.prompts import Utterance, render_utterance
+from optima.agents.store import JsonlWriter, load_records, prepare_resume
+from optima.reward import Conversation, score_question
+from optima.tasks import Example
+from optima.tasks.scoring import score_example
+
+logger = logging.getLogger(__name__)
+
+ScoreTexts = Callable[[Sequence[str]], list[float]]
+QUESTIONS_PER_CHUNK = 32
+
+
+@dataclass
+class RewardStats:
+    """What the score stage saw (goes into metrics.json)."""
+
+    questions: int = 0
+    conversations: int = 0
+    answered: int = 0
+    task_score_sum: float = 0.0
+    token_sum: int = 0
+    best_rewards: list[float] = field(default_factory=list)
+
+    def add(self, line: dict) -> None:
+        results = line["results"]
+        self.questions += 1
+        self.conversations += len(results)
+        self.answered += sum(1 for r in results if r.get("final_answer"))
+        self.task_score_sum += sum(r["reward_parts"]["task_score"] for r in results)
+        self.token_sum += sum(r["token_count"] for r in results)
+        self.best_rewards.append(max(r["reward"] for r in results))
+
+    def to_dict(self) -> dict:
+        n = max(self.conversations, 1)
+        best = sorted(self.best_rewards)
+        return {
+            "questions": self.questions,
+            "conversations": self.conversations,
+            "answer_rate": round(self.answered / n, 4),
+            "accuracy": round(self.task_score_sum / n, 4),
+            "mean_tokens": round(self.token_sum / n, 2),
+            "best_reward_max": round(best[-1], 4) if best else None,
+            "best_reward_median": round(best[len(best) // 2], 4) if best else None,
+        }
+
+
+def group_by_question(records: Sequence[dict]) -> list[list[dict]]:
+    """Conversations grouped by ``task_id`` (first-seen order), each group sorted by sample index."""
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(str(record["task_id"]), []).append(record)
+    return [sorted(group, key=lambda r: r["sample_index"]) for group in groups.values()]
+
+
+def _utterances(record: dict) -> list[Utterance]:
+    return [Utterance(u["speaker"], u["text"]) for u in record["utterances"]]
+
+
+def reward_question(records: Sequence[dict], losses: Sequence[Sequence[float] | None], recipe, tokenize=None) -> dict:
+    """The rewarded line of one question."""
+    conversations = []
+    for record, record_losses in zip(records, losses, strict=True):
+        example = Example.from_dict(record["example"])
+        task_score = score_example(example, record.get("final_answer"), recipe.compat, tokenize)
+        conversations.append(
+            Conversation(_utterances(record), record["token_count"], task_score, record["status"], record_losses)
+        )
+    parts = score_question(conversations, recipe)
+    results = [
+        record | {"losses": list(loss) if loss is not None else None, "reward_parts": p.to_dict(), "reward": p.reward}
+        for record, loss, p in zip(records, losses, parts, strict=True)
+    ]
+    t_max = max((c.token_count for c in conversations if c.status == "ok"), default=None)
+    return {"task_id": records[0]["task_id"], "t_max": t_max, "results": results}
+
+
+def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None) -> list[list]:
+    """LM losses of every utterance of every conversation in ``chunk`` (one batched call)."""
+    if score_texts is None:
+        return [[None] * len(group) for group in chunk]
+    texts = [render_utterance(u) for group in chunk for record in group for u in _utterances(record)]
+    flat = iter(score_texts(texts) if texts else [])
+    return [[[next(flat) for _ in record["utterances"]] for record in group] for group in chunk]
+
+
+def reward_generations(
+    recipe, generations: Path, out_path: Path, score_texts: ScoreTexts | None, tokenize=None
+) -> RewardStats:
+    """Reward every question of ``generations`` into ``out_path``, resuming what is there.
+
+    Args:
+        recipe: Reward fields (lambdas, cal_ppl, overrides) and ``compat``.
+        generations: ``generations.jsonl`` of the stage.
+        out_path: ``rewarded.jsonl``.
+        score_texts: Mean LM loss of each text (``None`` when ``cal_ppl`` is off).
+        tokenize: The initial tokenizer's ``tokenize`` (subword F1 under ``compat: original``).
+    """
+    from tqdm.auto import tqdm
+
+    records, _ = load_records(generations)
+    groups = group_by_question(records)
+    done = {task_id for task_id, _ in prepare_resume(out_path, retry_errors=False)} if out_path.exists() else set()
+    stats = RewardStats()
+    for line in load_records(out_path)[0]:
+        stats.add(line)
+    todo = [g for g in groups if str(g[0]["task_id"]) not in done]
+    logger.info(
+        "score | %d questions (%d already rewarded) | LM loss %s",
+        len(groups),
+        len(done),
+        "on" if score_texts else "off",
+    )
+    with JsonlWriter(out_path) as writer, tqdm(total=len(todo), unit="question", desc="score") as bar:
+        for start in range(0, len(todo), QUESTIONS_PER_CHUNK):
+            chunk = todo[start : start + QUESTIONS_PER_CHUNK]
+            for group, losses in zip(chunk, _losses_for(chunk, score_texts), strict=True):
+                line = reward_question(group, losses, recipe, tokenize)
+                writer.write(line)
+                stats.add(line)
+                bar.update()
+    return stats

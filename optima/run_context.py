@@ -1,0 +1,190 @@
+"""What every stage of a run shares: the recipe, paths, environments, the served model, the tokenizer, reports.
+
+``ServerHolder`` keeps at most one model served across stages: generation at iteration 0 and the LM-loss scoring
+that follows both need the initial model, so the same vLLM server does both; any other switch stops the old
+servers before starting new ones (on a CPU the servers hold the cores; on a GPU, the memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from optima.environments import PythonEnv
+from optima.install import has_nvidia_gpu
+from optima.logging_utils import LOG_FORMAT
+from optima.manifest import Manifest, fields_hash
+from optima.paths import RunPaths, StagePaths
+from optima.tasks import Task, get_task
+
+logger = logging.getLogger(__name__)
+
+
+class ServerHolder:
+    """At most one served model at a time, reused while the same model is asked for.
+
+    Args:
+        recipe: Serving fields.
+        vllm_env: The vLLM environment.
+    """
+
+    def __init__(self, recipe, vllm_env: PythonEnv | None):
+        self.recipe, self.vllm_env = recipe, vllm_env
+        self.model: str | None = None
+        self.urls: list[str] = []
+        self._stack: contextlib.ExitStack | None = None
+
+    def endpoints(self, model: str, stage_paths: StagePaths) -> list[str]:
+        """OpenAI base URLs serving ``model`` (started now unless already up)."""
+        if self.model == str(model) and self._stack is not None:
+            return self.urls
+        self.close()
+        from optima.serving import serve
+
+        stack = contextlib.ExitStack()
+        self.urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths))
+        self._stack, self.model = stack, str(model)
+        return self.urls
+
+    def close(self) -> None:
+        """Stop the servers (no-op when none is up)."""
+        stack, self._stack, self.model = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def __enter__(self) -> ServerHolder:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+@dataclass
+class RunContext:
+    """Shared state of one run."""
+
+    recipe: Any
+    paths: RunPaths
+    envs: dict[str, PythonEnv]
+    servers: ServerHolder
+    task: Task
+    gpu: bool
+    _tokenizer: Any = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv]) -> RunContext:
+        """Prepare the run directory (recipe.yaml, driver log) and the shared objects."""
+        paths.output_dir.mkdir(parents=True, exist_ok=True)
+        save_recipe(recipe, paths.recipe_file)
+        attach_driver_log(paths.driver_log)
+        return cls(
+            recipe,
+            paths,
+            envs,
+            ServerHolder(recipe, envs.get("vllm")),
+            get_task(recipe.dataset_type),
+            has_nvidia_gpu(),
+        )
+
+    def stage_hashes(self, stage_fields: dict[str, tuple[str, ...]]) -> dict[str, str]:
+        return {stage: fields_hash(self.recipe, names) for stage, names in stage_fields.items()}
+
+    def tokenizer(self):
+        """The initial model's tokenizer (token counts, LM-loss rendering, subword F1)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                self.recipe.tokenizer_first_path or self.recipe.initial_model_path
+            )
+        return self._tokenizer
+
+
+def save_recipe(recipe, path: Path) -> None:
+    """Write the validated recipe; say which fields changed when resuming under another recipe."""
+    import yaml
+
+    current = recipe.to_dict()
+    if path.exists():
+        previous = yaml.safe_load(path.read_text()) or {}
+        changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        if changed:
+            logger.warning("resuming %s with changed recipe fields: %s", path.parent, ", ".join(changed))
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(current, sort_keys=False))
+    tmp.replace(path)
+
+
+def attach_driver_log(path: Path) -> None:
+    """Also write the driver's log to ``logs/driver.log`` of the run (appending across resumptions)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(handler)
+
+
+def iteration_metrics(manifest: Manifest) -> dict[str, Any]:
+    """metrics.json of one iteration: each stage's results and timings."""
+    results = {name: manifest.result(name) for name in manifest.entries}
+    return {"stages": results, "timings_s": manifest.timings(), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_iteration_report(
+    ctx: RunContext, iteration: int, sp: StagePaths, manifest: Manifest, checkpoint: Path | None
+) -> dict:
+    """Write ``metrics.json``, log the iteration's headline numbers, and put a model card in the checkpoint."""
+    metrics = {"iteration": iteration} | iteration_metrics(manifest)
+    sp.metrics.write_text(json.dumps(metrics, indent=2, default=str) + "\n")
+    scored = metrics["stages"].get("score", {})
+    logger.info(
+        "iteration %d/%d | answer rate %s | accuracy %s | mean tokens %s | stage seconds %s",
+        iteration + 1,
+        ctx.recipe.iteration_times,
+        scored.get("answer_rate"),
+        scored.get("accuracy"),
+        scored.get("mean_tokens"),
+        metrics["timings_s"],
+    )
+    if checkpoint is not None and checkpoint.is_dir():
+        (checkpoint / "README.md").write_text(render_model_card(ctx, iteration, metrics))
+    return metrics
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    found = {}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[name] = metadata.version(name)
+    return found
+
+
+def render_model_card(ctx: RunContext, iteration: int, metrics: dict) -> str:
+    """A short model card: what produced this checkpoint and how it did."""
+    recipe = ctx.recipe
+    lines = [
+        f"# Optima {recipe.method} checkpoint: {recipe.dataset_type}, iteration {iteration}",
+        "",
+        f"- base model: `{recipe.initial_model_path}`",
+        f"- seed: {recipe.seed}",
+        f"- reward: lambda1 (tokens) {recipe.lambda1}, lambda2 (LM loss) {recipe.lambda2}, cal_ppl {recipe.cal_ppl}",
+        f"- run directory: `{ctx.paths.output_dir}`",
+        f"- library versions: {json.dumps(_versions())}",
+        "",
+        "## Metrics of this iteration",
+        "",
+        "```json",
+        json.dumps(metrics["stages"], indent=2, default=str),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Training-data selection: the best conversations for SFT (``sft``), preference pairs for DPO (``dpo``)."""

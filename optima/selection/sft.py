@@ -1,0 +1,111 @@
+"""iSFT data selection: the best conversations become per-agent training rows (SPEC 3.4, 9.2 items 14, 15, 21).
+
+1. Per question, the top-1 conversation by reward (ties: the lower sample index).
+2. Questions ranked by that reward, best first; the ``[start, end)`` slice of the ranking is kept (default top
+   70%, MATH ranks 10-80%: the original drops MATH's top 10%, kept as its default and configurable).
+3. Only conversations with reward >= epsilon.
+4. Each kept conversation gives two rows, Alice's view and Bob's view, rendered with the one renderer used by
+   generation (``build_agent_messages``) and the base system prompts, never the iteration-0 pool prompts.
+5. Seeded shuffle and train/test split by conversation (both views of one conversation stay together).
+
+Every question gets a line in ``selection.jsonl`` saying whether it was kept and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages
+from optima.plan import selection_range
+from optima.tasks import Example
+
+logger = logging.getLogger(__name__)
+
+KEPT = "kept"
+BELOW_EPSILON = "below epsilon"
+OUTSIDE_SLICE = "outside rank slice"
+NOTHING_USABLE = "no usable conversation"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Selection's verdict on one question."""
+
+    task_id: str
+    best: dict | None
+    rank: int | None
+    reason: str
+
+    def to_record(self) -> dict:
+        best = self.best or {}
+        return {
+            "task_id": self.task_id,
+            "kept": self.reason == KEPT,
+            "reason": self.reason,
+            "rank": self.rank,
+            "sample_index": best.get("sample_index"),
+            "reward": best.get("reward"),
+            "reward_parts": best.get("reward_parts"),
+            "final_answer": best.get("final_answer"),
+            "token_count": best.get("token_count"),
+        }
+
+
+def best_conversation(line: dict) -> dict | None:
+    """The highest-reward conversation of a rewarded question (``None`` when none ended ``ok``)."""
+    usable = [r for r in line["results"] if r["status"] == "ok" and r["utterances"]]
+    if not usable:
+        return None
+    return max(usable, key=lambda r: (r["reward"], -r["sample_index"]))
+
+
+def select_questions(lines: Sequence[dict], recipe) -> list[Decision]:
+    """Decide, for every rewarded question, whether its best conversation is trained on."""
+    best = [(str(line["task_id"]), best_conversation(line)) for line in lines]
+    ranked = sorted([b for b in best if b[1] is not None], key=lambda b: -b[1]["reward"])
+    start, end = selection_range(recipe)
+    lo, hi = int(start * len(ranked)), int(end * len(ranked))
+    decisions = {task_id: Decision(task_id, None, None, NOTHING_USABLE) for task_id, conv in best if conv is None}
+    for rank, (task_id, conv) in enumerate(ranked):
+        if not lo <= rank < hi:
+            reason = OUTSIDE_SLICE
+        elif conv["reward"] < recipe.initial_epsilon:
+            reason = BELOW_EPSILON
+        else:
+            reason = KEPT
+        decisions[task_id] = Decision(task_id, conv, rank, reason)
+    return [decisions[task_id] for task_id, _ in best]
+
+
+def conversation_rows(record: dict) -> list[dict]:
+    """Alice's and Bob's training rows of one conversation (base system prompts, SPEC 2.5)."""
+    example = Example.from_dict(record["example"])
+    utterances = [Utterance(u["speaker"], u["text"]) for u in record["utterances"]]
+    rows = []
+    for speaker in AGENT_NAMES:
+        if any(u.speaker == speaker for u in utterances):  # a view without own turns trains nothing
+            rows.append(
+                {
+                    "messages": build_agent_messages(example, speaker, utterances),
+                    "task_id": example.id,
+                    "speaker": speaker,
+                }
+            )
+    return rows
+
+
+def split_rows(kept: Sequence[dict], train_fraction: float, seed: int, iteration: int) -> dict[str, list[dict]]:
+    """Seeded shuffle of the kept conversations, split into train/test, expanded into per-agent rows."""
+    order = list(kept)
+    random.Random(f"{seed}:sft-split:{iteration}").shuffle(order)
+    n_test = int(round(len(order) * (1 - train_fraction)))
+    if train_fraction < 1 and n_test == 0 and len(order) >= 4:
+        n_test = 1  # keep an evaluation split once there is enough data for it
+    test, train = order[:n_test], order[n_test:]
+    return {
+        "train": [row for r in train for row in conversation_rows(r)],
+        "test": [row for r in test for row in conversation_rows(r)],
+    }
