@@ -97,6 +97,10 @@ class GenerationFields:
     )
     use_prompt_pool: bool = field(True, help="draw format-diverse system prompts at iteration 0 (SPEC 2.5)")
     prompt_pool_path: str | None = field(None, help="JSONL prompt pool; null = the built-in pool of the task")
+    prefill_answer_iteration0: bool = field(
+        False,
+        help="at iteration 0, start each answering reply with the answer tag (bootstraps the format in tiny models)",
+    )
 
     def validate(self) -> None:
         require(self.sample_count >= 0, "sample_count", f"must be >= 0, got {self.sample_count}")

@@ -109,3 +109,14 @@ def test_token_counter_fills_in_missing_usage():
 
     result = run(ARC, generate, TurnLimits(max_turns=2, max_tokens=20), count_tokens=count)
     assert result.tokens == [7, 7] and seen == ["Alice", "Bob"] and result.replica == 1
+
+
+def test_answer_openings_are_prefilled_and_kept():
+    """Format bootstrapping: Alice's replies continue a pre-filled "<A>"; Bob (critic) is not pre-filled."""
+    generate = Scripted("B) 4</A> since 2+2=4", "Bob: right", "B) 4</A>")
+    result = run(ARC, generate, answer_openings=("<A>", ""))
+    assert [u.text for u in result.utterances] == ["<A>B) 4</A> since 2+2=4", "right", "<A>B) 4</A>"]
+    assert result.final_answer == "B) 4" and result.stop_reason == "same_answer"
+    (_, alice_messages), (_, bob_messages) = generate.seen[0], generate.seen[1]
+    assert alice_messages[-1] == {"role": "assistant", "content": "<A>"}
+    assert bob_messages[-1]["role"] == "user"

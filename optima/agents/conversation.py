@@ -12,6 +12,10 @@ Where the original stored fake utterances (SPEC 9.2 item 23) this loop ends with
   truncated utterance is not stored, its tokens are counted in ``generated_tokens`` only;
 * ``error``: a request failed for good (``RequestFailed``); the message is kept in ``error``.
 
+Answer pre-fill (``answer_openings``, format bootstrapping for small models at iteration 0): the agent's reply is
+started with its role's answer opening (``<A>`` for a multiple-choice solver) as a final assistant message that the
+server continues; the stored utterance is the opening plus the continuation.
+
 Token accounting (SPEC 2.6): each utterance counts the server's ``usage.completion_tokens`` (the model's own
 tokenizer, the name prefix the model wrote included), or ``count_tokens(text)`` when the server sent no usage.
 System prompts and task turns are not counted.
@@ -84,6 +88,7 @@ def run_conversation(
     limits: TurnLimits,
     count_tokens: CountTokens | None = None,
     task: Task | None = None,
+    answer_openings: Sequence[str] = ("", ""),
 ) -> ConversationResult:
     """Run one two-agent conversation.
 
@@ -94,12 +99,16 @@ def run_conversation(
         limits: ``max_turns`` utterances, ``max_tokens`` per utterance.
         count_tokens: Token counter used when a reply carries no ``completion_tokens``.
         task: The example's task (looked up from ``example.task`` when None).
+        answer_openings: (Alice's, Bob's) reply openings to pre-fill ("" for none).
     """
     task = task or get_task(example.task)
     result, tracker = ConversationResult(), AnswerTracker()
     for turn in range(limits.max_turns):
         speaker = AGENT_NAMES[turn % 2]
         messages = build_agent_messages(example, speaker, result.utterances, system_prompts[turn % 2], task)
+        opening = answer_openings[turn % 2]
+        if opening:
+            messages.append({"role": "assistant", "content": opening})
         try:
             reply = generate(messages, speaker)
         except RequestFailed as exc:
@@ -111,7 +120,7 @@ def run_conversation(
         result.generated_tokens += tokens
         if reply.finish_reason == "length" or tokens >= limits.max_tokens:
             return _finish(result, tracker, "too_long")
-        text = strip_speaker_prefix(reply.text, speaker).strip()
+        text = (opening + reply.text).strip() if opening else strip_speaker_prefix(reply.text, speaker).strip()
         result.utterances.append(Utterance(speaker, text))
         result.tokens.append(tokens)
         if tracker.update(task.parse_answer(text)):

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.conversation import ConversationResult, TurnLimits, run_conversation
-from optima.agents.prompts import AGENT_NAMES, build_system_prompt, draw_pool_prompts, load_prompt_pool, pool_name
+from optima.agents.prompts import (
+    AGENT_NAMES,
+    build_system_prompt,
+    draw_pool_prompts,
+    load_prompt_pool,
+    pool_name,
+    role_prompt,
+)
 from optima.agents.store import JsonlWriter, prepare_resume
 from optima.plan import generation_temperature
 from optima.serving.client import ReplicaPool, Sampling
@@ -37,6 +44,8 @@ from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
 
 logger = logging.getLogger(__name__)
+
+CONTINUE_REPLY = {"continue_final_message": True, "add_generation_prompt": False}
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class GenerationPlan:
         samples: Conversations per question.
         use_prompt_pool: Draw format-diverse system prompts (SPEC 2.5).
         stage: Label of the stage (``sft``, ``probe``, ``eval``, ...): logs and seeds.
+        prefill_answer: Start answering turns with the role's answer opening (``prefill_answer_iteration0``).
     """
 
     iteration: int
@@ -56,12 +66,20 @@ class GenerationPlan:
     samples: int
     use_prompt_pool: bool = False
     stage: str = "sft"
+    prefill_answer: bool = False
 
 
 def plan_generation(recipe, iteration: int, stage: str = "sft") -> GenerationPlan:
     """SFT data generation per SPEC 1.6: ``explore_count`` samples; the pool and the low temperature at iteration 0."""
-    pool = recipe.use_prompt_pool and iteration == 0
-    return GenerationPlan(iteration, generation_temperature(recipe, iteration), recipe.explore_count, pool, stage)
+    first = iteration == 0
+    return GenerationPlan(
+        iteration,
+        generation_temperature(recipe, iteration),
+        recipe.explore_count,
+        recipe.use_prompt_pool and first,
+        stage,
+        recipe.prefill_answer_iteration0 and first,
+    )
 
 
 @dataclass
@@ -176,12 +194,17 @@ class ConversationRunner:
         def generate(messages: list[dict], speaker: str):
             nonlocal replica
             seed = stable_rng(*seed_parts, next(turns)).randrange(2**31)
-            sampling = Sampling(self.plan.temperature, self.recipe.max_tokens, seed)
+            # A pre-filled reply (last message from the assistant) is continued, not answered.
+            extra = CONTINUE_REPLY if messages[-1]["role"] == "assistant" else None
+            sampling = Sampling(self.plan.temperature, self.recipe.max_tokens, seed, extra)
             reply = self.pool.chat(replica, messages, sampling)
             replica = reply.replica  # after a failover the rest of the conversation stays on the new replica
             return reply
 
-        result = run_conversation(job.example, prompts, generate, self.limits, self.count_tokens, task)
+        openings = tuple(
+            role_prompt(task, name).answer_opening if self.plan.prefill_answer else "" for name in AGENT_NAMES
+        )
+        result = run_conversation(job.example, prompts, generate, self.limits, self.count_tokens, task, openings)
         if result.replica is None:
             result.replica = replica
         return self.build_record(job, prompts, result), result.generated_tokens
@@ -207,6 +230,7 @@ class ConversationRunner:
             "error": result.error,
             "system_prompts": dict(zip(AGENT_NAMES, prompts, strict=True)),
             "prompt_pool": self.plan.use_prompt_pool,
+            "prefill_answer": self.plan.prefill_answer,
             "iteration": self.plan.iteration,
             "stage": self.plan.stage,
             "temperature": self.plan.temperature,
