@@ -67,10 +67,11 @@ class VLLMLossScorer:
         base_urls: ``http://127.0.0.1:PORT/v1`` of each replica serving the initial model (batches alternate).
         model: Its served model name.
         tokenizer: The initial model's tokenizer.
-        recipe: Supplies ``api_key``, ``request_timeout_s``, ``loss_batch_size`` and ``thread_count``.
+        recipe: Supplies ``api_key``, ``request_timeout_s``, ``max_retries`` and ``thread_count``.
+        batch_size: Texts per request.
     """
 
-    def __init__(self, base_urls: Sequence[str], model: str, tokenizer: Any, recipe):
+    def __init__(self, base_urls: Sequence[str], model: str, tokenizer: Any, recipe, batch_size: int = 32):
         from openai import OpenAI
 
         self.clients = [
@@ -84,7 +85,7 @@ class VLLMLossScorer:
         ]
         self.model, self.tokenizer = model, tokenizer
         # A request carries several texts; a few requests run at once so vLLM batches across them.
-        self.batch_size = max(recipe.loss_batch_size, 1) * 4
+        self.batch_size = batch_size
         self.workers = max(1, min(recipe.thread_count, 16))
 
     def _score_batch(self, numbered: tuple[int, Sequence[LossInput]]) -> list[float]:

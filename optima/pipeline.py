@@ -40,6 +40,7 @@ SFT_STAGE_FIELDS = {
         "temperature_iteration0",
         "use_prompt_pool",
         "prompt_pool_path",
+        "prefill_answer_iteration0",
         "served_model_name",
     ),
     "score": (

@@ -78,7 +78,9 @@ def test_real_crash_before_ready_is_reported_with_the_log(tmp_path):
     assert child_groups(os.getpid()) == before
 
 
-def test_real_interrupted_driver_leaves_no_vllm_process(tiny_model, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "kill-9"])
+def test_real_interrupted_driver_leaves_no_vllm_process(tiny_model, tmp_path, signum):
+    """Ctrl-C unwinds the driver's ``serve`` block; ``kill -9`` skips it, and the servers stop themselves."""
     config = {
         "examples": 30,
         "samples": 2,
@@ -91,11 +93,11 @@ def test_real_interrupted_driver_leaves_no_vllm_process(tiny_model, tmp_path):
         wait_for(lambda: count_lines(tmp_path / "gen.jsonl") >= 1, 300, "the driver to generate")
         (group,) = child_groups(driver.pid)
         assert len(group_members(group)) >= 3  # API server, engine core, worker (+ resource tracker)
-        driver.send_signal(signal.SIGINT)
+        driver.send_signal(signum)
         assert driver.wait(timeout=90) != 0
     finally:
         driver.kill()
-    assert group_members(group) == [], (tmp_path / "driver.log").read_text()[-3000:]
+    wait_for(lambda: group_members(group) == [], 90, "the servers to stop")
 
 
 def test_real_conversations_end_to_end(tiny_servers, tmp_path):
@@ -109,6 +111,22 @@ def test_real_conversations_end_to_end(tiny_servers, tmp_path):
     assert stats.generated_tokens > 0 and sum(stats.statuses.values()) == 8
     # A rerun has nothing left to do.
     assert generate_conversations(recipe, arc_examples(4), [s.spec.api_url for s in servers], out, PLAN).written == 0
+
+
+def test_lm_loss_backends_agree(tiny_servers, tiny_model):
+    """The reward's LM loss from vLLM prompt log-probabilities equals a batched HF forward pass (1e-3 nats)."""
+    from transformers import AutoTokenizer
+
+    from optima.lm_loss import HFLossScorer, VLLMLossScorer
+
+    recipe, servers = tiny_servers
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    texts = ["Alice: the answer is 4 . <A> B </A>", "Bob: 2 + 2 = 4", "Alice: Bob : 1 2 3 4 5 6 7 8 9", "Bob: ."]
+    urls = [s.spec.api_url for s in servers]
+    from_vllm = VLLMLossScorer(urls, recipe.served_model_name, tokenizer, recipe).score(texts)
+    from_hf = HFLossScorer(str(tiny_model), tokenizer, batch_size=3).score(texts)
+    assert all(loss > 0 for loss in from_hf)
+    assert from_vllm == pytest.approx(from_hf, abs=1e-3)
 
 
 def test_real_replica_killed_mid_run_fails_over(tiny_servers, tmp_path):

