@@ -1,0 +1,233 @@
+"""Preference pairs from the search trees, as a TRL conversational preference dataset (SPEC 4.4, 4.5).
+
+Input: one tree per question, the JSON line of ``optima.selection.mcts.SearchResult.to_dict`` (nodes as plain dicts
+with their final ``value``). For every *minable* node (still in the candidate pool or selected) with at least two
+children, the best and the worst child are read from the children's **current** values (SPEC 9.2 item 17: the
+original kept min/max pointers that could go stale). The node gives a pair when
+
+    best.value > initial_dpo_epsilon   and   best.value - worst.value > initial_dpo_min_value.
+
+Per question the pairs are ranked by chosen value and the top ``dpo_keep_fraction`` are kept (at least one: the
+original kept ``int(0.5 n)`` of ``n >= 2`` pairs and a single pair as is).
+
+Each pair is one row **from the speaking agent's view**, in TRL's conversational preference format:
+
+* ``prompt``: that agent's chat up to the branch (``build_agent_messages`` with the base system prompt: system,
+  task turn, own turns as ``assistant``, the partner's as ``user``); it always ends with a ``user`` turn;
+* ``chosen`` / ``rejected``: one ``assistant`` turn each, the next utterance rendered ``"Name: text"``;
+* metadata: ``task_id``, ``node_id``, ``depth``, ``speaker``, ``chosen_value``, ``rejected_value``.
+
+The original kept the whole history in ``assistant`` turns under one system prompt and had no ``prompt`` column
+(SPEC 4.5); the preference is the same (one next utterance given the shared history), rendered the way our agents
+actually see a conversation. The train/test split is seeded and by question (the original took the file tail).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from optima.agents.prompts import Utterance, build_agent_messages, render_utterance
+from optima.selection.io import save_splits, write_jsonl
+from optima.tasks import Example
+
+logger = logging.getLogger(__name__)
+
+META_COLUMNS = ("task_id", "node_id", "depth", "speaker", "chosen_value", "rejected_value")
+
+
+def children_by_parent(nodes: Sequence[dict]) -> dict[int, list[dict]]:
+    """Children of every node id, in creation order.
+
+    Args:
+        nodes: The tree's node dicts (``id``, ``parent``, ...).
+    """
+    children: dict[int, list[dict]] = {node["id"]: [] for node in nodes}
+    for node in sorted(nodes, key=lambda n: n["id"]):
+        if node["parent"] is not None:
+            children[node["parent"]].append(node)
+    return children
+
+
+def path_utterances(node: dict, by_id: dict[int, dict]) -> list[Utterance]:
+    """The utterances from the root down to ``node`` included (empty for the root).
+
+    Args:
+        node: A node dict.
+        by_id: Every node dict by id.
+    """
+    path = []
+    while node["parent"] is not None:
+        path.append(Utterance(node["speaker"], node["text"]))
+        node = by_id[node["parent"]]
+    return path[::-1]
+
+
+def best_and_worst(children: Sequence[dict]) -> tuple[dict, dict]:
+    """The highest- and lowest-valued children by current value (ties: the older child); two distinct nodes.
+
+    Args:
+        children: At least two child node dicts.
+    """
+    if len(children) < 2:
+        raise ValueError(f"a pair needs at least two children, got {len(children)}")
+    ranked = sorted(children, key=lambda child: -child["value"])  # stable: ties keep creation order
+    return ranked[0], ranked[-1]
+
+
+def passes_pair_rule(best: float, worst: float, recipe) -> bool:
+    """SPEC 4.4: best value above ``initial_dpo_epsilon`` and best - worst above ``initial_dpo_min_value``.
+
+    Args:
+        best: Value of the best child.
+        worst: Value of the worst child.
+        recipe: Supplies ``initial_dpo_epsilon`` and ``initial_dpo_min_value``.
+    """
+    return best > recipe.initial_dpo_epsilon and best - worst > recipe.initial_dpo_min_value
+
+
+def build_pair_row(example: Example, path: Sequence[Utterance], chosen: dict, rejected: dict, node: dict) -> dict:
+    """One TRL conversational preference row from the view of the agent who speaks after ``node``.
+
+    Args:
+        example: The question.
+        path: The utterances up to the branch.
+        chosen: The best child (node dict).
+        rejected: The worst child (node dict).
+        node: The branching node.
+    """
+    speaker = chosen["speaker"]
+    return {
+        "prompt": build_agent_messages(example, speaker, path),
+        "chosen": [{"role": "assistant", "content": render_utterance((speaker, chosen["text"]))}],
+        "rejected": [{"role": "assistant", "content": render_utterance((speaker, rejected["text"]))}],
+        "task_id": example.id,
+        "node_id": node["id"],
+        "depth": node["depth"],
+        "speaker": speaker,
+        "chosen_value": chosen["value"],
+        "rejected_value": rejected["value"],
+    }
+
+
+def candidate_pairs(line: dict, recipe) -> list[dict]:
+    """Every pair of one question's tree that passes the rule, in node order (before keeping the best).
+
+    Args:
+        line: The question's search result (``SearchResult.to_dict``).
+        recipe: Supplies the pair thresholds.
+    """
+    example = Example.from_dict(line["example"])
+    by_id = {node["id"]: node for node in line["nodes"]}
+    children = children_by_parent(line["nodes"])
+    pairs = []
+    for node in sorted(line["nodes"], key=lambda n: n["id"]):
+        kids = children[node["id"]]
+        if not node.get("minable", True) or len(kids) < 2:
+            continue
+        best, worst = best_and_worst(kids)
+        if passes_pair_rule(best["value"], worst["value"], recipe):
+            pairs.append(build_pair_row(example, path_utterances(node, by_id), best, worst, node))
+    return pairs
+
+
+def keep_best_pairs(pairs: Sequence[dict], keep_fraction: float) -> list[dict]:
+    """The top ``keep_fraction`` of one question's pairs by chosen value (at least one when there are any).
+
+    Args:
+        pairs: The question's candidate pairs.
+        keep_fraction: Recipe ``dpo_keep_fraction`` (0.5 in the original).
+    """
+    if not pairs:
+        return []
+    ranked = sorted(pairs, key=lambda pair: -pair["chosen_value"])  # stable: ties keep node order
+    return ranked[: max(1, int(keep_fraction * len(ranked)))]
+
+
+def question_pairs(line: dict, recipe) -> list[dict]:
+    """The kept pairs of one question (``candidate_pairs`` then ``keep_best_pairs``).
+
+    Args:
+        line: The question's search result.
+        recipe: Supplies the thresholds and ``dpo_keep_fraction``.
+    """
+    return keep_best_pairs(candidate_pairs(line, recipe), recipe.dpo_keep_fraction)
+
+
+def split_pairs(
+    pairs_by_question: Sequence[Sequence[dict]], train_fraction: float, seed: int, iteration: int
+) -> dict[str, list[dict]]:
+    """Seeded shuffle of the questions, split into train/test (all pairs of a question stay together).
+
+    Args:
+        pairs_by_question: The kept pairs, one list per question.
+        train_fraction: Recipe ``dpo_train_fraction`` (0.9 in the original).
+        seed: Recipe ``seed``.
+        iteration: The iteration (a different shuffle each iteration).
+    """
+    groups = [list(group) for group in pairs_by_question if group]
+    random.Random(f"{seed}:dpo-split:{iteration}").shuffle(groups)
+    n_test = int(round(len(groups) * (1 - train_fraction)))
+    if train_fraction < 1 and n_test == 0 and len(groups) >= 4:
+        n_test = 1  # keep an evaluation split once there is enough data for it
+    return {
+        "train": [pair for group in groups[n_test:] for pair in group],
+        "test": [pair for group in groups[:n_test] for pair in group],
+    }
+
+
+def pair_record(line: dict, found: Sequence[dict], kept: Sequence[dict]) -> dict:
+    """The audit line of one question: tree size, branching nodes, and every pair found (kept or not).
+
+    Args:
+        line: The question's search result.
+        found: Its candidate pairs.
+        kept: The pairs kept.
+    """
+    kept_nodes = {pair["node_id"] for pair in kept}
+    children = children_by_parent(line["nodes"])
+    return {
+        "task_id": line["task_id"],
+        "nodes": len(line["nodes"]),
+        "rollouts": len(line["rollouts"]),
+        "branching_nodes": sum(1 for n in line["nodes"] if n.get("minable", True) and len(children[n["id"]]) >= 2),
+        "pairs": [
+            {key: pair[key] for key in META_COLUMNS if key != "task_id"} | {"kept": pair["node_id"] in kept_nodes}
+            for pair in found
+        ],
+    }
+
+
+def save_pairs(lines: Sequence[dict], recipe, dataset_path: Path, record_path: Path, iteration: int) -> dict:
+    """Mine, keep, split and save the pairs of all questions; write the audit record. Returns a summary.
+
+    Args:
+        lines: One search result per question.
+        recipe: Pair thresholds, ``dpo_keep_fraction``, ``dpo_train_fraction`` and ``seed``.
+        dataset_path: The ``save_to_disk`` folder (``train``/``test`` splits); not written when no pair is kept.
+        record_path: The JSONL audit record (one line per question).
+        iteration: The iteration (seeds the split).
+    """
+    records, kept_by_question, found_total = [], [], 0
+    for line in lines:
+        found = candidate_pairs(line, recipe)
+        kept = keep_best_pairs(found, recipe.dpo_keep_fraction)
+        records.append(pair_record(line, found, kept))
+        kept_by_question.append(kept)
+        found_total += len(found)
+    write_jsonl(records, record_path)
+    kept_total = sum(len(kept) for kept in kept_by_question)
+    rows = {}
+    if kept_total:
+        splits = split_pairs(kept_by_question, recipe.dpo_train_fraction, recipe.seed, iteration)
+        rows = save_splits(splits, Path(dataset_path))
+    logger.info("pairs | %d questions | %d pairs found | %d kept | rows %s", len(lines), found_total, kept_total, rows)
+    return {
+        "questions": len(lines),
+        "questions_with_pairs": sum(1 for kept in kept_by_question if kept),
+        "pairs_found": found_total,
+        "pairs_kept": kept_total,
+        "rows": rows,
+    }

@@ -1,0 +1,415 @@
+"""MCTS-inspired search for DPO pairs: one tree of utterances per question (SPEC 4.1-4.3; the paper's iDPO).
+
+Pure tree logic: the model call and the reward are injected callables, randomness is the caller's seeded
+``random.Random``, and nothing is shared between questions, so the pipeline may search many questions at once in a
+``ThreadPoolExecutor`` (one ``search_question`` call, one tree, one RNG per question).
+
+* **Tree.** A node is one utterance (speaker + text). The root is the empty conversation. ``next_speaker`` (the
+  original's ``nodeType``) is the index of the agent who speaks next from a node: 0 at the root, alternating down.
+* **Selection** (``SearchTree.select``). Candidates are the root and every node whose first child has children.
+  A candidate whose content is within ``selection_distance < diversity_threshold`` of an already selected node is
+  skipped and leaves the candidate pool for good (so a node is selected at most once and its near-duplicates are
+  neither selected nor mined). Among the ``top_k`` best values one is drawn with ``softmax(value)``; with no
+  candidate left the root is taken again.
+* **Expansion** (``SearchTree.run_rollout``, ``rollouts`` times per selection). From the selected node the two
+  agents talk to the end with generation's rules (``optima.agents.conversation``): each agent sees its own chat
+  view (``build_agent_messages`` with the speaker's own base system prompt: SPEC 9.2 item 16 fixed), the rollout
+  stops when the same answer is stated twice in a row (answers on the path count), after ``max_turns`` utterances,
+  or on a failed / too long reply (that reply is not added). Each new utterance merges into an existing child when
+  ``merge_distance(child, reply) < merge_threshold``, else becomes a new child; the rollout itself keeps the text
+  that was actually generated (as the original did).
+* **Backpropagation.** The rollout's reward (``score(rollout)``) updates the running mean value and the visit count
+  of every node from the last one reached up to the root. Pair mining (``optima.selection.dpo``) reads the
+  children's *current* values, so there are no stale best/worst pointers (SPEC 9.2 item 17 fixed).
+
+Deliberate difference: a rollout that reaches ``max_turns`` keeps its last stated answer (``stop_reason
+"max_turns"``), as in generation; the original scored it with the answer ``"error"`` (task score 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, render_utterance, strip_speaker_prefix
+from optima.reward import RewardParts
+from optima.selection.edit_distance import merge_distance, selection_distance
+from optima.tasks import Example, Task, get_task
+from optima.tasks.scoring import AnswerTracker
+
+logger = logging.getLogger(__name__)
+
+REPLY_STATUSES = ("ok", "too_long", "error")
+DEFAULT_SELECTIONS = 8  # the original's hard-coded explore_time
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the injected ``generate`` returns for one utterance.
+
+    Args:
+        text: The generated content (a leading ``Name:`` is removed by the search).
+        tokens: Its generated tokens.
+        status: ``ok``, ``too_long`` (hit the token cap) or ``error`` (the request failed for good).
+        error: The failure message when ``status == "error"``.
+    """
+
+    text: str
+    tokens: int
+    status: str = "ok"
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in REPLY_STATUSES:
+            raise ValueError(f"Reply.status must be one of {REPLY_STATUSES}, got {self.status!r}")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One complete conversation produced by a rollout (what ``score`` receives).
+
+    Args:
+        utterances: The whole conversation, the selected node's path included, oldest first.
+        tokens: Tokens of each utterance.
+        final_answer: Last stated answer ("" if none).
+        status: ``ok``, ``too_long`` or ``error``.
+        stop_reason: ``same_answer``, ``max_turns``, ``too_long`` or ``error``.
+    """
+
+    utterances: tuple[Utterance, ...]
+    tokens: tuple[int, ...]
+    final_answer: str
+    status: str
+    stop_reason: str
+
+    @property
+    def token_count(self) -> int:
+        """Tokens of all utterances (system prompts excluded, SPEC 2.6)."""
+        return sum(self.tokens)
+
+    def to_dict(self) -> dict:
+        return {
+            "utterances": [{"speaker": u.speaker, "text": u.text} for u in self.utterances],
+            "tokens": list(self.tokens),
+            "token_count": self.token_count,
+            "final_answer": self.final_answer,
+            "status": self.status,
+            "stop_reason": self.stop_reason,
+        }
+
+
+Generate = Callable[[list[dict], str], Reply]  # (speaker's chat view, speaker) -> Reply
+Score = Callable[[Rollout], "float | RewardParts"]
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Search sizes and thresholds (recipe fields ``mcts_*``, ``*_threshold``, ``max_turns``; SPEC 4.1)."""
+
+    selections: int = DEFAULT_SELECTIONS
+    rollouts: int = 3
+    top_k: int = 10
+    diversity_threshold: float = 0.25
+    merge_threshold: float = 0.1
+    max_turns: int = 10
+
+    @classmethod
+    def from_recipe(cls, recipe) -> SearchSettings:
+        """Read the settings from a DPO or SFT-DPO recipe (``mcts_selections`` null means 8)."""
+        return cls(
+            selections=recipe.mcts_selections or DEFAULT_SELECTIONS,
+            rollouts=recipe.mcts_rollouts,
+            top_k=recipe.mcts_top_k,
+            diversity_threshold=recipe.diversity_threshold,
+            merge_threshold=recipe.merge_threshold,
+            max_turns=recipe.max_turns,
+        )
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One utterance of the tree (the root holds none).
+
+    Args:
+        node_id: Creation index (the root is 0).
+        utterance: The utterance, None for the root.
+        parent: The parent node, None for the root.
+        depth: Utterances from the root to this node included.
+        tokens: Tokens of the utterance.
+    """
+
+    node_id: int
+    utterance: Utterance | None
+    parent: TreeNode | None
+    depth: int
+    tokens: int = 0
+    children: list[TreeNode] = field(default_factory=list)
+    value: float = 0.0
+    visits: int = 0
+
+    @property
+    def next_speaker(self) -> int:
+        """Index of the agent who speaks after this node (the original's ``nodeType``)."""
+        return self.depth % 2
+
+    @property
+    def content(self) -> str:
+        """The rendered utterance (``"Alice: text"``) compared by the edit-distance rules; "" for the root."""
+        return render_utterance(self.utterance) if self.utterance is not None else ""
+
+    def path(self) -> list[TreeNode]:
+        """Nodes from the root's first child down to this node (empty for the root)."""
+        nodes, node = [], self
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.node_id,
+            "parent": None if self.parent is None else self.parent.node_id,
+            "depth": self.depth,
+            "speaker": None if self.utterance is None else self.utterance.speaker,
+            "text": None if self.utterance is None else self.utterance.text,
+            "tokens": self.tokens,
+            "next_speaker": AGENT_NAMES[self.next_speaker],
+            "value": self.value,
+            "visits": self.visits,
+        }
+
+
+def ranked_children(node: TreeNode) -> list[TreeNode]:
+    """Children by current value, best first (ties: older first). Mining uses the ends of this list."""
+    return sorted(node.children, key=lambda child: -child.value)
+
+
+@dataclass
+class SearchResult:
+    """One question's search: the tree (plain dicts), every rollout, and the order of selections."""
+
+    example: Example
+    nodes: list[dict]
+    rollouts: list[dict]
+    selections: list[int]
+
+    def to_dict(self) -> dict:
+        """The JSON line of this question (what ``optima.selection.dpo`` reads)."""
+        return {
+            "task_id": self.example.id,
+            "example": self.example.to_dict(),
+            "nodes": self.nodes,
+            "rollouts": self.rollouts,
+            "selections": self.selections,
+        }
+
+
+class SearchTree:
+    """The tree of one question and the three MCTS steps on it.
+
+    Args:
+        example: The question.
+        settings: Search sizes and thresholds.
+        rng: This question's seeded RNG (selection sampling only).
+        task: The example's task (looked up from ``example.task`` when None).
+    """
+
+    def __init__(self, example: Example, settings: SearchSettings, rng: random.Random, task: Task | None = None):
+        self.example = example
+        self.settings = settings
+        self.rng = rng
+        self.task = task or get_task(example.task)
+        self.root = TreeNode(0, None, None, 0)
+        self.nodes: list[TreeNode] = [self.root]  # every node, in creation order
+        self.pool: list[TreeNode] = [self.root]  # the original's all_nodes: nodes that may still be candidates
+        self.selected: list[TreeNode] = []
+        self.selections: list[int] = []
+        self.rollouts: list[dict] = []
+
+    def candidates(self) -> list[TreeNode]:
+        """The root (while in the pool) and every pooled node whose first child has children."""
+        return [n for n in self.pool if n is self.root or (n.children and n.children[0].children)]
+
+    def near_selected(self, node: TreeNode) -> bool:
+        """Whether ``node`` is within the diversity threshold of a node selected before (itself included)."""
+        threshold = self.settings.diversity_threshold
+        return any(selection_distance(node.content, chosen.content) < threshold for chosen in self.selected)
+
+    def select(self) -> TreeNode:
+        """Pick the node to expand next (diversity filter, top-k, softmax sampling; root as fallback)."""
+        candidates = []
+        for node in self.candidates():
+            if self.near_selected(node):
+                self.pool.remove(node)  # never a candidate again
+            else:
+                candidates.append(node)
+        if candidates:
+            ranked = sorted(candidates, key=lambda n: -n.value)[: self.settings.top_k]
+            best = ranked[0].value
+            weights = [math.exp(n.value - best) for n in ranked]  # softmax(value), shifted for stability
+            chosen = self.rng.choices(ranked, weights=weights)[0]
+        else:
+            chosen = self.root
+        if chosen not in self.selected:
+            self.selected.append(chosen)
+        self.selections.append(chosen.node_id)
+        return chosen
+
+    def attach(self, node: TreeNode, utterance: Utterance, tokens: int) -> TreeNode:
+        """The child of ``node`` for a new utterance: a near-identical existing child, or a new one."""
+        text = render_utterance(utterance)
+        for child in node.children:
+            if merge_distance(child.content, text) < self.settings.merge_threshold:
+                return child
+        child = TreeNode(len(self.nodes), utterance, node, node.depth + 1, tokens)
+        node.children.append(child)
+        self.nodes.append(child)
+        self.pool.append(child)
+        return child
+
+    @staticmethod
+    def backpropagate(node: TreeNode | None, reward: float) -> None:
+        """Add one visit with ``reward`` to ``node`` and every ancestor (running mean value)."""
+        while node is not None:
+            node.visits += 1
+            node.value += (reward - node.value) / node.visits
+            node = node.parent
+
+    def run_rollout(self, start: TreeNode, generate: Generate, score: Score) -> dict:
+        """Talk from ``start`` to the end of the conversation, grow the tree, score, backpropagate.
+
+        Args:
+            start: The selected node.
+            generate: Returns the reply of ``speaker`` given that speaker's chat view.
+            score: The reward of a finished rollout (a float or ``RewardParts``).
+        """
+        path = start.path()
+        utterances = [n.utterance for n in path]
+        tokens = [n.tokens for n in path]
+        tracker = AnswerTracker()
+        for utterance in utterances:  # answers already stated on the path count for the stop rule
+            tracker.update(self.task.parse_answer(utterance.text))
+        node, status, stop_reason = start, "ok", "max_turns"
+        while len(utterances) < self.settings.max_turns:
+            speaker = AGENT_NAMES[node.next_speaker]
+            messages = build_agent_messages(self.example, speaker, utterances, task=self.task)
+            reply = generate(messages, speaker)
+            if reply.status != "ok":
+                status = stop_reason = reply.status
+                break
+            utterance = Utterance(speaker, strip_speaker_prefix(reply.text, speaker).strip())
+            node = self.attach(node, utterance, reply.tokens)
+            utterances.append(utterance)
+            tokens.append(reply.tokens)
+            if tracker.update(self.task.parse_answer(utterance.text)):
+                stop_reason = "same_answer"
+                break
+        rollout = Rollout(tuple(utterances), tuple(tokens), tracker.final_answer, status, stop_reason)
+        outcome = score(rollout)
+        reward = outcome.reward if isinstance(outcome, RewardParts) else float(outcome)
+        self.backpropagate(node, reward)
+        record = rollout.to_dict() | {
+            "selection": len(self.selections) - 1,
+            "start_node": start.node_id,
+            "end_node": node.node_id,
+            "reward": reward,
+            "reward_parts": outcome.to_dict() if isinstance(outcome, RewardParts) else None,
+        }
+        self.rollouts.append(record)
+        return record
+
+    def minable(self) -> list[TreeNode]:
+        """Nodes pair mining may use: still pooled or selected (the original's ``all_nodes`` ∪ selected)."""
+        keep = {id(n) for n in self.pool} | {id(n) for n in self.selected}
+        return [n for n in self.nodes if id(n) in keep]
+
+    def result(self) -> SearchResult:
+        """The tree as plain dicts (with a ``minable`` flag per node) plus the rollout records."""
+        minable = {n.node_id for n in self.minable()}
+        nodes = [n.to_dict() | {"minable": n.node_id in minable} for n in self.nodes]
+        return SearchResult(self.example, nodes, list(self.rollouts), list(self.selections))
+
+
+def search_question(
+    example: Example,
+    generate: Generate,
+    score: Score,
+    recipe,
+    rng: random.Random,
+    task: Task | None = None,
+) -> SearchResult:
+    """Run the whole tree search of one question: ``selections`` × (select, ``rollouts`` rollouts).
+
+    Thread-safe as long as ``generate`` and ``score`` are: the tree and ``rng`` belong to this call.
+
+    Args:
+        example: The question.
+        generate: ``(messages, speaker) -> Reply``; ``messages`` is that speaker's chat view.
+        score: ``(Rollout) -> float | RewardParts`` (``optima.selection.mcts_reward.build_rollout_scorer``).
+        recipe: A DPO / SFT-DPO recipe, or a ``SearchSettings``.
+        rng: This question's seeded RNG.
+        task: The example's task (looked up from ``example.task`` when None).
+    """
+    settings = recipe if isinstance(recipe, SearchSettings) else SearchSettings.from_recipe(recipe)
+    tree = SearchTree(example, settings, rng, task)
+    for _ in range(settings.selections):
+        node = tree.select()
+        for _ in range(settings.rollouts):
+            tree.run_rollout(node, generate, score)
+    logger.debug(
+        "mcts | %s | %d nodes | %d rollouts | root value %.3f", example.id, len(tree.nodes), len(tree.rollouts),
+        tree.root.value,
+    )  # fmt: skip
+    return tree.result()
+
+
+def token_quantile(token_counts: Sequence[int], q: float) -> int:
+    """The tree search's ``T_max``: ``int(quantile_q(token_counts)) + 1`` (linear interpolation, as numpy's default).
+
+    Args:
+        token_counts: Token counts of the probe conversations.
+        q: The quantile in [0, 1] (recipe ``token_quantile``: 0.85 for iDPO, 0.8 for iSFT-DPO).
+    """
+    if not token_counts:
+        raise ValueError("token_quantile needs at least one token count (the probe produced no conversation)")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q!r}")
+    values = sorted(token_counts)
+    position = q * (len(values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    quantile = values[low] + (values[high] - values[low]) * (position - low)
+    return int(quantile) + 1
+
+
+def reply_from_chat(
+    chat_generate: Callable,
+    max_tokens: int,
+    failures: tuple[type[BaseException], ...] = (),
+    count_tokens: Callable[[str, str], int] | None = None,
+) -> Generate:
+    """Adapt a generation-style ``(messages, speaker) -> ChatReply`` callable to the search's ``Generate``.
+
+    Args:
+        chat_generate: Returns an object with ``text``, ``finish_reason`` and ``completion_tokens`` (``ChatReply``).
+        max_tokens: Token cap of one utterance; a reply cut by it is ``too_long``.
+        failures: Exception types meaning "this request failed for good" (e.g. ``RequestFailed``); others propagate.
+        count_tokens: ``(text, speaker) -> tokens`` when the server sent no usage.
+    """
+
+    def generate(messages: list[dict], speaker: str) -> Reply:
+        try:
+            chat = chat_generate(messages, speaker)
+        except failures as exc:
+            return Reply("", 0, "error", str(exc))
+        tokens = chat.completion_tokens
+        if tokens is None:
+            tokens = count_tokens(chat.text, speaker) if count_tokens else 0
+        if chat.finish_reason == "length" or tokens >= max_tokens:
+            return Reply(chat.text, tokens, "too_long")
+        return Reply(chat.text, tokens)
+
+    return generate
