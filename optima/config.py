@@ -116,18 +116,24 @@ class _BaseRecipe(ServingFields, GenerationFields):
             self.prompt_pool_path = None
         for name in ("data_dir", "output_dir", "check_point_root_path", *self.path_fields()):
             setattr(self, name, resolve_path(getattr(self, name)))
-        if self.initial_model_path and not is_hub_id(self.initial_model_path):
-            self.initial_model_path = resolve_path(self.initial_model_path)
+        for name in self.model_fields():  # hub ids stay as they are
+            value = getattr(self, name)
+            if value and not is_hub_id(value):
+                setattr(self, name, resolve_path(value))
         ServingFields.validate(self)
         GenerationFields.validate(self)
 
     def path_fields(self) -> tuple[str, ...]:
         """Names of the recipe's local input-file fields (resolved to absolute paths and checked)."""
-        return ("tokenizer_first_path", "tokenizer_second_path", "prompt_pool_path")
+        return ("prompt_pool_path",)
+
+    def model_fields(self) -> tuple[str, ...]:
+        """Names of the fields that take a model or tokenizer: a hub id or a local folder."""
+        return ("initial_model_path", "tokenizer_first_path", "tokenizer_second_path")
 
     def input_paths(self) -> dict[str, str]:
         """Every local input the run reads, by field name (hub ids excluded)."""
-        names = ("initial_model_path", "data_dir", *self.path_fields())
+        names = (*self.model_fields(), "data_dir", *self.path_fields())
         values = {n: getattr(self, n) for n in names}
         return {n: v for n, v in values.items() if v and not is_hub_id(v)}
 
@@ -154,6 +160,9 @@ class SFTRecipe(SFTFields, RewardFields, _BaseRecipe):
     def path_fields(self) -> tuple[str, ...]:
         return (*_BaseRecipe.path_fields(self), "origin_yaml_path")
 
+    def model_fields(self) -> tuple[str, ...]:
+        return (*_BaseRecipe.model_fields(self), "loss_model_path")
+
 
 @dataclasses.dataclass(kw_only=True)
 class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
@@ -172,6 +181,9 @@ class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
 
     def path_fields(self) -> tuple[str, ...]:
         return (*_BaseRecipe.path_fields(self), "origin_dpo_yaml_path")
+
+    def model_fields(self) -> tuple[str, ...]:
+        return (*_BaseRecipe.model_fields(self), "loss_model_path")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -194,6 +206,9 @@ class SFTDPORecipe(DPOFields, SFTFields, RewardFields, _BaseRecipe):
 
     def path_fields(self) -> tuple[str, ...]:
         return (*_BaseRecipe.path_fields(self), "origin_yaml_path", "origin_dpo_yaml_path")
+
+    def model_fields(self) -> tuple[str, ...]:
+        return (*_BaseRecipe.model_fields(self), "loss_model_path")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -16,6 +16,7 @@ from optima.manifest import Manifest
 from optima.paths import RunPaths
 from optima.plan import Plan
 from optima.run_context import RunContext, write_iteration_report
+from optima.stages import dpo as dpo_stages
 from optima.stages import sft as sft_stages
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ SFT_STAGE_FIELDS = {
         "lambda2",
         "cal_ppl",
         "loss_backend",
+        "loss_model_path",
         "min_tokens",
         "max_total_tokens",
         "overlong_penalty",
@@ -57,6 +59,50 @@ SFT_STAGE_FIELDS = {
     "select": ("initial_epsilon", "selection_range", "sft_train_fraction"),
     "train": ("origin_yaml_path", "from_initial", "accelerate_config"),
 }
+
+
+DPO_STAGE_FIELDS = {
+    "probe": (
+        "dataset_type",
+        "data_dir",
+        "seed",
+        "probe_count",
+        "token_quantile",
+        "temperature",
+        "max_turns",
+        "max_tokens",
+        "served_model_name",
+    ),
+    "search": (
+        "monte_sample_count",
+        "mcts_selections",
+        "mcts_rollouts",
+        "mcts_top_k",
+        "diversity_threshold",
+        "merge_threshold",
+        "lambda1",
+        "lambda2",
+        "cal_ppl",
+        "loss_backend",
+        "loss_model_path",
+        "min_tokens",
+        "max_total_tokens",
+        "overlong_penalty",
+        "compat",
+    ),
+    "pairs": ("initial_dpo_min_value", "initial_dpo_epsilon", "dpo_keep_fraction", "dpo_train_fraction"),
+    "train": ("origin_dpo_yaml_path", "from_initial", "rpo_alpha", "accelerate_config"),
+}
+
+
+def handle_empty(ctx: RunContext, label: str, message: str, model: str) -> None:
+    """Nothing to train on: stop (default) or carry ``model`` to the next iteration (``on_empty_selection``)."""
+    if ctx.recipe.on_empty_selection == "stop":
+        ctx.servers.close()
+        raise NothingSelected(
+            f"{label}{message}. Lower the thresholds, sample more, or set on_empty_selection: carry_forward"
+        )
+    logger.warning("%s%s; carrying %s forward", label, message, model)
 
 
 def run_sft_iteration(ctx: RunContext, iteration: int, model: str, stage: str | None = None) -> str | None:
@@ -78,18 +124,48 @@ def run_sft_iteration(ctx: RunContext, iteration: int, model: str, stage: str | 
     selected = manifest.run("select", lambda: sft_stages.select(ctx, iteration, sp), label)
     trained = None
     if selected["kept_conversations"] == 0:
-        message = sft_stages.describe_empty_selection(recipe, selected)
-        if recipe.on_empty_selection == "stop":
-            ctx.servers.close()
-            raise NothingSelected(
-                f"{label}{message}. Lower initial_epsilon, sample more (sample_count, "
-                "explore_count), or set on_empty_selection: carry_forward"
-            )
-        logger.warning("%s%s; carrying %s forward", label, message, model)
+        handle_empty(ctx, label, sft_stages.describe_empty_selection(recipe, selected), model)
     else:
         trained = manifest.run("train", lambda: sft_stages.train(ctx, iteration, model, sp, out), label)
     write_iteration_report(ctx, iteration, sp, manifest, out if trained else None)
     return str(out) if trained else None
+
+
+def run_dpo_iteration(ctx: RunContext, iteration: int, model: str, stage: str | None = None) -> str | None:
+    """One DPO iteration from ``model`` (probe, search, pairs, train); returns the new checkpoint or None.
+
+    In iDPO ``from_initial`` trains the initial model on pairs from ``model``; in iSFT-DPO (``stage="dpo"``) DPO
+    always starts from the iteration's SFT checkpoint (SPEC 1.4).
+    """
+    recipe = ctx.recipe
+    sp = ctx.paths.stage(iteration, stage)
+    manifest = Manifest(sp.manifest, ctx.stage_hashes(DPO_STAGE_FIELDS))
+    label = f"iteration {iteration + 1}/{recipe.iteration_times} | {stage + ' | ' if stage else ''}"
+    out = ctx.paths.checkpoint(iteration)
+    outputs = {
+        "probe": [sp.probe],
+        "search": [sp.rollouts],
+        "pairs": [sp.dataset, sp.selection_record],
+        "train": [out],
+    }
+    manifest.invalidate_changed(list(DPO_STAGE_FIELDS), outputs, refuse=("probe",))
+    probed = manifest.run("probe", lambda: dpo_stages.probe(ctx, iteration, model, sp), label)
+    manifest.run("search", lambda: dpo_stages.search(ctx, iteration, model, sp, probed["t_max"]), label)
+    mined = manifest.run("pairs", lambda: dpo_stages.pairs(ctx, iteration, sp), label)
+    trained = None
+    if mined["pairs_kept"] == 0:
+        handle_empty(ctx, label, f"no preference pair passed the thresholds ({mined})", model)
+    else:
+        start = recipe.initial_model_path if recipe.from_initial and stage is None else model
+        trained = manifest.run("train", lambda: dpo_stages.train(ctx, iteration, start, sp, out), label)
+    write_iteration_report(ctx, iteration, sp, manifest, out if trained else None)
+    return str(out) if trained else None
+
+
+def run_sft_dpo_iteration(ctx: RunContext, iteration: int, model: str) -> str | None:
+    """A whole iSFT iteration, then a DPO stage on its checkpoint (SPEC 1.4)."""
+    sft_model = run_sft_iteration(ctx, iteration, model, stage="sft") or model
+    return run_dpo_iteration(ctx, iteration, sft_model, stage="dpo") or (sft_model if sft_model != model else None)
 
 
 def run_plan(plan: Plan) -> str:
@@ -117,6 +193,5 @@ def run_plan(plan: Plan) -> str:
 
 def run_iteration(ctx: RunContext, method: str, iteration: int, model: str) -> str | None:
     """Dispatch one iteration of ``method`` (the loops of SPEC 1.2-1.4)."""
-    if method == "sft":
-        return run_sft_iteration(ctx, iteration, model)
-    raise NotImplementedError(f"the {method} loop is not implemented yet; use --dry-run to see its plan")
+    loops = {"sft": run_sft_iteration, "dpo": run_dpo_iteration, "sft_dpo": run_sft_dpo_iteration}
+    return loops[method](ctx, iteration, model)

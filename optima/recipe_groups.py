@@ -117,7 +117,10 @@ class RewardFields:
     lambda1: float = field(-0.6, help="token-term coefficient (negative: fewer tokens is better)")
     lambda2: float = field(1.0, help="LM-loss-term coefficient")
     cal_ppl: bool = field(True, help="compute the LM-loss term (0/false drops it)")
-    loss_backend: Literal["vllm", "hf"] = field("vllm", help="LM loss from a vLLM server of the initial model, or HF")
+    loss_backend: Literal["vllm", "hf"] = field("vllm", help="LM loss from a vLLM server of the loss model, or HF")
+    loss_model_path: str | None = field(
+        None, help="fixed model whose LM loss scores readability (same tokenizer); null = initial_model_path"
+    )
     loss_batch_size: int = field(8, help="texts per LM-loss batch")
     min_tokens: int = field(40, help="conversations with at most this many tokens get token term -1")
     max_total_tokens: int = field(2000, help="conversations above this many tokens get loss term -1")

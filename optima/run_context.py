@@ -94,6 +94,11 @@ class RunContext:
     def stage_hashes(self, stage_fields: dict[str, tuple[str, ...]]) -> dict[str, str]:
         return {stage: fields_hash(self.recipe, names) for stage, names in stage_fields.items()}
 
+    @property
+    def loss_model(self) -> str:
+        """The fixed model whose LM loss scores readability (SPEC 3.2): ``loss_model_path`` or the initial model."""
+        return str(self.recipe.loss_model_path or self.recipe.initial_model_path)
+
     def tokenizer(self):
         """The initial model's tokenizer (token counts, LM-loss rendering, subword F1)."""
         if self._tokenizer is None:

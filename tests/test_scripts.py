@@ -75,15 +75,18 @@ def test_dry_run_skip_iteration(in_repo, envs, capsys):
     assert "[skip]" in capsys.readouterr().out
 
 
+MISSING_START = ["--set", "initial_model_path=./runs/never_trained/checkpoints/iteration_0"]
+
+
 def test_dry_run_reports_missing_inputs_without_failing(in_repo, envs, capsys):
-    path = REPO / "train/dpo_recipes/demo_arc.yaml"  # starts from a checkpoint that a fresh clone lacks
-    assert load_script("dpo_script").main(["--train_config_path", str(path), *envs, "--dry-run"]) == 0
+    path = REPO / "train/dpo_recipes/demo_arc.yaml"  # starts from a checkpoint that may not exist yet
+    assert load_script("dpo_script").main(["--train_config_path", str(path), *envs, *MISSING_START, "--dry-run"]) == 0
     assert "MISSING" in capsys.readouterr().out
 
 
 def test_real_run_with_missing_input_fails_before_starting(in_repo, envs, capsys):
     path = REPO / "train/dpo_recipes/demo_arc.yaml"
-    assert load_script("dpo_script").main(["--train_config_path", str(path), *envs]) == 2
+    assert load_script("dpo_script").main(["--train_config_path", str(path), *envs, *MISSING_START]) == 2
     assert "initial_model_path: input path does not exist" in capsys.readouterr().err
 
 

@@ -31,11 +31,18 @@ from optima.training.launch import (
 logger = logging.getLogger(__name__)
 
 
-def training_questions(ctx: RunContext, iteration: int, stage: str):
-    """This iteration's slice of the training split, derived from (seed, iteration, stage) (SPEC 9.1 item 12)."""
+def training_questions(ctx: RunContext, iteration: int, stage: str, count: int | None = None):
+    """This iteration's slice of the training split, derived from (seed, iteration, stage) (SPEC 9.1 item 12).
+
+    Args:
+        ctx: The run.
+        iteration: The iteration.
+        stage: ``sft``, ``probe`` or ``search`` (independent slices).
+        count: Questions wanted (default ``sample_count``).
+    """
     recipe = ctx.recipe
     examples = ctx.task.load_train(data_dir=recipe.data_dir, seed=recipe.seed)
-    return slice_questions(examples, recipe.sample_count, recipe.seed, iteration, stage)
+    return slice_questions(examples, recipe.sample_count if count is None else count, recipe.seed, iteration, stage)
 
 
 def generate(ctx: RunContext, iteration: int, model: str, sp: StagePaths) -> dict:
@@ -56,14 +63,14 @@ def loss_scorer(ctx: RunContext, sp: StagePaths):
     if recipe.loss_backend == "vllm":
         from optima.lm_loss import VLLMLossScorer
 
-        urls = ctx.servers.endpoints(recipe.initial_model_path, sp)
+        urls = ctx.servers.endpoints(ctx.loss_model, sp)
         return VLLMLossScorer(
             urls, recipe.served_model_name, ctx.tokenizer(), recipe, 4 * recipe.loss_batch_size
         ).score
     from optima.lm_loss import HFLossScorer
 
     ctx.servers.close()  # the forward passes need the cores / memory
-    return HFLossScorer(recipe.initial_model_path, ctx.tokenizer(), recipe.loss_batch_size).score
+    return HFLossScorer(ctx.loss_model, ctx.tokenizer(), recipe.loss_batch_size).score
 
 
 def score(ctx: RunContext, sp: StagePaths) -> dict:

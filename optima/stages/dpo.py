@@ -1,0 +1,189 @@
+"""The four stages of a DPO iteration (SPEC 1.3, 1.4): probe, search, pairs, train.
+
+* probe: ``probe_count`` training questions, one conversation each at the current temperature, no pool; their
+  token counts give ``T_max`` = the ``token_quantile`` (P85 in iDPO, P80 in iSFT-DPO) used by every rollout reward.
+* search: one tree per question (``optima.selection.mcts``), many questions at once, each question's turns on one
+  replica; each finished tree is one line of ``rollouts.jsonl``, so a killed search resumes at the next question.
+* pairs: preference pairs mined from the trees (``optima.selection.dpo``), saved as a ``datasets`` folder.
+* train: TRL DPO (+ NLL on chosen when ``rpo_alpha`` is set) under accelerate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.store import JsonlWriter, load_records, prepare_resume
+from optima.paths import StagePaths
+from optima.run_context import RunContext
+from optima.selection.dpo import save_pairs
+from optima.selection.mcts import reply_from_chat, search_question, token_quantile
+from optima.selection.mcts_reward import build_rollout_scorer
+from optima.serving import ReplicaPool, RequestFailed, Sampling
+from optima.stages.sft import training_questions
+from optima.tasks.contexts import stable_rng
+from optima.training.common import is_complete, read_completion
+from optima.training.launch import (
+    TrainLaunch,
+    render_trainer_config,
+    resolve_accelerate_config,
+    run_training,
+    write_trainer_config,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def probe(ctx: RunContext, iteration: int, model: str, sp: StagePaths) -> dict:
+    """Sample ``probe_count`` conversations and take the token quantile as ``T_max`` (SPEC 1.3 step 2)."""
+    recipe = ctx.recipe
+    examples = training_questions(ctx, iteration, "probe", recipe.probe_count)
+    endpoints = ctx.servers.endpoints(model, sp)
+    plan = GenerationPlan(iteration, recipe.temperature, 1, use_prompt_pool=False, stage="probe")
+    stats = generate_conversations(recipe, examples, endpoints, sp.probe, plan)
+    counts = [r["token_count"] for r in load_records(sp.probe)[0] if r["status"] == "ok" and r["token_count"] > 0]
+    if not counts:
+        raise RuntimeError(f"the token probe produced no finished conversation ({sp.probe}); see the server logs")
+    t_max = token_quantile(counts, recipe.token_quantile)
+    logger.info(
+        "probe | %d conversations | T_max = P%d = %d tokens", len(counts), round(100 * recipe.token_quantile), t_max
+    )
+    return {"conversations": len(counts), "t_max": t_max} | stats.to_dict()
+
+
+class CachedLoss:
+    """Per-utterance LM losses, each text scored once (rollouts share most of their utterances)."""
+
+    def __init__(self, score_texts: Callable[[Sequence[str]], list[float]]):
+        self.score_texts, self.cache, self.lock = score_texts, {}, threading.Lock()
+
+    def __call__(self, texts: Sequence[str]) -> list[float]:
+        with self.lock:
+            missing = [t for t in dict.fromkeys(texts) if t not in self.cache]
+            if missing:
+                self.cache.update(zip(missing, self.score_texts(missing), strict=True))
+            return [self.cache[t] for t in texts]
+
+
+def search_loss(ctx: RunContext, model: str):
+    """LM loss during the search: the served model's server when it is the loss model, else HF in-process."""
+    recipe = ctx.recipe
+    if not recipe.cal_ppl:
+        return None
+    if recipe.loss_backend == "vllm" and ctx.servers.model == ctx.loss_model:
+        from optima.lm_loss import VLLMLossScorer
+
+        scorer = VLLMLossScorer(ctx.servers.urls, recipe.served_model_name, ctx.tokenizer(), recipe).score
+    else:
+        from optima.lm_loss import HFLossScorer
+
+        scorer = HFLossScorer(ctx.loss_model, ctx.tokenizer(), recipe.loss_batch_size).score
+    return CachedLoss(scorer)
+
+
+def search(ctx: RunContext, iteration: int, model: str, sp: StagePaths, t_max: int) -> dict:
+    """Tree search over ``monte_sample_count`` questions, ``thread_count`` trees at a time (SPEC 4)."""
+    recipe = ctx.recipe
+    examples = training_questions(ctx, iteration, "search", recipe.monte_sample_count)
+    urls = ctx.servers.endpoints(model, sp)
+    done = {task_id for task_id, _ in prepare_resume(sp.rollouts)}
+    todo = [(q, ex) for q, ex in enumerate(examples) if (ex.id, 0) not in done]
+    logger.info(
+        "search | %d questions (%d done) | T_max %d | %d endpoints", len(examples), len(done), t_max, len(urls)
+    )
+    pool = ReplicaPool(urls, recipe)
+    score_texts = search_loss(ctx, model)
+    tokenize = ctx.tokenizer().tokenize if recipe.compat == "original" else None
+    with contextlib.ExitStack() as stack:
+        verifier = stack.enter_context(_verifier(ctx))
+        stack.callback(pool.close)
+        writer = stack.enter_context(JsonlWriter(sp.rollouts))
+
+        def run(position: int, example) -> dict:
+            replica = pool.route(position)
+
+            def chat(messages, speaker):
+                nonlocal replica
+                seed = stable_rng(recipe.seed, "mcts", iteration, example.id, len(messages), speaker).randrange(2**31)
+                reply = pool.chat(replica, messages, Sampling(recipe.temperature, recipe.max_tokens, seed))
+                replica = reply.replica
+                return reply
+
+            generate = reply_from_chat(chat, recipe.max_tokens, failures=(RequestFailed,))
+            score = build_rollout_scorer(example, recipe, t_max, score_texts, tokenize, verifier)
+            rng = random.Random(f"{recipe.seed}:mcts:{iteration}:{example.id}")
+            # Keyed like generation records so the JSONL store resumes it (one line per question).
+            return search_question(example, generate, score, recipe, rng).to_dict() | {"sample_index": 0}
+
+        _run_trees(recipe, todo, run, writer)
+    lines = load_records(sp.rollouts)[0]
+    rollouts = [r for line in lines for r in line["rollouts"]]
+    return {
+        "questions": len(lines),
+        "rollouts": len(rollouts),
+        "t_max": t_max,
+        "answer_rate": round(sum(1 for r in rollouts if r["final_answer"]) / max(len(rollouts), 1), 4),
+        "mean_tokens": round(sum(r["token_count"] for r in rollouts) / max(len(rollouts), 1), 2),
+    }
+
+
+def _run_trees(recipe, todo, run, writer) -> None:
+    from tqdm.auto import tqdm
+
+    with ThreadPoolExecutor(max_workers=max(1, min(recipe.thread_count, len(todo) or 1))) as executor:
+        futures = [executor.submit(run, position, example) for position, example in todo]
+        with tqdm(total=len(futures), unit="question", desc="search") as bar:
+            for future in as_completed(futures):
+                writer.write(future.result())
+                bar.update()
+
+
+def _verifier(ctx: RunContext):
+    """A shared symbolic checker for MATH answers (no worker processes for other tasks)."""
+    if ctx.task.score_type != "math":
+        return contextlib.nullcontext(None)
+    from optima.tasks.math_equiv import MathVerifier
+
+    return MathVerifier()
+
+
+def pairs(ctx: RunContext, iteration: int, sp: StagePaths) -> dict:
+    """Mine preference pairs from the trees and save them (SPEC 4.4, 4.5)."""
+    lines, _ = load_records(sp.rollouts)
+    return save_pairs(lines, ctx.recipe, sp.dataset, sp.selection_record, iteration)
+
+
+def train(ctx: RunContext, iteration: int, start: str, sp: StagePaths, out: Path) -> dict:
+    """DPO (+ NLL on chosen when ``rpo_alpha`` is set) from ``start``; the reference model is ``start`` too."""
+    recipe = ctx.recipe
+    if is_complete(out):
+        return read_completion(out)
+    if out.exists():
+        shutil.rmtree(out)
+    ctx.servers.close()
+    config = render_trainer_config(
+        Path(recipe.origin_dpo_yaml_path),
+        {
+            "model_name_or_path": start,
+            "dataset_name": str(sp.dataset),
+            "output_dir": str(out),
+            "seed": recipe.seed + iteration,
+            "rpo_alpha": recipe.rpo_alpha,
+        },
+    )
+    from optima.training.dpo_train import validate_lengths
+
+    validate_lengths(config.get("max_length"), config.get("max_prompt_length"))
+    write_trainer_config(config, sp.trainer_yaml)
+    launch = TrainLaunch(
+        "dpo", ctx.envs["train"], resolve_accelerate_config(recipe.accelerate_config, ctx.gpu), sp.trainer_yaml
+    )
+    run_training(launch, sp.train_log)
+    return read_completion(out) | {"model": start}
