@@ -107,11 +107,13 @@ def search(ctx: RunContext, iteration: int, model: str, sp: StagePaths, t_max: i
         writer = stack.enter_context(JsonlWriter(sp.rollouts))
 
         def run(position: int, example) -> dict:
-            replica = pool.route(position)
+            replica, calls = pool.route(position), 0
 
             def chat(messages, speaker):
-                nonlocal replica
-                seed = stable_rng(recipe.seed, "mcts", iteration, example.id, len(messages), speaker).randrange(2**31)
+                # Each request of a tree gets its own seed (its n-th call): rollouts differ, reruns repeat.
+                nonlocal replica, calls
+                calls += 1
+                seed = stable_rng(recipe.seed, "mcts", iteration, example.id, calls).randrange(2**31)
                 reply = pool.chat(replica, messages, Sampling(recipe.temperature, recipe.max_tokens, seed))
                 replica = reply.replica
                 return reply
