@@ -159,6 +159,12 @@ def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentPars
         parser.add_argument("--output_path", help="output folder (default <model_path>/eval)")
         parser.add_argument("--temperature", type=float, help="sampling temperature (default 0.5)")
         parser.add_argument("--num_samples", type=int, help="conversations per question (default 50)")
+        parser.add_argument(
+            "--baseline",
+            choices=("cot",),
+            help="also run the single-agent baselines on the same model: CoT (greedy) and CoT-SC (sampled)",
+        )
+        parser.add_argument("--max_k", type=int, help="largest k of the majority-vote analysis (default num_samples)")
     else:
         parser.add_argument("--model_root_path", required=True, help="folder of iteration_<k> checkpoints")
         parser.add_argument("--output_root_path", help="output folder (default <model_root_path>/eval)")
@@ -210,10 +216,17 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
         if args.dry_run:
             from optima.evaluation.plan import render_eval_plan
 
-            emit(render_eval_plan(recipe, envs))
+            baseline = args.baseline if multi_sc else None
+            emit(render_eval_plan(recipe, envs) + (f"\n  baseline: {baseline}, {baseline}-SC" if baseline else ""))
             return 0
-        from optima.pipeline import StageNotAvailable
+        if multi_sc:
+            from optima.evaluation.self_consistency import SCOptions, run_self_consistency
 
-        raise StageNotAvailable("evaluation is not implemented yet; use --dry-run to see the plan")
+            emit(run_self_consistency(recipe, envs, SCOptions(args.baseline, args.max_k)))
+        else:
+            from optima.evaluation.sweep import run_sweep
+
+            emit(run_sweep(recipe, envs))
+        return 0
 
     return guarded(body)

@@ -1,0 +1,143 @@
+"""The single-agent chain-of-thought baseline (paper Table 1 rows CoT and SC): one agent, one message.
+
+The agent gets the whole question (for information-exchange tasks both halves of the context, since nobody else
+holds them), reasons briefly and states its answer in the task's format (``<A>..</A>`` or ``\\boxed{}``), so the
+same parsers and scorers apply as for Optima's conversations. CoT is one greedy sample per question; CoT-SC is
+the self-consistency analysis (``optima.evaluation.voting``) over k sampled answers.
+
+The machinery is the conversation's: each answer is a one-turn conversation (``run_conversation`` with
+``max_turns=1``) whose single request carries the single-agent chat, sent through the same replica pool (routing,
+retries, failover), seeded per (question, sample), and written as the same JSONL record (``status`` ``ok`` /
+``too_long`` / ``error``, ``token_count``, ``final_answer``), resumable in the same way. The speaker is recorded
+as Alice. The wording of the prompts is our own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from optima.agents.conversation import TurnLimits, run_conversation
+from optima.agents.generation import (
+    ConversationRunner,
+    GenerationPlan,
+    GenerationStats,
+    Job,
+    _run_jobs,  # the executor loop of generate_conversations, shared so that both write alike
+)
+from optima.agents.prompts import render_information
+from optima.agents.store import prepare_resume
+from optima.serving.client import ReplicaPool, Sampling
+from optima.tasks import Example, Task, get_task
+from optima.tasks.contexts import stable_rng
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoTPrompt:
+    """System prompt and closing line (answer format) of the single agent for one prompt set."""
+
+    system: str
+    reminder: str
+
+
+COT_PROMPTS: dict[str, CoTPrompt] = {
+    "qa": CoTPrompt(
+        "You answer questions from the information you are given. Think it through step by step, briefly, and "
+        "finish with the answer between <A> and </A>, for example: ... so the river is the Nile. <A>Nile</A>",
+        "Think step by step, briefly, then write the answer as <A>answer</A>.",
+    ),
+    "choice": CoTPrompt(
+        "You answer multiple-choice questions. Think it through step by step, briefly, and finish with the "
+        "chosen option between <A> and </A>, its letter and its text, for example: <A>B) adding heat</A>",
+        "Think step by step, briefly, then write the chosen option as <A>letter) option</A>.",
+    ),
+    "gsm8k": CoTPrompt(
+        "You solve math word problems. Work step by step, one short line per calculation, and finish with the "
+        "final number in \\boxed{}, for example: 12 - 5 = 7. \\boxed{7}",
+        "Calculate step by step, then write the final number as \\boxed{number}.",
+    ),
+    "math": CoTPrompt(
+        "You solve competition mathematics problems. Work step by step, concisely, and finish with the final "
+        "answer in \\boxed{}, simplified and in LaTeX, for example: \\boxed{\\frac{3}{4}}",
+        "Solve step by step, then write the final answer as \\boxed{answer}.",
+    ),
+}
+
+
+def build_cot_messages(example: Example, task: Task | None = None) -> list[dict[str, str]]:
+    """The single agent's chat: system prompt, then the question (with all of the context) and the format line.
+
+    Args:
+        example: The question.
+        task: Its task (looked up from ``example.task`` when None).
+    """
+    task = task or get_task(example.task)
+    prompt = COT_PROMPTS[task.prompt_set]
+    if task.family == "qa":
+        information = render_information((*example.context_first, *example.context_second)) or "none"
+        body = f"Question: {example.question}\n\nInformation:\n{information}"
+    else:
+        body = f"Problem:\n{example.question}"
+    return [{"role": "system", "content": prompt.system}, {"role": "user", "content": f"{body}\n\n{prompt.reminder}"}]
+
+
+class CoTRunner(ConversationRunner):
+    """Runs one CoT answer as a one-turn conversation and records it like a conversation."""
+
+    def run(self, job: Job) -> tuple[dict, int]:
+        task = get_task(job.example.task)
+        messages = build_cot_messages(job.example, task)
+        replica = self.pool.route(job.position)
+        plan = self.plan
+        seed = stable_rng(self.recipe.seed, "turn", plan.stage, plan.iteration, job.example.id, job.sample_index, 0)
+        sampling = Sampling(plan.temperature, self.recipe.max_tokens, seed.randrange(2**31))
+
+        def generate(_agent_view: list[dict], _speaker: str):
+            # The loop renders Alice's two-agent view; the baseline sends its own single-agent chat instead.
+            return self.pool.chat(replica, messages, sampling)
+
+        prompts = (messages[0]["content"], "")
+        limits = TurnLimits(max_turns=1, max_tokens=self.recipe.max_tokens)
+        result = run_conversation(job.example, prompts, generate, limits, self.count_tokens, task)
+        if result.replica is None:
+            result.replica = replica
+        return self.build_record(job, prompts, result), result.generated_tokens
+
+
+def generate_cot_answers(
+    recipe, examples: Sequence[Example], endpoints: Sequence[str], out_path: Path, plan: GenerationPlan
+) -> GenerationStats:
+    """``plan.samples`` single-agent answers per example into ``out_path`` (resuming what is there).
+
+    Same contract as ``optima.agents.generation.generate_conversations``.
+    """
+    done = prepare_resume(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.touch()
+    jobs = [
+        Job(position, example, k)
+        for position, example in enumerate(examples)
+        for k in range(plan.samples)
+        if (example.id, k) not in done
+    ]
+    stats = GenerationStats(requested=len(examples) * plan.samples)
+    stats.already_done = stats.requested - len(jobs)
+    logger.info(
+        "generate (%s) | %d questions x %d | %d to do | T=%.2f",
+        plan.stage,
+        len(examples),
+        plan.samples,
+        len(jobs),
+        plan.temperature,
+    )
+    if jobs:
+        pool = ReplicaPool(endpoints, recipe)
+        try:
+            _run_jobs(CoTRunner(recipe, plan, pool), jobs, out_path, stats)
+        finally:
+            pool.close()
+    return stats

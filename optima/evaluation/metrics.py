@@ -1,0 +1,118 @@
+"""Per-model evaluation metrics from conversation records (SPEC 7.2), pure: no server, no files.
+
+For one result file (one JSONL record per conversation, as ``generate_conversations`` writes it) this computes:
+
+* the task metric, in two variants named after what they compute:
+  - ``f1`` (SQuAD word F1) and ``f1_original_subword`` (the original's bag-of-subword F1 with the model tokenizer)
+    for the four information-exchange tasks;
+  - ``accuracy`` and ``accuracy_original`` for the four debate tasks. ``accuracy_original`` is the original's
+    eval scoring: option-text equality for arc/mmlu, the *first number* of the final answer for gsm8k (its eval-only
+    ``gsm8k`` score type, SPEC 6), and symbolic equivalence for math (as ours);
+* ``mean_tokens``: the paper's #Tok, the mean ``token_count`` per question (every conversation counted as
+  recorded), and ``mean_tokens_original``: the original's figure, where too-long and failed conversations add 0
+  tokens but still count in the denominator (SPEC 7.2);
+* ``no_answer_rate`` (too long, failed, or no parsed answer), ``too_long_rate`` and ``error_rate``.
+
+As in the original, a conversation that was cut for length (``too_long``) or failed (``error``) scores 0 even if an
+earlier utterance stated an answer; a question's score is the mean over its conversations, and the metric is the
+mean over questions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from optima.rewarding import group_by_question
+from optima.tasks import Example
+from optima.tasks.math_equiv import MathVerifier
+from optima.tasks.scoring import score_example
+
+Tokenize = Callable[[str], list[str]]
+# First number of a final answer: the original's eval-only gsm8k scoring (SPEC 6).
+_FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def metric_names(score_type: str) -> tuple[str, str]:
+    """(our metric, the original's variant) for a score type: F1 for ``f1`` tasks, accuracy for the others.
+
+    Args:
+        score_type: ``f1``, ``choice``, ``number`` or ``math``.
+    """
+    return ("f1", "f1_original_subword") if score_type == "f1" else ("accuracy", "accuracy_original")
+
+
+def has_answer(record: dict) -> bool:
+    """Whether a conversation ended normally with a parsed answer (too long and failed ones have none)."""
+    return record.get("status") == "ok" and bool(record.get("final_answer"))
+
+
+def record_example(record: dict) -> Example:
+    """The question a record was about (records carry it whole under ``example``)."""
+    return Example.from_dict(record["example"])
+
+
+@dataclass(frozen=True)
+class RecordScorer:
+    """Scores one conversation record against its gold answer; 0 for too long, failed or unanswered ones.
+
+    Args:
+        tokenize: The model tokenizer's ``tokenize`` (needed for ``f1_original_subword`` only).
+        verifier: A shared ``MathVerifier`` (math tasks).
+    """
+
+    tokenize: Tokenize | None = None
+    verifier: MathVerifier | None = None
+
+    def score(self, record: dict, original: bool = False) -> float:
+        """Our score (``original=False``) or the original's eval score of ``record``."""
+        if not has_answer(record):
+            return 0.0
+        example, prediction = record_example(record), record["final_answer"]
+        if not original:
+            return score_example(example, prediction, verifier=self.verifier)
+        if example.score_type == "number":
+            match = _FIRST_NUMBER.search(prediction)
+            return float(match is not None and match.group(0) == example.answers[0].strip().lower())
+        if example.score_type == "f1" and self.tokenize is None:
+            raise ValueError("f1_original_subword needs the model tokenizer's tokenize function")
+        return score_example(example, prediction, "original", self.tokenize, verifier=self.verifier)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
+    """Metrics of one model's result file (see the module docstring for each key).
+
+    Args:
+        records: Conversation records (any number per question).
+        scorer: Scores a record (ours and the original's variant).
+
+    Returns:
+        ``{"questions", "conversations", <metric>, <metric>_original..., "mean_tokens", "mean_tokens_original",
+        "no_answer_rate", "too_long_rate", "error_rate"}``; the metric keys follow ``metric_names``.
+    """
+    groups = group_by_question(records)
+    if not groups:
+        return {"questions": 0, "conversations": 0}
+    name, original_name = metric_names(record_example(groups[0][0]).score_type)
+    ours = [_mean([scorer.score(r) for r in group]) for group in groups]
+    theirs = [_mean([scorer.score(r, original=True) for r in group]) for group in groups]
+    tokens = [_mean([r["token_count"] for r in group]) for group in groups]
+    # The original left too long and failed results out of the token sum but not out of the count.
+    tokens_original = [_mean([r["token_count"] if r["status"] == "ok" else 0 for r in group]) for group in groups]
+    count = len(records)
+    return {
+        "questions": len(groups),
+        "conversations": count,
+        name: round(_mean(ours), 4),
+        original_name: round(_mean(theirs), 4),
+        "mean_tokens": round(_mean(tokens), 2),
+        "mean_tokens_original": round(_mean(tokens_original), 2),
+        "no_answer_rate": round(sum(not has_answer(r) for r in records) / count, 4),
+        "too_long_rate": round(sum(r["status"] == "too_long" for r in records) / count, 4),
+        "error_rate": round(sum(r["status"] == "error" for r in records) / count, 4),
+    }

@@ -1,0 +1,140 @@
+"""Evaluation reports: JSON and CSV summaries, a plain-text table, and the plots (SPEC 7.2, 7.3; paper Fig. 3).
+
+Files are written through a temporary file and an atomic rename, so a reader never sees half a summary. Plots use
+matplotlib's object API (``Figure`` + its Agg canvas: no pyplot state, no display), imported only when a plot is
+drawn so that ``--help`` and ``--dry-run`` stay fast.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def _replace(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def write_json(path: Path, payload: Mapping) -> None:
+    """Write ``payload`` as indented JSON."""
+    _replace(path, json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_csv(path: Path, rows: Sequence[Mapping], columns: Sequence[str]) -> None:
+    """Write ``rows`` as CSV with the given columns (missing values left empty)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    _replace(path, buffer.getvalue())
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def _line(values: Sequence[str], widths: Sequence[int]) -> str:
+    # First column (names) left-aligned, the numbers right-aligned.
+    cells = [v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))]
+    return "  ".join(cells)
+
+
+def render_table(rows: Sequence[Mapping], columns: Sequence[str], title: str = "") -> str:
+    """A fixed-width text table: an optional title, a header line, then one line per row."""
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(line[i]) for line in cells)]) for i, c in enumerate(columns)]
+    lines = [title] if title else []
+    lines += [_line(columns, widths), "  ".join("-" * w for w in widths)]
+    lines += [_line(line, widths) for line in cells]
+    return "\n".join(lines)
+
+
+def _new_figure(panels: int):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(5.5 * panels, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)  # attaches the Agg canvas: savefig works without any GUI backend
+    return figure, figure.subplots(1, panels)
+
+
+def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str) -> None:
+    """Task metric (ours and the original's variant) and mean tokens per question, one point per checkpoint.
+
+    Args:
+        rows: Summary rows in checkpoint order (``model`` plus the metric keys and ``mean_tokens``).
+        metric: Our metric key (``f1`` or ``accuracy``).
+        original_metric: The original's variant key.
+        path: PNG to write.
+        title: Figure title (task and model root).
+    """
+    figure, (score_axis, token_axis) = _new_figure(2)
+    x = list(range(len(rows)))
+    names = [row["model"] for row in rows]
+    score_axis.plot(x, [row.get(metric) for row in rows], marker="o", label=metric)
+    score_axis.plot(x, [row.get(original_metric) for row in rows], marker="s", linestyle="--", label=original_metric)
+    score_axis.set_ylabel(metric)
+    score_axis.legend()
+    token_axis.plot(x, [row.get("mean_tokens") for row in rows], marker="o", color="tab:red")
+    token_axis.set_ylabel("mean tokens per question")
+    score_axis.set_ylim(-0.02, 1.02)  # scores live in [0, 1]: keep curves of different runs comparable
+    token_axis.set_ylim(bottom=0)
+    for axis in (score_axis, token_axis):
+        axis.set_xticks(x, names, rotation=30, ha="right")
+        axis.set_xlabel("checkpoint")
+        axis.grid(alpha=0.3)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=120)
+    logger.info("plot | %s", path)
+
+
+def plot_self_consistency(
+    curves: Mapping[str, Sequence[Mapping]], points: Mapping[str, Mapping], path: Path, title: str
+) -> None:
+    """Majority vote and coverage vs samples, and majority vote vs tokens, one line per method (paper Fig. 3).
+
+    Args:
+        curves: Label -> rows of ``analyze_self_consistency`` (``k``, ``majority_vote``, ``coverage``, ``tokens``).
+        points: Label -> single-sample results (``score``, ``tokens``), e.g. the greedy CoT baseline.
+        path: PNG to write.
+        title: Figure title.
+    """
+    figure, (k_axis, token_axis) = _new_figure(2)
+    for index, (label, rows) in enumerate(curves.items()):
+        color = f"C{index}"
+        ks = [row["k"] for row in rows]
+        votes = [row["majority_vote"] for row in rows]
+        k_axis.plot(ks, votes, color=color, marker="o", label=f"{label} majority vote")
+        k_axis.plot(ks, [row["coverage"] for row in rows], color=color, linestyle="--", label=f"{label} coverage")
+        token_axis.plot([row["tokens"] for row in rows], votes, color=color, marker="o", label=label)
+    for index, (label, point) in enumerate(points.items(), start=len(curves)):
+        k_axis.scatter([1], [point["score"]], color=f"C{index}", marker="*", s=120, label=label, zorder=3)
+        token_axis.scatter([point["tokens"]], [point["score"]], color=f"C{index}", marker="*", s=120, label=label)
+    k_axis.set_xscale("log", base=2)
+    k_axis.set_xlabel("samples per question (k)")
+    k_axis.set_ylabel("score")
+    tokens = [row["tokens"] for rows in curves.values() for row in rows] + [p["tokens"] for p in points.values()]
+    if tokens and min(tokens) > 0:
+        token_axis.set_xscale("log")  # the paper's budget axis; zero tokens (nothing generated) stay linear
+    token_axis.set_xlabel("tokens per question")
+    token_axis.set_ylabel("majority-vote score")
+    for axis in (k_axis, token_axis):
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.suptitle(title)
+    figure.savefig(path, dpi=120)
+    logger.info("plot | %s", path)

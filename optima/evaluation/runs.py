@@ -1,0 +1,127 @@
+"""What the checkpoint sweep and the self-consistency run share: the eval set, the output folder, and
+"serve this model only if something is left to generate" (SPEC 7.1, 7.3).
+
+The eval set is fixed: the first N questions of the task's eval split (SPEC 5: 1000 for the information-exchange
+tasks, the whole test split for debate tasks, capped by the data; ``limit`` overrides), with contexts split by
+``seed``. A result file is complete when every ``(question, sample)`` of that set has a record other than
+``error``; a model whose files are all complete is not served again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.store import load_records, record_key
+from optima.environments import PythonEnv, check_env
+from optima.paths import StagePaths
+from optima.recipe_fields import resolve_path
+from optima.run_context import attach_driver_log, save_recipe
+from optima.tasks import Example, get_task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One result file to fill for a served model.
+
+    Args:
+        label: Method label for logs (``eval``, ``optima_sc``, ``cot``, ``cot_sc``).
+        out_path: The JSONL result file.
+        plan: Temperature and samples per question.
+        generate: ``generate_conversations`` or another function with its signature (the CoT baseline).
+    """
+
+    label: str
+    out_path: Path
+    plan: GenerationPlan
+    generate: Callable = generate_conversations
+
+
+def eval_recipe(recipe):
+    """The recipe with ``output_dir`` (vLLM cache, logs) under the output folder, unless set explicitly."""
+    default = resolve_path(f"runs/{recipe.dataset_type}_{recipe.method}")
+    if recipe.output_dir != default:
+        return recipe
+    return dataclasses.replace(recipe, output_dir=recipe.output_root_path)
+
+
+def prepare_output(recipe) -> Path:
+    """Create the output folder, save the recipe there and log the driver to ``logs/driver.log``."""
+    out_root = Path(recipe.output_root_path)
+    out_root.mkdir(parents=True, exist_ok=True)
+    save_recipe(recipe, out_root / "recipe.yaml")
+    attach_driver_log(out_root / "logs" / "driver.log")
+    return out_root
+
+
+def load_eval_examples(recipe) -> list[Example]:
+    """The fixed eval set: the task's eval split at its SPEC 5 size, then the first ``limit`` questions."""
+    examples = get_task(recipe.dataset_type).load_eval(data_dir=recipe.data_dir, seed=recipe.seed)
+    return examples[: recipe.limit] if recipe.limit else examples
+
+
+def pending_count(out_path: Path, examples: Sequence[Example], samples: int) -> int:
+    """How many ``(question, sample)`` records ``out_path`` still lacks (failed ones count as missing)."""
+    records, _ = load_records(out_path)
+    done = {record_key(r) for r in records if r.get("status") != "error"}
+    return sum((example.id, k) not in done for example in examples for k in range(samples))
+
+
+def checkpoint_iteration(name: str) -> int:
+    """The iteration number in a checkpoint name (``iteration_3`` -> 3); -1 for the base model and others."""
+    number = name.rpartition("_")[2]
+    return int(number) if name != "base" and number.isdigit() else -1
+
+
+class EvalSession:
+    """Serves models one at a time for an evaluation run, only when one of their files is incomplete.
+
+    Args:
+        recipe: The evaluation recipe (serving fields, ``output_root_path``).
+        envs: ``{"vllm": PythonEnv}``.
+        examples: The eval set.
+    """
+
+    def __init__(self, recipe, envs: dict[str, PythonEnv], examples: Sequence[Example]):
+        self.recipe, self.envs, self.examples = recipe, envs, list(examples)
+        self.out_root = Path(recipe.output_root_path)
+        self.servers_started = 0
+        self._env_checked = bool(recipe.endpoints)  # external endpoints need no vLLM env
+
+    def run(self, name: str, model_path: Path, jobs: Sequence[GenerationJob]) -> dict[str, dict]:
+        """Fill every incomplete file of ``jobs`` with ``model_path`` served; return each job's generation stats.
+
+        A model whose files are all complete is skipped without starting a server.
+        """
+        todo = [job for job in jobs if pending_count(job.out_path, self.examples, job.plan.samples)]
+        if not todo:
+            logger.info("%s | skip: %d result files complete, no server started", name, len(jobs))
+            return {}
+        if not self._env_checked:
+            check_env(self.envs["vllm"], "vllm")
+            self._env_checked = True
+        from optima.serving import serve
+
+        stats = {}
+        logger.info("%s | serve %s | %s", name, model_path, ", ".join(job.label for job in todo))
+        with serve(self.recipe, model_path, self.envs.get("vllm"), StagePaths(self.out_root / name)) as endpoints:
+            self.servers_started += 1
+            for job in todo:
+                result = job.generate(self.recipe, self.examples, endpoints, job.out_path, job.plan)
+                stats[job.label] = result.to_dict()
+        return stats
+
+
+def load_tokenize(recipe, model_path: Path, score_type: str):
+    """The model tokenizer's ``tokenize`` for the original's subword F1 (F1 tasks only; None otherwise)."""
+    if score_type != "f1":
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(recipe.tokenizer_first_path or str(model_path)).tokenize

@@ -1,0 +1,166 @@
+"""Multi-agent self-consistency of ``multi_sc_data_generate_script.py`` (SPEC 7.3), with the CoT baselines.
+
+For the model (every model of ``list_models``, usually one): serve it once, sample ``num_samples`` conversations
+per eval question at ``sc_temperature`` (no prompt pool), and, with ``--baseline cot``, also the single-agent
+baselines on the same model and questions: CoT (one greedy answer) and CoT-SC (``num_samples`` sampled answers).
+Every file resumes; complete ones are not regenerated, and a model whose files are all complete is not served.
+Then, for k = 1..K, majority vote, coverage and tokens (``optima.evaluation.voting``):
+
+    <output_root>/<model>.sc.jsonl         Optima conversations (not <model>.jsonl: the sweep's greedy file
+                                           of the same model may share the default folder)
+    <output_root>/<model>.cot.jsonl        CoT, greedy          (with --baseline cot)
+    <output_root>/<model>.cot_sc.jsonl     CoT samples          (with --baseline cot)
+    <output_root>/sc_analysis.json         {"task", "metric", ..., "models": {model: {method: rows or summary}}}
+    <output_root>/sc_analysis.csv          model, method, k, majority_vote, coverage, tokens, questions
+    <output_root>/sc_analysis.png          score vs k (vote and coverage), vote vs tokens (paper Fig. 3)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from optima.agents.generation import GenerationPlan
+from optima.agents.store import load_records
+from optima.environments import PythonEnv
+from optima.evaluation.cot import generate_cot_answers
+from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
+from optima.evaluation.plan import list_models
+from optima.evaluation.report import plot_self_consistency, render_table, write_csv, write_json
+from optima.evaluation.runs import (
+    EvalSession,
+    GenerationJob,
+    checkpoint_iteration,
+    eval_recipe,
+    load_eval_examples,
+    load_tokenize,
+    prepare_output,
+)
+from optima.evaluation.voting import analyze_self_consistency
+from optima.recipe_fields import RecipeError
+from optima.tasks import get_task
+from optima.tasks.math_equiv import MathVerifier
+
+logger = logging.getLogger(__name__)
+
+BASELINES = ("cot",)
+LABELS = {"optima_sc": "Optima SC", "cot_sc": "CoT-SC", "cot": "CoT (greedy)"}
+CSV_COLUMNS = ("model", "method", "k", "majority_vote", "coverage", "tokens", "questions")
+
+
+@dataclass(frozen=True)
+class SCOptions:
+    """Run options beside the recipe.
+
+    Args:
+        baseline: ``"cot"`` to add the single-agent CoT and CoT-SC baselines; None for Optima only.
+        max_k: Largest k of the analysis (default: ``num_samples``).
+    """
+
+    baseline: str | None = None
+    max_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.baseline is not None and self.baseline not in BASELINES:
+            raise RecipeError("baseline", f"must be one of {BASELINES}, got {self.baseline!r}")
+        if self.max_k is not None and self.max_k < 1:
+            raise RecipeError("max_k", f"must be >= 1, got {self.max_k}")
+
+
+def sc_jobs(recipe, out_root: Path, name: str, baseline: str | None) -> list[GenerationJob]:
+    """The result files of one model: Optima's samples, plus CoT (greedy) and CoT-SC samples for the baseline."""
+    iteration, temperature, samples = checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples
+    optima = GenerationPlan(iteration, temperature, samples, stage="sc")
+    jobs = [GenerationJob("optima_sc", out_root / f"{name}.sc.jsonl", optima)]
+    if baseline == "cot":
+        greedy = GenerationPlan(iteration, 0.0, 1, stage="cot")
+        sampled = GenerationPlan(iteration, temperature, samples, stage="cot_sc")
+        jobs.append(GenerationJob("cot", out_root / f"{name}.cot.jsonl", greedy, generate_cot_answers))
+        jobs.append(GenerationJob("cot_sc", out_root / f"{name}.cot_sc.jsonl", sampled, generate_cot_answers))
+    return jobs
+
+
+def analyze_model(jobs: list[GenerationJob], max_k: int, scorer: RecordScorer, cluster_f1: float) -> dict:
+    """Per method: the k = 1..K rows (sampled methods) or the summary (greedy CoT)."""
+    results = {}
+    for job in jobs:
+        records, _ = load_records(job.out_path)
+        if job.label == "cot":  # one greedy answer per question: the sweep's summary
+            results[job.label] = summarize_records(records, scorer)
+        else:
+            results[job.label] = analyze_self_consistency(records, max_k, scorer, cluster_f1)
+    return results
+
+
+def flat_rows(results: dict[str, dict], metric: str) -> list[dict]:
+    """One CSV row per (model, method, k); the greedy CoT is its single k = 1 point."""
+    rows = []
+    for model, methods in results.items():
+        for method, value in methods.items():
+            if isinstance(value, dict):
+                score, tokens, questions = value.get(metric), value.get("mean_tokens"), value.get("questions")
+                point = {"k": 1, "majority_vote": score, "coverage": score, "tokens": tokens, "questions": questions}
+                rows.append({"model": model, "method": method} | point)
+            else:
+                rows.extend({"model": model, "method": method} | row for row in value)
+    return rows
+
+
+def shown_rows(rows: list[dict]) -> list[dict]:
+    """The table's rows: k = 1, 2, 4, 8, ... and the largest k of each method."""
+    last = {}
+    for row in rows:
+        last[(row["model"], row["method"])] = row["k"]
+    return [r for r in rows if r["k"] & (r["k"] - 1) == 0 or r["k"] == last[(r["model"], r["method"])]]
+
+
+def write_sc_report(recipe, results: dict[str, dict], max_k: int) -> str:
+    """Write sc_analysis.json/.csv/.png; return the table as text."""
+    out_root = Path(recipe.output_root_path)
+    metric, _ = metric_names(get_task(recipe.dataset_type).score_type)
+    header = {"task": recipe.dataset_type, "metric": metric, "temperature": recipe.sc_temperature}
+    header |= {"num_samples": recipe.num_samples, "max_k": max_k}
+    write_json(out_root / "sc_analysis.json", header | {"models": results})
+    rows = flat_rows(results, metric)
+    write_csv(out_root / "sc_analysis.csv", rows, CSV_COLUMNS)
+    several = len(results) > 1
+    curves, points = {}, {}
+    for model, methods in results.items():
+        for method, value in methods.items():
+            label = f"{model} {LABELS[method]}" if several else LABELS[method]
+            if isinstance(value, dict):
+                points[label] = {"score": value.get(metric, 0.0), "tokens": value.get("mean_tokens", 0.0)}
+            elif value:
+                curves[label] = value
+    title = f"{recipe.dataset_type}: self-consistency ({metric}, T={recipe.sc_temperature})"
+    if curves or points:
+        plot_self_consistency(curves, points, out_root / "sc_analysis.png", title)
+    return render_table(shown_rows(rows), CSV_COLUMNS, title=f"Self-consistency | {recipe.dataset_type} | {metric}")
+
+
+def run_self_consistency(recipe, envs: dict[str, PythonEnv], options: SCOptions | None = None) -> str:
+    """Sample (resuming), analyse for k = 1..K, write the reports; return the table.
+
+    Args:
+        recipe: A validated ``MultiSCRecipe``.
+        envs: ``{"vllm": PythonEnv}`` (unused when the recipe lists ``endpoints``).
+        options: Baseline and largest k.
+    """
+    options = options or SCOptions()
+    recipe = eval_recipe(recipe)
+    out_root = prepare_output(recipe)
+    examples = load_eval_examples(recipe)
+    max_k = options.max_k or recipe.num_samples
+    session = EvalSession(recipe, envs, examples)
+    score_type = get_task(recipe.dataset_type).score_type
+    results = {}
+    with MathVerifier() as verifier:
+        for name, path in list_models(recipe):
+            jobs = sc_jobs(recipe, out_root, name, options.baseline)
+            logger.info("self-consistency | %s | %d questions x %d samples", name, len(examples), recipe.num_samples)
+            session.run(name, path, jobs)
+            scorer = RecordScorer(load_tokenize(recipe, path, score_type), verifier)
+            results[name] = analyze_model(jobs, max_k, scorer, recipe.cluster_f1)
+        table = write_sc_report(recipe, results, max_k)
+    return table

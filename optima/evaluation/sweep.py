@@ -1,0 +1,100 @@
+"""The checkpoint sweep of ``inference_script.py`` (SPEC 7.1) with its metrics and report (SPEC 7.2).
+
+For every model of ``list_models`` (the base model first when asked, then ``iteration_*`` checkpoints in numeric
+order): serve it, hold one greedy conversation per eval question (temperature 0, no prompt pool), write
+``<output_root>/<model>.jsonl``, stop the server. A checkpoint whose file is complete is skipped without a server;
+an interrupted one resumes at the first missing question. After each checkpoint the summary is rewritten:
+
+    <output_root>/summary.json   {"task", "metric", "original_metric", "models": [row, ...]}
+    <output_root>/summary.csv    one row per model
+    <output_root>/summary.png    metric (ours and the original's) and mean tokens per checkpoint
+    <output_root>/<model>/logs/vllm_0.log
+
+The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model`` and ``iteration``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from optima.agents.generation import GenerationPlan
+from optima.agents.store import load_records
+from optima.environments import PythonEnv
+from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
+from optima.evaluation.plan import list_models
+from optima.evaluation.report import plot_sweep, render_table, write_csv, write_json
+from optima.evaluation.runs import (
+    EvalSession,
+    GenerationJob,
+    checkpoint_iteration,
+    eval_recipe,
+    load_eval_examples,
+    load_tokenize,
+    prepare_output,
+)
+from optima.tasks import get_task
+from optima.tasks.math_equiv import MathVerifier
+
+logger = logging.getLogger(__name__)
+
+TABLE_COLUMNS = ("model", "questions", "{metric}", "{original}", "mean_tokens", "no_answer_rate", "error_rate")
+
+
+def sweep_job(out_root: Path, name: str) -> GenerationJob:
+    """The greedy eval file of one checkpoint: one conversation per question, temperature 0, no prompt pool."""
+    plan = GenerationPlan(checkpoint_iteration(name), 0.0, 1, use_prompt_pool=False, stage="eval")
+    return GenerationJob("eval", out_root / f"{name}.jsonl", plan)
+
+
+def summarize_checkpoint(recipe, name: str, model_path: Path, verifier: MathVerifier) -> dict:
+    """The summary row of one checkpoint's result file."""
+    records, _ = load_records(Path(recipe.output_root_path) / f"{name}.jsonl")
+    tokenize = load_tokenize(recipe, model_path, get_task(recipe.dataset_type).score_type)
+    iteration = checkpoint_iteration(name)
+    row = {"model": name, "iteration": iteration if iteration >= 0 else None}  # None: the base or a lone model
+    return row | summarize_records(records, RecordScorer(tokenize, verifier))
+
+
+def write_sweep_report(recipe, rows: list[dict]) -> str:
+    """Write summary.json, summary.csv and summary.png; return the table as text."""
+    out_root = Path(recipe.output_root_path)
+    metric, original = metric_names(get_task(recipe.dataset_type).score_type)
+    write_json(
+        out_root / "summary.json",
+        {"task": recipe.dataset_type, "metric": metric, "original_metric": original, "models": rows},
+    )
+    columns = list(rows[0]) if rows else ["model"]
+    write_csv(out_root / "summary.csv", rows, columns)
+    if rows:
+        title = f"{recipe.dataset_type}: {recipe.model_root_path}"
+        plot_sweep(rows, metric, original, out_root / "summary.png", title)
+    shown = [c.format(metric=metric, original=original) for c in TABLE_COLUMNS]
+    return render_table(rows, shown, title=f"Optima evaluation | {recipe.dataset_type} | {out_root}")
+
+
+def run_sweep(recipe, envs: dict[str, PythonEnv]) -> str:
+    """Evaluate every checkpoint (resuming), write the summaries and the plot; return the table.
+
+    Args:
+        recipe: A validated ``InferenceRecipe``.
+        envs: ``{"vllm": PythonEnv}`` (unused when the recipe lists ``endpoints``).
+    """
+    recipe = eval_recipe(recipe)
+    out_root = prepare_output(recipe)
+    models = list_models(recipe)
+    if not models:
+        logger.warning("no iteration_<k> checkpoint and no model folder under %s", recipe.model_root_path)
+    examples = load_eval_examples(recipe)
+    logger.info("eval | %s | %d questions | %d models | %s", recipe.dataset_type, len(examples), len(models), out_root)
+    session = EvalSession(recipe, envs, examples)
+    rows: list[dict] = []
+    with MathVerifier() as verifier:
+        for position, (name, path) in enumerate(models, start=1):
+            logger.info("eval | model %d/%d | %s", position, len(models), name)
+            session.run(name, path, [sweep_job(out_root, name)])
+            rows.append(summarize_checkpoint(recipe, name, path, verifier))
+            if position < len(models):
+                write_sweep_report(recipe, rows)  # partial summaries survive an interrupted sweep
+    logger.info("eval | done | %d models, %d servers started", len(models), session.servers_started)
+    return write_sweep_report(recipe, rows)
