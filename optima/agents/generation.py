@@ -240,7 +240,12 @@ class ConversationRunner:
 
 
 def generate_conversations(
-    recipe, examples: Sequence[Example], endpoints: Sequence[str], out_path: Path, plan: GenerationPlan
+    recipe,
+    examples: Sequence[Example],
+    endpoints: Sequence[str],
+    out_path: Path,
+    plan: GenerationPlan,
+    runner_cls: type[ConversationRunner] = ConversationRunner,
 ) -> GenerationStats:
     """Generate ``plan.samples`` conversations per example into ``out_path`` (resuming what is there).
 
@@ -250,6 +255,7 @@ def generate_conversations(
         endpoints: OpenAI base URLs (from ``optima.serving.serve``).
         out_path: The JSONL output (e.g. ``StagePaths.generations``).
         plan: Iteration, temperature, samples per question, prompt pool.
+        runner_cls: What runs one job (the single-agent CoT baseline brings its own).
 
     Raises:
         NoReplicaLeft: every replica died; what was written stays and the next run resumes from it.
@@ -283,7 +289,7 @@ def generate_conversations(
     if jobs:
         pool = ReplicaPool(endpoints, recipe)
         try:
-            _run_jobs(ConversationRunner(recipe, plan, pool), jobs, out_path, stats)
+            _run_jobs(runner_cls(recipe, plan, pool), jobs, out_path, stats)
         finally:
             pool.close()
     logger.info(

@@ -25,11 +25,10 @@ from optima.agents.generation import (
     GenerationPlan,
     GenerationStats,
     Job,
-    _run_jobs,  # the executor loop of generate_conversations, shared so that both write alike
+    generate_conversations,
 )
 from optima.agents.prompts import render_information
-from optima.agents.store import prepare_resume
-from optima.serving.client import ReplicaPool, Sampling
+from optima.serving.client import Sampling
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
 
@@ -113,31 +112,6 @@ def generate_cot_answers(
 ) -> GenerationStats:
     """``plan.samples`` single-agent answers per example into ``out_path`` (resuming what is there).
 
-    Same contract as ``optima.agents.generation.generate_conversations``.
+    Same contract as ``optima.agents.generation.generate_conversations``, which it runs with the CoT runner.
     """
-    done = prepare_resume(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.touch()
-    jobs = [
-        Job(position, example, k)
-        for position, example in enumerate(examples)
-        for k in range(plan.samples)
-        if (example.id, k) not in done
-    ]
-    stats = GenerationStats(requested=len(examples) * plan.samples)
-    stats.already_done = stats.requested - len(jobs)
-    logger.info(
-        "generate (%s) | %d questions x %d | %d to do | T=%.2f",
-        plan.stage,
-        len(examples),
-        plan.samples,
-        len(jobs),
-        plan.temperature,
-    )
-    if jobs:
-        pool = ReplicaPool(endpoints, recipe)
-        try:
-            _run_jobs(CoTRunner(recipe, plan, pool), jobs, out_path, stats)
-        finally:
-            pool.close()
-    return stats
+    return generate_conversations(recipe, examples, endpoints, out_path, plan, runner_cls=CoTRunner)
