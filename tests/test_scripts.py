@@ -172,3 +172,10 @@ def test_scripts_run_as_commands(in_repo):
     out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr
     assert "deepspeed_zero3.yaml" in out.stdout and "temperature: 0.7" in out.stdout  # gsm8k starts at 0.7
+
+
+def test_readme_recipe_reference_is_current():
+    """README's key table is the output of `python -m optima recipe-keys all` (regenerate it when fields change)."""
+    from optima.__main__ import render_recipe_keys
+
+    assert render_recipe_keys("all") in (REPO / "README.md").read_text()
