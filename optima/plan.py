@@ -118,6 +118,7 @@ def _sft_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage
                 "conversations per question": recipe.explore_count,
                 "temperature": generation_temperature(recipe, iteration),
                 "prompt pool": (recipe.prompt_pool_path or "built-in") if pool else "off",
+                "answer pre-fill": "on" if recipe.prefill_answer_iteration0 and iteration == 0 else "off",
                 "max turns / tokens per utterance": f"{recipe.max_turns} / {recipe.max_tokens}",
                 "output": sp.generations,
             },
