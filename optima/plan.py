@@ -15,7 +15,7 @@ from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe
 from optima.environments import PythonEnv
 from optima.install import has_nvidia_gpu
 from optima.paths import RunPaths, StagePaths
-from optima.training.launch import TrainLaunch, resolve_accelerate_config
+from optima.training.launch import launch_for
 
 MATH_TASKS = ("gsm8k", "math")
 
@@ -105,9 +105,7 @@ def _sft_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage
     pool = recipe.use_prompt_pool and iteration == 0
     train_from = recipe.initial_model_path if recipe.from_initial else model
     out = paths.checkpoint(iteration, stage if stage else None)
-    launch = TrainLaunch(
-        "sft", envs["train"], resolve_accelerate_config(recipe.accelerate_config, has_nvidia_gpu()), sp.trainer_yaml
-    )
+    launch = launch_for(recipe, "sft", envs["train"], sp.trainer_yaml, has_nvidia_gpu())
     return [
         _serve_stage(recipe, iteration, model),
         Stage(
@@ -164,9 +162,7 @@ def _dpo_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage
     sp = paths.stage(iteration, stage)
     out = paths.checkpoint(iteration)
     train_from = recipe.initial_model_path if recipe.from_initial and stage is None else model
-    launch = TrainLaunch(
-        "dpo", envs["train"], resolve_accelerate_config(recipe.accelerate_config, has_nvidia_gpu()), sp.trainer_yaml
-    )
+    launch = launch_for(recipe, "dpo", envs["train"], sp.trainer_yaml, has_nvidia_gpu())
     return [
         _serve_stage(recipe, iteration, model),
         Stage(

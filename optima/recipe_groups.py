@@ -143,10 +143,19 @@ class TrainingFields:
         help="name under alignment-handbook/recipes/accelerate_configs (cpu, multi_gpu, deepspeed_zero3, "
         "fsdp) or a YAML path; null = cpu without a GPU, else deepspeed_zero3",
     )
+    num_processes: int | None = field(None, help="training processes (GPUs); null = the accelerate config's value")
+    accelerate_extra_args: list[str] = field(
+        [],
+        help="more 'accelerate launch' flags, e.g. multi-node: --num_machines 2 --machine_rank 0 --main_process_ip H",
+    )
     from_initial: bool = field(False, help="fine-tune the base model every iteration (data from the newest)")
     on_empty_selection: Literal["stop", "carry_forward"] = field(
         "stop", help="when nothing passes selection: stop, or carry the current model to the next iteration"
     )
+
+    def validate(self) -> None:
+        if self.num_processes is not None:
+            _positive(self, "num_processes")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -161,6 +170,7 @@ class SFTFields(TrainingFields):
     sft_train_fraction: float = field(0.98, help="train share of the SFT dataset (the rest is its test split)")
 
     def validate(self) -> None:
+        TrainingFields.validate(self)
         require(self.origin_yaml_path is not None, "origin_yaml_path", "is required (the SFT trainer base.yaml)")
         _in("initial_epsilon", self.initial_epsilon, -10.0, 10.0)
         if self.selection_range is not None:
@@ -195,6 +205,7 @@ class DPOFields(TrainingFields):
     rpo_alpha: float | None = field(1.0, help="weight of the NLL term on chosen (iDPO's RPO); null = plain DPO")
 
     def validate(self) -> None:
+        TrainingFields.validate(self)
         require(
             self.origin_dpo_yaml_path is not None, "origin_dpo_yaml_path", "is required (the DPO trainer base.yaml)"
         )

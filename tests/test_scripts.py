@@ -179,3 +179,10 @@ def test_readme_recipe_reference_is_current():
     from optima.__main__ import render_recipe_keys
 
     assert render_recipe_keys("all") in (REPO / "README.md").read_text()
+
+
+def test_dry_run_shows_process_count_and_multi_node_flags(in_repo, envs, capsys):
+    path = REPO / "train/sft_recipes/arc.yaml"
+    extra = ["--set", "num_processes=16", "--set", "accelerate_extra_args=[--num_machines, '2', --machine_rank, '0']"]
+    assert load_script("sft_script").main(["--train_config_path", str(path), *envs, *extra, "--dry-run"]) == 0
+    assert "--num_processes 16 --num_machines 2 --machine_rank 0" in capsys.readouterr().out

@@ -31,9 +31,8 @@ from optima.stages.sft import training_questions
 from optima.tasks.contexts import stable_rng
 from optima.training.common import is_complete, read_completion
 from optima.training.launch import (
-    TrainLaunch,
+    launch_for,
     render_trainer_config,
-    resolve_accelerate_config,
     run_training,
     write_trainer_config,
 )
@@ -184,8 +183,6 @@ def train(ctx: RunContext, iteration: int, start: str, sp: StagePaths, out: Path
 
     validate_lengths(config.get("max_length"), config.get("max_prompt_length"))
     write_trainer_config(config, sp.trainer_yaml)
-    launch = TrainLaunch(
-        "dpo", ctx.envs["train"], resolve_accelerate_config(recipe.accelerate_config, ctx.gpu), sp.trainer_yaml
-    )
+    launch = launch_for(recipe, "dpo", ctx.envs["train"], sp.trainer_yaml, ctx.gpu)
     run_training(launch, sp.train_log)
     return read_completion(out) | {"model": start}

@@ -21,9 +21,8 @@ from optima.selection.sft import KEPT, select_questions, split_rows
 from optima.tasks import select_questions as slice_questions
 from optima.training.common import is_complete, read_completion
 from optima.training.launch import (
-    TrainLaunch,
+    launch_for,
     render_trainer_config,
-    resolve_accelerate_config,
     run_training,
     write_trainer_config,
 )
@@ -130,8 +129,6 @@ def train(ctx: RunContext, iteration: int, model: str, sp: StagePaths, out: Path
         },
     )
     write_trainer_config(config, sp.trainer_yaml)
-    launch = TrainLaunch(
-        "sft", ctx.envs["train"], resolve_accelerate_config(recipe.accelerate_config, ctx.gpu), sp.trainer_yaml
-    )
+    launch = launch_for(recipe, "sft", ctx.envs["train"], sp.trainer_yaml, ctx.gpu)
     run_training(launch, sp.train_log)
     return read_completion(out) | {"model": start}
