@@ -72,7 +72,7 @@ def _new_figure(panels: int):
 
 
 def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str) -> None:
-    """Task metric (ours and the original's variant) and mean tokens per question, one point per checkpoint.
+    """Task metric (ours and the original's variant), answer rate and mean tokens per question, per checkpoint.
 
     Args:
         rows: Summary rows in checkpoint order (``model`` plus the metric keys and ``mean_tokens``).
@@ -86,7 +86,10 @@ def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path:
     names = [row["model"] for row in rows]
     score_axis.plot(x, [row.get(metric) for row in rows], marker="o", label=metric)
     score_axis.plot(x, [row.get(original_metric) for row in rows], marker="s", linestyle="--", label=original_metric)
-    score_axis.set_ylabel(metric)
+    # The share of conversations that end with an answer: the first thing training changes in a small model.
+    answered = [None if row.get("no_answer_rate") is None else 1 - row["no_answer_rate"] for row in rows]
+    score_axis.plot(x, answered, marker="^", linestyle=":", color="tab:gray", label="answer rate")
+    score_axis.set_ylabel(f"{metric} / answer rate")
     score_axis.legend()
     token_axis.plot(x, [row.get("mean_tokens") for row in rows], marker="o", color="tab:red")
     token_axis.set_ylabel("mean tokens per question")
