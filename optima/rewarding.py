@@ -115,7 +115,8 @@ def reward_generations(
 
     records, _ = load_records(generations)
     groups = group_by_question(records)
-    done = {task_id for task_id, _ in prepare_resume(out_path, retry_errors=False)} if out_path.exists() else set()
+    # One line per question (no sample_index): the question's id is the resume key.
+    done = prepare_resume(out_path, retry_errors=False, key=lambda line: str(line["task_id"]))
     stats = RewardStats()
     for line in load_records(out_path)[0]:
         stats.add(line)

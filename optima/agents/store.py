@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -52,22 +53,23 @@ def load_records(path: Path) -> tuple[list[dict], bool]:
     return records, torn
 
 
-def prepare_resume(path: Path, retry_errors: bool = True) -> set[Key]:
+def prepare_resume(path: Path, retry_errors: bool = True, key: Callable[[dict], Hashable] = record_key) -> set:
     """Make ``path`` ready to append to and return the keys already done.
 
     Args:
         path: The JSONL output.
         retry_errors: Drop ``status == "error"`` records so that they are generated again.
+        key: What identifies a record: ``(task_id, sample_index)`` by default; per-question files pass their own.
     """
     records, torn = load_records(path)
     keep = [r for r in records if not (retry_errors and r.get("status") == "error")]
     dropped_errors = len(records) - len(keep)
-    seen: set[Key] = set()
+    seen: set = set()
     unique = []
     for record in keep:
-        key = record_key(record)
-        if key not in seen:
-            seen.add(key)
+        record_id = key(record)
+        if record_id not in seen:
+            seen.add(record_id)
             unique.append(record)
     if torn or len(unique) != len(records):
         logger.warning(
