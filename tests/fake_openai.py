@@ -32,6 +32,7 @@ class FakeReply:
     status: int = 200
     delay_s: float = 0.0
     usage: bool = True
+    raw: bytes | None = None  # sent as the body (status 200) instead of a completion: broken replies
 
 
 def speaker_of(body: dict) -> str:
@@ -128,6 +129,13 @@ class FakeOpenAIServer:
                 reply = server.respond(body)
                 if reply.delay_s:
                     time.sleep(reply.delay_s)  # a slow "model"
+                if reply.raw is not None:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(reply.raw)))
+                    self.end_headers()
+                    self.wfile.write(reply.raw)
+                    return
                 if reply.status != 200:
                     self._send(reply.status, {"error": {"message": f"scripted {reply.status}"}})
                     return

@@ -9,6 +9,8 @@ on top), shared by all threads:
 * a replica that still refuses connections after that is marked dead and the request moves to the next live
   replica (``NoReplicaLeft`` when none is left: the run stops, nothing is recorded as a failed sample);
 * other failures (HTTP 4xx: prompt too long for the context, bad request) raise ``RequestFailed`` at once.
+* a reply that is not a readable chat completion (not UTF-8, not JSON, no choice) raises ``RequestFailed`` too;
+  lone surrogates in the text are replaced (they could not be written to the UTF-8 JSONL).
 
 Backoff waits on ``ReplicaPool.stop_event``, so a shutdown interrupts them instead of sleeping through.
 """
@@ -110,9 +112,13 @@ class ChatClient:
             extra_body=sampling.extra_body,
             **optional,
         )
+        if isinstance(response, str) or not response.choices:  # not JSON, or a completion without a choice
+            raise RequestFailed(f"{self.base_url}: not a chat completion: {str(response)[:200]!r}")
         choice = response.choices[0]
         tokens = response.usage.completion_tokens if response.usage is not None else None
-        return choice.message.content or "", choice.finish_reason, tokens
+        # Lone surrogates (a "\udc80" escape in the JSON) cannot be written as UTF-8: replace them with "?".
+        text = (choice.message.content or "").encode("utf-8", "replace").decode("utf-8")
+        return text, choice.finish_reason, tokens
 
     def close(self) -> None:
         self._client.close()
@@ -196,6 +202,8 @@ class ReplicaPool:
                 raise _ReplicaDown()  # another request found it dead meanwhile: no need to retry it
             try:
                 return self.clients[replica].chat(messages, sampling)
+            except ValueError as exc:  # a body that is not UTF-8 or not JSON: a broken reply, not a broken replica
+                raise RequestFailed(f"replica {replica}: unreadable reply: {exc}") from exc
             except openai.OpenAIError as exc:
                 if not _is_transient(exc):
                     raise RequestFailed(f"replica {replica}: {exc}") from exc
