@@ -115,11 +115,11 @@ class _BaseRecipe(ServingFields, GenerationFields):
             logger.warning("prompt_pool_path %s is the original's pool; using Optima's built-in pool", pool)
             self.prompt_pool_path = None
         for name in ("data_dir", "output_dir", "check_point_root_path", *self.path_fields()):
-            setattr(self, name, resolve_path(getattr(self, name)))
+            setattr(self, name, resolve_path(getattr(self, name), name))
         for name in self.model_fields():  # hub ids stay as they are
             value = getattr(self, name)
             if value and not is_hub_id(value):
-                setattr(self, name, resolve_path(value))
+                setattr(self, name, resolve_path(value, name))
         ServingFields.validate(self)
         GenerationFields.validate(self)
 
@@ -230,8 +230,10 @@ class InferenceRecipe(_BaseRecipe):
     method = "inference"
 
     def __post_init__(self) -> None:
-        self.model_root_path = resolve_path(self.model_root_path)
-        self.output_root_path = resolve_path(self.output_root_path) or str(Path(self.model_root_path) / "eval")
+        self.model_root_path = resolve_path(self.model_root_path, "model_root_path")
+        self.output_root_path = resolve_path(self.output_root_path, "output_root_path") or str(
+            Path(self.model_root_path) / "eval"
+        )
         _BaseRecipe.__post_init__(self)
         require(self.limit is None or self.limit >= 1, "limit", f"must be >= 1, got {self.limit}")
 
@@ -284,6 +286,8 @@ def load_recipe(
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except yaml.YAMLError as exc:
             raise RecipeError(None, f"not valid YAML: {exc}", path) from exc
+        except UnicodeDecodeError as exc:
+            raise RecipeError(None, f"not a UTF-8 text file: {exc}", path) from exc
         if not isinstance(raw, dict):
             raise RecipeError(None, f"must be a mapping of key: value, got {type(raw).__name__}", path)
     try:

@@ -149,10 +149,17 @@ def _required(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
-def resolve_path(value: str | None) -> str | None:
-    """Absolute form of a recipe path: ``~`` expanded, relative paths taken from the working directory."""
+def resolve_path(value: str | None, name: str | None = None) -> str | None:
+    """Absolute form of a recipe path: ``~`` expanded, relative paths taken from the working directory.
+
+    Args:
+        value: The path as written in the recipe.
+        name: The recipe field (named in the error when ``value`` cannot be a path).
+    """
     if value is None or value == "":
         return value
+    if "\x00" in value:  # the OS refuses it (ValueError deep in os.stat): say which field at load time
+        raise RecipeError(name, f"not a valid path (contains a NUL byte): {value!r}")
     return str(Path(os.path.expanduser(value)).resolve())
 
 
@@ -168,4 +175,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise RecipeError(None, f"--set expects key=value, got {item!r}")
-    return key.strip(), yaml.safe_load(raw)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise RecipeError(key.strip(), f"--set value {raw!r} is not valid YAML: {exc}") from exc

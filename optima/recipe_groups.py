@@ -75,7 +75,11 @@ def parse_devices(value: int | str | list[int] | None) -> list[int] | None:
         devices = [value]
     else:
         parts = [part.strip() for part in value.split(",") if part.strip()]
-        require(all(p.isdigit() for p in parts), "devices", f"expected GPU ids like [0, 1] or '0,1', got {value!r}")
+        require(
+            all(p.isascii() and p.isdigit() for p in parts),
+            "devices",
+            f"expected GPU ids like [0, 1] or '0,1', got {value!r}",
+        )
         devices = [int(p) for p in parts]
     if devices is not None:
         require(len(devices) == len(set(devices)), "devices", f"lists a GPU twice: {value!r}")
