@@ -16,6 +16,7 @@ from optima.manifest import Manifest
 from optima.paths import RunPaths
 from optima.plan import Plan
 from optima.run_context import RunContext, write_iteration_report
+from optima.serving.signals import sigterm_as_exit
 from optima.stages import dpo as dpo_stages
 from optima.stages import sft as sft_stages
 
@@ -175,7 +176,8 @@ def run_plan(plan: Plan) -> str:
         check_env(env, role)
     ctx = RunContext.create(recipe, RunPaths.from_recipe(recipe), plan.envs)
     model = recipe.initial_model_path
-    with ctx.servers:
+    # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
+    with sigterm_as_exit(), ctx.servers:
         for iteration in range(recipe.iteration_times):
             if iteration < plan.skip_iteration:
                 model = str(ctx.paths.checkpoint(iteration))

@@ -20,6 +20,7 @@ from optima.install import has_nvidia_gpu
 from optima.logging_utils import LOG_FORMAT
 from optima.manifest import Manifest, fields_hash
 from optima.paths import RunPaths, StagePaths
+from optima.recipe_fields import RecipeError
 from optima.tasks import Task, get_task
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,12 @@ class RunContext:
 
     @classmethod
     def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv]) -> RunContext:
-        """Prepare the run directory (recipe.yaml, driver log) and the shared objects."""
-        paths.output_dir.mkdir(parents=True, exist_ok=True)
+        """Prepare the run directory (recipe.yaml, driver log) and the shared objects.
+
+        Raises:
+            RecipeError: the run directory cannot be created or written (before any work starts).
+        """
+        check_writable(paths.output_dir)
         save_recipe(recipe, paths.recipe_file)
         attach_driver_log(paths.driver_log)
         return cls(
@@ -110,11 +115,30 @@ class RunContext:
         return self._tokenizer
 
 
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and make sure files can be written in it; else one clear ``RecipeError``."""
+    probe = folder / ".optima_write_check"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise RecipeError("output_dir", f"cannot write the run directory {folder}: {exc.strerror or exc}") from exc
+
+
+SECRET_FIELDS = ("api_key",)
+
+
+def redacted(values: dict[str, Any]) -> dict[str, Any]:
+    """A recipe dict fit for disk and logs: secrets replaced by a marker."""
+    return {k: ("<redacted>" if k in SECRET_FIELDS and v else v) for k, v in values.items()}
+
+
 def save_recipe(recipe, path: Path) -> None:
-    """Write the validated recipe; say which fields changed when resuming under another recipe."""
+    """Write the validated recipe (secrets redacted); say which fields changed when resuming under another one."""
     import yaml
 
-    current = recipe.to_dict()
+    current = redacted(recipe.to_dict())
     if path.exists():
         previous = yaml.safe_load(path.read_text()) or {}
         changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
@@ -148,7 +172,8 @@ def write_iteration_report(
     """Write ``metrics.json``, log the iteration's headline numbers, and put a model card in the checkpoint."""
     metrics = {"iteration": iteration} | iteration_metrics(manifest)
     sp.metrics.write_text(json.dumps(metrics, indent=2, default=str) + "\n")
-    scored = metrics["stages"].get("score", {})
+    stages = metrics["stages"]
+    scored = stages.get("score") or stages.get("search") or {}  # DPO iterations report their rollouts
     logger.info(
         "iteration %d/%d | answer rate %s | accuracy %s | mean tokens %s | stage seconds %s",
         iteration + 1,
