@@ -48,6 +48,9 @@ def die_with_parent() -> None:
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return
+    if os.getppid() != int(parent):
+        # Started through a wrapper (``conda run``): the wrapper is the parent, and it is not watched.
+        return
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
