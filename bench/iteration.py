@@ -1,0 +1,174 @@
+"""Per-iteration overhead of a finished iSFT run: wall time that is not generation, scoring or training.
+
+    .venvs/train/bin/python bench/iteration.py                        # runs/demo_arc_sft
+    .venvs/train/bin/python bench/iteration.py --run-dir runs/my_run --json /tmp/iteration.json
+
+Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manifest.json``), per iteration:
+
+* wall: from the driver log line ``iteration k/N | generate`` to ``iteration k/N | answer rate ...`` (the
+  iteration report); without a driver log, the sum of the manifest's stage ``elapsed_s``;
+* generation: the generator's own ``elapsed_s`` (first request to last record written);
+* scoring: from ``optima.rewarding: score | ...`` (servers up, scorer built) to the ``| select`` stage line;
+* training: TRL's ``train_runtime`` (the training loop);
+* overhead = wall - the three, broken down into vLLM start-ups (``ready after N s``), the training launch
+  outside the loop (stage ``elapsed_s`` - ``train_runtime``: accelerate, imports, loading, tokenising, saving),
+  selection, and the rest (tokenizer loads, server stops, reports).
+
+Target: overhead <= 10% of each iteration's wall time. The last column estimates how many times the iteration's
+work (questions x samples, training rows) it would take to get there, if the overhead stayed fixed (start-ups
+do; tokenising and saving grow a little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ ([\w.]+): (.*)$")
+TARGET = 0.10
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", default=str(REPO / "runs" / "demo_arc_sft"))
+    parser.add_argument("--json", default=None, help="also write the results here (used by bench/run_all.py)")
+    return parser.parse_args(argv)
+
+
+def read_driver_log(path: Path) -> list[tuple[datetime, str, str]]:
+    """(time, logger, message) of every line of the driver log that has a timestamp."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        match = LINE.match(line)
+        if match:
+            events.append((datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f"), match[2], match[3]))
+    return events
+
+
+def find_event(events, start: int, predicate) -> int | None:
+    """Index of the first event at or after ``start`` whose (logger, message) satisfies ``predicate``."""
+    for index in range(start, len(events)):
+        if predicate(events[index][1], events[index][2]):
+            return index
+    return None
+
+
+def iteration_window(events, iteration: int) -> tuple[int, int] | None:
+    """Indices of the iteration's first stage line and of its report line (``answer rate``)."""
+    prefix = f"iteration {iteration + 1}/"
+    first = find_event(events, 0, lambda _, m: m.startswith(prefix) and m.endswith("| generate"))
+    if first is None:
+        return None
+    last = find_event(events, first, lambda _, m: m.startswith(prefix) and "| answer rate" in m)
+    return (first, last) if last is not None else None
+
+
+def seconds_between(events, a: int | None, b: int | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return (events[b][0] - events[a][0]).total_seconds()
+
+
+def scoring_seconds(events, window: tuple[int, int]) -> float | None:
+    """From the score stage's start line in ``optima.rewarding`` to the select stage line."""
+    start = find_event(events, window[0], lambda name, m: name == "optima.rewarding" and m.startswith("score |"))
+    end = find_event(events, start or window[0], lambda _, m: m.endswith("| select"))
+    if start is None or end is None or end > window[1]:
+        return None
+    return seconds_between(events, start, end)
+
+
+def server_start_seconds(events, window: tuple[int, int]) -> float:
+    """Sum of ``replica N ready after S s`` inside the window."""
+    total = 0.0
+    for _, name, message in events[window[0] : window[1] + 1]:
+        match = re.search(r"ready after (\d+(?:\.\d+)?) s", message)
+        if name.startswith("optima.serving") and match:
+            total += float(match[1])
+    return total
+
+
+def measure_iteration(manifest: dict, events, iteration: int) -> dict:
+    """Wall time, work time (generation, scoring, training) and the overhead breakdown of one iteration."""
+    stages = manifest["stages"]
+    elapsed = {name: entry["elapsed_s"] for name, entry in stages.items()}
+    window = iteration_window(events, iteration)
+    wall = seconds_between(events, *window) if window else sum(elapsed.values())
+    generation = stages["generate"]["result"]["elapsed_s"]
+    scoring = scoring_seconds(events, window) if window else None
+    if scoring is None:
+        scoring = elapsed.get("score", 0.0)  # no log: the whole stage counts as scoring (overhead understated)
+    train = stages.get("train", {}).get("result", {})
+    training = train.get("train_runtime", 0.0)
+    work = generation + scoring + training
+    overhead = wall - work
+    return {
+        "iteration": iteration,
+        "wall_s": round(wall, 1),
+        "generation_s": round(generation, 1),
+        "scoring_s": round(scoring, 1),
+        "training_s": round(training, 1),
+        "overhead_s": round(overhead, 1),
+        "overhead_share": round(overhead / wall, 4),
+        "server_start_s": server_start_seconds(events, window) if window else None,
+        "train_launch_s": round(elapsed.get("train", 0.0) - training, 1),
+        "select_s": elapsed.get("select", 0.0),
+        "work_scale_for_target": round(overhead * (1 - TARGET) / (TARGET * work), 2) if work > 0 else None,
+        "wall_from": "driver log" if window else "manifest (sum of stages)",
+    }
+
+
+def run_wall_seconds(events) -> float | None:
+    """First driver log line to ``done | final model`` (the whole run as the driver saw it)."""
+    done = find_event(events, 0, lambda name, m: m.startswith("done | final model"))
+    return seconds_between(events, 0, done) if events else None
+
+
+def measure_run(run_dir: Path) -> dict:
+    events = read_driver_log(run_dir / "logs" / "driver.log")
+    manifests = sorted(run_dir.glob("iteration_*/manifest.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    if not manifests:
+        raise SystemExit(f"{run_dir}: no iteration_<i>/manifest.json (is it an iSFT run directory?)")
+    rows = []
+    for path in manifests:
+        iteration = int(path.parent.name.split("_")[1])
+        rows.append(measure_iteration(json.loads(path.read_text()), events, iteration))
+    total_wall = sum(r["wall_s"] for r in rows)
+    total_overhead = sum(r["overhead_s"] for r in rows)
+    return {
+        "run_dir": str(run_dir),
+        "run_wall_s": run_wall_seconds(events),
+        "iterations": rows,
+        "overhead_share_total": round(total_overhead / total_wall, 4),
+        "target_met": all(r["overhead_share"] <= TARGET for r in rows),
+    }
+
+
+def print_table(result: dict) -> None:
+    columns = ["iteration", "wall_s", "generation_s", "scoring_s", "training_s", "overhead_s", "overhead_share"]
+    columns += ["server_start_s", "train_launch_s", "select_s", "work_scale_for_target"]
+    print(" | ".join(columns))
+    for row in result["iterations"]:
+        print(" | ".join(f"{row[c]:.1%}" if c == "overhead_share" else str(row[c]) for c in columns))
+    print(f"run wall (driver log): {result['run_wall_s']} s | overhead overall {result['overhead_share_total']:.1%}")
+    print(f"target: overhead <= {TARGET:.0%} of every iteration: {'met' if result['target_met'] else 'MISSED'}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = measure_run(Path(args.run_dir))
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Run every benchmark with small settings and write ``bench/RESULTS.md`` (about 20 minutes on 2 CPU cores).
+
+    .venvs/train/bin/python bench/run_all.py
+    .venvs/train/bin/python bench/run_all.py --only iteration scoring --out /tmp/RESULTS.md
+
+Each benchmark runs as its own subprocess, one after the other (so at most one vLLM server is up at a time),
+while a sampler here records the peak summed ``VmRSS`` of its whole process tree (benchmark, vLLM server,
+trainer launches). ``iteration``, ``scoring`` and ``sft`` hand their numbers over as JSON; ``generation``'s
+printed summary is parsed. The output files are kept in a temporary folder named in RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import REPO, TreeMemorySampler, describe_machine, load_average  # noqa: E402
+from report import render_results  # noqa: E402
+
+PYTHON = sys.executable
+# Small settings that keep a full run near 20 minutes on this box (see each script for its defaults).
+BENCHMARKS = {
+    "iteration": ["bench/iteration.py"],
+    "scoring": ["bench/scoring.py", "--conversations", "48", "--rounds", "2"],
+    "sft": ["bench/sft.py", "--max-steps", "3", "--rounds", "3"],
+    "generation": ["bench/generation.py", "--questions", "12", "--samples", "2"],
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
+    parser.add_argument("--run-dir", default=str(REPO / "runs" / "demo_arc_sft"))
+    parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    return parser.parse_args(argv)
+
+
+def parse_generation(stdout: str) -> dict:
+    """Numbers from ``bench/generation.py``'s printed summary."""
+    found = {}
+    patterns = {
+        "generator": r"conversation generator: (\d+) tokens in ([\d.]+) s = ([\d.]+) tok/s",
+        "plain": r"plain concurrent client: (\d+) tokens in ([\d.]+) s = ([\d.]+) tok/s",
+    }
+    for name, pattern in patterns.items():
+        match = re.search(pattern, stdout)
+        if match:
+            found[name] = {"tokens": int(match[1]), "seconds": float(match[2]), "tokens_per_s": float(match[3])}
+    ratio = re.search(r"ratio generator / plain: ([\d.]+)", stdout)
+    setting = re.search(r"^model .*$", stdout, re.MULTILINE)
+    found["ratio"] = float(ratio[1]) if ratio else None
+    found["setting"] = setting[0] if setting else ""
+    return found
+
+
+def run_benchmark(name: str, args, workdir: Path) -> dict:
+    """Run one benchmark script; its parsed results, wall time, exit code and the tree's peak memory."""
+    argv = [PYTHON, *BENCHMARKS[name]]
+    json_path = workdir / f"{name}.json"
+    if name == "iteration":
+        argv += ["--run-dir", args.run_dir]
+    if name != "generation":
+        argv += ["--json", str(json_path)]
+    log_path = workdir / f"{name}.log"
+    print(f"{name}: {' '.join(argv[1:])} (log {log_path}) | load {load_average()}", flush=True)
+    started = time.monotonic()
+    with TreeMemorySampler(include_self=False) as memory, log_path.open("w") as log:
+        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, check=False).returncode
+    wall = time.monotonic() - started
+    output = log_path.read_text(errors="replace")
+    if code != 0:
+        data = {"error": f"exit code {code}", "tail": output.splitlines()[-20:]}
+    elif name == "generation":
+        data = parse_generation(output)
+    else:
+        data = json.loads(json_path.read_text())
+    summary = [ln for ln in output.splitlines() if not re.match(r"^\d{4}-\d\d-\d\d ", ln) and "it/s]" not in ln]
+    print("\n".join(summary[-8:]), flush=True)
+    return {
+        "data": data,
+        "command": " ".join([".venvs/train/bin/python", *argv[1:]]),
+        "wall_s": round(wall, 1),
+        "tree_peak_rss_mib": round(memory.peak_mib),
+        "load_after": load_average(),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="optima_bench_all_"))
+    machine = describe_machine()
+    load_before = load_average()
+    started = time.monotonic()
+    results = {name: run_benchmark(name, args, workdir) for name in args.only}
+    meta = {
+        "machine": machine,
+        "load_before": load_before,
+        "load_after": load_average(),
+        "total_s": round(time.monotonic() - started, 1),
+        "workdir": str(workdir),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    Path(args.out).write_text(render_results(results, meta))
+    print(f"wrote {args.out} ({meta['total_s']:.0f} s in all)")
+    return 0 if all("error" not in r["data"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
