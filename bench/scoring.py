@@ -168,7 +168,7 @@ def run_rounds(scorers: dict, conversations: list[list[str]], rounds: int) -> tu
             arg = conversations if method == "original" else texts
             elapsed, losses[method] = time_call(scorers[method], arg)
             seconds[method].append(elapsed)
-            print(f"round {round_index + 1} | {method:8s} | {elapsed:6.1f} s | load {load_average()}", flush=True)
+            print(f"round {round_index + 1} | {method:12s} | {elapsed:6.1f} s | load {load_average()}", flush=True)
     return seconds, losses
 
 
