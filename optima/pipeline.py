@@ -28,72 +28,24 @@ class NothingSelected(RuntimeError):
 
 
 # Recipe fields each stage's output depends on (a change redoes that stage and the ones after it).
+SAMPLING_FIELDS = ("dataset_type", "data_dir", "seed", "temperature", "max_turns", "max_tokens", "served_model_name")
+REWARD_FIELDS = ("lambda1", "lambda2", "cal_ppl", "loss_backend", "loss_model_path", "min_tokens", "max_total_tokens",
+                 "overlong_penalty", "compat")  # fmt: skip
+TRAIN_FIELDS = ("from_initial", "accelerate_config")
 SFT_STAGE_FIELDS = {
-    "generate": (
-        "dataset_type",
-        "initial_model_path",
-        "data_dir",
-        "seed",
-        "sample_count",
-        "explore_count",
-        "max_turns",
-        "max_tokens",
-        "temperature",
-        "temperature_iteration0",
-        "use_prompt_pool",
-        "prompt_pool_path",
-        "prefill_answer_iteration0",
-        "served_model_name",
-    ),
-    "score": (
-        "lambda1",
-        "lambda2",
-        "cal_ppl",
-        "loss_backend",
-        "loss_model_path",
-        "min_tokens",
-        "max_total_tokens",
-        "overlong_penalty",
-        "impersonation_penalty",
-        "compat",
-    ),
+    "generate": (*SAMPLING_FIELDS, "initial_model_path", "sample_count", "explore_count", "temperature_iteration0",
+                 "use_prompt_pool", "prompt_pool_path", "prefill_answer_iteration0"),
+    "score": (*REWARD_FIELDS, "impersonation_penalty"),
     "select": ("initial_epsilon", "selection_range", "sft_train_fraction"),
-    "train": ("origin_yaml_path", "from_initial", "accelerate_config"),
-}
-
-
+    "train": (*TRAIN_FIELDS, "origin_yaml_path"),
+}  # fmt: skip
 DPO_STAGE_FIELDS = {
-    "probe": (
-        "dataset_type",
-        "data_dir",
-        "seed",
-        "probe_count",
-        "token_quantile",
-        "temperature",
-        "max_turns",
-        "max_tokens",
-        "served_model_name",
-    ),
-    "search": (
-        "monte_sample_count",
-        "mcts_selections",
-        "mcts_rollouts",
-        "mcts_top_k",
-        "diversity_threshold",
-        "merge_threshold",
-        "lambda1",
-        "lambda2",
-        "cal_ppl",
-        "loss_backend",
-        "loss_model_path",
-        "min_tokens",
-        "max_total_tokens",
-        "overlong_penalty",
-        "compat",
-    ),
+    "probe": (*SAMPLING_FIELDS, "probe_count", "token_quantile"),
+    "search": (*REWARD_FIELDS, "monte_sample_count", "mcts_selections", "mcts_rollouts", "mcts_top_k",
+               "diversity_threshold", "merge_threshold"),
     "pairs": ("initial_dpo_min_value", "initial_dpo_epsilon", "dpo_keep_fraction", "dpo_train_fraction"),
-    "train": ("origin_dpo_yaml_path", "from_initial", "rpo_alpha", "accelerate_config"),
-}
+    "train": (*TRAIN_FIELDS, "origin_dpo_yaml_path", "rpo_alpha"),
+}  # fmt: skip
 
 
 def handle_empty(ctx: RunContext, label: str, message: str, model: str) -> None:
