@@ -12,7 +12,8 @@ output folder, seed) with ``max_steps`` added, and run under the same ``accelera
 
 Runs alternate (ours, plain, ours, plain, ...). Tokens/s is TRL's own logged ``num_tokens`` (non-padding input
 tokens seen) over ``train_runtime`` (training only), and over the launch's wall time (start-up, tokenisation,
-saving included). Prints both ratios ours / plain (target >= 0.95) and the peak memory of each launch.
+saving included). Prints both ratios ours / plain (target >= 0.95) from each side's best run, with the per-round
+ratios, their geometric mean and the ratio of totals beside them, and the peak memory of each launch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -98,8 +101,7 @@ def run_side(side: str, trainer_yaml: Path, log_path: Path) -> dict[str, float]:
         subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, check=True)
     wall = time.monotonic() - started
     parsed = parse_trainer_log(log_path.read_text(errors="replace"))
-    output_dir = Path(trainer_yaml.read_text().split("output_dir: ", 1)[1].splitlines()[0].strip("'\""))
-    shutil.rmtree(output_dir, ignore_errors=True)  # 0.5 GB per checkpoint
+    shutil.rmtree(yaml.safe_load(trainer_yaml.read_text())["output_dir"], ignore_errors=True)  # 0.5 GB each
     return parsed | {"wall_s": wall, "peak_rss_mib": memory.peak_mib}
 
 
@@ -113,11 +115,17 @@ def geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict:
-    """Totals per side and the ratios ours / plain (training only and wall clock).
+def best_rate(results: list[dict], seconds: str) -> float:
+    """Tokens/s of the fastest run: load from other jobs only ever adds time, so the best run is the cleanest."""
+    return max(r["num_tokens"] / r[seconds] for r in results)
 
-    The headline ratio is the geometric mean of the per-round ratios: each round's two runs are adjacent in time,
-    so a load change between rounds (minutes on a shared box) cancels, which it does not in the ratio of totals.
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per-side numbers and the ratios ours / plain (training only and wall clock).
+
+    Headline: the ratio of each side's best run. On this shared box load comes in bursts of a minute or two,
+    shorter than a round, so one run of a pair can be hit and its partner not (seen: 118 s vs 28.5 s for the
+    same work); the per-round ratios, their geometric mean and the ratio of totals are reported beside it.
     """
     sides = {}
     for side, results in runs.items():
@@ -126,17 +134,21 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "num_tokens_per_run": [int(r["num_tokens"]) for r in results],
             "train_runtime_s": [round(r["train_runtime"], 1) for r in results],
             "wall_s": [round(r["wall_s"], 1) for r in results],
+            "best_tokens_per_s_train": round(best_rate(results, "train_runtime"), 2),
+            "best_tokens_per_s_wall": round(best_rate(results, "wall_s"), 2),
             "tokens_per_s_train": round(tokens / sum(r["train_runtime"] for r in results), 2),
             "tokens_per_s_wall": round(tokens / sum(r["wall_s"] for r in results), 2),
             "peak_rss_mib": round(max(r["peak_rss_mib"] for r in results)),
         }
-    result = {"sides": sides, "ratio": {}, "ratio_per_round": {}, "ratio_of_totals": {}}
+    result = {"sides": sides, "ratio": {}, "ratio_per_round": {}, "ratio_geomean_rounds": {}, "ratio_of_totals": {}}
     for name, seconds in (("train", "train_runtime"), ("wall", "wall_s")):
+        best = f"best_tokens_per_s_{name}"
+        result["ratio"][name] = round(sides["ours"][best] / sides["plain"][best], 3)
         rounds = per_round_ratios(runs, seconds)
-        result["ratio"][name] = round(geometric_mean(rounds), 3)
         result["ratio_per_round"][name] = [round(r, 3) for r in rounds]
-        key = f"tokens_per_s_{name}"
-        result["ratio_of_totals"][name] = round(sides["ours"][key] / sides["plain"][key], 3)
+        result["ratio_geomean_rounds"][name] = round(geometric_mean(rounds), 3)
+        total = f"tokens_per_s_{name}"
+        result["ratio_of_totals"][name] = round(sides["ours"][total] / sides["plain"][total], 3)
     return result
 
 
@@ -144,13 +156,14 @@ def print_summary(result: dict) -> None:
     for side, row in result["sides"].items():
         print(
             f"{side:6s} tokens {row['num_tokens_per_run']} | train {row['train_runtime_s']} s | wall {row['wall_s']} s"
-            f" | {row['tokens_per_s_train']:.1f} tok/s training, {row['tokens_per_s_wall']:.1f} tok/s wall"
-            f" | peak {row['peak_rss_mib']} MiB"
+            f" | best {row['best_tokens_per_s_train']:.1f} tok/s training, {row['best_tokens_per_s_wall']:.1f} tok/s"
+            f" wall | peak {row['peak_rss_mib']} MiB"
         )
     for name in ("train", "wall"):
         print(
-            f"ratio ours / plain, {name}: {result['ratio'][name]:.3f} (geometric mean of rounds "
-            f"{result['ratio_per_round'][name]}; of totals {result['ratio_of_totals'][name]}; target >= 0.95)"
+            f"ratio ours / plain, {name}: {result['ratio'][name]:.3f} (best runs; rounds "
+            f"{result['ratio_per_round'][name]}, geometric mean {result['ratio_geomean_rounds'][name]}, "
+            f"of totals {result['ratio_of_totals'][name]}; target >= 0.95)"
         )
 
 
