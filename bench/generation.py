@@ -27,12 +27,12 @@ sys.path.insert(0, str(REPO))
 
 from optima.agents.generation import GenerationPlan, generate_conversations  # noqa: E402
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages  # noqa: E402
-from optima.agents.store import load_records  # noqa: E402
 from optima.config import InferenceRecipe, load_recipe  # noqa: E402
 from optima.environments import resolve_env  # noqa: E402
 from optima.logging_utils import setup_logging  # noqa: E402
 from optima.paths import RunPaths  # noqa: E402
 from optima.serving import serve  # noqa: E402
+from optima.store import load_records  # noqa: E402
 from optima.tasks import TASKS, Example  # noqa: E402
 
 

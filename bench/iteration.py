@@ -8,7 +8,7 @@ Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manif
 * wall: from the driver log line ``iteration k/N | generate`` to ``iteration k/N | answer rate ...`` (the
   iteration report); without a driver log, the sum of the manifest's stage ``elapsed_s``;
 * generation: the generator's own ``elapsed_s`` (first request to last record written);
-* scoring: from ``optima.rewarding: score | ...`` (servers up, scorer built) to the ``| select`` stage line;
+* scoring: from ``optima.stages.reward_stage: score | ...`` (servers up, scorer built) to the ``| select`` stage line;
 * training: TRL's ``train_runtime`` (the training loop);
 * overhead = wall - the three, broken down into vLLM start-ups (``ready after N s``), the training launch
   outside the loop (stage ``elapsed_s`` - ``train_runtime``: accelerate, imports, loading, tokenising, saving),
@@ -77,8 +77,10 @@ def seconds_between(events, a: int | None, b: int | None) -> float | None:
 
 
 def scoring_seconds(events, window: tuple[int, int]) -> float | None:
-    """From the score stage's start line in ``optima.rewarding`` to the select stage line."""
-    start = find_event(events, window[0], lambda name, m: name == "optima.rewarding" and m.startswith("score |"))
+    """From the score stage's start line in ``optima.stages.reward_stage`` to the select stage line."""
+    start = find_event(
+        events, window[0], lambda name, m: name == "optima.stages.reward_stage" and m.startswith("score |")
+    )
     end = find_event(events, start or window[0], lambda _, m: m.endswith("| select"))
     if start is None or end is None or end > window[1]:
         return None

@@ -6,7 +6,7 @@
 Both sides get the trainer YAML the pipeline renders (the SmolLM2 arc_sft ``base.yaml`` + model, dataset,
 output folder, seed) with ``max_steps`` added, and run under the same ``accelerate launch`` command line:
 
-* ``ours``: ``alignment-handbook/scripts/run_sft.py``, launched through ``optima.training.launch.TrainLaunch``
+* ``ours``: ``alignment-handbook/scripts/run_sft.py``, launched through ``optima.training.launch_config.TrainLaunch``
   exactly as the pipeline's train stage launches it;
 * ``plain``: ``bench/plain_sft.py`` (TRL ``SFTTrainer`` on the conversational ``messages`` column, its defaults).
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from benchlib import TreeMemorySampler, load_average  # noqa: E402
 
 from optima.environments import resolve_env  # noqa: E402
-from optima.training.launch import (  # noqa: E402
+from optima.training.launch_config import (  # noqa: E402
     SCRIPTS,
     TrainLaunch,
     render_trainer_config,

@@ -208,7 +208,7 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
         values = overrides_from_flags(args, flags)
         if "tokenizer_first_path" in values:
             values["tokenizer_second_path"] = values["tokenizer_first_path"]
-        from optima.recipe_fields import parse_override
+        from optima.config.fields import parse_override
 
         values |= dict(parse_override(item) for item in args.set)
         recipe = load_recipe(recipe_cls, args.config, values, check_paths=not args.dry_run)

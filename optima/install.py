@@ -17,12 +17,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import venv
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from optima.serving.gpus import has_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +57,6 @@ class EnvSpec:
         digest.update(" ".join(self.uninstall).encode())
         digest.update(sys.version.encode())
         return digest.hexdigest()
-
-
-def has_nvidia_gpu() -> bool:
-    """True when ``nvidia-smi`` exists and lists at least one GPU."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return False
-    result = subprocess.run([exe, "-L"], capture_output=True, text=True, check=False)
-    return result.returncode == 0 and "GPU" in result.stdout
 
 
 def build_env_specs(gpu: bool) -> list[EnvSpec]:
@@ -110,7 +102,7 @@ def setup(venvs_dir: Path, models_dir: Path, only: list[str] | None = None, mode
         only: Restrict to these env names (``train``, ``vllm``); None builds both.
         model: Embedded model to prepare, or ``""`` to skip.
     """
-    gpu = has_nvidia_gpu()
+    gpu = has_gpu()
     logger.info("machine: %s", "NVIDIA GPU found" if gpu else "no NVIDIA GPU (CPU builds)")
     pythons = {}
     for spec in build_env_specs(gpu):

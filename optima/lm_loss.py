@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from optima.config.rules import vllm_loss_batch_size, workers
 from optima.training.masking import trained_char_spans
 
 logger = logging.getLogger(__name__)
@@ -68,10 +69,10 @@ class VLLMLossScorer:
         model: Its served model name.
         tokenizer: The initial model's tokenizer.
         recipe: Supplies ``api_key``, ``request_timeout_s``, ``max_retries`` and ``thread_count``.
-        batch_size: Texts per request.
+        batch_size: Texts per request (default ``optima.config.rules.vllm_loss_batch_size``).
     """
 
-    def __init__(self, base_urls: Sequence[str], model: str, tokenizer: Any, recipe, batch_size: int = 32):
+    def __init__(self, base_urls: Sequence[str], model: str, tokenizer: Any, recipe, batch_size: int | None = None):
         from openai import OpenAI
 
         self.clients = [
@@ -85,8 +86,8 @@ class VLLMLossScorer:
         ]
         self.model, self.tokenizer = model, tokenizer
         # A request carries several texts; a few requests run at once so vLLM batches across them.
-        self.batch_size = batch_size
-        self.workers = max(1, min(recipe.thread_count, 16))
+        self.batch_size = batch_size or vllm_loss_batch_size(recipe)
+        self.recipe = recipe
 
     def _score_batch(self, numbered: tuple[int, Sequence[LossInput]]) -> list[float]:
         number, inputs = numbered
@@ -106,7 +107,7 @@ class VLLMLossScorer:
         """Mean NLL of each text."""
         inputs = [build_loss_input(self.tokenizer, t) for t in texts]
         batches = [inputs[i : i + self.batch_size] for i in range(0, len(inputs), self.batch_size)]
-        with ThreadPoolExecutor(self.workers) as pool:
+        with ThreadPoolExecutor(workers(self.recipe, len(batches))) as pool:
             results = list(pool.map(self._score_batch, enumerate(batches)))
         return [loss for batch in results for loss in batch]
 

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from optima.store import write_json
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,10 +51,7 @@ class Manifest:
         return self.entries[stage]["result"]
 
     def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"stages": self.entries}, indent=2, default=str) + "\n")
-        tmp.replace(self.path)
+        write_json(self.path, {"stages": self.entries})
 
     def invalidate_changed(
         self, order: list[str], outputs: dict[str, list[Path]], refuse: tuple[str, ...] = ()

@@ -16,7 +16,7 @@ from optima.manifest import Manifest
 from optima.paths import RunPaths
 from optima.plan import Plan
 from optima.run_context import RunContext, write_iteration_report
-from optima.serving.signals import sigterm_as_exit
+from optima.serving.processes import sigterm_as_exit
 from optima.stages import dpo as dpo_stages
 from optima.stages import sft as sft_stages
 
@@ -79,7 +79,7 @@ def run_sft_iteration(ctx: RunContext, iteration: int, model: str, stage: str | 
     if selected["kept_conversations"] == 0:
         handle_empty(ctx, label, sft_stages.describe_empty_selection(recipe, selected), model)
     else:
-        trained = manifest.run("train", lambda: sft_stages.train(ctx, iteration, model, sp, out), label)
+        trained = manifest.run("train", lambda: sft_stages.train(ctx, iteration, model, sp, out, stage), label)
     write_iteration_report(ctx, iteration, sp, manifest, out if trained else None)
     return str(out) if trained else None
 
@@ -109,8 +109,7 @@ def run_dpo_iteration(ctx: RunContext, iteration: int, model: str, stage: str | 
     if mined["pairs_kept"] == 0:
         handle_empty(ctx, label, f"no preference pair passed the thresholds ({mined})", model)
     else:
-        start = recipe.initial_model_path if recipe.from_initial and stage is None else model
-        trained = manifest.run("train", lambda: dpo_stages.train(ctx, iteration, start, sp, out), label)
+        trained = manifest.run("train", lambda: dpo_stages.train(ctx, iteration, model, sp, out, stage), label)
     write_iteration_report(ctx, iteration, sp, manifest, out if trained else None)
     return str(out) if trained else None
 

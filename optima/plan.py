@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe
+from optima.config.rules import generation_temperature, selection_range
 from optima.environments import PythonEnv
-from optima.install import has_nvidia_gpu
 from optima.paths import RunPaths, StagePaths
-from optima.training.launch import launch_for
-
-MATH_TASKS = ("gsm8k", "math")
+from optima.serving.gpus import has_gpu
+from optima.training.launch_config import launch_for
 
 
 @dataclass
@@ -70,26 +69,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def generation_temperature(recipe, iteration: int) -> float:
-    """SPEC 1.6: iteration 0 samples at 0.3 (0.7 for gsm8k/math) unless the recipe says otherwise."""
-    if iteration > 0:
-        return recipe.temperature
-    if recipe.temperature_iteration0 is not None:
-        return recipe.temperature_iteration0
-    return 0.7 if recipe.dataset_type in MATH_TASKS else 0.3
-
-
-def selection_range(recipe) -> list[float]:
-    """SPEC 3.4: the [start, end) slice of questions ranked by their best reward."""
-    if recipe.selection_range is not None:
-        return list(recipe.selection_range)
-    return [0.1, 0.8] if recipe.dataset_type == "math" else [0.0, 0.7]
-
-
 def _serve_stage(recipe, iteration: int, model: str) -> Stage:
     if recipe.endpoints:
         where = {"endpoints": ", ".join(recipe.endpoints)}
-    elif has_nvidia_gpu():
+    elif has_gpu():
         where = {
             "replicas": f"GPUs {recipe.devices or 'all visible'}, tp={recipe.tensor_parallel_size}",
             "first port": recipe.port,
@@ -105,7 +88,7 @@ def _sft_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage
     pool = recipe.use_prompt_pool and iteration == 0
     train_from = recipe.initial_model_path if recipe.from_initial else model
     out = paths.checkpoint(iteration, stage if stage else None)
-    launch = launch_for(recipe, "sft", envs["train"], sp.trainer_yaml, has_nvidia_gpu())
+    launch = launch_for(recipe, "sft", envs["train"], sp.trainer_yaml, has_gpu())
     return [
         _serve_stage(recipe, iteration, model),
         Stage(
@@ -162,7 +145,7 @@ def _dpo_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage
     sp = paths.stage(iteration, stage)
     out = paths.checkpoint(iteration)
     train_from = recipe.initial_model_path if recipe.from_initial and stage is None else model
-    launch = launch_for(recipe, "dpo", envs["train"], sp.trainer_yaml, has_nvidia_gpu())
+    launch = launch_for(recipe, "dpo", envs["train"], sp.trainer_yaml, has_gpu())
     return [
         _serve_stage(recipe, iteration, model),
         Stage(

@@ -13,13 +13,15 @@ more when it is correct, short, and every utterance stays readable. The override
 * ``impersonation_penalty`` (−10) for each utterance that speaks for both agents (SPEC 3.3), scanning stops at
   the first one that names both.
 
-``T_max`` is the largest token count among a question's conversations that did not run too long (SPEC 3.1);
-the tree search passes a global quantile instead (SPEC 4.1). Every part is kept for analysis.
+``T_max`` is the largest token count among a question's conversations that did not run too long (SPEC 3.1,
+``question_t_max``); the tree search passes a global quantile of a probe's token counts instead (SPEC 4.1,
+``search_t_max``). Both count the same conversations (``counted_tokens``). Every part is kept for analysis.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
@@ -63,10 +65,46 @@ class Conversation:
     losses: Sequence[float] | None = None
 
 
+def counted_tokens(conversations: Iterable[Conversation | dict]) -> list[int]:
+    """Token counts that ``T_max`` is taken from: conversations that finished (``ok``) with at least one token.
+
+    Args:
+        conversations: ``Conversation`` objects or generation records (``status``, ``token_count``).
+    """
+    pairs = (
+        (c["status"], c["token_count"]) if isinstance(c, dict) else (c.status, c.token_count) for c in conversations
+    )
+    return [count for status, count in pairs if status == OK and count > 0]
+
+
 def question_t_max(conversations: Sequence[Conversation]) -> int | None:
     """``T_max`` of one question: the most tokens among its conversations that did not run too long."""
-    counts = [c.token_count for c in conversations if c.status == OK and c.token_count > 0]
+    counts = counted_tokens(conversations)
     return max(counts) if counts else None
+
+
+def token_quantile(token_counts: Sequence[int], q: float) -> int:
+    """The tree search's ``T_max``: ``int(quantile_q(token_counts)) + 1`` (linear interpolation, as numpy's default).
+
+    Args:
+        token_counts: Token counts of the probe conversations.
+        q: The quantile in [0, 1] (recipe ``token_quantile``: 0.85 for iDPO, 0.8 for iSFT-DPO).
+    """
+    if not token_counts:
+        raise ValueError("token_quantile needs at least one token count (the probe produced no conversation)")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q!r}")
+    values = sorted(token_counts)
+    position = q * (len(values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    quantile = values[low] + (values[high] - values[low]) * (position - low)
+    return int(quantile) + 1
+
+
+def search_t_max(probe: Iterable[Conversation | dict], q: float) -> int:
+    """``T_max`` of the tree search: the ``q`` quantile (``token_quantile``) of the probe's counted tokens."""
+    return token_quantile(counted_tokens(probe), q)
 
 
 def token_term(conversation: Conversation, t_max: float | None, recipe) -> float:

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
-from optima.install import has_nvidia_gpu
 from optima.logging_utils import LOG_FORMAT
 from optima.manifest import Manifest, fields_hash
 from optima.paths import RunPaths, StagePaths
-from optima.recipe_fields import RecipeError
+from optima.serving.gpus import has_gpu
+from optima.store import write_json, write_yaml
 from optima.tasks import Task, get_task
 
 logger = logging.getLogger(__name__)
@@ -93,16 +94,11 @@ class RunContext:
             envs,
             ServerHolder(recipe, envs.get("vllm")),
             get_task(recipe.dataset_type),
-            has_nvidia_gpu(),
+            has_gpu(),
         )
 
     def stage_hashes(self, stage_fields: dict[str, tuple[str, ...]]) -> dict[str, str]:
         return {stage: fields_hash(self.recipe, names) for stage, names in stage_fields.items()}
-
-    @property
-    def loss_model(self) -> str:
-        """The fixed model whose LM loss scores readability (SPEC 3.2): ``loss_model_path`` or the initial model."""
-        return str(self.recipe.loss_model_path or self.recipe.initial_model_path)
 
     def tokenizer(self):
         """The initial model's tokenizer (token counts, LM-loss rendering, subword F1)."""
@@ -144,9 +140,7 @@ def save_recipe(recipe, path: Path) -> None:
         changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
         if changed:
             logger.warning("resuming %s with changed recipe fields: %s", path.parent, ", ".join(changed))
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(current, sort_keys=False))
-    tmp.replace(path)
+    write_yaml(path, current)
 
 
 def attach_driver_log(path: Path) -> None:
@@ -171,7 +165,7 @@ def write_iteration_report(
 ) -> dict:
     """Write ``metrics.json``, log the iteration's headline numbers, and put a model card in the checkpoint."""
     metrics = {"iteration": iteration} | iteration_metrics(manifest)
-    sp.metrics.write_text(json.dumps(metrics, indent=2, default=str) + "\n")
+    write_json(sp.metrics, metrics)
     stages = metrics["stages"]
     scored = stages.get("score") or stages.get("search") or {}  # DPO iterations report their rollouts
     logger.info(

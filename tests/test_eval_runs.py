@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.store import load_records
 from optima.evaluation.cot import build_cot_messages
+from optima.store import load_records
 from optima.tasks import Example
 from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply
 from tests.test_scripts import load_script

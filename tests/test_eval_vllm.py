@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 
-from optima.agents.store import load_records
 from optima.serving.vllm_server import find_free_port
+from optima.store import load_records
 from tests.conftest import requires_vllm
 from tests.test_eval_runs import write_arc_data
 from tests.test_scripts import load_script

@@ -15,9 +15,10 @@ import pytest
 
 from optima.agents.generation import GenerationPlan, generate_conversations, plan_generation
 from optima.agents.prompts import build_system_prompt
-from optima.agents.store import load_records
 from optima.serving import NoReplicaLeft
-from optima.serving.vllm_server import find_free_port, group_members
+from optima.serving.processes import group_members
+from optima.serving.vllm_server import find_free_port
+from optima.store import load_records
 from optima.tasks import Example
 from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply, question_of
 from tests.helpers import arc_examples, child_groups, count_lines, wait_for

@@ -28,13 +28,14 @@ import requests
 import yaml
 
 from optima.agents.generation import GenerationPlan, generate_conversations
-from optima.agents.store import load_records
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import PythonEnv
 from optima.paths import RunPaths
-from optima.rewarding import reward_generations
 from optima.serving import ReplicaPool, RequestFailed, Sampling, serve
-from optima.serving.vllm_server import find_free_port, group_members
+from optima.serving.processes import group_members
+from optima.serving.vllm_server import find_free_port
+from optima.stages.reward_stage import reward_generations
+from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks import select_questions as slice_questions
 from optima.training.common import is_complete

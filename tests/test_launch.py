@@ -9,13 +9,12 @@ import pytest
 import yaml
 
 from optima.environments import resolve_env
-from optima.training.launch import (
+from optima.training.launch import TrainingError, run_training
+from optima.training.launch_config import (
     ACCELERATE_CONFIGS,
-    TrainingError,
     TrainLaunch,
     render_trainer_config,
     resolve_accelerate_config,
-    run_training,
     write_trainer_config,
 )
 

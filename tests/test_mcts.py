@@ -12,7 +12,7 @@ import pytest
 
 from optima.agents.prompts import Utterance, build_agent_messages, build_system_prompt
 from optima.config import DPORecipe, load_recipe
-from optima.reward import Conversation
+from optima.reward import Conversation, token_quantile
 from optima.selection.dpo import candidate_pairs
 from optima.selection.edit_distance import levenshtein, merge_distance, selection_distance
 from optima.selection.mcts import (
@@ -23,9 +23,8 @@ from optima.selection.mcts import (
     ranked_children,
     reply_from_chat,
     search_question,
-    token_quantile,
 )
-from optima.selection.mcts_reward import build_rollout_scorer, first_impersonation, score_rollout_parts
+from optima.selection.rollout_reward import build_rollout_scorer, first_impersonation, score_rollout_parts
 from tests.helpers import arc_examples
 
 REPO = Path(__file__).resolve().parent.parent

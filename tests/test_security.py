@@ -13,12 +13,13 @@ import pytest
 import yaml
 
 from optima.config import SFTRecipe, load_recipe
+from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.paths import RunPaths
-from optima.recipe_fields import RecipeError
 from optima.run_context import save_recipe
 from optima.serving import build_serve_command, serve
-from optima.serving.vllm_server import Placement, find_free_port, group_members
+from optima.serving.processes import group_members
+from optima.serving.vllm_server import Placement, find_free_port
 from tests.helpers import child_groups
 
 REPO = Path(__file__).resolve().parent.parent

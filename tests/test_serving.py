@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.paths import RunPaths
-from optima.recipe_fields import RecipeError
 from optima.serving import ServerStartupError, VLLMServer, build_serve_command, serve, start_replicas
+from optima.serving.processes import group_members
 from optima.serving.replicas import build_replica_specs, check_endpoints, normalize_base_url, plan_replicas
-from optima.serving.vllm_server import Placement, ServerSpec, build_serve_env, find_free_port, group_members
+from optima.serving.vllm_server import Placement, ServerSpec, build_serve_env, find_free_port
 from tests.fake_vllm import CRASH_MARKER
 from tests.helpers import child_groups
 
@@ -225,7 +226,7 @@ def test_normalize_base_url(url, expected):
 
 
 def test_sigterm_handler_turns_into_system_exit():
-    from optima.serving.signals import sigterm_as_exit
+    from optima.serving.processes import sigterm_as_exit
 
     with pytest.raises(SystemExit) as exit_info:
         with sigterm_as_exit():

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from optima.serving.vllm_server import find_free_port, group_members
+from optima.serving.processes import group_members
+from optima.serving.vllm_server import find_free_port
 from optima.training.common import is_complete
 from tests.conftest import requires_vllm
 from tests.helpers import child_groups, wait_for

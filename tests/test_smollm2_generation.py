@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from optima.agents.generation import generate_conversations, plan_generation
-from optima.agents.store import load_records
 from optima.environments import resolve_env
 from optima.paths import RunPaths
 from optima.serving import serve
 from optima.serving.vllm_server import find_free_port
+from optima.store import load_records
 from optima.tasks import TASKS
 from tests.conftest import SMOLLM2, requires_smollm2, requires_vllm
 from tests.helpers import build_test_recipe

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from optima.agents.generation import GenerationPlan, generate_conversations
-from optima.agents.store import load_records
 from optima.environments import resolve_env
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, serve, start_replicas
+from optima.serving.processes import group_members
 from optima.serving.replicas import build_replica_specs, plan_replicas
-from optima.serving.vllm_server import find_free_port, group_members
+from optima.serving.vllm_server import find_free_port
+from optima.store import load_records
 from tests.conftest import requires_vllm
 from tests.helpers import arc_examples, build_test_recipe, child_groups, count_lines, wait_for
 from tests.test_generation import start_driver

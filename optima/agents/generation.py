@@ -8,7 +8,7 @@ question, lost futures):
 * question ``q`` goes to replica ``q mod n`` (deterministic round-robin); every turn of its conversations stays on
   that replica so vLLM's prefix cache reuses the shared system prompt and history; a dead replica fails over;
 * one line per conversation, keyed by ``(task_id, sample_index)``, flushed as it completes; a rerun skips what is
-  written (``optima.agents.store``), so a killed run resumes with nothing lost or duplicated;
+  written (``optima.store``), so a killed run resumes with nothing lost or duplicated;
 * every random choice is seeded from ``(seed, iteration, task_id, sample_index[, turn])``: the iteration-0 prompt
   pool draw (SPEC 2.5) and each request's sampling seed, so a rerun reproduces, whatever the scheduling;
 * a failed request ends its conversation with ``status: error`` (retried on the next run); if every replica is
@@ -37,9 +37,9 @@ from optima.agents.prompts import (
     pool_name,
     role_prompt,
 )
-from optima.agents.store import JsonlWriter, prepare_resume
-from optima.plan import generation_temperature
+from optima.config.rules import generation_temperature, workers
 from optima.serving.client import ReplicaPool, Sampling
+from optima.store import JsonlWriter, prepare_resume
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
 
@@ -306,7 +306,7 @@ def _run_jobs(runner: ConversationRunner, jobs: list[Job], out_path: Path, stats
     from tqdm.auto import tqdm
 
     started = time.monotonic()
-    executor = ThreadPoolExecutor(max_workers=runner.recipe.thread_count, thread_name_prefix="conversation")
+    executor = ThreadPoolExecutor(max_workers=workers(runner.recipe), thread_name_prefix="conversation")
     finished = False
     try:
         with JsonlWriter(out_path) as writer, tqdm(total=len(jobs), unit="conv", desc="generate") as bar:

@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from optima import store
+
 logger = logging.getLogger(__name__)
-
-
-def _replace(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def write_json(path: Path, payload: Mapping) -> None:
     """Write ``payload`` as indented JSON."""
-    _replace(path, json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+    store.write_json(path, payload)
 
 
 def write_csv(path: Path, rows: Sequence[Mapping], columns: Sequence[str]) -> None:
@@ -35,7 +29,7 @@ def write_csv(path: Path, rows: Sequence[Mapping], columns: Sequence[str]) -> No
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    _replace(path, buffer.getvalue())
+    store.atomic_write_text(path, buffer.getvalue())
 
 
 def _cell(value) -> str:

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan, generate_conversations
-from optima.agents.store import load_records, record_key
+from optima.config.fields import resolve_path
+from optima.config.rules import default_output_dir
 from optima.environments import PythonEnv, check_env
 from optima.paths import StagePaths
-from optima.recipe_fields import resolve_path
 from optima.run_context import attach_driver_log, save_recipe
+from optima.store import load_records, record_key
 from optima.tasks import Example, get_task
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class GenerationJob:
 
 def eval_recipe(recipe):
     """The recipe with ``output_dir`` (vLLM cache, logs) under the output folder, unless set explicitly."""
-    default = resolve_path(f"runs/{recipe.dataset_type}_{recipe.method}")
+    default = resolve_path(default_output_dir(recipe.dataset_type, recipe.method))
     if recipe.output_dir != default:
         return recipe
     return dataclasses.replace(recipe, output_dir=recipe.output_root_path)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan
-from optima.agents.store import load_records
+from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.cot import generate_cot_answers
 from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
@@ -38,7 +38,7 @@ from optima.evaluation.runs import (
     prepare_output,
 )
 from optima.evaluation.voting import analyze_self_consistency
-from optima.recipe_fields import RecipeError
+from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 

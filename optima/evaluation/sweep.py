@@ -19,7 +19,6 @@ import logging
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan
-from optima.agents.store import load_records
 from optima.environments import PythonEnv
 from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
 from optima.evaluation.plan import list_models
@@ -33,6 +32,7 @@ from optima.evaluation.runs import (
     load_tokenize,
     prepare_output,
 )
+from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from optima.evaluation.metrics import RecordScorer, has_answer, record_example
-from optima.rewarding import group_by_question
+from optima.store import group_by_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
 from optima.tasks.scoring import ScoreContext, score_by_type

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
+
+from optima.store import write_jsonl
+
+__all__ = ["save_splits", "write_jsonl"]
 
 
 def save_splits(splits: dict[str, list[dict]], path: Path) -> dict[str, int]:
@@ -23,13 +25,3 @@ def save_splits(splits: dict[str, list[dict]], path: Path) -> dict[str, int]:
         shutil.rmtree(path)
     tmp.rename(path)
     return {name: len(rows) for name, rows in splits.items()}
-
-
-def write_jsonl(records: Iterable[dict], path: Path) -> None:
-    """Write ``records`` to ``path`` in one go (atomic rename; a rerun replaces, never appends)."""
-    tmp = path.with_name(path.name + ".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tmp.open("w") as handle:
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    tmp.replace(path)

@@ -31,10 +31,11 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, render_utterance, strip_speaker_prefix
+from optima.config.rules import ORIGINAL_MCTS_SELECTIONS
 from optima.reward import RewardParts
 from optima.selection.edit_distance import merge_distance, selection_distance
 from optima.tasks import Example, Task, get_task
@@ -43,7 +44,6 @@ from optima.tasks.scoring import AnswerTracker
 logger = logging.getLogger(__name__)
 
 REPLY_STATUSES = ("ok", "too_long", "error")
-DEFAULT_SELECTIONS = 8  # the original's hard-coded explore_time
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ Score = Callable[[Rollout], "float | RewardParts"]
 class SearchSettings:
     """Search sizes and thresholds (recipe fields ``mcts_*``, ``*_threshold``, ``max_turns``; SPEC 4.1)."""
 
-    selections: int = DEFAULT_SELECTIONS
+    selections: int = ORIGINAL_MCTS_SELECTIONS
     rollouts: int = 3
     top_k: int = 10
     diversity_threshold: float = 0.25
@@ -118,9 +118,9 @@ class SearchSettings:
 
     @classmethod
     def from_recipe(cls, recipe) -> SearchSettings:
-        """Read the settings from a DPO or SFT-DPO recipe (``mcts_selections`` null means 8)."""
+        """Read the settings from a validated DPO or SFT-DPO recipe (its ``mcts_selections`` is set)."""
         return cls(
-            selections=recipe.mcts_selections or DEFAULT_SELECTIONS,
+            selections=recipe.mcts_selections,
             rollouts=recipe.mcts_rollouts,
             top_k=recipe.mcts_top_k,
             diversity_threshold=recipe.diversity_threshold,
@@ -348,7 +348,7 @@ def search_question(
     Args:
         example: The question.
         generate: ``(messages, speaker) -> Reply``; ``messages`` is that speaker's chat view.
-        score: ``(Rollout) -> float | RewardParts`` (``optima.selection.mcts_reward.build_rollout_scorer``).
+        score: ``(Rollout) -> float | RewardParts`` (``optima.selection.rollout_reward.build_rollout_scorer``).
         recipe: A DPO / SFT-DPO recipe, or a ``SearchSettings``.
         rng: This question's seeded RNG.
         task: The example's task (looked up from ``example.task`` when None).
@@ -364,25 +364,6 @@ def search_question(
         tree.root.value,
     )  # fmt: skip
     return tree.result()
-
-
-def token_quantile(token_counts: Sequence[int], q: float) -> int:
-    """The tree search's ``T_max``: ``int(quantile_q(token_counts)) + 1`` (linear interpolation, as numpy's default).
-
-    Args:
-        token_counts: Token counts of the probe conversations.
-        q: The quantile in [0, 1] (recipe ``token_quantile``: 0.85 for iDPO, 0.8 for iSFT-DPO).
-    """
-    if not token_counts:
-        raise ValueError("token_quantile needs at least one token count (the probe produced no conversation)")
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile must be in [0, 1], got {q!r}")
-    values = sorted(token_counts)
-    position = q * (len(values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(values) - 1)
-    quantile = values[low] + (values[high] - values[low]) * (position - low)
-    return int(quantile) + 1
 
 
 def reply_from_chat(

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages
-from optima.plan import selection_range
+from optima.config.rules import selection_range
 from optima.tasks import Example
 
 logger = logging.getLogger(__name__)

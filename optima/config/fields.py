@@ -1,6 +1,6 @@
 """Generic recipe machinery: typed fields, type checking, the alias table and ``RecipeError``.
 
-Kept apart from ``optima.config`` (which holds the recipe dataclasses themselves) so that the dataclasses
+Kept apart from ``optima.config.recipes`` (which holds the recipe dataclasses themselves) so that the dataclasses
 read as plain parameter lists, the way TRL's configs do. Nothing here knows about Optima's fields.
 """
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.prompts import Utterance, render_utterance
-from optima.agents.store import JsonlWriter, load_records, prepare_resume
-from optima.reward import Conversation, score_question
+from optima.reward import Conversation, question_t_max, score_conversation
+from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
 from optima.tasks.scoring import score_example
 
@@ -60,14 +60,6 @@ class RewardStats:
         }
 
 
-def group_by_question(records: Sequence[dict]) -> list[list[dict]]:
-    """Conversations grouped by ``task_id`` (first-seen order), each group sorted by sample index."""
-    groups: dict[str, list[dict]] = {}
-    for record in records:
-        groups.setdefault(str(record["task_id"]), []).append(record)
-    return [sorted(group, key=lambda r: r["sample_index"]) for group in groups.values()]
-
-
 def _utterances(record: dict) -> list[Utterance]:
     return [Utterance(u["speaker"], u["text"]) for u in record["utterances"]]
 
@@ -81,12 +73,12 @@ def reward_question(records: Sequence[dict], losses: Sequence[Sequence[float] | 
         conversations.append(
             Conversation(_utterances(record), record["token_count"], task_score, record["status"], record_losses)
         )
-    parts = score_question(conversations, recipe)
+    t_max = question_t_max(conversations)
+    parts = [score_conversation(c, t_max, recipe) for c in conversations]
     results = [
         record | {"losses": list(loss) if loss is not None else None, "reward_parts": p.to_dict(), "reward": p.reward}
         for record, loss, p in zip(records, losses, parts, strict=True)
     ]
-    t_max = max((c.token_count for c in conversations if c.status == "ok"), default=None)
     return {"task_id": records[0]["task_id"], "t_max": t_max, "results": results}
 
 

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from optima.recipe_fields import (
+from optima.config.fields import (
     RecipeError,
     build,
     check_keys,
@@ -28,7 +28,8 @@ from optima.recipe_fields import (
     require,
     resolve_path,
 )
-from optima.recipe_groups import DPOFields, GenerationFields, RewardFields, ServingFields, SFTFields
+from optima.config.groups import DPOFields, GenerationFields, RewardFields, ServingFields, SFTFields
+from optima.config.rules import default_mcts_selections, default_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class _BaseRecipe(ServingFields, GenerationFields):
         if self.data_dir is None:
             self.data_dir = os.environ.get(DATA_DIR_ENV) or None
         if self.output_dir is None:
-            self.output_dir = f"runs/{self.dataset_type}_{self.method}"
+            self.output_dir = default_output_dir(self.dataset_type, self.method)
         pool = self.prompt_pool_path
         if pool and Path(pool).name in ORIGINAL_POOLS and not Path(pool).exists():
             logger.warning("prompt_pool_path %s is the original's pool; using Optima's built-in pool", pool)
@@ -174,7 +175,7 @@ class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
 
     def __post_init__(self) -> None:
         if self.mcts_selections is None:
-            self.mcts_selections = self.explore_count  # the original ignored explore_count and used 8
+            self.mcts_selections = default_mcts_selections(self.method, self.explore_count)
         _BaseRecipe.__post_init__(self)
         RewardFields.validate(self)
         DPOFields.validate(self)
@@ -198,7 +199,7 @@ class SFTDPORecipe(DPOFields, SFTFields, RewardFields, _BaseRecipe):
 
     def __post_init__(self) -> None:
         if self.mcts_selections is None:
-            self.mcts_selections = 8  # explore_count belongs to the SFT stage here
+            self.mcts_selections = default_mcts_selections(self.method, self.explore_count)
         _BaseRecipe.__post_init__(self)
         RewardFields.validate(self)
         SFTFields.validate(self)

@@ -1,0 +1,41 @@
+"""Recipes: what a run is asked to do, validated before anything starts.
+
+    from optima.config import load_recipe, SFTRecipe
+    recipe = load_recipe(SFTRecipe, "train/sft_recipes/arc.yaml", ["seed=1"])
+
+* ``recipes``: the five method recipes (iSFT, iDPO, iSFT-DPO, checkpoint sweep, self-consistency) and
+  ``load_recipe``;
+* ``groups``: the field groups they are built from (serving, generation, reward, SFT, DPO, training);
+* ``fields``: the generic machinery (typed fields, type checks, ``RecipeError``);
+* ``rules``: the values derived from a recipe (loss model, T_max, training start, ...), one function each.
+"""
+
+from optima.config.fields import RecipeError, parse_override, resolve_path
+from optima.config.recipes import (
+    ALIASES,
+    DATA_DIR_ENV,
+    LEGACY_OUTPUT_KEYS,
+    DPORecipe,
+    InferenceRecipe,
+    MultiSCRecipe,
+    SFTDPORecipe,
+    SFTRecipe,
+    known_tasks,
+    load_recipe,
+)
+
+__all__ = [
+    "ALIASES",
+    "DATA_DIR_ENV",
+    "LEGACY_OUTPUT_KEYS",
+    "DPORecipe",
+    "InferenceRecipe",
+    "MultiSCRecipe",
+    "RecipeError",
+    "SFTDPORecipe",
+    "SFTRecipe",
+    "known_tasks",
+    "load_recipe",
+    "parse_override",
+    "resolve_path",
+]

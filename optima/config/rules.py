@@ -1,0 +1,71 @@
+"""Values derived from a recipe, one function each, used alike by the plan, the stages and the evaluation.
+
+Pure: no process, no file. The reward's own rule, ``T_max``, lives with the formula (``optima.reward``).
+"""
+
+from __future__ import annotations
+
+MATH_TASKS = ("gsm8k", "math")
+# The original's hard-coded number of node selections per question (its ``explore_time``).
+ORIGINAL_MCTS_SELECTIONS = 8
+# Texts per request to a vLLM server scoring LM loss, per text of an HF forward pass (``loss_batch_size``):
+# a request is cheap to batch on the server, so it carries several forward passes' worth.
+VLLM_LOSS_BATCH_FACTOR = 4
+
+
+def default_output_dir(dataset_type: str, method: str) -> str:
+    """``runs/<dataset_type>_<method>`` (relative to the working directory) when a recipe sets no ``output_dir``."""
+    return f"runs/{dataset_type}_{method}"
+
+
+def generation_temperature(recipe, iteration: int) -> float:
+    """Sampling temperature: ``temperature``; at iteration 0, 0.3 (0.7 for gsm8k/math) unless the recipe sets one."""
+    if iteration > 0:
+        return recipe.temperature
+    if recipe.temperature_iteration0 is not None:
+        return recipe.temperature_iteration0
+    return 0.7 if recipe.dataset_type in MATH_TASKS else 0.3
+
+
+def selection_range(recipe) -> list[float]:
+    """The [start, end) slice of questions, ranked by their best reward, that iSFT keeps."""
+    if recipe.selection_range is not None:
+        return list(recipe.selection_range)
+    return [0.1, 0.8] if recipe.dataset_type == "math" else [0.0, 0.7]
+
+
+def default_mcts_selections(method: str, explore_count: int) -> int:
+    """Node selections per question when ``mcts_selections`` is null.
+
+    iDPO reads ``explore_count`` (the original ignored it and used 8); in iSFT-DPO ``explore_count`` belongs to the
+    SFT stage, so the search keeps the original's 8.
+    """
+    return explore_count if method == "dpo" else ORIGINAL_MCTS_SELECTIONS
+
+
+def loss_model(recipe) -> str:
+    """The fixed model whose LM loss scores readability: ``loss_model_path``, else the initial model."""
+    return str(recipe.loss_model_path or recipe.initial_model_path)
+
+
+def vllm_loss_batch_size(recipe) -> int:
+    """Texts per request when a vLLM server scores LM loss (``loss_batch_size`` is per HF forward pass)."""
+    return VLLM_LOSS_BATCH_FACTOR * recipe.loss_batch_size
+
+
+def train_start(recipe, model: str, stage: str | None = None) -> str:
+    """The model a training stage starts from (and, for DPO, its reference model).
+
+    ``model`` is the one the stage's data came from. ``from_initial`` trains the initial model instead, except in
+    the DPO stage of iSFT-DPO (``stage == "dpo"``), which always continues from the iteration's SFT checkpoint.
+    """
+    if recipe.from_initial and stage != "dpo":
+        return str(recipe.initial_model_path)
+    return str(model)
+
+
+def workers(recipe, jobs: int | None = None) -> int:
+    """Threads for ``jobs`` pieces of concurrent work: ``thread_count`` (requests in flight), at most one per job."""
+    if jobs is None:
+        return recipe.thread_count
+    return max(1, min(recipe.thread_count, jobs))

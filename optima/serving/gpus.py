@@ -1,0 +1,41 @@
+"""Which NVIDIA GPUs this process may use: the one answer for serving, training and setup.
+
+``CUDA_VISIBLE_DEVICES`` wins when it is set (``""`` or ``-1``: none); otherwise
+``nvidia-smi -L`` lists the GPUs. Standard library only: setup uses it before any environment exists.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None, nvidia_smi: str | None = None) -> list[str]:
+    """GPU ids this process may use (what goes into a child's ``CUDA_VISIBLE_DEVICES``); empty on a CPU machine.
+
+    Args:
+        environ: The environment to read (default ``os.environ``).
+        nvidia_smi: The ``nvidia-smi`` executable (default: the one on ``PATH``).
+    """
+    environ = os.environ if environ is None else environ
+    visible = environ.get(VISIBLE_ENV)
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    exe = nvidia_smi or shutil.which("nvidia-smi", path=environ.get("PATH"))
+    if exe is None:
+        return []
+    try:
+        result = subprocess.run([exe, "-L"], capture_output=True, text=True, check=False, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    lines = result.stdout.splitlines() if result.returncode == 0 else []
+    return [str(i) for i, _ in enumerate(ln for ln in lines if ln.startswith("GPU "))]
+
+
+def has_gpu(environ: Mapping[str, str] | None = None) -> bool:
+    """True when at least one NVIDIA GPU is visible to this process."""
+    return bool(visible_gpus(environ))

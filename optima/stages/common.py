@@ -1,0 +1,119 @@
+"""What the SFT and DPO stages share: the question slices, the LM-loss scorer, the MATH verifier, the train stage.
+
+``train_checkpoint`` is the whole train stage of either method: a finished checkpoint is reused, a partial one (a
+killed run) is deleted, the servers are stopped (training needs the cores or the GPU memory), the trainer YAML is
+rendered from the recipe's base YAML and written, TRL runs under accelerate, and the result is what the trainer
+wrote with its completion marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from optima.config.rules import loss_model
+from optima.paths import StagePaths
+from optima.run_context import RunContext
+from optima.tasks import select_questions as slice_questions
+from optima.training.common import is_complete, read_completion
+from optima.training.launch import run_training
+from optima.training.launch_config import launch_for, render_trainer_config, write_trainer_config
+
+logger = logging.getLogger(__name__)
+
+ScoreTexts = Callable[[Sequence[str]], list[float]]
+
+
+def training_questions(ctx: RunContext, iteration: int, stage: str, count: int | None = None):
+    """This iteration's slice of the training split, derived from (seed, iteration, stage) (SPEC 9.1 item 12).
+
+    Args:
+        ctx: The run.
+        iteration: The iteration.
+        stage: ``sft``, ``probe`` or ``search`` (independent slices).
+        count: Questions wanted (default ``sample_count``).
+    """
+    recipe = ctx.recipe
+    examples = ctx.task.load_train(data_dir=recipe.data_dir, seed=recipe.seed)
+    return slice_questions(examples, recipe.sample_count if count is None else count, recipe.seed, iteration, stage)
+
+
+def loss_scorer(ctx: RunContext, sp: StagePaths, keep_served: bool = False) -> ScoreTexts | None:
+    """The LM-loss function of the recipe (mean NLL of each text under the loss model), or None without the term.
+
+    Args:
+        ctx: The run.
+        sp: The stage folder (logs of a server started for the loss model).
+        keep_served: The stage still needs the model being served (the tree search): the vLLM backend is used only
+            when that model is the loss model, else the loss model runs in-process (HF) beside it. Otherwise the
+            vLLM backend serves the loss model, and the HF backend first stops the servers (it needs the cores or
+            the memory).
+    """
+    recipe = ctx.recipe
+    if not recipe.cal_ppl:
+        return None
+    model = loss_model(recipe)
+    if recipe.loss_backend == "vllm" and (not keep_served or ctx.servers.model == model):
+        from optima.lm_loss import VLLMLossScorer
+
+        urls = ctx.servers.endpoints(model, sp)
+        return VLLMLossScorer(urls, recipe.served_model_name, ctx.tokenizer(), recipe).score
+    from optima.lm_loss import HFLossScorer
+
+    if not keep_served:
+        ctx.servers.close()
+    return HFLossScorer(model, ctx.tokenizer(), recipe.loss_batch_size).score
+
+
+def math_verifier(ctx: RunContext):
+    """One symbolic checker of MATH answers for a whole stage (its worker pool shared by every conversation).
+
+    A context manager yielding a ``MathVerifier``, or None for tasks that need none (no worker processes then).
+    """
+    if ctx.task.score_type != "math":
+        return contextlib.nullcontext(None)
+    from optima.tasks.math_equiv import MathVerifier
+
+    return MathVerifier()
+
+
+def train_checkpoint(
+    ctx: RunContext,
+    kind: Literal["sft", "dpo"],
+    iteration: int,
+    start: str,
+    sp: StagePaths,
+    out: Path,
+    overrides: dict[str, Any] | None = None,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> dict:
+    """Fine-tune ``start`` into ``out`` on the stage's dataset; the checkpoint is complete once its marker is written.
+
+    Args:
+        ctx: The run.
+        kind: ``sft`` or ``dpo`` (the base YAML and the handbook script).
+        iteration: The iteration (the trainer's seed is ``seed + iteration``).
+        start: The model training starts from (``optima.config.rules.train_start``).
+        sp: The stage folder (dataset, trainer YAML, train log).
+        out: The checkpoint folder.
+        overrides: More trainer YAML values of this method (``None`` deletes a key).
+        check: Validates the rendered trainer YAML before anything is written.
+    """
+    recipe = ctx.recipe
+    if is_complete(out):
+        return read_completion(out)
+    if out.exists():
+        shutil.rmtree(out)  # a partial checkpoint of a killed run
+    ctx.servers.close()
+    base = recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
+    values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}
+    config = render_trainer_config(Path(base), values | {"seed": recipe.seed + iteration} | (overrides or {}))
+    if check is not None:
+        check(config)
+    write_trainer_config(config, sp.trainer_yaml)
+    run_training(launch_for(recipe, kind, ctx.envs["train"], sp.trainer_yaml, ctx.gpu), sp.train_log)
+    return read_completion(out) | {"model": start}

@@ -1,0 +1,106 @@
+"""The trainer YAML and the ``accelerate launch`` command line of a fine-tuning stage (pure: starts nothing).
+
+A fine-tuning stage is the handbook-style base YAML of the recipe (``origin_yaml_path``) plus this iteration's
+model, dataset and output folder, written into the run directory and handed to
+``alignment-handbook/scripts/run_{sft,dpo}.py`` in the training environment::
+
+    <train python> -m accelerate.commands.launch --config_file <accelerate yaml> \
+        alignment-handbook/scripts/run_sft.py --config <run>/iteration_<i>/trainer.yaml
+
+Multi-node training uses accelerate's own flags (``--num_machines``, ``--machine_rank``,
+``--main_process_ip``), passed through ``extra_launch_args``. ``optima.training.launch`` runs the command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from optima.environments import REPO_ROOT, PythonEnv
+from optima.store import write_yaml
+
+HANDBOOK = REPO_ROOT / "alignment-handbook"
+ACCELERATE_CONFIGS = HANDBOOK / "recipes" / "accelerate_configs"
+SCRIPTS = {"sft": HANDBOOK / "scripts" / "run_sft.py", "dpo": HANDBOOK / "scripts" / "run_dpo.py"}
+
+
+def resolve_accelerate_config(name: str | None, gpu: bool) -> Path:
+    """A config name (``cpu``, ``multi_gpu``, ``deepspeed_zero3``, ``fsdp``) or YAML path -> absolute path.
+
+    Args:
+        name: From the recipe; ``None`` picks ``cpu`` without a GPU and ``deepspeed_zero3`` with one.
+        gpu: Whether this machine has an NVIDIA GPU.
+    """
+    if name is None:
+        name = "deepspeed_zero3" if gpu else "cpu"
+    path = ACCELERATE_CONFIGS / f"{name}.yaml"
+    if not path.is_file():
+        path = Path(name).expanduser().resolve()
+    if not path.is_file():
+        known = sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml"))
+        raise FileNotFoundError(f"accelerate_config {name!r} is neither one of {known} nor an existing YAML file")
+    return path
+
+
+def render_trainer_config(base_yaml: Path, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The base handbook YAML with this iteration's values on top (``None`` values delete a key)."""
+    import yaml
+
+    config = yaml.safe_load(Path(base_yaml).read_text()) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{base_yaml}: a trainer recipe must be a mapping, got {type(config).__name__}")
+    for key, value in overrides.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    return config
+
+
+def write_trainer_config(config: dict[str, Any], path: Path) -> Path:
+    """Write the rendered trainer YAML atomically (a killed write never leaves a half file)."""
+    return write_yaml(path, config)
+
+
+@dataclass(frozen=True)
+class TrainLaunch:
+    """One fine-tuning subprocess.
+
+    Args:
+        kind: ``sft`` or ``dpo`` (picks the handbook script).
+        env: The training environment.
+        accelerate_config: Resolved accelerate YAML.
+        trainer_yaml: Rendered trainer recipe.
+        num_processes: Overrides the accelerate config's process count (e.g. GPUs available).
+        extra_launch_args: More ``accelerate launch`` flags (multi-node).
+    """
+
+    kind: Literal["sft", "dpo"]
+    env: PythonEnv
+    accelerate_config: Path
+    trainer_yaml: Path
+    num_processes: int | None = None
+    extra_launch_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def argv(self) -> list[str]:
+        """The exact command line (pure; shown by ``--dry-run``)."""
+        launch = ["--config_file", str(self.accelerate_config)]
+        if self.num_processes is not None:
+            launch += ["--num_processes", str(self.num_processes)]
+        launch += list(self.extra_launch_args)
+        return self.env.module_argv(
+            "accelerate.commands.launch", *launch, str(SCRIPTS[self.kind]), "--config", str(self.trainer_yaml)
+        )
+
+
+def launch_for(recipe, kind: Literal["sft", "dpo"], env: PythonEnv, trainer_yaml: Path, gpu: bool) -> TrainLaunch:
+    """The training subprocess of a recipe's stage (accelerate config, process count, extra launch flags)."""
+    return TrainLaunch(
+        kind,
+        env,
+        resolve_accelerate_config(recipe.accelerate_config, gpu),
+        trainer_yaml,
+        recipe.num_processes,
+        tuple(recipe.accelerate_extra_args),
+    )
