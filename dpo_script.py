@@ -1,4 +1,4 @@
-r"""iDPO: iterative DPO on preference pairs mined by tree search (SPEC 1.3).
+r"""iDPO: iterative DPO on preference pairs mined by tree search (docs/method.md#idpo).
 
 Each iteration serves the current model with vLLM, lets Alice and Bob solve training questions together,
 scores every conversation (task score, token cost, readability), selects training data and fine-tunes with

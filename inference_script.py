@@ -1,4 +1,6 @@
-r"""Checkpoint sweep: evaluate every iteration_<k> checkpoint greedily on the eval split (SPEC 7.1, 7.2).
+r"""Checkpoint sweep: evaluate every iteration_<k> checkpoint greedily on the eval split.
+
+See docs/method.md#checkpoint-sweep.
 
     python inference_script.py --model_root_path runs/arc_sft/checkpoints --dataset_type arc \
         --device 0 --port 8000 --num_thread 128 --output_root_path runs/arc_sft/eval --vllm_env .venvs/vllm

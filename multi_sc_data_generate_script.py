@@ -1,4 +1,6 @@
-r"""Multi-agent self-consistency: k sampled conversations per eval question, then majority vote (SPEC 7.3).
+r"""Multi-agent self-consistency: k sampled conversations per eval question, then majority vote.
+
+See docs/method.md#self-consistency.
 
     python multi_sc_data_generate_script.py --model_path runs/arc_sft/checkpoints/iteration_0 \
         --dataset_type arc --device 0 --port 8000 --num_thread 128 --output_path runs/arc_sft/sc \

@@ -1,4 +1,4 @@
-r"""iSFT-DPO: an iSFT iteration then a DPO stage, repeated (SPEC 1.4).
+r"""iSFT-DPO: an iSFT iteration then a DPO stage, repeated (docs/method.md#isft-dpo).
 
 Each iteration serves the current model with vLLM, lets Alice and Bob solve training questions together,
 scores every conversation (task score, token cost, readability), selects training data and fine-tunes with

@@ -1,4 +1,4 @@
-r"""iSFT: iterative supervised fine-tuning on the best conversations (SPEC 1.2).
+r"""iSFT: iterative supervised fine-tuning on the best conversations (docs/method.md#isft).
 
 Each iteration serves the current model with vLLM, lets Alice and Bob solve training questions together,
 scores every conversation (task score, token cost, readability), selects training data and fine-tunes with

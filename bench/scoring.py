@@ -11,9 +11,9 @@ vllm, ...) so that load from other jobs on the box hits each alike:
   script starts with ``optima.serving.serve``, with the pipeline's settings (32 texts per request, 16 requests
   in flight);
 * ``hf``: ``optima.lm_loss.HFLossScorer`` (batches of 8, length-sorted);
-* ``original``: SPEC 3.2: one conversation at a time, all its utterances as one right-padded batch, each
-  rendered as a lone assistant chat message, fp32 logits, mean NLL over the content tokens and the
-  end-of-turn token (a fixed header length is skipped, as the original skipped Llama-3's 5 header tokens);
+* ``original``: the original's computation: one conversation at a time, all its utterances as one right-padded batch,
+  each rendered as a lone assistant chat message, fp32 logits, mean NLL over the content tokens and the end-of-turn
+  token (a fixed header length is skipped, as the original skipped Llama-3's 5 header tokens);
 * ``vllm_prefill`` (a reference, not a scorer): the ``vllm`` requests with ``max_tokens: 1`` and no
   log-probabilities, i.e. the server's forward pass alone: how fast any vLLM-based scorer could be here.
 
@@ -79,7 +79,7 @@ def load_conversations(path: Path, limit: int | None) -> list[list[str]]:
 
 
 class OriginalScorer:
-    """SPEC 3.2's computation: one padded batch per conversation, fixed header skipped, mean NLL to end of turn.
+    """The original's computation: one padded batch per conversation, fixed header skipped, mean NLL to end of turn.
 
     Args:
         model: A causal LM in eval mode (fp32).
@@ -180,7 +180,7 @@ def build_scorers(args, recipe, urls: list[str], tokenizer) -> dict:
     from optima.lm_loss import HFLossScorer, VLLMLossScorer
 
     # Same compute for all: vLLM's CPU engine binds one OpenMP thread (the other core runs its scheduler), and
-    # on a shared box extra torch threads mostly wait on each other (ENVIRONMENT.md).
+    # on a shared box extra torch threads mostly wait on each other (docs/cpu.md#threads-under-load).
     torch.set_num_threads(args.torch_threads)
 
     hf = HFLossScorer(args.model, tokenizer, args.hf_batch_size)

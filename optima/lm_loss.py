@@ -1,4 +1,6 @@
-"""Per-utterance LM loss under the fixed initial model: the readability term of the reward (SPEC 3.1, 3.2).
+"""Per-utterance LM loss under the fixed initial model: the readability term of the reward.
+
+See docs/method.md#readability.
 
 ``L(u)`` is the mean negative log-likelihood of utterance ``u``'s tokens plus its end-of-turn token, with ``u``
 rendered alone as one assistant message of the model's chat template (the original's
@@ -8,7 +10,7 @@ scored. Two backends compute the same number on the same token ids:
 * ``vllm`` (default): ``/v1/completions`` of a vLLM server of the initial model with the token ids as the prompt,
   ``echo`` + ``logprobs`` and ``max_tokens: 0``: the server returns the prompt's log-probabilities. Requests
   carry many texts each and several run at once, so scoring rides on vLLM's batching. No Ray Serve, no ports
-  of its own (SPEC 9.1 items 3, 9).
+  of its own (docs/method.md D1, D6).
 * ``hf``: a padding-aware batched forward pass with transformers in the calling process.
 
 The original scored one conversation per request with a separate Ray Serve deployment; ``bench/scoring.py``
@@ -118,7 +120,7 @@ class HFLossScorer:
     Args:
         model_path: The initial model (hub id or folder).
         tokenizer: Its tokenizer.
-        batch_size: Texts per forward pass (8 is the CPU sweet spot, ENVIRONMENT.md).
+        batch_size: Texts per forward pass (8 is the CPU sweet spot, docs/cpu.md#training-speed).
     """
 
     def __init__(self, model_path: str, tokenizer: Any, batch_size: int = 8):

@@ -1,4 +1,4 @@
-"""Per-iteration stage manifest: resume at the first unfinished stage (fixing SPEC 9.1 item 7).
+"""Per-iteration stage manifest: resume at the first unfinished stage (docs/method.md D4).
 
 The original treated "the trainer YAML exists" as "trained", even after a crash. Here each stage appends an entry
 to ``manifest.json`` only after it succeeded: its name, a hash of the recipe fields it depends on, its counts and

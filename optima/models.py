@@ -68,7 +68,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, model_max_length: int) -> None:
     """Dequantise a GGUF checkpoint into an fp32 Hugging Face folder.
 
     Without ``GgufConfig(dequantize=True)`` transformers keeps a GGUF quantizer attached, which makes
-    ``save_pretrained`` fail and the model untrainable (ENVIRONMENT.md).
+    ``save_pretrained`` fail and the model untrainable (docs/cpu.md#the-embedded-model).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

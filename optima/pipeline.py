@@ -1,4 +1,4 @@
-"""The only place that runs serve -> generate -> score -> select -> train (SPEC 1.2-1.4).
+"""The only place that runs serve -> generate -> score -> select -> train (docs/method.md#the-three-loops).
 
 ``run_plan`` follows the stage list of ``optima.plan``. Every stage records itself in the iteration's
 ``manifest.json`` after it succeeds, with a hash of the recipe fields it depends on, so the same command resumes
@@ -88,7 +88,7 @@ def run_dpo_iteration(ctx: RunContext, iteration: int, model: str, stage: str | 
     """One DPO iteration from ``model`` (probe, search, pairs, train); returns the new checkpoint or None.
 
     In iDPO ``from_initial`` trains the initial model on pairs from ``model``; in iSFT-DPO (``stage="dpo"``) DPO
-    always starts from the iteration's SFT checkpoint (SPEC 1.4).
+    always starts from the iteration's SFT checkpoint (docs/method.md#isft-dpo).
     """
     recipe = ctx.recipe
     sp = ctx.paths.stage(iteration, stage)
@@ -115,7 +115,7 @@ def run_dpo_iteration(ctx: RunContext, iteration: int, model: str, stage: str | 
 
 
 def run_sft_dpo_iteration(ctx: RunContext, iteration: int, model: str) -> str | None:
-    """A whole iSFT iteration, then a DPO stage on its checkpoint (SPEC 1.4)."""
+    """A whole iSFT iteration, then a DPO stage on its checkpoint (docs/method.md#isft-dpo)."""
     sft_model = run_sft_iteration(ctx, iteration, model, stage="sft") or model
     return run_dpo_iteration(ctx, iteration, sft_model, stage="dpo") or (sft_model if sft_model != model else None)
 
@@ -145,6 +145,6 @@ def run_plan(plan: Plan) -> str:
 
 
 def run_iteration(ctx: RunContext, method: str, iteration: int, model: str) -> str | None:
-    """Dispatch one iteration of ``method`` (the loops of SPEC 1.2-1.4)."""
+    """Dispatch one iteration of ``method`` (the loops of docs/method.md#the-three-loops)."""
     loops = {"sft": run_sft_iteration, "dpo": run_dpo_iteration, "sft_dpo": run_sft_dpo_iteration}
     return loops[method](ctx, iteration, model)

@@ -1,7 +1,7 @@
 """The iteration plan of a recipe: stages, models, paths and commands, computed without starting anything.
 
 ``--dry-run`` prints it; the pipeline follows the same stage list, so what the plan says is what runs.
-SPEC 1.2 (iSFT), 1.3 (iDPO) and 1.4 (iSFT-DPO) give the stage order.
+docs/method.md#the-three-loops gives the stage order of iSFT, iDPO and iSFT-DPO.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Optima reward: pure functions (SPEC 3.1, 3.3; the paper's overview figure).
+"""The Optima reward: pure functions (docs/method.md#reward; the paper's overview figure).
 
     R = R_task − λ_token · tokens / T_max + λ_loss / max_i L_i
 
@@ -9,13 +9,14 @@ more when it is correct, short, and every utterance stays readable. The override
 * token term = ``overlong_penalty`` (−1) when the conversation is too long / failed, or has ≤ ``min_tokens``;
 * loss term = ``overlong_penalty`` when it has more than ``max_total_tokens`` tokens or no utterance, and 0
   when an utterance repeats an earlier one (compared without the name prefix, case-insensitively; the original
-  used a character-set ``strip``, SPEC 9.2 item 18);
-* ``impersonation_penalty`` (−10) for each utterance that speaks for both agents (SPEC 3.3), scanning stops at
+  used a character-set ``strip``, docs/method.md D15);
+* ``impersonation_penalty`` (−10) for each utterance that speaks for both agents, scanning stops at
   the first one that names both.
 
-``T_max`` is the largest token count among a question's conversations that did not run too long (SPEC 3.1,
-``question_t_max``); the tree search passes a global quantile of a probe's token counts instead (SPEC 4.1,
-``search_t_max``). Both count the same conversations (``counted_tokens``). Every part is kept for analysis.
+``T_max`` is the largest token count among a question's conversations that did not run too long
+(``question_t_max``); the tree search passes a global quantile of a probe's token counts instead
+(``search_t_max``, docs/method.md#rollout-reward). Both count the same conversations (``counted_tokens``). Every part
+is kept for analysis.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Conversation:
 
     Args:
         utterances: The conversation, oldest first (speaker + text without the name prefix).
-        token_count: Tokens of all utterances (system prompts excluded, SPEC 2.6).
+        token_count: Tokens of all utterances (system prompts excluded, docs/method.md#token-count).
         task_score: Score of its final answer against the gold answer (0 when none).
         status: ``ok``, ``too_long`` or ``error`` (generation's status).
         losses: Mean NLL of each utterance under the initial model (``None`` without the loss term).

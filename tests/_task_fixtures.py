@@ -12,7 +12,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 
-# The standard Meta-Llama-3-8B-Instruct chat template (what SPEC 2.3 describes, without Optima's name forcing).
+# The standard Meta-Llama-3-8B-Instruct chat template (the original's base model, without its name forcing).
 LLAMA3_CHAT_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
     "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"

@@ -63,7 +63,7 @@ def test_shipped_recipe_loads(path, in_repo):
 
 
 def test_paper_values_reach_the_recipe(in_repo):
-    """Spot-check SPEC 1.5 values: ARC iSFT and math iSFT-DPO."""
+    """Spot-check the original's released values: ARC iSFT and math iSFT-DPO."""
     arc = load_recipe(SFTRecipe, REPO / "train/sft_recipes/arc.yaml", check_paths=False)
     assert (arc.initial_epsilon, arc.sample_count, arc.explore_count, arc.thread_count) == (0.6, 2000, 15, 1024)
     assert (arc.lambda1, arc.lambda2, arc.from_initial, arc.iteration_times) == (-0.5, 0.6, True, 6)

@@ -1,4 +1,7 @@
-"""DPO pairs from search trees (SPEC 4.4, 4.5): the pair rule, keeping the best, the agent's view, split, save."""
+"""DPO pairs from search trees: the pair rule, keeping the best, the agent's view, split, save.
+
+See docs/method.md#mining-pairs.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""DPO trainer: length checks, prompt truncation, the RPO mapping, chat rendering, and real TRL runs (SPEC 8).
+"""DPO trainer: length checks, prompt truncation, the RPO mapping, chat rendering, and real TRL runs.
+
+See docs/method.md#dpo-and-rpo.
 
 The real runs train the tiny random Llama (``tests/tiny_model.py``) for two steps under ``accelerate launch`` on
 four pairs written with its vocabulary, once as iDPO (``rpo_alpha: 1.0``) and once as plain DPO, then check the

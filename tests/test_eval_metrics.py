@@ -1,4 +1,4 @@
-"""Evaluation metrics and the self-consistency analysis on handcrafted result records (SPEC 7.2, 7.3)."""
+"""Evaluation metrics and the self-consistency analysis on handcrafted result records (docs/method.md#evaluation)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 * ``load_recipe`` on any YAML-able mapping, any ``--set`` string and any file content either returns a recipe or
   raises ``RecipeError`` (which the scripts turn into exit code 2 and one message), never another exception.
 * Every answer parser takes any text and returns a string or None; every scorer returns a number in [0, 1], in both
-  scoring modes. Model output is adversarial by nature (SPEC 6): a parser that raises would crash a stage.
+  scoring modes. Model output is adversarial by nature: a parser that raises would crash a stage.
 
 Fast settings (a few hundred examples each, no deadline, no network); the symbolic MATH backend is replaced by an
 instant checker (its own time limits are tested in ``test_scoring.py``).

@@ -1,4 +1,7 @@
-"""Tree search (SPEC 4.1-4.3): edit distance, token quantile, selection, expansion, backpropagation, rollout reward."""
+"""Tree search: edit distance, token quantile, selection, expansion, backpropagation, rollout reward.
+
+See docs/method.md#tree-search.
+"""
 
 from __future__ import annotations
 
@@ -192,7 +195,7 @@ def test_backpropagation_keeps_running_means_and_visit_counts_up_to_the_root():
 
 def test_stale_best_and_worst_regression():
     """The original compared min/max pointers only when a child was updated, so a best child whose value later
-    fell stayed "best". Pairs must come from the children's current values (SPEC 9.2 item 17)."""
+    fell stayed "best". Pairs must come from the children's current values (docs/method.md D14)."""
     tree = new_tree()
     a, b = (chain(tree, tree.root, text)[0] for text in ("I pick <A>A</A>", "I pick <A>B</A> for sure"))
     tree.backpropagate(a, 1.0)  # a is best
@@ -341,7 +344,7 @@ def test_reply_from_chat_adapts_generation_replies_and_failures():
         ask("boom")
 
 
-# ---------------------------------------------------------------- rollout reward (SPEC 3.1 format rule)
+# ---------------------------------------------------------------- rollout reward (format rule)
 
 
 @pytest.fixture(scope="module")

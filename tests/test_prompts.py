@@ -1,4 +1,5 @@
-"""Tests for prompts, the chat renderer and the format pool (optima/agents/prompts.py; SPEC 2.1-2.5, 3.3, 9.2)."""
+"""Tests for prompts, the chat renderer and the format pool (optima/agents/prompts.py;
+docs/method.md#conversations)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reward (SPEC 3.1, 3.3): table tests for every term and override."""
+"""The reward (docs/method.md#reward): table tests for every term and override."""
 
 from __future__ import annotations
 

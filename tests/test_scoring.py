@@ -1,4 +1,5 @@
-"""Tests for answer parsing and task scores (optima/tasks/answers.py, scoring.py, math_equiv.py; SPEC 2.2, 6)."""
+"""Tests for answer parsing and task scores (optima/tasks/answers.py, scoring.py, math_equiv.py;
+docs/method.md#scoring)."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def test_dry_run_shows_iterations_models_and_commands(in_repo, envs, capsys):
     assert "iteration 2/2" in out
     assert f"model: {run}/checkpoints/iteration_0" in out  # iteration 2 serves iteration 1's output
     assert f"{run}/iteration_1/trainer.yaml" in out
-    assert "temperature: 0.3" in out and "temperature: 0.7" in out  # SPEC 1.6 schedule
+    assert "temperature: 0.3" in out and "temperature: 0.7" in out  # docs/method.md#sampling-schedule
     assert "[ok]" in out
 
 

@@ -1,4 +1,7 @@
-"""iSFT selection (SPEC 3.4): top-1 per question, rank slice, epsilon, per-agent rows, seeded split."""
+"""iSFT selection: top-1 per question, rank slice, epsilon, per-agent rows, seeded split.
+
+See docs/method.md#isft-selection.
+"""
 
 from __future__ import annotations
 

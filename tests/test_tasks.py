@@ -1,4 +1,4 @@
-"""Tests for the dataset loaders, examples, context splits and question slices (optima/tasks; SPEC 5, 9.1 item 12)."""
+"""Tests for the dataset loaders, examples, context splits and question slices (optima/tasks; docs/method.md#tasks)."""
 
 from __future__ import annotations
 

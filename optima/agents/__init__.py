@@ -1,1 +1,4 @@
-"""The agents: prompts, the chat renderer and the format pool (SPEC 2); the two-agent turn loop builds on these."""
+"""The agents: prompts, the chat renderer and the format pool; the two-agent turn loop builds on these.
+
+See docs/method.md#conversations.
+"""

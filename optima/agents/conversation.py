@@ -1,11 +1,12 @@
-"""The two-agent turn loop (SPEC 2.2) over an injected ``generate(messages, speaker) -> ChatReply`` callable.
+"""The two-agent turn loop over an injected ``generate(messages, speaker) -> ChatReply`` callable.
 
 Alice speaks first; the agents alternate for at most ``max_turns`` utterances. Each agent sees its own chat view
 of the conversation (``optima.agents.prompts.build_agent_messages``). After every utterance the task's parser
 reads the answer it states; the conversation stops when the same answer is stated twice in a row (utterances
 without an answer are skipped over: ``AnswerTracker``).
 
-Where the original stored fake utterances (SPEC 9.2 item 23) this loop ends with a status instead:
+Where the original stored fake utterances ``"large"``/``"error"`` (docs/method.md, D5) this loop ends with a status
+instead:
 
 * ``ok``: stopped by the same-answer rule or the turn cap;
 * ``too_long``: an utterance hit ``max_tokens`` (finish reason ``length``, or as many tokens as allowed); the
@@ -16,9 +17,9 @@ Answer pre-fill (``answer_openings``, format bootstrapping for small models at i
 started with its role's answer opening (``<A>`` for a multiple-choice solver) as a final assistant message that the
 server continues; the stored utterance is the opening plus the continuation.
 
-Token accounting (SPEC 2.6): each utterance counts the server's ``usage.completion_tokens`` (the model's own
-tokenizer, the name prefix the model wrote included), or ``count_tokens(text)`` when the server sent no usage.
-System prompts and task turns are not counted.
+Token accounting (docs/method.md#token-count): each utterance counts the server's ``usage.completion_tokens`` (the
+model's own tokenizer, the name prefix the model wrote included), or ``count_tokens(text)`` when the server sent no
+usage. System prompts and task turns are not counted.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ConversationResult:
 
 @dataclass(frozen=True)
 class TurnLimits:
-    """Length limits of a conversation (SPEC 2.2; recipe fields ``max_turns`` and ``max_tokens``)."""
+    """Length limits of a conversation (recipe fields ``max_turns`` and ``max_tokens``)."""
 
     max_turns: int
     max_tokens: int

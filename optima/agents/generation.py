@@ -1,4 +1,6 @@
-"""Many two-agent conversations against the served replicas, written to a resumable JSONL (SPEC 1.2 step 2, 2.4).
+"""Many two-agent conversations against the served replicas, written to a resumable JSONL.
+
+See docs/method.md#isft.
 
 ``generate_conversations(recipe, examples, endpoints, out_path, plan)`` runs ``plan.samples`` conversations per
 question. Compared with the original (one thread per question, its samples in sequence, a random port per
@@ -10,11 +12,12 @@ question, lost futures):
 * one line per conversation, keyed by ``(task_id, sample_index)``, flushed as it completes; a rerun skips what is
   written (``optima.store``), so a killed run resumes with nothing lost or duplicated;
 * every random choice is seeded from ``(seed, iteration, task_id, sample_index[, turn])``: the iteration-0 prompt
-  pool draw (SPEC 2.5) and each request's sampling seed, so a rerun reproduces, whatever the scheduling;
+  pool draw and each request's sampling seed, so a rerun reproduces, whatever the scheduling;
 * a failed request ends its conversation with ``status: error`` (retried on the next run); if every replica is
   gone the run stops with ``NoReplicaLeft``.
 
-Temperature and pool follow SPEC 1.6 (``plan_generation``); evaluation and tree search build their own plans.
+Temperature and pool follow docs/method.md#sampling-schedule (``plan_generation``); evaluation and tree search build
+their own plans.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class GenerationPlan:
         iteration: Iteration number (recorded, and part of every seed).
         temperature: Sampling temperature.
         samples: Conversations per question.
-        use_prompt_pool: Draw format-diverse system prompts (SPEC 2.5).
+        use_prompt_pool: Draw format-diverse system prompts (docs/method.md#prompt-pool).
         stage: Label of the stage (``sft``, ``probe``, ``eval``, ...): logs and seeds.
         prefill_answer: Start answering turns with the role's answer opening (``prefill_answer_iteration0``).
     """
@@ -70,7 +73,10 @@ class GenerationPlan:
 
 
 def plan_generation(recipe, iteration: int, stage: str = "sft") -> GenerationPlan:
-    """SFT data generation per SPEC 1.6: ``explore_count`` samples; the pool and the low temperature at iteration 0."""
+    """SFT data generation: ``explore_count`` samples; the pool and the low temperature at iteration 0.
+
+    See docs/method.md#sampling-schedule.
+    """
     first = iteration == 0
     return GenerationPlan(
         iteration,

@@ -1,22 +1,23 @@
 """Agent prompts and the single chat renderer used by generation, training data, tree search and evaluation.
 
-Roles and protocol follow the original (SPEC 2.1, 2.5), the wording is our own (the original has no licence):
+Roles and protocol follow the original (docs/method.md#roles-and-prompts), the wording is our own (the original has no
+licence):
 * information exchange ("qa"): both agents get the same role prompt; each holds private paragraphs, shares what
   matters concisely and finishes with `<A>answer</A>`;
 * debate: Alice solves (answer in `<A>..</A>` for arc/mmlu, `\\boxed{}` for gsm8k, a MATH-specific solver for math,
-  SPEC 9.2 item 15) and Bob critiques without ever giving the answer.
+  docs/method.md D12) and Bob critiques without ever giving the answer.
 Each prompt ends with a one-line worked example of a message with its answer, because small models (SmolLM2-135M)
 rarely write the answer tag unless they see it.
 
 Every agent's view is an ordinary chat (`build_agent_messages`), unlike the original where all turns were
-`assistant` (SPEC 2.3): the system prompt holds the role instructions; the first user turn holds the task and the
-agent's private information (joined text, never a Python list repr: SPEC 9.2 item 14); the agent's own utterances
-are `assistant` turns and the partner's are `user` turns (consecutive turns of one role are merged). Utterances
-are stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`.
+`assistant` (docs/method.md D22): the system prompt holds the role instructions; the first user turn holds the task and
+the agent's private information (joined text, never a Python list repr: docs/method.md D11); the agent's own utterances
+are `assistant` turns and the partner's are `user` turns (consecutive turns of one role are merged). Utterances are
+stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`.
 
-The iteration-0 format pool (SPEC 2.5) lives in `prompt_pools/<pool>.jsonl`, one `{"index": k, "prompt": ...}`
-per line, each prompt being one extra rule that suggests a compact format. It is used only at iteration 0 of SFT
-data generation and never in training data (which always uses the base prompts).
+The iteration-0 format pool (docs/method.md#prompt-pool) lives in `prompt_pools/<pool>.jsonl`, one `{"index": k,
+"prompt": ...}` per line, each prompt being one extra rule that suggests a compact format. It is used only at iteration
+0 of SFT data generation and never in training data (which always uses the base prompts).
 """
 
 from __future__ import annotations
@@ -297,7 +298,7 @@ def build_agent_messages(
 
 
 def strip_speaker_prefix(text: str, name: str) -> str:
-    """Remove one leading `"Name:"` (also `**Name:**`, `**Name**:`) that the model wrote itself (SPEC 9.2 item 18).
+    """Remove one leading `"Name:"` (also `**Name:**`, `**Name**:`) that the model wrote itself (docs/method.md D15).
 
     Args:
         text: the generated message.
@@ -309,7 +310,9 @@ def strip_speaker_prefix(text: str, name: str) -> str:
 
 
 def is_impersonation(utterance: Utterance | str) -> bool:
-    """Whether an utterance speaks for both agents (SPEC 3.3): both `Alice:` and `Bob:`, or one of them twice.
+    """Whether an utterance speaks for both agents: both `Alice:` and `Bob:`, or one of them twice.
+
+    See docs/method.md#impersonation.
 
     Args:
         utterance: an `Utterance` (checked with its name prefix, as the original stored it) or prefixed text.
@@ -357,7 +360,7 @@ def pool_name(task: Task | str) -> str:
 
 
 def draw_pool_prompts(pool: Sequence[str], task: Task | str, rng: random.Random) -> tuple[str, str]:
-    """Draw iteration-0 system prompts for one conversation: (Alice's, Bob's) (SPEC 2.5).
+    """Draw iteration-0 system prompts for one conversation: (Alice's, Bob's) (docs/method.md#prompt-pool).
 
     qa: one pool rule for both agents; debate: one pool rule for Alice, Bob keeps the base critic prompt.
 

@@ -2,7 +2,7 @@
 
 Each group is a keyword-only dataclass mixin with its own ``validate``; ``optima.config.recipes`` composes them into
 the method recipes. Keys stay flat in YAML, as in the original recipes (``port``, ``lambda1``, ...).
-Defaults are the original's values (SPEC 1.5, 1.6, 3, 4 and the magic numbers of SPEC 9.1 item 13).
+Defaults are the original's values (its released recipes and the magic numbers of its code: docs/method.md D10).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _positive(self: object, *names: str) -> None:
 
 @dataclasses.dataclass(kw_only=True)
 class ServingFields:
-    """How the current model is served (SPEC 1.2 step 1, fixed per 9.1 items 1-3)."""
+    """How the current model is served (docs/method.md D1)."""
 
     port: int = field(8000, help="first port tried; each replica takes the next free port from here")
     devices: int | str | list[int] | None = field(
@@ -89,7 +89,7 @@ def parse_devices(value: int | str | list[int] | None) -> list[int] | None:
 
 @dataclasses.dataclass(kw_only=True)
 class GenerationFields:
-    """Two-agent conversation sampling (SPEC 1.6, 2.2, 2.5)."""
+    """Two-agent conversation sampling (docs/method.md#sampling-schedule, #turn-loop)."""
 
     sample_count: int = field(100, help="questions per iteration")
     explore_count: int = field(10, help="conversations per question")
@@ -99,7 +99,9 @@ class GenerationFields:
     temperature_iteration0: float | None = field(
         None, help="temperature at iteration 0; null = 0.3, or 0.7 for gsm8k/math (the original's schedule)"
     )
-    use_prompt_pool: bool = field(True, help="draw format-diverse system prompts at iteration 0 (SPEC 2.5)")
+    use_prompt_pool: bool = field(
+        True, help="draw format-diverse system prompts at iteration 0 (docs/method.md#prompt-pool)"
+    )
     prompt_pool_path: str | None = field(None, help="JSONL prompt pool; null = the built-in pool of the task")
     prefill_answer_iteration0: bool = field(
         False,
@@ -116,7 +118,7 @@ class GenerationFields:
 
 @dataclasses.dataclass(kw_only=True)
 class RewardFields:
-    """R = task score + lambda1 * tokens / T_max + lambda2 / max utterance LM loss (SPEC 3.1)."""
+    """R = task score + lambda1 * tokens / T_max + lambda2 / max utterance LM loss (docs/method.md#reward)."""
 
     lambda1: float = field(-0.6, help="token-term coefficient (negative: fewer tokens is better)")
     lambda2: float = field(1.0, help="LM-loss-term coefficient")
@@ -129,7 +131,7 @@ class RewardFields:
     min_tokens: int = field(40, help="conversations with at most this many tokens get token term -1")
     max_total_tokens: int = field(2000, help="conversations above this many tokens get loss term -1")
     overlong_penalty: float = field(-1.0, help="token/loss term of a too long or too short conversation")
-    impersonation_penalty: float = field(-10.0, help="added when an utterance speaks for the partner (SPEC 3.3)")
+    impersonation_penalty: float = field(-10.0, help="added when an utterance speaks for the partner")
 
     def validate(self) -> None:
         require(self.lambda1 <= 0, "lambda1", f"must be <= 0 (it multiplies the token count), got {self.lambda1}")
@@ -140,7 +142,7 @@ class RewardFields:
 
 @dataclasses.dataclass(kw_only=True)
 class TrainingFields:
-    """How a fine-tuning stage is launched (SPEC 8)."""
+    """How a fine-tuning stage is launched (docs/method.md#training)."""
 
     accelerate_config: str | None = field(
         None,
@@ -164,7 +166,7 @@ class TrainingFields:
 
 @dataclasses.dataclass(kw_only=True)
 class SFTFields(TrainingFields):
-    """iSFT data selection and its trainer recipe (SPEC 3.4)."""
+    """iSFT data selection and its trainer recipe (docs/method.md#isft-selection)."""
 
     origin_yaml_path: str | None = field(None, help="handbook-style SFT trainer YAML (base.yaml)")
     initial_epsilon: float = field(0.5, help="keep conversations with reward >= this")
@@ -191,7 +193,7 @@ class SFTFields(TrainingFields):
 
 @dataclasses.dataclass(kw_only=True)
 class DPOFields(TrainingFields):
-    """Tree search for preference pairs and DPO (SPEC 4)."""
+    """Tree search for preference pairs and DPO (docs/method.md#tree-search)."""
 
     origin_dpo_yaml_path: str | None = field(None, help="handbook-style DPO trainer YAML (base.yaml)")
     initial_dpo_min_value: float = field(0.2, help="a pair needs best - worst child value > this")

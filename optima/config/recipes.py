@@ -5,9 +5,9 @@ vLLM ``validate_parsed_serve_args`` principle): unknown keys (with a "did you me
 out-of-range values, unknown dataset types and missing input paths all raise one ``RecipeError`` naming the
 file, the field and the value. Precedence is dataclass default < YAML < ``--set key=value``.
 
-Every key of the original recipes (SPEC 1.5) is accepted. Its misspellings (``initial_episilon``) are read
-through ``ALIASES``, which warns; our own names are spelled right. Every magic number of SPEC 9.1 item 13 is
-a field whose default is the original value. ``seed`` drives every random choice.
+Every key of the original's released recipes is accepted. Its misspellings (``initial_episilon``) are read
+through ``ALIASES``, which warns; our own names are spelled right. Every magic number of the original (docs/method.md
+D10) is a field whose default is the original value. ``seed`` drives every random choice.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ class _BaseRecipe(ServingFields, GenerationFields):
     iteration_times: int = field(1, help="number of iterations")
     seed: int = field(42, help="seed of every random choice (question slices, contexts, pool draws, shuffles)")
     compat: Literal["default", "original"] = field(
-        "default", help="'original' restores behaviour that changes the paper's numbers (SPEC 9.2 14,15,18,19,21)"
+        "default",
+        help="'original' restores the original's task scores in the reward: subword F1 with its character strip, "
+        "string equality for multiple choice and gsm8k (docs/method.md#where-we-differ-from-the-original)",
     )
 
     method = "base"  # class attribute: the loop's name, used in default paths and logs
@@ -149,7 +151,7 @@ class _BaseRecipe(ServingFields, GenerationFields):
 
 @dataclasses.dataclass(kw_only=True)
 class SFTRecipe(SFTFields, RewardFields, _BaseRecipe):
-    """iSFT (SPEC 1.2): generate, reward, keep the best conversations, fine-tune, repeat."""
+    """iSFT (docs/method.md#isft): generate, reward, keep the best conversations, fine-tune, repeat."""
 
     method = "sft"
 
@@ -167,10 +169,10 @@ class SFTRecipe(SFTFields, RewardFields, _BaseRecipe):
 
 @dataclasses.dataclass(kw_only=True)
 class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
-    """iDPO (SPEC 1.3): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat."""
+    """iDPO (docs/method.md#idpo): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat."""
 
     method = "dpo"
-    # The original iDPO recipes carry SFT keys that iDPO never reads (SPEC 1.5).
+    # The original iDPO recipes carry SFT keys that iDPO never reads.
     unused_keys = ("initial_epsilon",)
 
     def __post_init__(self) -> None:
@@ -189,9 +191,9 @@ class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
 
 @dataclasses.dataclass(kw_only=True)
 class SFTDPORecipe(DPOFields, SFTFields, RewardFields, _BaseRecipe):
-    """iSFT-DPO (SPEC 1.4): a full iSFT iteration, then a DPO stage on the new checkpoint, repeated."""
+    """iSFT-DPO (docs/method.md#isft-dpo): a full iSFT iteration, then a DPO stage on the new checkpoint, repeated."""
 
-    # Where iSFT-DPO differs from iDPO (SPEC 1.4): plain sigmoid DPO, and the P80 token quantile.
+    # Where iSFT-DPO differs from iDPO: plain sigmoid DPO, and the P80 token quantile.
     rpo_alpha: float | None = field(None, help="weight of the NLL term on chosen; null = plain sigmoid DPO")
     token_quantile: float = field(0.8, help="T_max of the tree search = this quantile of probe token counts")
 
@@ -214,7 +216,9 @@ class SFTDPORecipe(DPOFields, SFTFields, RewardFields, _BaseRecipe):
 
 @dataclasses.dataclass(kw_only=True)
 class InferenceRecipe(_BaseRecipe):
-    """Checkpoint sweep (SPEC 7.1): greedy, one conversation per question, every ``iteration_*`` checkpoint.
+    """Checkpoint sweep: greedy, one conversation per question, every ``iteration_*`` checkpoint.
+
+    See docs/method.md#checkpoint-sweep.
 
     Parameters:
         model_root_path (`str`): Folder holding `iteration_<k>` checkpoints (or one model folder).
@@ -225,7 +229,9 @@ class InferenceRecipe(_BaseRecipe):
     initial_model_path: str | None = field(None, help="base model, evaluated as 'base' with include_base")
     model_root_path: str = field(help="folder of iteration_<k> checkpoints, or one model folder")
     output_root_path: str | None = field(None, help="where <checkpoint>.jsonl and summaries go")
-    limit: int | None = field(None, help="first N questions of the eval set (default: SPEC 5 sizes)")
+    limit: int | None = field(
+        None, help="first N questions of the eval set (default: 1000 for information exchange, all for debate)"
+    )
     include_base: bool = field(False, help="also evaluate initial_model_path as 'base'")
 
     method = "inference"
@@ -244,7 +250,10 @@ class InferenceRecipe(_BaseRecipe):
 
 @dataclasses.dataclass(kw_only=True)
 class MultiSCRecipe(InferenceRecipe):
-    """Multi-agent self-consistency (SPEC 7.3): k samples per question at a temperature, then voting."""
+    """Multi-agent self-consistency: k samples per question at a temperature, then voting.
+
+    See docs/method.md#self-consistency.
+    """
 
     num_samples: int = field(50, help="conversations per question (k)")
     sc_temperature: float = field(0.5, help="sampling temperature")

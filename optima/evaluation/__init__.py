@@ -1,1 +1,1 @@
-"""Evaluation: the checkpoint sweep and multi-agent self-consistency (SPEC 7)."""
+"""Evaluation: the checkpoint sweep and multi-agent self-consistency (docs/method.md#evaluation)."""

@@ -1,4 +1,4 @@
-"""Per-model evaluation metrics from conversation records (SPEC 7.2), pure: no server, no files.
+"""Per-model evaluation metrics from conversation records (docs/method.md#metrics), pure: no server, no files.
 
 For one result file (one JSONL record per conversation, as ``generate_conversations`` writes it) this computes:
 
@@ -7,10 +7,10 @@ For one result file (one JSONL record per conversation, as ``generate_conversati
     for the four information-exchange tasks;
   - ``accuracy`` and ``accuracy_original`` for the four debate tasks. ``accuracy_original`` is the original's
     eval scoring: option-text equality for arc/mmlu, the *first number* of the final answer for gsm8k (its eval-only
-    ``gsm8k`` score type, SPEC 6), and symbolic equivalence for math (as ours);
+    ``gsm8k`` score type), and symbolic equivalence for math (as ours);
 * ``mean_tokens``: the paper's #Tok, the mean ``token_count`` per question (every conversation counted as
   recorded), and ``mean_tokens_original``: the original's figure, where too-long and failed conversations add 0
-  tokens but still count in the denominator (SPEC 7.2);
+  tokens but still count in the denominator;
 * ``no_answer_rate`` (too long, failed, or no parsed answer), ``too_long_rate`` and ``error_rate``.
 
 As in the original, a conversation that was cut for length (``too_long``) or failed (``error``) scores 0 even if an
@@ -30,7 +30,7 @@ from optima.tasks.math_equiv import MathVerifier
 from optima.tasks.scoring import score_example
 
 Tokenize = Callable[[str], list[str]]
-# First number of a final answer: the original's eval-only gsm8k scoring (SPEC 6).
+# First number of a final answer: the original's eval-only gsm8k scoring.
 _FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 

@@ -1,7 +1,8 @@
 """What ``inference_script.py`` and ``multi_sc_data_generate_script.py`` would do, without doing it.
 
-SPEC 7.1: every ``iteration_*`` checkpoint under the root, in numeric order, is served and run greedily on
-the eval split (one conversation per question, no prompt pool). SPEC 7.3: one model, k samples per question.
+docs/method.md#checkpoint-sweep: every ``iteration_*`` checkpoint under the root, in numeric order, is served and run
+greedily on the eval split (one conversation per question, no prompt pool). docs/method.md#self-consistency: one model,
+k samples per question.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def render_eval_plan(recipe: InferenceRecipe, envs: dict[str, PythonEnv]) -> str
     """Human-readable plan of a sweep or a self-consistency run."""
     sc = isinstance(recipe, MultiSCRecipe)
     models = list_models(recipe)
-    questions = f"first {recipe.limit}" if recipe.limit else "default eval size (SPEC 5, capped by the data)"
+    questions = f"first {recipe.limit}" if recipe.limit else "default eval size (1000 or the test split)"
     sampling = (
         f"{recipe.num_samples} conversations per question at temperature {recipe.sc_temperature}"
         if sc

@@ -1,4 +1,6 @@
-"""Evaluation reports: JSON and CSV summaries, a plain-text table, and the plots (SPEC 7.2, 7.3; paper Fig. 3).
+"""Evaluation reports: JSON and CSV summaries, a plain-text table, and the plots.
+
+See docs/method.md#evaluation; paper Fig. 3.
 
 Files are written through a temporary file and an atomic rename, so a reader never sees half a summary. Plots use
 matplotlib's object API (``Figure`` + its Agg canvas: no pyplot state, no display), imported only when a plot is

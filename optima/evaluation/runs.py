@@ -1,7 +1,7 @@
 """What the checkpoint sweep and the self-consistency run share: the eval set, the output folder, and
-"serve this model only if something is left to generate" (SPEC 7.1, 7.3).
+"serve this model only if something is left to generate" (docs/method.md#evaluation).
 
-The eval set is fixed: the first N questions of the task's eval split (SPEC 5: 1000 for the information-exchange
+The eval set is fixed: the first N questions of the task's eval split (1000 for the information-exchange
 tasks, the whole test split for debate tasks, capped by the data; ``limit`` overrides), with contexts split by
 ``seed``. A result file is complete when every ``(question, sample)`` of that set has a record other than
 ``error``; a model whose files are all complete is not served again.
@@ -62,7 +62,7 @@ def prepare_output(recipe) -> Path:
 
 
 def load_eval_examples(recipe) -> list[Example]:
-    """The fixed eval set: the task's eval split at its SPEC 5 size, then the first ``limit`` questions."""
+    """The fixed eval set: the task's eval split at its default size, then the first ``limit`` questions."""
     examples = get_task(recipe.dataset_type).load_eval(data_dir=recipe.data_dir, seed=recipe.seed)
     return examples[: recipe.limit] if recipe.limit else examples
 

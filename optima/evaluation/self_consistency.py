@@ -1,4 +1,6 @@
-"""Multi-agent self-consistency of ``multi_sc_data_generate_script.py`` (SPEC 7.3), with the CoT baselines.
+"""Multi-agent self-consistency of ``multi_sc_data_generate_script.py``, with the CoT baselines.
+
+See docs/method.md#self-consistency.
 
 For the model (every model of ``list_models``, usually one): serve it once, sample ``num_samples`` conversations
 per eval question at ``sc_temperature`` (no prompt pool), and, with ``--baseline cot``, also the single-agent

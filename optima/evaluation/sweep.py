@@ -1,4 +1,6 @@
-"""The checkpoint sweep of ``inference_script.py`` (SPEC 7.1) with its metrics and report (SPEC 7.2).
+"""The checkpoint sweep of ``inference_script.py`` with its metrics and report (docs/method.md#metrics).
+
+See docs/method.md#checkpoint-sweep.
 
 For every model of ``list_models`` (the base model first when asked, then ``iteration_*`` checkpoints in numeric
 order): serve it, hold one greedy conversation per eval question (temperature 0, no prompt pool), write

@@ -1,4 +1,6 @@
-"""Self-consistency analysis: majority vote, coverage and token cost for k = 1..K samples (SPEC 7.3).
+"""Self-consistency analysis: majority vote, coverage and token cost for k = 1..K samples.
+
+See docs/method.md#self-consistency.
 
 For each question the first k samples (by ``sample_index``) are taken and three numbers computed, then averaged
 over questions:

@@ -1,8 +1,8 @@
-"""Preference pairs from the search trees, as a TRL conversational preference dataset (SPEC 4.4, 4.5).
+"""Preference pairs from the search trees, as a TRL conversational preference dataset (docs/method.md#mining-pairs).
 
 Input: one tree per question, the JSON line of ``optima.selection.mcts.SearchResult.to_dict`` (nodes as plain dicts
 with their final ``value``). For every *minable* node (still in the candidate pool or selected) with at least two
-children, the best and the worst child are read from the children's **current** values (SPEC 9.2 item 17: the
+children, the best and the worst child are read from the children's **current** values (docs/method.md D14: the
 original kept min/max pointers that could go stale). The node gives a pair when
 
     best.value > initial_dpo_epsilon   and   best.value - worst.value > initial_dpo_min_value.
@@ -18,8 +18,8 @@ Each pair is one row **from the speaking agent's view**, in TRL's conversational
 * metadata: ``task_id``, ``node_id``, ``depth``, ``speaker``, ``chosen_value``, ``rejected_value``.
 
 The original kept the whole history in ``assistant`` turns under one system prompt and had no ``prompt`` column
-(SPEC 4.5); the preference is the same (one next utterance given the shared history), rendered the way our agents
-actually see a conversation. The train/test split is seeded and by question (the original took the file tail).
+(docs/method.md D22); the preference is the same (one next utterance given the shared history), rendered the way our
+agents actually see a conversation. The train/test split is seeded and by question (the original took the file tail).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def best_and_worst(children: Sequence[dict]) -> tuple[dict, dict]:
 
 
 def passes_pair_rule(best: float, worst: float, recipe) -> bool:
-    """SPEC 4.4: best value above ``initial_dpo_epsilon`` and best - worst above ``initial_dpo_min_value``.
+    """The pair rule: best value above ``initial_dpo_epsilon`` and best - worst above ``initial_dpo_min_value``.
 
     Args:
         best: Value of the best child.

@@ -1,4 +1,6 @@
-"""Levenshtein distance for the tree search's diversity filter and merge rule (SPEC 4.2, 4.3).
+"""Levenshtein distance for the tree search's diversity filter and merge rule.
+
+See docs/method.md#node-selection, #rollouts.
 
 The original used the ``editdistance`` package; we add no dependency and compute the exact same distance
 (insertions, deletions and substitutions of single characters, each costing 1) with the bit-parallel algorithm of

@@ -1,4 +1,6 @@
-"""MCTS-inspired search for DPO pairs: one tree of utterances per question (SPEC 4.1-4.3; the paper's iDPO).
+"""MCTS-inspired search for DPO pairs: one tree of utterances per question.
+
+See docs/method.md#tree-search; the paper's iDPO.
 
 Pure tree logic: the model call and the reward are injected callables, randomness is the caller's seeded
 ``random.Random``, and nothing is shared between questions, so the pipeline may search many questions at once in a
@@ -13,14 +15,14 @@ Pure tree logic: the model call and the reward are injected callables, randomnes
   candidate left the root is taken again.
 * **Expansion** (``SearchTree.run_rollout``, ``rollouts`` times per selection). From the selected node the two
   agents talk to the end with generation's rules (``optima.agents.conversation``): each agent sees its own chat
-  view (``build_agent_messages`` with the speaker's own base system prompt: SPEC 9.2 item 16 fixed), the rollout
+  view (``build_agent_messages`` with the speaker's own base system prompt: docs/method.md D13), the rollout
   stops when the same answer is stated twice in a row (answers on the path count), after ``max_turns`` utterances,
   or on a failed / too long reply (that reply is not added). Each new utterance merges into an existing child when
   ``merge_distance(child, reply) < merge_threshold``, else becomes a new child; the rollout itself keeps the text
   that was actually generated (as the original did).
 * **Backpropagation.** The rollout's reward (``score(rollout)``) updates the running mean value and the visit count
   of every node from the last one reached up to the root. Pair mining (``optima.selection.dpo``) reads the
-  children's *current* values, so there are no stale best/worst pointers (SPEC 9.2 item 17 fixed).
+  children's *current* values, so there are no stale best/worst pointers (docs/method.md D14).
 
 Deliberate difference: a rollout that reaches ``max_turns`` keeps its last stated answer (``stop_reason
 "max_turns"``), as in generation; the original scored it with the answer ``"error"`` (task score 0).
@@ -87,7 +89,7 @@ class Rollout:
 
     @property
     def token_count(self) -> int:
-        """Tokens of all utterances (system prompts excluded, SPEC 2.6)."""
+        """Tokens of all utterances (system prompts excluded, docs/method.md#token-count)."""
         return sum(self.tokens)
 
     def to_dict(self) -> dict:
@@ -107,7 +109,7 @@ Score = Callable[[Rollout], "float | RewardParts"]
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """Search sizes and thresholds (recipe fields ``mcts_*``, ``*_threshold``, ``max_turns``; SPEC 4.1)."""
+    """Search sizes and thresholds: recipe fields ``mcts_*``, ``*_threshold``, ``max_turns`` (see docs/method.md)."""
 
     selections: int = ORIGINAL_MCTS_SELECTIONS
     rollouts: int = 3

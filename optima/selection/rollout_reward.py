@@ -1,13 +1,14 @@
-"""The reward of one tree-search rollout: SPEC 3.1 with the search's global ``T_max`` and its format rule.
+"""The reward of one tree-search rollout: the reward formula with the search's global ``T_max`` and its format rule.
 
-During the tree search (SPEC 4.3) every rollout is scored on its own, as it ends, with the same formula as the SFT
-reward (``optima.reward``) and two differences taken from the original:
+During the tree search (docs/method.md#rollout-reward) every rollout is scored on its own, as it ends, with the same
+formula as the SFT reward (``optima.reward``) and two differences taken from the original:
 
 * ``T_max`` is not the question's longest conversation but a global quantile of the token-count probe
-  (``optima.selection.mcts.token_quantile``, SPEC 1.3 step 2);
+  (``optima.selection.mcts.token_quantile``, the probe stage);
 * the **format rule** replaces the cleaning penalty: when an utterance speaks for both agents (``is_impersonation``:
   both ``Alice:`` and ``Bob:``, or one name twice) the task score is 0 and the LM-loss term only looks at the
-  utterances *before* the first such utterance. There is no -10 penalty here (that belongs to SFT cleaning, SPEC 3.3).
+  utterances *before* the first such utterance. There is no -10 penalty here (that belongs to SFT cleaning,
+  docs/method.md#impersonation).
 
 ``build_rollout_scorer`` turns this into the ``score`` callable that ``optima.selection.mcts.search_question``
 takes; the LM loss comes from an injected ``score_texts`` callable (``optima.lm_loss``), so this module stays pure.

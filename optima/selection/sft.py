@@ -1,4 +1,6 @@
-"""iSFT data selection: the best conversations become per-agent training rows (SPEC 3.4, 9.2 items 14, 15, 21).
+"""iSFT data selection: the best conversations become per-agent training rows.
+
+See docs/method.md#isft-selection; D11, D12, D18.
 
 1. Per question, the top-1 conversation by reward (ties: the lower sample index).
 2. Questions ranked by that reward, best first; the ``[start, end)`` slice of the ranking is kept (default top
@@ -81,7 +83,7 @@ def select_questions(lines: Sequence[dict], recipe) -> list[Decision]:
 
 
 def conversation_rows(record: dict) -> list[dict]:
-    """Alice's and Bob's training rows of one conversation (base system prompts, SPEC 2.5)."""
+    """Alice's and Bob's training rows of one conversation (base system prompts, docs/method.md#prompt-pool)."""
     example = Example.from_dict(record["example"])
     utterances = [Utterance(u["speaker"], u["text"]) for u in record["utterances"]]
     rows = []

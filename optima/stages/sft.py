@@ -1,4 +1,4 @@
-"""The four stages of an iSFT iteration (SPEC 1.2): generate, score, select, train.
+"""The four stages of an iSFT iteration (docs/method.md#isft): generate, score, select, train.
 
 Each takes the run context and the iteration's folder, does its work, and returns a small JSON-able result that
 the manifest records (and metrics.json reports).
@@ -34,14 +34,14 @@ def generate(ctx: RunContext, iteration: int, model: str, sp: StagePaths) -> dic
 
 
 def score(ctx: RunContext, sp: StagePaths) -> dict:
-    """Task score, token term and LM-loss term of every conversation (SPEC 3.1)."""
+    """Task score, token term and LM-loss term of every conversation (docs/method.md#reward)."""
     tokenize = ctx.tokenizer().tokenize if ctx.recipe.compat == "original" else None
     stats = reward_generations(ctx.recipe, sp.generations, sp.rewarded, common.loss_scorer(ctx, sp), tokenize)
     return stats.to_dict()
 
 
 def select(ctx: RunContext, iteration: int, sp: StagePaths) -> dict:
-    """Keep the best conversations (SPEC 3.4) and save them as per-agent SFT rows."""
+    """Keep the best conversations (docs/method.md#isft-selection) and save them as per-agent SFT rows."""
     recipe = ctx.recipe
     lines, _ = load_records(sp.rewarded)
     decisions = select_questions(lines, recipe)

@@ -1,4 +1,4 @@
-"""The task layer: datasets, examples, question slices, answer parsing and scoring (SPEC 0, 5, 6).
+"""The task layer: datasets, examples, question slices, answer parsing and scoring (docs/method.md#tasks, #scoring).
 
 `TASKS` maps each task name to a `Task` instance (a plain dict, not a plugin system); `get_task` also resolves
 the alias table `TASK_ALIASES` (e.g. the correctly spelled `trivia_qa` for the original's `trival_qa`).

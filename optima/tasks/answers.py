@@ -1,15 +1,15 @@
 """Answer extraction: the `<A>...</A>` tag, the last `\\boxed{...}`, and the Minerva final-answer normaliser.
 
-These parsers turn an agent's utterance into its stated answer (SPEC section 6). They are used by the turn loop's
-stop rule (SPEC 2.2), by the reward (SPEC 3.1) and by evaluation, so they must be fast and total: any string,
-including 100k characters of garbage, gives a string or None in linear time and never raises.
+These parsers turn an agent's utterance into its stated answer (docs/method.md#scoring). They are used by the turn
+loop's stop rule, by the reward and by evaluation, so they must be fast and total: any string, including 100k
+characters of garbage, gives a string or None in linear time and never raises.
 
 Decisions (documented here because the original left them implicit):
 * Tag: the answer is the text between the LAST `</A>` and the nearest `<A>` before it, stripped. Newlines inside
   the tag are allowed (the original regex had no DOTALL, so `<A>\\nParis\\n</A>` was lost). The tag is
   case-sensitive, as in the original protocol. `<A></A>` gives "" (the caller treats "" as "no answer").
 * Boxed: the content of the last `\\boxed{`, matched brace by brace; an unbalanced box gives None.
-* `normalize_final_answer` follows Minerva's (Lewkowycz et al. 2022, App. D) steps as described in SPEC 6, written
+* `normalize_final_answer` follows Minerva's (Lewkowycz et al. 2022, App. D) steps, written
   from that description, with one deliberate change: unit/filler words and the article substitutions only match
   where they do not continue a longer word, so `\\left` keeps its "ft" and "mean" keeps its "an ".
 """
@@ -22,7 +22,7 @@ TAG_OPEN = "<A>"
 TAG_CLOSE = "</A>"
 BOXED_OPEN = "\\boxed{"
 
-# Minerva substitutions, applied in order (SPEC 6). The first two are article removals.
+# Minerva substitutions, applied in order. The first two are article removals.
 _ARTICLES = ("an ", "a ")
 _SUBSTITUTIONS = (
     (".$", "$"),
@@ -34,7 +34,7 @@ _SUBSTITUTIONS = (
     ("\\text{and}", ","),
     ("\\text{m}", "\\text{}"),
 )
-# Unit and filler expressions that Minerva deletes (SPEC 6), in the original order.
+# Unit and filler expressions that Minerva deletes, in the original order.
 _REMOVED_EXPRESSIONS = (
     "square",
     "ways",
@@ -158,7 +158,7 @@ def _keep_between_dollars(text: str) -> str:
 
 
 def normalize_final_answer(answer: str) -> str:
-    """Normalise a final answer the Minerva way (SPEC 6), so that equal answers become equal strings.
+    """Normalise a final answer the Minerva way, so that equal answers become equal strings.
 
     Steps: keep the text after the last `=`; remove articles, spaces and the listed unit/filler words; keep the
     inside of `$...$`; unwrap `\\text{}`, `\\textbf{}`, `\\overline{}`, `\\boxed{}`; expand `\\fracab` and
@@ -215,7 +215,7 @@ def render_answer(answer: str, answer_style: str) -> str:
 
 
 def should_stop(previous_answer: str | None, new_answer: str | None) -> bool:
-    """The stop rule of SPEC 2.2: stop when a newly parsed answer equals the previously parsed one.
+    """The stop rule (docs/method.md#turn-loop): stop when a newly parsed answer equals the previously parsed one.
 
     Args:
         previous_answer: the last non-empty answer parsed so far in the conversation ("" or None if none).
@@ -225,7 +225,7 @@ def should_stop(previous_answer: str | None, new_answer: str | None) -> bool:
 
 
 class AnswerTracker:
-    """Tracks the parsed answers of one conversation and applies the same-answer-twice stop rule (SPEC 2.2).
+    """Tracks the parsed answers of one conversation and applies the same-answer-twice stop rule.
 
     Utterances without an answer (None or "") are skipped over, so in a debate
     Alice `<A>X</A>`, Bob's critique, Alice `<A>X</A>` stops. `final_answer` is the last parsed answer ("" if none).

@@ -1,4 +1,4 @@
-"""ARC-Challenge (Clark et al. 2018): science multiple choice, a debate task (SPEC 5, task `arc`).
+"""ARC-Challenge (Clark et al. 2018): science multiple choice, a debate task (task `arc`).
 
 Hub: `allenai/ai2_arc`, config `ARC-Challenge`; local folder `arc_challenge/` with `train.jsonl` and `test.jsonl`
 in the HF schema `{"id", "question", "choices": {"text", "label"}, "answerKey"}` (some labels are "1".."4").

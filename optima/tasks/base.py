@@ -1,4 +1,4 @@
-"""The task abstraction: what one dataset looks like to the rest of Optima (SPEC 0, 1.1, 5, 6).
+"""The task abstraction: what one dataset looks like to the rest of Optima (docs/method.md#tasks).
 
 A `Task` describes one dataset: its family ("qa" = information exchange, each agent holds part of the context;
 "debate" = no context, Alice solves and Bob critiques), how answers are written ("tag" = `<A>..</A>`, "boxed" =
@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 FAMILIES = ("qa", "debate")
 SCORE_TYPES = ("f1", "choice", "number", "math")
-# Eval size rule of SPEC 5: qa eval sets use the first 1000 examples in dataset order; debate uses the full split.
+# Eval size rule (the original's): qa eval sets use the first 1000 examples in dataset order; debate uses the full
+# split.
 QA_EVAL_LIMIT = 1000
 
 __all__ = ["DataError", "Example", "Task", "QA_EVAL_LIMIT", "FAMILIES", "SCORE_TYPES", "fallback_id", "row_id"]
@@ -220,7 +221,7 @@ class Task:
         return self.load(self.train_split, data_dir=data_dir, seed=seed)
 
     def load_eval(self, *, data_dir: str | os.PathLike | None = None, seed: int = 0) -> list[Example]:
-        """Load the evaluation set: the eval split, capped by `eval_size` (SPEC 5 end).
+        """Load the evaluation set: the eval split, capped by `eval_size` .
 
         Args:
             data_dir: the local data root, or None for `$OPTIMA_DATA_DIR` / the hub.

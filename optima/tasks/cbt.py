@@ -1,4 +1,4 @@
-"""Children's Book Test (Hill et al. 2016): information exchange over a 20-sentence story excerpt (SPEC 5).
+"""Children's Book Test (Hill et al. 2016): information exchange over a 20-sentence story excerpt.
 
 Two tasks: `cbt` (common nouns, config CN, the one the original used) and `cbt_ne` (named entities, config NE).
 Hub: `cam-cbt/cbt`; local folder `cbt/CN/` or `cbt/NE/` with `train.jsonl`, `validation.jsonl`, `test.jsonl` in the

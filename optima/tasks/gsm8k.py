@@ -1,4 +1,4 @@
-"""GSM8K (Cobbe et al. 2021): grade-school math word problems, a debate task (SPEC 5).
+"""GSM8K (Cobbe et al. 2021): grade-school math word problems, a debate task.
 
 Hub: `openai/gsm8k`, config `main`; local folder `gsm8k/` with `train.jsonl` and `test.jsonl` in the original
 schema `{"question", "answer"}`, where the answer ends with `#### <number>`. Gold = the text after the last `####`.

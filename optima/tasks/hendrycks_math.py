@@ -1,4 +1,4 @@
-"""MATH (Hendrycks et al. 2021): competition mathematics, a debate task (SPEC 5, task `math`).
+"""MATH (Hendrycks et al. 2021): competition mathematics, a debate task (task `math`).
 
 Hub: `EleutherAI/hendrycks_math` (one config per subject, concatenated); local folder `math/` with `train.jsonl`
 and `test.jsonl` rows in the release's per-problem schema `{"problem", "level", "type", "solution"}`.

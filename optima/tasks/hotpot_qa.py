@@ -1,4 +1,4 @@
-"""HotpotQA, distractor setting (Yang et al. 2018): information exchange over ten Wikipedia paragraphs (SPEC 5).
+"""HotpotQA, distractor setting (Yang et al. 2018): information exchange over ten Wikipedia paragraphs.
 
 Hub: `hotpotqa/hotpot_qa`, config `distractor`; local folder `hotpotqa/` with `train.jsonl` and `validation.jsonl`
 in the original HotpotQA schema. Eval: first 1000 validation questions.

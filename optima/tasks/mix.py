@@ -1,4 +1,4 @@
-"""A round-robin mixture of several tasks (SPEC 5, loader `mix`; not used by any original recipe).
+"""A round-robin mixture of several tasks (the original's loader `mix`; not used by any original recipe).
 
 `MixTask(tasks)` loads each sub-task's split and interleaves the examples round-robin (first example of each
 task, then the second of each, ...; a task that runs out is skipped, so nothing is dropped or repeated). This

@@ -1,4 +1,4 @@
-"""MMLU (Hendrycks et al. 2021): 57-subject multiple choice, a debate task (SPEC 5).
+"""MMLU (Hendrycks et al. 2021): 57-subject multiple choice, a debate task.
 
 Hub: `cais/mmlu`, config `all`; train = `auxiliary_train`, eval = `test`. Local folder `mmlu/` with
 `auxiliary_train.jsonl` and `test.jsonl` in the HF schema `{"question", "subject", "choices": [4], "answer": int}`.

@@ -1,4 +1,4 @@
-"""Shared loader for the multi-hop information-exchange datasets (HotpotQA distractor, 2WikiMultiHopQA; SPEC 5).
+"""Shared loader for the multi-hop information-exchange datasets (HotpotQA distractor, 2WikiMultiHopQA).
 
 Both datasets give a question, a short answer, about ten (title, sentences) paragraphs and supporting facts
 (title, sentence index). The local files keep the original schema (`context: [[title, [sentences]]]`,

@@ -1,4 +1,4 @@
-"""Multiple-choice helpers shared by ARC-Challenge and MMLU (debate tasks, SPEC 5).
+"""Multiple-choice helpers shared by ARC-Challenge and MMLU (debate tasks).
 
 The original showed the options as a Python list ("Please choose your answer from [...]") and compared the
 answer text. Here the question lists labelled options, one per line, and the scorer accepts the label or the

@@ -1,4 +1,4 @@
-"""2WikiMultiHopQA (Ho et al. 2020): information exchange over Wikipedia paragraphs (SPEC 5, task `mwh_qa`).
+"""2WikiMultiHopQA (Ho et al. 2020): information exchange over Wikipedia paragraphs (task `mwh_qa`).
 
 The original read the release's local JSON files (`train.json`, `dev.json`); there is no canonical hub copy, so
 this task only loads from a local folder `2wikimultihopqa/` with `train.jsonl` and `dev.jsonl` in the release's

@@ -1,4 +1,5 @@
-"""Deterministic question slices per iteration and stage (replaces the shared loader cursor; SPEC 1.1, 9.1 item 12).
+"""Deterministic question slices per iteration and stage (replaces the shared loader cursor;
+docs/method.md#question-slices).
 
 The original consumed questions from one stateful cursor shared by every stage and iteration, so which questions
 a stage saw depended on what ran before it (and a resumed run re-read chunk 0). Here a slice is a pure function

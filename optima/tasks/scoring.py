@@ -1,8 +1,8 @@
-"""Task scores: how right a parsed final answer is, in [0, 1] (the R_task term of the reward; SPEC 3.1, 6).
+"""Task scores: how right a parsed final answer is, in [0, 1] (the R_task term of the reward; docs/method.md#scoring).
 
 One scorer per score type, chosen through `SCORERS[score_type]` (no branching on task names):
 
-| type | tasks | `mode="default"` | `mode="original"` (compat, SPEC 9.2 items 18-19) |
+| type | tasks | `mode="default"` | `mode="original"` (`compat: original`, docs/method.md D15, D16, D28) |
 | --- | --- | --- | --- |
 | "f1" | hotpot_qa, mwh_qa, trival_qa, cbt | SQuAD word F1 | subword F1 with the model tokenizer (see below) |
 | "choice" | arc, mmlu | option label ("B", "(B)", "B) text") or text | option text equality |
@@ -103,7 +103,7 @@ def squad_f1(prediction: str, gold: str) -> float:
 
 
 def _original_f1_text(text: str) -> str:
-    # Deliberately the original's character-set strips (SPEC 6, 9.2 item 18): they also eat leading/trailing
+    # Deliberately the original's character-set strips (docs/method.md D15): they also eat leading/trailing
     # "m", "=" and " " characters. Only used in compat mode, to reproduce the paper's reward.
     return text.lower().strip().strip("m=").strip("m = ")  # noqa: B005
 

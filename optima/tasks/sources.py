@@ -1,4 +1,4 @@
-"""Where dataset rows come from: a local folder of JSONL files, or the Hugging Face hub (SPEC 5).
+"""Where dataset rows come from: a local folder of JSONL files, or the Hugging Face hub.
 
 The original read every dataset from the hub (or a hard-coded local path). Here the data root is resolved as:
 the `data_dir` argument, else the environment variable `OPTIMA_DATA_DIR`, else the hub. A local root holds one

@@ -1,4 +1,4 @@
-"""TriviaQA, reading-comprehension config (Joshi et al. 2017): information exchange over web snippets (SPEC 5).
+"""TriviaQA, reading-comprehension config (Joshi et al. 2017): information exchange over web snippets.
 
 The task keeps the original's spelling `trival_qa` (`trivia_qa` is accepted through `TASK_ALIASES`).
 Hub: `mandarjoshi/trivia_qa`, config `rc`, splits train/validation. Local folder `triviaqa/` with `<split>.jsonl`

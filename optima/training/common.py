@@ -25,7 +25,7 @@ def load_model_and_tokenizer(model_args: Any, training_args: Any):
         kwargs["attn_implementation"] = model_args.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if tokenizer.pad_token is None:
-        # Labels are built explicitly, so pad == eos no longer hides end-of-turn tokens (SPEC 9.2 item 20).
+        # Labels are built explicitly, so pad == eos no longer hides end-of-turn tokens (docs/method.md D17).
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 

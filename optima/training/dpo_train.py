@@ -1,4 +1,6 @@
-"""DPO / RPO on the tree-search pairs with TRL (SPEC 1.3 step 5, 1.4, 8): handbook-style, under ``accelerate launch``.
+"""DPO / RPO on the tree-search pairs with TRL: handbook-style, under ``accelerate launch``.
+
+See docs/method.md#dpo-and-rpo.
 
     accelerate launch --config_file alignment-handbook/recipes/accelerate_configs/cpu.yaml \
         alignment-handbook/scripts/run_dpo.py --config <run>/iteration_0/dpo_trainer.yaml
@@ -44,7 +46,8 @@ PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
 
 def validate_lengths(max_length: int | None, max_prompt_length: int | None) -> None:
-    """Fail early on prompt/sequence lengths TRL would handle degenerately (SPEC 8: 512 < 1024 in four recipes).
+    """Fail early on prompt/sequence lengths TRL would handle degenerately (the original had max_length 512 <
+    max_prompt_length 1024 in four recipes).
 
     Args:
         max_length: ``DPOConfig.max_length`` (prompt + completion tokens).

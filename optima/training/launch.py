@@ -1,4 +1,6 @@
-"""Run a fine-tuning stage: TRL under ``accelerate launch`` (SPEC 1.2 step 7, 8), in its own process group.
+"""Run a fine-tuning stage: TRL under ``accelerate launch``, in its own process group.
+
+See docs/method.md#training.
 
 The orchestrator never imports torch; ``optima.training.launch_config`` builds the trainer YAML and the command
 line (``TrainLaunch``), and this module runs it, under a guard: this module run as a script with the driver's

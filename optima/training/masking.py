@@ -1,4 +1,4 @@
-"""Per-agent loss masks built from message roles at tokenisation time (SPEC 8 mask, fixing 9.2 item 20).
+"""Per-agent loss masks built from message roles at tokenisation time (docs/method.md#loss-masks, D17).
 
 Each SFT row is one agent's view of a conversation: system prompt, the task as the first user turn, the agent's
 own utterances as ``assistant`` turns and the partner's as ``user`` turns. Only the agent's own utterances are

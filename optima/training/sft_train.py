@@ -1,4 +1,4 @@
-"""Per-agent SFT with TRL (SPEC 1.2 step 7, SPEC 8): handbook-style, run under ``accelerate launch``.
+"""Per-agent SFT with TRL (docs/method.md#training): handbook-style, run under ``accelerate launch``.
 
     accelerate launch --config_file alignment-handbook/recipes/accelerate_configs/cpu.yaml \
         alignment-handbook/scripts/run_sft.py --config <run>/iteration_0/trainer.yaml

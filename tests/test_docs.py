@@ -1,0 +1,126 @@
+"""The repository documents itself: no citation of documents outside it, and every docs/ reference resolves.
+
+Code, recipes, `--help` and the README explain themselves or point at `docs/method.md` / `docs/cpu.md`
+(`docs/<file>.md#<section>`, or `docs/method.md, D<n>` for an entry of its list of differences). These tests
+fail on a citation of the project's private planning files and on a reference to a section that does not exist.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = ("sft_script", "dpo_script", "sft_dpo_script", "inference_script", "multi_sc_data_generate_script")
+# Spelled in pieces so that this file does not match itself.
+_FILES = "|".join(name + r"\.md" for name in ("SPEC", "ENVIRONMENT", "STYLE"))
+EXTERNAL = re.compile(rf"({_FILES}|\bSPEC(?: section)? \d|\bpitfall \d)")
+DOC_REF = re.compile(r"docs/(method|cpu)\.md#([A-Za-z0-9_-]+)")
+DIFF_REF = re.compile(r"docs/method\.md,?\s+((?:D\d+(?:,\s*|\s+and\s+)?)+)")
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".txt", ".toml", ".cfg", ".jinja", ".json", ".sh"}
+
+
+def tracked_text_files() -> list[Path]:
+    """The repository's text files: `git ls-files` in a checkout, else a walk that skips build outputs."""
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        paths = [REPO / line for line in out.splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".venvs", "models", "runs", ".git", "__pycache__"}
+        paths = [p for p in REPO.rglob("*") if not skip & set(p.relative_to(REPO).parts)]
+    return [p for p in paths if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.name == "Makefile")]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(doc: str) -> set[str]:
+    """Every heading anchor of docs/<doc>.md (GitHub numbers repeated headings -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in (REPO / "docs" / f"{doc}.md").read_text().splitlines():
+        if match := re.match(r"#{1,6} (.+)", line):
+            base = slug(match[1])
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            out.add(base if count == 0 else f"{base}-{count}")
+    return out
+
+
+def difference_ids() -> set[str]:
+    return set(re.findall(r"^\* \*\*(D\d+)\.", (REPO / "docs/method.md").read_text(), flags=re.M))
+
+
+def test_the_patterns_catch_what_they_must():
+    cited = [
+        "see " + "SPEC" + ".md",
+        "(SPEC" + " 9.2 item 14)",
+        "ENVIRONMENT" + ".md, pit" + "fall 3",
+        "pit" + "fall 2",
+    ]
+    for text in cited:
+        assert EXTERNAL.search(text), text
+    for text in ("LLAMA3_SPECIAL_TOKENS", "SPECIAL_TOKENS = [", "docs/cpu.md#launcher"):
+        assert not EXTERNAL.search(text), text
+    assert slug("Readability") == "readability" and slug("### x") != ""
+    assert slug("One process: MULTI_CPU does not run two") == "one-process-multi_cpu-does-not-run-two"
+
+
+def test_no_file_cites_documents_outside_the_repository():
+    hits = []
+    for path in tracked_text_files():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if EXTERNAL.search(line):
+                hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not hits, "cite docs/method.md or docs/cpu.md instead:\n" + "\n".join(hits)
+
+
+def test_every_docs_reference_resolves():
+    known = {doc: anchors(doc) for doc in ("method", "cpu")}
+    ids = difference_ids()
+    assert {f"D{n}" for n in range(1, len(ids) + 1)} == ids, "differences are numbered D1..Dn without gaps"
+    broken = []
+    for path in tracked_text_files():
+        text = path.read_text(errors="replace")
+        for doc, anchor in DOC_REF.findall(text):
+            if anchor not in known[doc]:
+                broken.append(f"{path.relative_to(REPO)}: docs/{doc}.md#{anchor}")
+        for group in DIFF_REF.findall(text):
+            broken += [f"{path.relative_to(REPO)}: {d}" for d in re.findall(r"D\d+", group) if d not in ids]
+    assert not broken, "references to missing sections:\n" + "\n".join(broken)
+
+
+def test_files_the_docs_name_exist():
+    for doc in ("method", "cpu"):
+        text = (REPO / "docs" / f"{doc}.md").read_text()
+        named = set(re.findall(r"\b((?:optima|alignment-handbook|tests|bench)/[\w/.-]*\w)", text))
+        assert named, doc
+        missing = [p for p in sorted(named) if "<" not in p and not (REPO / p).exists()]
+        assert not missing, f"docs/{doc}.md names files that do not exist: {missing}"
+
+
+def test_docs_are_linked_from_the_readme():
+    readme = (REPO / "README.md").read_text()
+    assert "](docs/method.md)" in readme and "](docs/cpu.md)" in readme
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_texts_cite_nothing_outside(name, capsys):
+    with pytest.raises(SystemExit):
+        importlib.import_module(name).main(["--help"])
+    out = capsys.readouterr().out
+    assert out and not EXTERNAL.search(out)
+
+
+def test_recipe_key_help_cites_nothing_outside():
+    from optima.__main__ import render_recipe_keys
+
+    text = render_recipe_keys("all")
+    assert "compat" in text and not EXTERNAL.search(text)
