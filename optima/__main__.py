@@ -3,6 +3,7 @@
 python3 -m optima setup                 # both virtualenvs + the SmolLM2 folder (idempotent)
 python3 -m optima setup --only train    # one environment
 python -m optima prepare-model smollm2  # convert the embedded model (run inside the training env)
+python -m optima report runs/demo_arc_sft  # redraw report.md and report.png of a loop's run directory
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
     keys = sub.add_parser("recipe-keys", help="list the recipe keys of a method (default and meaning)")
     keys.add_argument("method", choices=[*sorted(RECIPE_CLASSES), "all"])
+    report = sub.add_parser("report", help="redraw report.md and report.png of a loop's run directory (and print it)")
+    report.add_argument("run_dir", type=Path, help="the run directory (output_dir of an iSFT/iDPO/iSFT-DPO recipe)")
     return parser
 
 
@@ -79,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         setup(args.venvs_dir, args.models_dir, only=args.only, model="" if args.no_model else "smollm2")
     elif args.command == "recipe-keys":
         sys.stdout.write(render_recipe_keys(args.method) + "\n")
+    elif args.command == "report":
+        from optima.cli import run_report_command
+
+        return run_report_command(args.run_dir)
     else:
         from optima.models import prepare_model
 

@@ -230,3 +230,18 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
         return 0
 
     return guarded(body)
+
+
+def run_report_command(run_dir) -> int:
+    """``python -m optima report RUN_DIR``: redraw the run's ``report.md``/``report.png`` and print the Markdown."""
+    from optima.reporting import write_run_report
+
+    def body() -> int:
+        try:
+            markdown, _ = write_run_report(run_dir)
+        except (FileNotFoundError, ValueError) as exc:
+            raise RecipeError("run_dir", str(exc)) from exc
+        emit(markdown.read_text())
+        return 0
+
+    return guarded(body)

@@ -77,6 +77,7 @@ class RunContext:
     task: Task
     gpu: bool
     _tokenizer: Any = field(default=None, repr=False)
+    report_to: list[str] = field(default_factory=list)  # trackers of this run (``auto`` resolved)
 
     @classmethod
     def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv]) -> RunContext:
@@ -85,6 +86,8 @@ class RunContext:
         Raises:
             RecipeError: the run directory cannot be created or written (before any work starts).
         """
+        from optima.tracking import resolve_report_to
+
         check_writable(paths.output_dir)
         save_recipe(recipe, paths.recipe_file)
         attach_driver_log(paths.driver_log)
@@ -95,6 +98,7 @@ class RunContext:
             ServerHolder(recipe, envs.get("vllm")),
             get_task(recipe.dataset_type),
             has_gpu(),
+            report_to=resolve_report_to(recipe.report_to, envs.get("train")),
         )
 
     def stage_hashes(self, stage_fields: dict[str, tuple[str, ...]]) -> dict[str, str]:
@@ -179,6 +183,9 @@ def write_iteration_report(
     )
     if checkpoint is not None and checkpoint.is_dir():
         (checkpoint / "README.md").write_text(render_model_card(ctx, iteration, metrics))
+    from optima.tracking import publish_iteration
+
+    publish_iteration(ctx.paths.output_dir, ctx.report_to)  # report.md/png and the trackers, every iteration
     return metrics
 
 

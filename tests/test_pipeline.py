@@ -65,3 +65,5 @@ def test_nothing_selected_can_carry_the_model_forward(tmp_path):
     metrics = json.loads(ctx.paths.stage(0).metrics.read_text())
     assert metrics["stages"]["select"]["kept_conversations"] == 0 and "train" not in metrics["stages"]
     assert (ctx.paths.output_dir / "recipe.yaml").exists() and ctx.paths.driver_log.exists()
+    report = (ctx.paths.output_dir / "report.md").read_text()  # written after every iteration, trained or not
+    assert "| 0 | 0 | 0 | 50.0 | - | 0 | - | 2.1 |" in report

@@ -158,10 +158,31 @@ class TrainingFields:
     on_empty_selection: Literal["stop", "carry_forward"] = field(
         "stop", help="when nothing passes selection: stop, or carry the current model to the next iteration"
     )
+    report_to: str | list[str] = field(
+        "auto",
+        help="trainer and iteration logging: auto (tensorboard if the training env has it), none, tensorboard, "
+        "wandb, or a list; events under <output_dir>/tensorboard",
+    )
+    push_to_hub: bool = field(False, help="after the last iteration, upload the final checkpoint to hub_model_id")
+    hub_model_id: str | None = field(None, help="hub repository (org/name) of push_to_hub")
+    hub_private: bool = field(True, help="create the hub repositories as private")
+    hub_push_datasets: bool = field(
+        False,
+        help="with push_to_hub, also upload every iteration's training set to the dataset repo <hub_model_id>-data",
+    )
 
     def validate(self) -> None:
+        from optima.tracking import parse_report_to
+
         if self.num_processes is not None:
             _positive(self, "num_processes")
+        parse_report_to(self.report_to)
+        if self.push_to_hub:
+            require(
+                bool(self.hub_model_id) and self.hub_model_id.count("/") == 1,
+                "hub_model_id",
+                f"push_to_hub needs a hub repository 'org/name', got {self.hub_model_id!r}",
+            )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -58,13 +58,28 @@ def render_table(rows: Sequence[Mapping], columns: Sequence[str], title: str = "
     return "\n".join(lines)
 
 
-def _new_figure(panels: int):
+def render_markdown_table(rows: Sequence[Mapping], columns: Sequence[str], headers: Sequence[str] = ()) -> str:
+    """A Markdown table of ``rows`` (numbers formatted as in ``render_table``, missing values as ``-``).
+
+    Args:
+        rows: One mapping per table row.
+        columns: The keys to show, in order.
+        headers: Column titles (default: the keys).
+    """
+    titles = list(headers) or list(columns)
+    lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def new_figure(panels: int, rows: int = 1):
+    """A matplotlib ``Figure`` on the Agg canvas (no pyplot state) and its ``rows`` x ``panels`` axes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(5.5 * panels, 4.2), layout="constrained")
+    figure = Figure(figsize=(5.5 * panels, 4.2 * rows), layout="constrained")
     FigureCanvasAgg(figure)  # attaches the Agg canvas: savefig works without any GUI backend
-    return figure, figure.subplots(1, panels)
+    return figure, figure.subplots(rows, panels, squeeze=False) if rows > 1 else figure.subplots(1, panels)
 
 
 def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str) -> None:
@@ -77,7 +92,7 @@ def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path:
         path: PNG to write.
         title: Figure title (task and model root).
     """
-    figure, (score_axis, token_axis) = _new_figure(2)
+    figure, (score_axis, token_axis) = new_figure(2)
     x = list(range(len(rows)))
     names = [row["model"] for row in rows]
     score_axis.plot(x, [row.get(metric) for row in rows], marker="o", label=metric)
@@ -111,7 +126,7 @@ def plot_self_consistency(
         path: PNG to write.
         title: Figure title.
     """
-    figure, (k_axis, token_axis) = _new_figure(2)
+    figure, (k_axis, token_axis) = new_figure(2)
     for index, (label, rows) in enumerate(curves.items()):
         color = f"C{index}"
         ks = [row["k"] for row in rows]

@@ -19,6 +19,7 @@ from optima.config.rules import loss_model
 from optima.paths import StagePaths
 from optima.run_context import RunContext
 from optima.tasks import select_questions as slice_questions
+from optima.tracking import trainer_env, trainer_overrides
 from optima.training.common import is_complete, read_completion
 from optima.training.launch import run_training
 from optima.training.launch_config import launch_for, render_trainer_config, write_trainer_config
@@ -113,9 +114,12 @@ def train_checkpoint(
     ctx.servers.close()
     base = recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}
-    config = render_trainer_config(Path(base), values | {"seed": recipe.seed + iteration} | (overrides or {}))
+    # The run's trackers and a run name per iteration (optima.tracking), then this method's own values.
+    values |= {"seed": recipe.seed + iteration} | trainer_overrides(ctx.report_to, ctx.paths.output_dir, sp.root)
+    config = render_trainer_config(Path(base), values | (overrides or {}))
     if check is not None:
         check(config)
     write_trainer_config(config, sp.trainer_yaml)
-    run_training(launch_for(recipe, kind, ctx.envs["train"], sp.trainer_yaml, ctx.gpu), sp.train_log)
+    launch = launch_for(recipe, kind, ctx.envs["train"], sp.trainer_yaml, ctx.gpu)
+    run_training(launch, sp.train_log, trainer_env(ctx.report_to, ctx.paths.output_dir, sp.root))
     return read_completion(out) | {"model": start}

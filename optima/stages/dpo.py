@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -28,6 +29,7 @@ from optima.selection.mcts import reply_from_chat, search_question
 from optima.selection.rollout_reward import build_rollout_scorer
 from optima.serving import ReplicaPool, RequestFailed, Sampling
 from optima.stages import common
+from optima.stages.reward_stage import mean_parts
 from optima.store import JsonlWriter, load_records, prepare_resume
 from optima.tasks.contexts import stable_rng
 
@@ -114,12 +116,18 @@ def search(ctx: RunContext, iteration: int, model: str, sp: StagePaths, t_max: i
         _run_trees(recipe, todo, run, writer)
     lines = load_records(sp.rollouts)[0]
     rollouts = [r for line in lines for r in line["rollouts"]]
+    scored = [r["reward_parts"] for r in rollouts if r.get("reward_parts")]
+    parts_sum = Counter()
+    for parts in scored:
+        parts_sum.update(parts)  # update keeps negative terms (Counter addition would drop them)
     return {
         "questions": len(lines),
         "rollouts": len(rollouts),
         "t_max": t_max,
         "answer_rate": round(sum(1 for r in rollouts if r["final_answer"]) / max(len(rollouts), 1), 4),
         "mean_tokens": round(sum(r["token_count"] for r in rollouts) / max(len(rollouts), 1), 2),
+        "accuracy": round(sum(p["task_score"] for p in scored) / max(len(scored), 1), 4),
+        "mean_reward_parts": mean_parts(parts_sum, len(scored)),
     }
 
 

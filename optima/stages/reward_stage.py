@@ -10,6 +10,7 @@ appended in chunks, so a killed stage resumes at the first question not yet writ
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +37,12 @@ class RewardStats:
     task_score_sum: float = 0.0
     token_sum: int = 0
     best_rewards: list[float] = field(default_factory=list)
+    parts_sum: Counter = field(default_factory=Counter)
 
     def add(self, line: dict) -> None:
         results = line["results"]
+        for r in results:
+            self.parts_sum.update(r["reward_parts"])
         self.questions += 1
         self.conversations += len(results)
         self.answered += sum(1 for r in results if r.get("final_answer"))
@@ -57,7 +61,13 @@ class RewardStats:
             "mean_tokens": round(self.token_sum / n, 2),
             "best_reward_max": round(best[-1], 4) if best else None,
             "best_reward_median": round(best[len(best) // 2], 4) if best else None,
+            "mean_reward_parts": mean_parts(self.parts_sum, self.conversations),
         }
+
+
+def mean_parts(parts_sum: Counter, count: int) -> dict[str, float] | None:
+    """Per-conversation means of summed reward parts (None when nothing was scored)."""
+    return {name: round(total / count, 4) for name, total in parts_sum.items()} if count else None
 
 
 def _utterances(record: dict) -> list[Utterance]:

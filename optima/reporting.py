@@ -1,0 +1,224 @@
+"""Run reports: ``report.md`` and ``report.png`` in a loop's run directory, redrawn after every iteration.
+
+A run directory holds one ``metrics.json`` per iteration folder (``iteration_<i>/`` in iSFT and iDPO,
+``iteration_<i>/sft/`` and ``iteration_<i>/dpo/`` in iSFT-DPO). This module reads them back, makes one row per
+stage folder, and writes a Markdown report (headline numbers, mean reward parts, DPO pair and rollout statistics,
+stage times) plus a four-panel figure: task score and answer rate, mean tokens per conversation, train loss, and
+stage times. What the paper tracks across iterations (Fig. 2: performance rises while tokens fall) can be read
+off one page. ``python -m optima report RUN_DIR`` redraws both from the files alone, so a finished, killed or
+copied run can be reported without the recipe or any model.
+
+For an SFT stage the conversation numbers come from the score stage (every sampled conversation); for a DPO stage
+from the tree-search rollouts. "kept" is the conversations kept by selection (SFT) or the pairs kept (DPO).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from optima.evaluation.report import new_figure, render_markdown_table
+from optima.store import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+REPORT_MD = "report.md"
+REPORT_PNG = "report.png"
+PART_NAMES = ("task_score", "token_term", "loss_term", "penalty", "reward")
+STAGE_ORDER = ("generate", "score", "select", "probe", "search", "pairs", "train")
+
+
+def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
+    """``(iteration, stage folder name, metrics.json)`` of every finished iteration, in run order.
+
+    Args:
+        run_dir: The run directory (``output_dir`` of the recipe).
+    """
+    found = []
+    for folder in Path(run_dir).glob("iteration_*"):
+        number = folder.name.removeprefix("iteration_")
+        if not number.isdigit():
+            continue
+        for stage, path in (("", folder / "metrics.json"), ("sft", folder / "sft" / "metrics.json"),
+                            ("dpo", folder / "dpo" / "metrics.json")):  # fmt: skip
+            if path.is_file():
+                found.append((int(number), stage, path))
+    order = {"": 0, "sft": 0, "dpo": 1}
+    return sorted(found, key=lambda item: (item[0], order[item[1]]))
+
+
+def build_row(iteration: int, stage: str, metrics: dict) -> dict:
+    """One report row from one ``metrics.json``: headline numbers, reward parts, pairs, loss and stage times.
+
+    Args:
+        iteration: The iteration number.
+        stage: ``sft``/``dpo`` inside an iSFT-DPO iteration, else empty.
+        metrics: The parsed ``metrics.json``.
+    """
+    stages = metrics.get("stages", {})
+    kind = "dpo" if "search" in stages or "probe" in stages or "pairs" in stages else "sft"
+    conversations = stages.get("score") or stages.get("search") or {}
+    train = stages.get("train") or {}
+    timings = metrics.get("timings_s", {})
+    row = {
+        "label": f"{iteration}" + (f" {stage}" if stage else ""),
+        "iteration": iteration,
+        "stage": stage,
+        "kind": kind,
+        "answer_rate": conversations.get("answer_rate"),
+        "task_score": conversations.get("accuracy"),
+        "mean_tokens": conversations.get("mean_tokens"),
+        "conversations": conversations.get("conversations", conversations.get("rollouts")),
+        "train_loss": train.get("train_loss"),
+        "train_rows": train.get("train_rows"),
+        "total_s": round(sum(timings.values()), 1) if timings else None,
+    }
+    row |= {f"part_{name}": (conversations.get("mean_reward_parts") or {}).get(name) for name in PART_NAMES}
+    row |= {f"time_{name}": timings.get(name) for name in STAGE_ORDER}
+    if kind == "sft":
+        row["kept"] = (stages.get("select") or {}).get("kept_conversations")
+    else:
+        pairs, probe = stages.get("pairs") or {}, stages.get("probe") or {}
+        row |= {
+            "kept": pairs.get("pairs_kept"),
+            "pairs_found": pairs.get("pairs_found"),
+            "pairs_kept": pairs.get("pairs_kept"),
+            "questions_with_pairs": pairs.get("questions_with_pairs"),
+            "search_questions": conversations.get("questions"),
+            "t_max": probe.get("t_max", conversations.get("t_max")),
+            "probe_conversations": probe.get("conversations"),
+        }
+    return row
+
+
+def collect_rows(run_dir: Path) -> list[dict]:
+    """Report rows of every finished iteration (stage folder) of ``run_dir``, in run order."""
+    rows = []
+    for iteration, stage, path in find_metrics(run_dir):
+        try:
+            metrics = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        rows.append(build_row(iteration, stage, metrics))
+    return rows
+
+
+METHODS = {("sft",): "iSFT", ("dpo",): "iDPO", ("dpo", "sft"): "iSFT-DPO"}
+
+
+def _describe_run(run_dir: Path, rows: list[dict]) -> str:
+    """One line naming the method (from the stages run), task and base model (from ``recipe.yaml``)."""
+    method = METHODS.get(tuple(sorted({row["kind"] for row in rows})), "-")
+    recipe_file = run_dir / "recipe.yaml"
+    if not recipe_file.is_file():
+        return f"method {method}"
+    import yaml
+
+    recipe = yaml.safe_load(recipe_file.read_text()) or {}
+    return (
+        f"method {method}, task `{recipe.get('dataset_type', '?')}`, "
+        f"base model `{recipe.get('initial_model_path', '?')}`, "
+        f"{recipe.get('iteration_times', '?')} iterations planned"
+    )
+
+
+def render_report(run_dir: Path, rows: list[dict]) -> str:
+    """The Markdown text of ``report.md``."""
+    lines = [f"# Optima run report: {run_dir.name}", "", _describe_run(run_dir, rows), ""]
+    if not rows:
+        return "\n".join([*lines, "No iteration has finished yet (no metrics.json found).", ""])
+    lines += [
+        "Task score and answer rate are over the sampled conversations (SFT) or the tree-search rollouts (DPO); "
+        "kept = conversations kept by selection (SFT) or preference pairs kept (DPO).",
+        "",
+        "## Per iteration",
+        "",
+        render_markdown_table(
+            rows,
+            ("label", "answer_rate", "task_score", "mean_tokens", "conversations", "kept", "train_loss", "total_s"),
+            (
+                "iteration",
+                "answer rate",
+                "task score",
+                "mean tokens",
+                "conversations",
+                "kept",
+                "train loss",
+                "time (s)",
+            ),
+        ),  # fmt: skip
+        "",
+        "## Mean reward parts per conversation",
+        "",
+        render_markdown_table(rows, ("label", *(f"part_{n}" for n in PART_NAMES)), ("iteration", *PART_NAMES)),
+        "",
+    ]
+    dpo = [row for row in rows if row["kind"] == "dpo"]
+    if dpo:
+        columns = ("label", "t_max", "search_questions", "conversations", "pairs_found", "pairs_kept",
+                   "questions_with_pairs")  # fmt: skip
+        headers = ("iteration", "T_max", "questions searched", "rollouts", "pairs found", "pairs kept",
+                   "questions with pairs")  # fmt: skip
+        lines += ["## DPO pairs and rollouts", "", render_markdown_table(dpo, columns, headers), ""]
+    used = [name for name in STAGE_ORDER if any(row.get(f"time_{name}") is not None for row in rows)]
+    lines += [
+        "## Stage times (s)",
+        "",
+        render_markdown_table(rows, ("label", *(f"time_{n}" for n in used), "total_s"), ("iteration", *used, "total")),
+        "",
+        f"![run report]({REPORT_PNG})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_report(rows: list[dict], path: Path, title: str) -> None:
+    """Four panels per stage folder: task score and answer rate, mean tokens, train loss, stacked stage times."""
+    figure, axes = new_figure(2, rows=2)
+    (score_axis, token_axis), (loss_axis, time_axis) = axes
+    x = list(range(len(rows)))
+    labels = [row["label"] for row in rows]
+    score_axis.plot(x, [row["task_score"] for row in rows], marker="o", label="task score")
+    score_axis.plot(x, [row["answer_rate"] for row in rows], marker="^", linestyle=":", label="answer rate")
+    score_axis.set_ylim(-0.02, 1.02)
+    score_axis.legend()
+    token_axis.plot(x, [row["mean_tokens"] for row in rows], marker="o", color="tab:red")
+    token_axis.set_ylabel("mean tokens per conversation")
+    token_axis.set_ylim(bottom=0)
+    loss_axis.plot(x, [row["train_loss"] for row in rows], marker="o", color="tab:green")
+    loss_axis.set_ylabel("train loss")
+    bottom = [0.0] * len(rows)
+    for name in STAGE_ORDER:
+        heights = [row.get(f"time_{name}") or 0.0 for row in rows]
+        if any(heights):
+            time_axis.bar(x, heights, bottom=bottom, label=name)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    time_axis.set_ylabel("stage time (s)")
+    time_axis.legend(fontsize="small")
+    for axis in (score_axis, token_axis, loss_axis, time_axis):
+        axis.set_xticks(x, labels)
+        axis.set_xlabel("iteration")
+        axis.grid(alpha=0.3)
+    figure.suptitle(title)
+    tmp = path.with_name(path.name + ".tmp")
+    figure.savefig(tmp, dpi=110, format="png")
+    tmp.replace(path)  # a reader never sees half an image
+
+
+def write_run_report(run_dir: Path) -> tuple[Path, Path]:
+    """Write (or redraw) ``report.md`` and ``report.png`` in ``run_dir``; returns their paths.
+
+    Args:
+        run_dir: The run directory.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    rows = collect_rows(run_dir)
+    markdown, image = run_dir / REPORT_MD, run_dir / REPORT_PNG
+    atomic_write_text(markdown, render_report(run_dir, rows))
+    if rows:
+        plot_report(rows, image, f"Optima run {run_dir.name}")
+    logger.info("report | %s (%d iterations)", markdown, len(rows))
+    return markdown, image

@@ -1,0 +1,153 @@
+"""Experiment tracking of a loop run: the trainer's ``report_to`` and the per-iteration numbers, one dashboard.
+
+``report_to`` in the recipe is ``auto`` (TensorBoard when the training environment has it, else nothing),
+``none``, ``tensorboard`` or ``wandb`` (or a list of them). The trainer of every iteration gets it in its rendered
+YAML with a ``run_name`` per iteration (``<run>/iteration_<i>[/<stage>]``); its TensorBoard events go to
+``<run>/tensorboard/iteration_<i>[/<stage>]/``. After each iteration the driver writes the report rows of
+``optima.reporting`` (answer rate, task score, mean tokens, reward parts, kept, train loss, stage times) as
+scalars under ``<run>/tensorboard/optima/``, one step per iteration, so
+``tensorboard --logdir <run>/tensorboard`` shows the trainer curves and the iteration curves side by side. With
+``wandb`` the same rows go to a W&B run named after the run directory (the trainer runs are named per iteration).
+
+The driver never imports torch: TensorBoard events are written with tensorboard's own event-file writer and
+protobufs. The scalar file is rewritten from all finished iterations each time, so a resumed run shows every
+iteration once.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from optima.config.fields import RecipeError
+
+logger = logging.getLogger(__name__)
+
+TRACKERS = ("tensorboard", "wandb")
+TENSORBOARD_DIR = "tensorboard"
+ITERATION_LOG = "optima"
+# Report-row keys logged as scalars (tag = optima/<group>/<key>).
+SCALAR_GROUPS = {
+    "conversations": ("answer_rate", "task_score", "mean_tokens", "kept"),
+    "train": ("train_loss", "train_rows"),
+    "dpo": ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs"),
+}
+
+
+def parse_report_to(value: str | list[str] | None) -> list[str] | str:
+    """Validate the recipe's ``report_to``: ``auto``, ``none``, a tracker, or a list of trackers.
+
+    Returns ``"auto"`` or the list of trackers (empty for ``none``).
+    """
+    if value in (None, "none", []):
+        return []
+    if value == "auto":
+        return "auto"
+    names = [value] if isinstance(value, str) else list(value)
+    for name in names:
+        if name not in TRACKERS:
+            raise RecipeError("report_to", f"expected auto, none or one of {list(TRACKERS)}, got {name!r}")
+    return names
+
+
+def resolve_report_to(value: str | list[str] | None, train_env) -> list[str]:
+    """The trackers a run uses: ``auto`` becomes ``["tensorboard"]`` when the training env can import it.
+
+    Args:
+        value: The recipe's ``report_to``.
+        train_env: The training environment (``PythonEnv``), asked which modules it has.
+
+    Raises:
+        RecipeError: a requested tracker is not installed in the training environment.
+    """
+    parsed = parse_report_to(value)
+    if parsed == "auto":
+        return [] if train_env is None or train_env.missing_modules(("tensorboard",)) else ["tensorboard"]
+    missing = train_env.missing_modules(tuple(parsed)) if parsed and train_env is not None else []
+    if missing:
+        raise RecipeError(
+            "report_to", f"{missing} not installed in the training environment; install it or set report_to: none"
+        )
+    return parsed
+
+
+def run_name(run_dir: Path, stage_root: Path) -> str:
+    """The trainer's run name for one iteration folder: ``<run>/iteration_<i>[/<stage>]``."""
+    return f"{Path(run_dir).name}/{Path(stage_root).relative_to(run_dir).as_posix()}"
+
+
+def trainer_overrides(report_to: list[str], run_dir: Path, stage_root: Path) -> dict[str, Any]:
+    """Keys of the rendered trainer YAML that route the trainer's logs to the run's trackers."""
+    return {"report_to": list(report_to) or "none", "run_name": run_name(run_dir, stage_root)}
+
+
+def trainer_env(report_to: list[str], run_dir: Path, stage_root: Path) -> dict[str, str]:
+    """Environment of the trainer process: where its TensorBoard events go (inside the run directory)."""
+    if "tensorboard" not in report_to:
+        return {}
+    folder = Path(run_dir) / TENSORBOARD_DIR / Path(stage_root).relative_to(run_dir)
+    return {"TENSORBOARD_LOGGING_DIR": str(folder)}
+
+
+def scalars_of(row: dict) -> dict[str, float]:
+    """The numeric values of one report row, keyed by TensorBoard tag."""
+    prefix = f"{row['stage']}/" if row.get("stage") else ""  # iSFT-DPO: sft/... and dpo/... at the same step
+    tags = {}
+    for group, keys in SCALAR_GROUPS.items():
+        tags |= {f"{prefix}{group}/{key}": row.get(key) for key in keys}
+    tags |= {f"{prefix}reward_parts/{k.removeprefix('part_')}": v for k, v in row.items() if k.startswith("part_")}
+    tags |= {f"{prefix}time_s/{k.removeprefix('time_')}": v for k, v in row.items() if k.startswith("time_")}
+    return {tag: float(value) for tag, value in tags.items() if isinstance(value, int | float)}
+
+
+def write_tensorboard_scalars(run_dir: Path, rows: list[dict]) -> Path:
+    """(Re)write the iteration scalars of ``rows`` as one TensorBoard event file; returns its folder."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    folder = Path(run_dir) / TENSORBOARD_DIR / ITERATION_LOG
+    if folder.exists():
+        shutil.rmtree(folder)  # every finished iteration is written again below: no duplicates after a resume
+    writer = EventFileWriter(str(folder))
+    for row in rows:
+        values = scalars_of(row)
+        summary = summary_pb2.Summary(
+            value=[summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in values.items()]
+        )
+        writer.add_event(event_pb2.Event(wall_time=time.time(), step=row["iteration"], summary=summary))
+    writer.close()
+    return folder
+
+
+def log_wandb(run_dir: Path, rows: list[dict]) -> None:
+    """Log the newest iteration's scalars to a W&B run named after the run directory (resumed by its id)."""
+    try:
+        import wandb
+    except ImportError:
+        logger.warning("report_to: wandb, but the driver's Python has no wandb; iteration metrics not sent")
+        return
+    run = wandb.init(name=Path(run_dir).name, id=Path(run_dir).name, resume="allow", dir=str(run_dir))
+    latest = rows[-1]
+    run.log(scalars_of(latest) | {"iteration": latest["iteration"]})
+    run.finish()
+
+
+def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
+    """After an iteration: redraw ``report.md``/``report.png`` and send the iteration numbers to the trackers.
+
+    A failure here is logged and does not stop the run (the metrics stay in ``metrics.json``).
+    """
+    from optima.reporting import collect_rows, write_run_report
+
+    try:
+        write_run_report(run_dir)
+        rows = collect_rows(run_dir)
+        if rows and "tensorboard" in report_to:
+            write_tensorboard_scalars(run_dir, rows)
+        if rows and "wandb" in report_to:
+            log_wandb(run_dir, rows)
+    except (OSError, ValueError, ImportError) as exc:
+        logger.warning("report | could not write the run report or tracker logs of %s: %s", run_dir, exc)
