@@ -140,6 +140,10 @@ def run_plan(plan: Plan) -> str:
                 )
                 continue
             model = run_iteration(ctx, plan.method, iteration, model) or model
+    if recipe.push_to_hub:
+        from optima.hub import push_run
+
+        push_run(recipe, ctx.paths, model)
     logger.info("done | final model %s", model)
     return model
 
