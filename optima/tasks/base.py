@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from optima.tasks.answers import ANSWER_PARSERS, render_answer
-from optima.tasks.sources import DataError, read_hub_rows, read_local_rows, resolve_data_dir
+from optima.tasks.sources import DataError, read_hub_rows, read_split, resolve_data_dir
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class Task:
         root = resolve_data_dir(data_dir)
         if root is None:
             return read_hub_rows(self.hub_name, self.hub_configs, split)
-        return read_local_rows(root / self.local_folder, split)
+        return read_split(root, self.local_folder, self.hub_configs, split)
 
     def load(self, split: str, *, data_dir: str | os.PathLike | None = None, seed: int = 0) -> list[Example]:
         """Load every example of `split`, in dataset order, with ids made unique.
