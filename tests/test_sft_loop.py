@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from optima.serving.processes import group_members
@@ -98,10 +99,29 @@ def test_sft_loop_resumes_after_kill_and_finishes(tiny_model, tmp_path):
     assert trainer["model_name_or_path"] == str(run / "checkpoints" / "iteration_0")
     assert str(run / "checkpoints" / "iteration_0") in (run / "iteration_1" / "logs" / "vllm_0.log").read_text()
     assert_weights_changed(tiny_model, run / "checkpoints" / "iteration_0")
+    assert_report_and_tensorboard(run, trainer)
 
     third = subprocess.run(command(recipe), capture_output=True, text=True, cwd=REPO, timeout=300)
     assert third.returncode == 0 and "starting on" not in third.stderr  # a finished run starts no server
     assert third.stderr.count("done before, skipped") == 8
+
+
+def assert_report_and_tensorboard(run: Path, trainer: dict) -> None:
+    """report.md/png hold both iterations; the trainer and the driver wrote TensorBoard events into the run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    report = (run / "report.md").read_text()
+    metrics = json.loads((run / "iteration_1" / "metrics.json").read_text())
+    loss = metrics["stages"]["train"]["train_loss"]
+    assert f"| 1 | {metrics['stages']['score']['answer_rate']:.4g} |" in report and f"{loss:.4g}" in report
+    assert (run / "report.png").read_bytes().startswith(b"\x89PNG")
+    assert trainer["report_to"] == ["tensorboard"] and trainer["run_name"] == "run/iteration_1"
+    for folder in ("iteration_0", "iteration_1"):  # the trainer's own curves, one folder per iteration
+        assert list((run / "tensorboard" / folder).glob("events.out.tfevents.*")), folder
+    events = EventAccumulator(str(run / "tensorboard" / "optima"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/train_loss")] == [0, 1]
+    assert events.Scalars("train/train_loss")[1].value == pytest.approx(loss)
 
 
 def assert_weights_changed(before: Path, after: Path) -> None:
