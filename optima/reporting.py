@@ -18,7 +18,7 @@ import json
 import logging
 from pathlib import Path
 
-from optima.evaluation.report import new_figure, render_markdown_table
+from optima.evaluation.report import _new_figure, render_markdown_table
 from optima.store import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
 
 def plot_report(rows: list[dict], path: Path, title: str) -> None:
     """Four panels per stage folder: task score and answer rate, mean tokens, train loss, stacked stage times."""
-    figure, axes = new_figure(2, rows=2)
+    figure, axes = _new_figure(2, rows=2)
     (score_axis, token_axis), (loss_axis, time_axis) = axes
     x = list(range(len(rows)))
     labels = [row["label"] for row in rows]

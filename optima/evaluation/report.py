@@ -72,7 +72,7 @@ def render_markdown_table(rows: Sequence[Mapping], columns: Sequence[str], heade
     return "\n".join(lines)
 
 
-def new_figure(panels: int, rows: int = 1):
+def _new_figure(panels: int, rows: int = 1):
     """A matplotlib ``Figure`` on the Agg canvas (no pyplot state) and its ``rows`` x ``panels`` axes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -92,7 +92,7 @@ def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path:
         path: PNG to write.
         title: Figure title (task and model root).
     """
-    figure, (score_axis, token_axis) = new_figure(2)
+    figure, (score_axis, token_axis) = _new_figure(2)
     x = list(range(len(rows)))
     names = [row["model"] for row in rows]
     score_axis.plot(x, [row.get(metric) for row in rows], marker="o", label=metric)
@@ -126,7 +126,7 @@ def plot_self_consistency(
         path: PNG to write.
         title: Figure title.
     """
-    figure, (k_axis, token_axis) = new_figure(2)
+    figure, (k_axis, token_axis) = _new_figure(2)
     for index, (label, rows) in enumerate(curves.items()):
         color = f"C{index}"
         ks = [row["k"] for row in rows]
