@@ -4,6 +4,8 @@ python3 -m optima setup                 # both virtualenvs + the SmolLM2 folder 
 python3 -m optima setup --only train    # one environment
 python -m optima prepare-model smollm2  # convert the embedded model (run inside the training env)
 python -m optima report runs/demo_arc_sft  # redraw report.md and report.png of a loop's run directory
+python -m optima compare --model M --dataset_type arc --limit 40 [--methods ...] [--optima NAME=CHECKPOINT]
+                                        # baselines and Optima checkpoints on the same questions: one table + plot
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare-model", help="convert an embedded GGUF model into a Hugging Face folder")
     prep.add_argument("model", choices=["smollm2"])
     prep.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
+    sub.add_parser(
+        "compare",
+        add_help=False,  # its own parser (optima.cli) reads the rest, --help included
+        help="CoT, CoT-SC, MAD, AutoForm and Optima checkpoints on the same questions: table and plot",
+    )
     keys = sub.add_parser("recipe-keys", help="list the recipe keys of a method (default and meaning)")
     keys.add_argument("method", choices=[*sorted(RECIPE_CLASSES), "all"])
     report = sub.add_parser("report", help="redraw report.md and report.png of a loop's run directory (and print it)")
@@ -74,6 +81,11 @@ def _default_text(f) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:
+        from optima.cli import run_compare_script
+
+        return run_compare_script(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging()
     if args.command == "setup":

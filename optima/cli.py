@@ -134,7 +134,7 @@ def run_loop_script(recipe_cls: type, description: str, argv: list[str] | None) 
 
 def overrides_from_flags(args: argparse.Namespace, mapping: dict[str, str]) -> dict[str, Any]:
     """Recipe values from explicit flags (``None`` means not given)."""
-    return {key: getattr(args, flag) for flag, key in mapping.items() if getattr(args, flag) is not None}
+    return {key: getattr(args, flag, None) for flag, key in mapping.items() if getattr(args, flag, None) is not None}
 
 
 # Original evaluation flags -> InferenceRecipe / MultiSCRecipe keys.
@@ -151,28 +151,11 @@ EVAL_FLAGS = {
 }
 
 
-def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentParser:
-    """Flags of ``inference_script.py`` (sweep) and ``multi_sc_data_generate_script.py`` (self-consistency)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    if multi_sc:
-        parser.add_argument("--model_path", required=True, help="the model to sample from")
-        parser.add_argument("--output_path", help="output folder (default <model_path>/eval)")
-        parser.add_argument("--temperature", type=float, help="sampling temperature (default 0.5)")
-        parser.add_argument("--num_samples", type=int, help="conversations per question (default 50)")
-        parser.add_argument(
-            "--baseline",
-            choices=("cot",),
-            help="also run the single-agent baselines on the same model: CoT (greedy) and CoT-SC (sampled)",
-        )
-        parser.add_argument("--max_k", type=int, help="largest k of the majority-vote analysis (default num_samples)")
-    else:
-        parser.add_argument("--model_root_path", required=True, help="folder of iteration_<k> checkpoints")
-        parser.add_argument("--output_root_path", help="output folder (default <model_root_path>/eval)")
-        parser.add_argument("--include_base", action="store_true", default=None, help="also evaluate the base model")
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by the two evaluation scripts and ``python -m optima compare``."""
     parser.add_argument("--config", help="optional recipe YAML with the same keys as the flags")
     parser.add_argument("--dataset_type", help="hotpot_qa, mwh_qa, trival_qa, cbt, math, gsm8k, arc or mmlu")
     parser.add_argument("--tokenizer_path", help="tokenizer for token counts (default: each model's own)")
-    parser.add_argument("--base_model_path", help="the base model (evaluated as 'base' with --include_base)")
     parser.add_argument("--device", help="GPU ids for the vLLM replicas, e.g. 0 or 0,1,2,3 (ignored on CPU)")
     parser.add_argument("--port", type=int, help="first port tried (default 8000)")
     parser.add_argument("--num_thread", type=int, help="conversations in flight (default 64)")
@@ -181,7 +164,60 @@ def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentPars
     parser.add_argument("--data_dir", help="local dataset root (default $OPTIMA_DATA_DIR, else the hub)")
     add_env_args(parser, train=False)
     add_control_args(parser)
+
+
+def add_debate_args(parser: argparse.ArgumentParser) -> None:
+    """The shape of the MAD baseline."""
+    parser.add_argument("--mad_agents", type=int, default=2, help="debating agents of MAD (default 2)")
+    parser.add_argument("--mad_rounds", type=int, default=2, help="revision rounds of MAD after the first answers")
+
+
+def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentParser:
+    """Flags of ``inference_script.py`` (sweep) and ``multi_sc_data_generate_script.py`` (self-consistency)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if multi_sc:
+        parser.add_argument("--model_path", required=True, help="the model to sample from")
+        parser.add_argument("--output_path", help="output folder (default <model_path>/eval)")
+        parser.add_argument("--temperature", type=float, help="sampling temperature (default 0.5)")
+        parser.add_argument("--num_samples", type=int, help="conversations per question (default 50)")
+        baseline_help = (
+            "also run a baseline on the same model and questions (repeatable): cot = CoT (greedy) and CoT-SC "
+            "(num_samples answers), mad = multi-agent debate at the temperature, autoform = num_samples AutoForm "
+            "conversations"
+        )
+        parser.add_argument("--max_k", type=int, help="largest k of the majority-vote analysis (default num_samples)")
+    else:
+        parser.add_argument("--model_root_path", required=True, help="folder of iteration_<k> checkpoints")
+        parser.add_argument("--output_root_path", help="output folder (default <model_root_path>/eval)")
+        parser.add_argument("--include_base", action="store_true", default=None, help="also evaluate the base model")
+        baseline_help = (
+            "also run a baseline on every model (repeatable): cot (greedy CoT), mad (multi-agent debate at "
+            "T=0.5), autoform (greedy AutoForm conversation); adds comparison.md/.csv/.png"
+        )
+    parser.add_argument("--baseline", action="append", choices=("cot", "mad", "autoform"), help=baseline_help)
+    add_debate_args(parser)
+    parser.add_argument("--base_model_path", help="the base model (evaluated as 'base' with --include_base)")
+    add_eval_args(parser)
     return parser
+
+
+def eval_recipe_from_args(recipe_cls: type, args: argparse.Namespace, flags: dict[str, str], defaults=None):
+    """The evaluation recipe from ``defaults``, the flags (``flags``: flag -> recipe key), ``--config``, ``--set``."""
+    values = dict(defaults or {}) | overrides_from_flags(args, EVAL_FLAGS | flags)
+    if "tokenizer_first_path" in values:
+        values["tokenizer_second_path"] = values["tokenizer_first_path"]
+    from optima.config.fields import parse_override
+
+    values |= dict(parse_override(item) for item in args.set)
+    return load_recipe(recipe_cls, args.config, values, check_paths=not args.dry_run)
+
+
+def baseline_settings(args: argparse.Namespace, samples: int = 4, temperature: float = 0.5):
+    """Sampling and debate settings of the baselines from the flags."""
+    from optima.evaluation.debate import DebateSettings
+    from optima.evaluation.methods import BaselineSettings
+
+    return BaselineSettings(samples, temperature, DebateSettings(args.mad_agents, args.mad_rounds))
 
 
 def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:
@@ -191,42 +227,109 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
     setup_logging()
 
     def body() -> int:
-        flags = dict(EVAL_FLAGS)
         if multi_sc:
-            flags |= {
+            flags = {
                 "model_path": "model_root_path",
                 "output_path": "output_root_path",
                 "temperature": "sc_temperature",
                 "num_samples": "num_samples",
             }
         else:
-            flags |= {
+            flags = {
                 "model_root_path": "model_root_path",
                 "output_root_path": "output_root_path",
                 "include_base": "include_base",
             }
-        values = overrides_from_flags(args, flags)
-        if "tokenizer_first_path" in values:
-            values["tokenizer_second_path"] = values["tokenizer_first_path"]
-        from optima.config.fields import parse_override
-
-        values |= dict(parse_override(item) for item in args.set)
-        recipe = load_recipe(recipe_cls, args.config, values, check_paths=not args.dry_run)
+        recipe = eval_recipe_from_args(recipe_cls, args, flags)
         envs = resolve_envs(args.vllm_env, train=False)
+        baselines = tuple(dict.fromkeys(args.baseline or ()))
+        if multi_sc:
+            settings = baseline_settings(args, recipe.num_samples, recipe.sc_temperature)
+        else:
+            settings = baseline_settings(args)
         if args.dry_run:
             from optima.evaluation.plan import render_eval_plan
 
-            baseline = args.baseline if multi_sc else None
-            emit(render_eval_plan(recipe, envs) + (f"\n  baseline: {baseline}, {baseline}-SC" if baseline else ""))
+            shown = ", ".join("cot, cot-SC" if b == "cot" and multi_sc else b for b in baselines)
+            emit(render_eval_plan(recipe, envs) + (f"\n  baseline: {shown}" if baselines else ""))
             return 0
         if multi_sc:
             from optima.evaluation.self_consistency import SCOptions, run_self_consistency
 
-            emit(run_self_consistency(recipe, envs, SCOptions(args.baseline, args.max_k)))
+            emit(run_self_consistency(recipe, envs, SCOptions(baselines, args.max_k, settings.debate)))
         else:
             from optima.evaluation.sweep import run_sweep
 
-            emit(run_sweep(recipe, envs))
+            emit(run_sweep(recipe, envs, baselines, settings))
+        return 0
+
+    return guarded(body)
+
+
+COMPARE_DESCRIPTION = r"""Baselines and Optima checkpoints on the same questions, in one table and one plot.
+
+    python -m optima compare --model models/SmolLM2-135M-Instruct --dataset_type arc --limit 40 \
+        --optima Optima-iSFT=runs/demo_arc_sft/checkpoints/iteration_1
+
+The base model is served once for all baselines (CoT, CoT-SC, MAD, AutoForm); each --optima checkpoint is served
+in turn and holds Optima's conversation greedily. Each method's results resume on their own. Writes
+comparison.md/.csv/.json/.png in the output folder. Add --dry-run to print what would run.
+"""
+
+
+def build_compare_parser() -> argparse.ArgumentParser:
+    """Flags of ``python -m optima compare``."""
+    from optima.evaluation.methods import BASELINES
+
+    parser = argparse.ArgumentParser(
+        prog="python -m optima compare",
+        description=COMPARE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, help="the base model the baselines run on (a folder)")
+    parser.add_argument(
+        "--methods", nargs="+", choices=BASELINES, default=list(BASELINES), help="baselines to run (default: all)"
+    )
+    parser.add_argument(
+        "--optima",
+        action="append",
+        default=[],
+        metavar="NAME=CHECKPOINT",
+        help="an Optima row: NAME in the table, CHECKPOINT a model folder (repeatable)",
+    )
+    parser.add_argument("--output_path", help="output folder (default runs/compare_<dataset_type>)")
+    parser.add_argument("--samples", type=int, help="answers per question of CoT-SC (default 4)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature of CoT-SC and MAD (default 0.5)")
+    add_debate_args(parser)
+    add_eval_args(parser)
+    return parser
+
+
+def run_compare_script(argv: list[str] | None) -> int:
+    """Body of ``python -m optima compare``: flags -> recipe and options -> plan or run."""
+    args = build_compare_parser().parse_args(argv)
+    setup_logging()
+
+    def body() -> int:
+        from optima.config import MultiSCRecipe
+        from optima.config.fields import resolve_path
+        from optima.evaluation.compare import CompareOptions, parse_optima_rows, render_compare_plan, run_compare
+
+        if not args.dataset_type and not args.config:
+            raise RecipeError("dataset_type", "required (--dataset_type or a --config recipe)")
+        flags = {"model": "model_root_path", "output_path": "output_root_path"}
+        flags |= {"samples": "num_samples", "temperature": "sc_temperature"}
+        args.samples = 4 if args.samples is None else args.samples
+        if args.output_path is None and args.dataset_type:
+            args.output_path = resolve_path(f"runs/compare_{args.dataset_type}")
+        # The base model is also the fallback tokenizer of token counts (servers normally send usage).
+        recipe = eval_recipe_from_args(MultiSCRecipe, args, flags, {"initial_model_path": args.model})
+        settings = baseline_settings(args, recipe.num_samples, recipe.sc_temperature)
+        options = CompareOptions(tuple(dict.fromkeys(args.methods)), parse_optima_rows(args.optima), settings)
+        if args.dry_run:
+            emit(render_compare_plan(recipe, options))
+            return 0
+        emit(run_compare(recipe, resolve_envs(args.vllm_env, train=False), options))
         return 0
 
     return guarded(body)

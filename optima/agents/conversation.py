@@ -70,7 +70,7 @@ class ConversationResult:
         """Tokens per agent."""
         totals = dict.fromkeys(AGENT_NAMES, 0)
         for utterance, count in zip(self.utterances, self.tokens, strict=True):
-            totals[utterance.speaker] += count
+            totals[utterance.speaker] = totals.get(utterance.speaker, 0) + count  # debates name N agents
         return totals
 
 

@@ -152,3 +152,32 @@ def plot_self_consistency(
     figure.suptitle(title)
     figure.savefig(path, dpi=120)
     logger.info("plot | %s", path)
+
+
+def plot_comparison(rows: Sequence[Mapping], metric: str, path: Path, title: str) -> None:
+    """Task metric and answer rate against tokens per question, one labelled point per method (paper Fig. 1 style).
+
+    Args:
+        rows: Comparison rows (``method``, ``metric``, ``answer_rate``, ``mean_tokens``).
+        metric: The task metric key (``accuracy`` or ``f1``).
+        path: PNG to write.
+        title: Figure title.
+    """
+    figure, axes = _new_figure(2)
+    shown = [row for row in rows if row.get("mean_tokens") is not None]
+    for axis, key, name in ((axes[0], metric, metric), (axes[1], "answer_rate", "answer rate")):
+        for index, row in enumerate(shown):
+            x, y = row["mean_tokens"], row.get(key) or 0.0
+            axis.scatter([x], [y], color=f"C{index % 10}", s=60, zorder=3, label=row["method"])
+            axis.annotate(row["method"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize="small")
+        if shown and min(row["mean_tokens"] for row in shown) > 0:
+            axis.set_xscale("log")
+        axis.set_xlabel("tokens per question")
+        axis.set_ylabel(name)
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(alpha=0.3)
+    if shown:
+        axes[0].legend(fontsize="small")
+    figure.suptitle(title)
+    figure.savefig(path, dpi=100)
+    logger.info("plot | %s", path)

@@ -4,7 +4,8 @@ See docs/method.md#self-consistency.
 
 For the model (every model of ``list_models``, usually one): serve it once, sample ``num_samples`` conversations
 per eval question at ``sc_temperature`` (no prompt pool), and, with ``--baseline cot``, also the single-agent
-baselines on the same model and questions: CoT (one greedy answer) and CoT-SC (``num_samples`` sampled answers).
+baselines on the same model and questions: CoT (one greedy answer) and CoT-SC (``num_samples`` sampled answers);
+``--baseline mad`` adds one debate per question, ``--baseline autoform`` ``num_samples`` AutoForm conversations.
 Every file resumes; complete ones are not regenerated, and a model whose files are all complete is not served.
 Then, for k = 1..K, majority vote, coverage and tokens (``optima.evaluation.voting``):
 
@@ -12,6 +13,8 @@ Then, for k = 1..K, majority vote, coverage and tokens (``optima.evaluation.voti
                                            of the same model may share the default folder)
     <output_root>/<model>.cot.jsonl        CoT, greedy          (with --baseline cot)
     <output_root>/<model>.cot_sc.jsonl     CoT samples          (with --baseline cot)
+    <output_root>/<model>.mad.jsonl        debates              (with --baseline mad)
+    <output_root>/<model>.autoform_sc.jsonl AutoForm samples    (with --baseline autoform)
     <output_root>/sc_analysis.json         {"task", "metric", ..., "models": {model: {method: rows or summary}}}
     <output_root>/sc_analysis.csv          model, method, k, majority_vote, coverage, tokens, questions
     <output_root>/sc_analysis.png          score vs k (vote and coverage), vote vs tokens (paper Fig. 3)
@@ -20,13 +23,14 @@ Then, for k = 1..K, majority vote, coverage and tokens (``optima.evaluation.voti
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
-from optima.evaluation.cot import generate_cot_answers
+from optima.evaluation.debate import DebateSettings
+from optima.evaluation.methods import LABELS, BaselineSettings, method_job
 from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
 from optima.evaluation.plan import list_models
 from optima.evaluation.report import plot_self_consistency, render_table, write_csv, write_json
@@ -46,9 +50,10 @@ from optima.tasks.math_equiv import MathVerifier
 
 logger = logging.getLogger(__name__)
 
-BASELINES = ("cot",)
-LABELS = {"optima_sc": "Optima SC", "cot_sc": "CoT-SC", "cot": "CoT (greedy)"}
+SC_BASELINES = ("cot", "mad", "autoform")
 CSV_COLUMNS = ("model", "method", "k", "majority_vote", "coverage", "tokens", "questions")
+# --baseline -> the files it adds: CoT brings its greedy answer and its sampled answers (CoT-SC).
+BASELINE_METHODS = {"cot": ("cot", "cot_sc"), "mad": ("mad",), "autoform": ("autoform_sc",)}
 
 
 @dataclass(frozen=True)
@@ -56,39 +61,42 @@ class SCOptions:
     """Run options beside the recipe.
 
     Args:
-        baseline: ``"cot"`` to add the single-agent CoT and CoT-SC baselines; None for Optima only.
+        baselines: Baselines run on the same model and questions (``SC_BASELINES``): ``cot`` adds CoT (greedy) and
+            CoT-SC (``num_samples`` answers), ``mad`` one debate per question at ``sc_temperature``, ``autoform``
+            ``num_samples`` AutoForm conversations.
         max_k: Largest k of the analysis (default: ``num_samples``).
+        debate: Agents and rounds of MAD.
     """
 
-    baseline: str | None = None
+    baselines: tuple[str, ...] = ()
     max_k: int | None = None
+    debate: DebateSettings = field(default_factory=DebateSettings)
 
     def __post_init__(self) -> None:
-        if self.baseline is not None and self.baseline not in BASELINES:
-            raise RecipeError("baseline", f"must be one of {BASELINES}, got {self.baseline!r}")
+        unknown = [b for b in self.baselines if b not in SC_BASELINES]
+        if unknown:
+            raise RecipeError("baseline", f"must be among {SC_BASELINES}, got {unknown}")
         if self.max_k is not None and self.max_k < 1:
             raise RecipeError("max_k", f"must be >= 1, got {self.max_k}")
 
 
-def sc_jobs(recipe, out_root: Path, name: str, baseline: str | None) -> list[GenerationJob]:
-    """The result files of one model: Optima's samples, plus CoT (greedy) and CoT-SC samples for the baseline."""
+def sc_jobs(recipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
+    """The result files of one model: Optima's samples, then each baseline's (``BASELINE_METHODS``)."""
     iteration, temperature, samples = checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples
     optima = GenerationPlan(iteration, temperature, samples, stage="sc")
     jobs = [GenerationJob("optima_sc", out_root / f"{name}.sc.jsonl", optima)]
-    if baseline == "cot":
-        greedy = GenerationPlan(iteration, 0.0, 1, stage="cot")
-        sampled = GenerationPlan(iteration, temperature, samples, stage="cot_sc")
-        jobs.append(GenerationJob("cot", out_root / f"{name}.cot.jsonl", greedy, generate_cot_answers))
-        jobs.append(GenerationJob("cot_sc", out_root / f"{name}.cot_sc.jsonl", sampled, generate_cot_answers))
+    settings = BaselineSettings(samples, temperature, options.debate)
+    for baseline in options.baselines:
+        jobs += [method_job(m, out_root, name, settings, iteration) for m in BASELINE_METHODS[baseline]]
     return jobs
 
 
 def analyze_model(jobs: list[GenerationJob], max_k: int, scorer: RecordScorer, cluster_f1: float) -> dict:
-    """Per method: the k = 1..K rows (sampled methods) or the summary (greedy CoT)."""
+    """Per method: the k = 1..K rows (sampled methods) or the summary (one answer per question: CoT, MAD)."""
     results = {}
     for job in jobs:
         records, _ = load_records(job.out_path)
-        if job.label == "cot":  # one greedy answer per question: the sweep's summary
+        if job.plan.samples == 1:  # one answer per question: the sweep's summary
             results[job.label] = summarize_records(records, scorer)
         else:
             results[job.label] = analyze_self_consistency(records, max_k, scorer, cluster_f1)
@@ -159,7 +167,7 @@ def run_self_consistency(recipe, envs: dict[str, PythonEnv], options: SCOptions 
     results = {}
     with MathVerifier() as verifier:
         for name, path in list_models(recipe):
-            jobs = sc_jobs(recipe, out_root, name, options.baseline)
+            jobs = sc_jobs(recipe, out_root, name, options)
             logger.info("self-consistency | %s | %d questions x %d samples", name, len(examples), recipe.num_samples)
             session.run(name, path, jobs)
             scorer = RecordScorer(load_tokenize(recipe, path, score_type), verifier)

@@ -11,6 +11,7 @@ an interrupted one resumes at the first missing question. After each checkpoint 
     <output_root>/summary.csv    one row per model
     <output_root>/summary.png    metric (ours and the original's) and mean tokens per checkpoint
     <output_root>/<model>/logs/vllm_0.log
+    <output_root>/<model>.<method>.jsonl, comparison.md/.csv/.json/.png   (with --baseline cot/mad/autoform)
 
 The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model`` and ``iteration``.
 """
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from optima.agents.generation import GenerationPlan
 from optima.environments import PythonEnv
+from optima.evaluation.compare import write_comparison
+from optima.evaluation.methods import LABELS, BaselineSettings, method_job, method_row
 from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
 from optima.evaluation.plan import list_models
 from optima.evaluation.report import plot_sweep, render_table, write_csv, write_json
@@ -75,12 +78,29 @@ def write_sweep_report(recipe, rows: list[dict]) -> str:
     return render_table(rows, shown, title=f"Optima evaluation | {recipe.dataset_type} | {out_root}")
 
 
-def run_sweep(recipe, envs: dict[str, PythonEnv]) -> str:
+def comparison_rows(recipe, models: list[tuple[str, Path]], baselines: tuple[str, ...], settings, verifier) -> list:
+    """The sweep's comparison: per model, Optima's greedy conversation and then each baseline, as rows."""
+    out_root, score_type = Path(recipe.output_root_path), get_task(recipe.dataset_type).score_type
+    rows = []
+    for name, path in models:
+        scorer = RecordScorer(load_tokenize(recipe, path, score_type), verifier)
+        jobs = [sweep_job(out_root, name), *(method_job(b, out_root, name, settings) for b in baselines)]
+        for job in jobs:
+            records, _ = load_records(job.out_path)
+            label = LABELS["optima" if job.label == "eval" else job.label]
+            rows.append({"method": label, "model": name} | method_row(records, job.plan.samples, scorer))
+    return rows
+
+
+def run_sweep(recipe, envs: dict[str, PythonEnv], baselines: tuple[str, ...] = (), settings=None) -> str:
     """Evaluate every checkpoint (resuming), write the summaries and the plot; return the table.
 
     Args:
         recipe: A validated ``InferenceRecipe``.
         envs: ``{"vllm": PythonEnv}`` (unused when the recipe lists ``endpoints``).
+        baselines: Methods of ``optima.evaluation.methods`` also run on every model (same server, same
+            questions), written to ``<model>.<method>.jsonl`` and compared in ``comparison.md/.csv/.png``.
+        settings: ``BaselineSettings`` of those baselines (default: its defaults).
     """
     recipe = eval_recipe(recipe)
     out_root = prepare_output(recipe)
@@ -90,13 +110,20 @@ def run_sweep(recipe, envs: dict[str, PythonEnv]) -> str:
     examples = load_eval_examples(recipe)
     logger.info("eval | %s | %d questions | %d models | %s", recipe.dataset_type, len(examples), len(models), out_root)
     session = EvalSession(recipe, envs, examples)
+    settings = settings or BaselineSettings()
     rows: list[dict] = []
     with MathVerifier() as verifier:
         for position, (name, path) in enumerate(models, start=1):
             logger.info("eval | model %d/%d | %s", position, len(models), name)
-            session.run(name, path, [sweep_job(out_root, name)])
+            iteration = checkpoint_iteration(name)
+            extra = [method_job(b, out_root, name, settings, iteration) for b in baselines]
+            session.run(name, path, [sweep_job(out_root, name), *extra])
             rows.append(summarize_checkpoint(recipe, name, path, verifier))
             if position < len(models):
                 write_sweep_report(recipe, rows)  # partial summaries survive an interrupted sweep
+        table = write_sweep_report(recipe, rows)
+        if baselines:
+            compared = comparison_rows(recipe, models, baselines, settings, verifier)
+            table += "\n\n" + write_comparison(out_root, recipe.dataset_type, compared, {"questions": len(examples)})
     logger.info("eval | done | %d models, %d servers started", len(models), session.servers_started)
-    return write_sweep_report(recipe, rows)
+    return table

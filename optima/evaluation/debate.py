@@ -1,0 +1,183 @@
+"""The multi-agent debate baseline (MAD, Du et al. 2023; a row of the paper's comparison table).
+
+``agents`` copies of the served model (default 2) each answer the question alone, with the single-agent CoT prompt
+(``optima.evaluation.cot``). Then, for ``rounds`` rounds (default 2), each agent reads the other agents' latest
+answers and writes a revised one; every agent keeps its own chat (its answers are ``assistant`` turns, the others'
+answers arrive in a ``user`` turn). The final answer is the majority of the agents' last-round answers, clustered
+as the self-consistency vote does (``optima.evaluation.voting``: the same matching rules, ties to the earliest
+agent); agents whose last answer states none do not vote.
+
+Answer parsing, scoring and token counting are the conversations': each reply is parsed by the task's parser, the
+record is the same JSONL line (``status``, ``token_count``, ``final_answer``, ``utterances``), scored by the same
+scorer, and ``token_count`` sums the server's ``completion_tokens`` of every reply of every agent and round (the
+prompts are not counted). A reply cut at ``max_tokens`` stays in the debate (the others read it) and counts its
+tokens, but states no answer that round. Status: ``error`` when a request failed for good, ``too_long`` when no
+last-round answer was parsed and a last-round reply was cut, else ``ok``. Agents sample at the plan's temperature
+(identical greedy agents would agree from the start), seeded per (question, sample, agent, round).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from optima.agents.conversation import ConversationResult
+from optima.agents.generation import ConversationRunner, GenerationPlan, GenerationStats, Job, generate_conversations
+from optima.agents.prompts import Utterance
+from optima.config.fields import RecipeError
+from optima.evaluation.cot import COT_PROMPTS, build_cot_messages
+from optima.evaluation.voting import AnswerMatcher, cluster_answers
+from optima.serving.client import ChatReply, RequestFailed, Sampling
+from optima.tasks import Example, Task, get_task
+from optima.tasks.contexts import stable_rng
+
+# (messages, agent index, round) -> the reply; raises RequestFailed.
+DebateGenerate = Callable[[list[dict], int, int], ChatReply]
+
+
+@dataclass(frozen=True)
+class DebateSettings:
+    """Shape of a debate.
+
+    Args:
+        agents: Debating agents (>= 2).
+        rounds: Revision rounds after the first answers (>= 1).
+    """
+
+    agents: int = 2
+    rounds: int = 2
+
+    def __post_init__(self) -> None:
+        if self.agents < 2:
+            raise RecipeError("mad_agents", f"a debate needs at least 2 agents, got {self.agents}")
+        if self.rounds < 1:
+            raise RecipeError("mad_rounds", f"must be >= 1, got {self.rounds}")
+
+
+def agent_name(index: int) -> str:
+    """The recorded speaker of agent ``index`` (0-based): ``Agent 1``, ``Agent 2``, ..."""
+    return f"Agent {index + 1}"
+
+
+def revision_turn(others: Sequence[tuple[int, str]], reminder: str) -> str:
+    """The user turn that shows an agent the other agents' latest answers and asks for a revised one."""
+    shown = "\n\n".join(f"{agent_name(i)}: {text.strip() or '(no answer)'}" for i, text in others)
+    return (
+        f"The other agents answered:\n\n{shown}\n\nWeigh their reasoning against yours, fix any mistake you find, "
+        f"and give your updated answer. {reminder}"
+    )
+
+
+def majority_answer(answers: Sequence[str | None], matcher: AnswerMatcher) -> str:
+    """The answer of the largest vote cluster (the earliest cluster on ties); "" when nobody answered."""
+    clusters = cluster_answers(answers, matcher)[-1] if answers else []
+    if not clusters:
+        return ""
+    winner = max(clusters, key=len)
+    return answers[winner[0]] or ""
+
+
+def run_debate(
+    example: Example,
+    generate: DebateGenerate,
+    settings: DebateSettings,
+    max_tokens: int,
+    matcher: AnswerMatcher,
+    task: Task | None = None,
+    count_tokens: Callable[[str], int] | None = None,
+) -> ConversationResult:
+    """Run one debate; its utterances are every agent's reply, round by round.
+
+    Args:
+        example: The question.
+        generate: Sends one agent's chat and returns the reply.
+        settings: Agents and rounds.
+        max_tokens: Tokens per reply at most (a reply reaching it is cut: no answer that round).
+        matcher: Whether two answers vote together.
+        task: The example's task (looked up from ``example.task`` when None).
+        count_tokens: Token counter used when a reply carries no ``completion_tokens``.
+    """
+    task = task or get_task(example.task)
+    reminder = COT_PROMPTS[task.prompt_set].reminder
+    chats = [build_cot_messages(example, task) for _ in range(settings.agents)]
+    result = ConversationResult(stop_reason="majority")
+    latest: list[str] = [""] * settings.agents
+    answers: list[str | None] = [None] * settings.agents
+    cut = [False] * settings.agents
+    for round_index in range(settings.rounds + 1):
+        if round_index:
+            for agent, chat in enumerate(chats):
+                others = [(i, latest[i]) for i in range(settings.agents) if i != agent]
+                chat.append({"role": "user", "content": revision_turn(others, reminder)})
+        replies = []
+        for agent, chat in enumerate(chats):
+            try:
+                reply = generate(list(chat), agent, round_index)
+            except RequestFailed as exc:
+                result.status, result.stop_reason, result.error = "error", "error", str(exc)
+                return result
+            replies.append(reply)
+            result.replica = reply.replica
+        for agent, reply in enumerate(replies):  # every agent answered this round before anyone revises
+            tokens = reply.completion_tokens
+            if tokens is None:
+                tokens = count_tokens(reply.text) if count_tokens else 0
+            cut[agent] = reply.finish_reason == "length" or tokens >= max_tokens
+            latest[agent] = reply.text.strip()
+            answers[agent] = None if cut[agent] else task.parse_answer(latest[agent])
+            chats[agent].append({"role": "assistant", "content": latest[agent]})
+            result.utterances.append(Utterance(agent_name(agent), latest[agent]))
+            result.tokens.append(tokens)
+            result.generated_tokens += tokens
+    result.final_answer = majority_answer(answers, matcher)
+    if not result.final_answer and any(cut):
+        result.status, result.stop_reason = "too_long", "too_long"
+    return result
+
+
+class DebateRunner(ConversationRunner):
+    """Runs one debate against the replica pool and records it like a conversation (plus a ``debate`` field)."""
+
+    def __init__(self, recipe, plan: GenerationPlan, pool, settings: DebateSettings = DebateSettings()):
+        super().__init__(recipe, plan, pool)
+        self.settings = settings
+
+    def run(self, job: Job) -> tuple[dict, int]:
+        task = get_task(job.example.task)
+        replica = self.pool.route(job.position)
+        plan = self.plan
+        seed_parts = (self.recipe.seed, "turn", plan.stage, plan.iteration, job.example.id, job.sample_index)
+
+        def generate(messages: list[dict], agent: int, round_index: int) -> ChatReply:
+            nonlocal replica
+            seed = stable_rng(*seed_parts, agent, round_index).randrange(2**31)
+            reply = self.pool.chat(replica, messages, Sampling(plan.temperature, self.recipe.max_tokens, seed))
+            replica = reply.replica
+            return reply
+
+        matcher = AnswerMatcher(job.example, getattr(self.recipe, "cluster_f1", 0.9))
+        count = functools.partial(self.count_tokens, speaker="Alice")  # the agents share one model and tokenizer
+        result = run_debate(job.example, generate, self.settings, self.recipe.max_tokens, matcher, task, count)
+        if result.replica is None:
+            result.replica = replica
+        record = self.build_record(job, (build_cot_messages(job.example, task)[0]["content"], ""), result)
+        record["debate"] = {"agents": self.settings.agents, "rounds": self.settings.rounds}
+        return record, result.generated_tokens
+
+
+def generate_debates(
+    recipe,
+    examples: Sequence[Example],
+    endpoints: Sequence[str],
+    out_path: Path,
+    plan: GenerationPlan,
+    settings: DebateSettings = DebateSettings(),
+) -> GenerationStats:
+    """``plan.samples`` debates per example into ``out_path`` (resuming what is there).
+
+    Same contract as ``optima.agents.generation.generate_conversations``, which it runs with the debate runner.
+    """
+    runner = functools.partial(DebateRunner, settings=settings)
+    return generate_conversations(recipe, examples, endpoints, out_path, plan, runner_cls=runner)

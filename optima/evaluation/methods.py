@@ -1,0 +1,110 @@
+"""The methods an evaluation can run on one served model, and one summary row per method (paper Table 1 rows).
+
+    optima      Optima's two-agent conversation, greedy (the sweep's file; the trained checkpoints' rows)
+    cot         one agent, chain of thought, greedy                          (``optima.evaluation.cot``)
+    cot_sc      ``samples`` CoT answers at ``temperature``, majority vote     (``optima.evaluation.voting``)
+    mad         multi-agent debate at ``temperature``, majority of the agents (``optima.evaluation.debate``)
+    autoform    Optima's conversation loop, non-natural-language format rule, greedy (``optima.evaluation.autoform``)
+    autoform_sc ``samples`` AutoForm conversations at ``temperature`` (the self-consistency script's variant)
+
+Each method fills ``<output>/<model>.<method>.jsonl`` (resumable, one record per conversation, debate or answer)
+and is summarised by the same scorer: the task metric (majority vote over the samples for sampled methods),
+the answer rate, and the tokens per question (all samples, agents and rounds of a question summed).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from optima.agents.generation import GenerationPlan
+from optima.config.fields import RecipeError
+from optima.evaluation.autoform import generate_autoform
+from optima.evaluation.cot import generate_cot_answers
+from optima.evaluation.debate import DebateSettings, generate_debates
+from optima.evaluation.metrics import RecordScorer, metric_names, record_example, summarize_records
+from optima.evaluation.runs import GenerationJob
+from optima.evaluation.voting import analyze_self_consistency
+
+BASELINES = ("cot", "cot_sc", "mad", "autoform")
+LABELS = {
+    "optima": "Optima",
+    "optima_sc": "Optima SC",
+    "cot": "CoT",
+    "cot_sc": "CoT-SC",
+    "mad": "MAD",
+    "autoform": "AutoForm",
+    "autoform_sc": "AutoForm SC",
+}
+ROW_COLUMNS = ("method", "model", "questions", "{metric}", "answer_rate", "mean_tokens", "too_long_rate", "error_rate")
+
+
+@dataclass(frozen=True)
+class BaselineSettings:
+    """How the sampled baselines sample.
+
+    Args:
+        samples: Answers per question of CoT-SC (and AutoForm SC).
+        temperature: Sampling temperature of CoT-SC, AutoForm SC and the debaters.
+        debate: Agents and rounds of MAD.
+    """
+
+    samples: int = 4
+    temperature: float = 0.5
+    debate: DebateSettings = field(default_factory=DebateSettings)
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise RecipeError("samples", f"must be >= 1, got {self.samples}")
+        if not 0 <= self.temperature <= 2:
+            raise RecipeError("temperature", f"must be in [0, 2], got {self.temperature}")
+
+
+def method_job(
+    method: str, out_root: Path, name: str, settings: BaselineSettings, iteration: int = -1
+) -> GenerationJob:
+    """The result file of ``method`` on the model called ``name``: ``<out_root>/<name>.<method>.jsonl``.
+
+    Args:
+        method: One of ``LABELS``' keys except ``optima_sc`` (the self-consistency script's own file).
+        out_root: Output folder.
+        name: The model's name (file prefix).
+        settings: Samples, temperature and debate shape.
+        iteration: Recorded iteration (part of every seed).
+    """
+    path, t = out_root / f"{name}.{method}.jsonl", settings.temperature
+    if method == "optima":
+        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="eval"))
+    if method == "cot":
+        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="cot"), generate_cot_answers)
+    if method == "cot_sc":
+        plan = GenerationPlan(iteration, t, settings.samples, stage="cot_sc")
+        return GenerationJob(method, path, plan, generate_cot_answers)
+    if method == "mad":
+        debate = functools.partial(generate_debates, settings=settings.debate)
+        return GenerationJob(method, path, GenerationPlan(iteration, t, 1, stage="mad"), debate)
+    if method == "autoform":
+        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="autoform"), generate_autoform)
+    if method == "autoform_sc":
+        plan = GenerationPlan(iteration, t, settings.samples, stage="autoform_sc")
+        return GenerationJob(method, path, plan, generate_autoform)
+    raise RecipeError("methods", f"unknown method {method!r}; choose from {tuple(LABELS)}")
+
+
+def method_row(records: list[dict], samples: int, scorer: RecordScorer, cluster_f1: float = 0.9) -> dict:
+    """One comparison row: questions, the task metric, answer rate, tokens per question, failure rates.
+
+    A method with several samples per question scores the majority vote of all of them and costs their summed
+    tokens; the answer rate is the share of records (answers, conversations, debates) that state an answer.
+    """
+    summary = summarize_records(records, scorer)
+    if not summary["questions"]:
+        return {"questions": 0}
+    metric, _ = metric_names(record_example(records[0]).score_type)
+    row = {"questions": summary["questions"], metric: summary[metric], "mean_tokens": summary["mean_tokens"]}
+    if samples > 1:
+        voted = analyze_self_consistency(records, samples, scorer, cluster_f1)[-1]
+        row |= {metric: voted["majority_vote"], "mean_tokens": voted["tokens"]}
+    row["answer_rate"] = round(1 - summary["no_answer_rate"], 4)
+    return row | {"too_long_rate": summary["too_long_rate"], "error_rate": summary["error_rate"]}
