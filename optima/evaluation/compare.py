@@ -32,7 +32,7 @@ from optima.evaluation.runs import (
     load_tokenize,
     prepare_output,
 )
-from optima.store import load_records
+from optima.store import atomic_write_text, load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 
@@ -117,7 +117,7 @@ def write_comparison(out_root: Path, task: str, rows: list[dict], header: dict) 
     write_json(out_root / "comparison.json", {"task": task, "metric": metric} | header | {"rows": rows})
     write_csv(out_root / "comparison.csv", rows, columns)
     title = f"{task}: {metric} and answer rate vs tokens per question"
-    (out_root / "comparison.md").write_text(render_markdown_table(rows, columns) + "\n", encoding="utf-8")
+    atomic_write_text(out_root / "comparison.md", render_markdown_table(rows, columns) + "\n")
     if rows:
         plot_comparison(rows, metric, out_root / "comparison.png", title)
     return render_table(rows, columns, title=f"Comparison | {task} | {metric} | {out_root}")
