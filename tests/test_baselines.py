@@ -244,3 +244,16 @@ def test_both_eval_scripts_run_the_new_baselines(tmp_path, capsys):
         tmp_path / "sweep" / "comparison.png"
     ).is_file()
     assert len(load_records(tmp_path / "sweep" / "model.mad.jsonl")[0]) == 2
+
+
+def test_compare_dry_run_lists_every_row_and_starts_nothing(tmp_path, capsys):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    argv = ["compare", "--model", str(tmp_path), "--dataset_type", "arc", "--methods", "cot", "mad"]
+    argv += ["--optima", f"Optima-iDPO={checkpoint}", "--output_path", str(tmp_path / "out"), "--dry-run"]
+    assert optima_main(argv) == 0
+    plan = capsys.readouterr().out
+    assert "[CoT] serve" in plan and "[MAD] serve" in plan and "[Optima-iDPO] serve" in plan
+    assert "[CoT-SC]" not in plan and "MAD: 2 agents, 2 rounds" in plan
+    assert not (tmp_path / "out").exists()
