@@ -23,6 +23,7 @@ test-slow: setup
 
 demo: setup
 	$(TRAIN_PY) sft_script.py --train_config_path train/sft_recipes/demo_arc.yaml
+	$(TRAIN_PY) bench/iteration.py --run-dir runs/demo_arc_sft
 
 bench: setup
 	$(TRAIN_PY) bench/run_all.py

@@ -28,6 +28,8 @@ from benchlib import REPO, TreeMemorySampler, describe_machine, load_average  # 
 from report import render_results  # noqa: E402
 
 PYTHON = sys.executable
+# Sections after this line come from longer, one-off measurements (commands given there); run_all keeps them.
+KEPT_MARKER = "<!-- measured separately: run_all.py keeps what follows -->"
 # Small settings that keep a full run near 20 minutes on this box (see each script for its defaults).
 BENCHMARKS = {
     "iteration": ["bench/iteration.py"],
@@ -96,11 +98,19 @@ def run_benchmark(name: str, args, workdir: Path) -> dict:
     }
 
 
+def write_results(path: Path, rendered: str) -> None:
+    """Write RESULTS.md, keeping the measured-by-hand sections below ``KEPT_MARKER`` of the file that is there."""
+    kept = ""
+    if path.exists() and KEPT_MARKER in path.read_text():
+        kept = path.read_text()[path.read_text().index(KEPT_MARKER) :]
+    path.write_text(rendered.rstrip("\n") + "\n\n" + kept if kept else rendered)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:  # report wording changed: no need to measure again
         saved = json.loads(Path(args.render).read_text())
-        Path(args.out).write_text(render_results(saved["results"], saved["meta"]))
+        write_results(Path(args.out), render_results(saved["results"], saved["meta"]))
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="optima_bench_all_"))
     machine = describe_machine()
@@ -116,7 +126,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     (workdir / "results.json").write_text(json.dumps({"results": results, "meta": meta}, indent=2) + "\n")
-    Path(args.out).write_text(render_results(results, meta))
+    write_results(Path(args.out), render_results(results, meta))
     print(f"wrote {args.out} ({meta['total_s']:.0f} s in all)")
     return 0 if all("error" not in r["data"] for r in results.values()) else 1
 

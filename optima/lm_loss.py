@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -87,6 +88,8 @@ class VLLMLossScorer:
             for url in base_urls
         ]
         self.model, self.tokenizer = model, tokenizer
+        # Conversations are scored from several threads at once; one tokenizer object is not safe to share.
+        self.tokenizer_lock = threading.Lock()
         # A request carries several texts; a few requests run at once so vLLM batches across them.
         self.batch_size = batch_size or vllm_loss_batch_size(recipe)
         self.recipe = recipe
@@ -107,7 +110,8 @@ class VLLMLossScorer:
 
     def score(self, texts: Sequence[str]) -> list[float]:
         """Mean NLL of each text."""
-        inputs = [build_loss_input(self.tokenizer, t) for t in texts]
+        with self.tokenizer_lock:
+            inputs = [build_loss_input(self.tokenizer, t) for t in texts]
         batches = [inputs[i : i + self.batch_size] for i in range(0, len(inputs), self.batch_size)]
         with ThreadPoolExecutor(workers(self.recipe, len(batches))) as pool:
             results = list(pool.map(self._score_batch, enumerate(batches)))
@@ -130,6 +134,8 @@ class HFLossScorer:
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.tokenizer, self.batch_size = tokenizer, batch_size
+        # The tree search calls from many threads; forward passes one at a time use the cores best.
+        self.lock = threading.Lock()
 
     def _score_batch(self, inputs: Sequence[LossInput]) -> list[float]:
         torch = self.torch
@@ -150,6 +156,10 @@ class HFLossScorer:
 
     def score(self, texts: Sequence[str]) -> list[float]:
         """Mean NLL of each text."""
+        with self.lock:
+            return self._score(texts)
+
+    def _score(self, texts: Sequence[str]) -> list[float]:
         inputs = [build_loss_input(self.tokenizer, t) for t in texts]
         # Similar lengths together: less padding per batch.
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].input_ids))

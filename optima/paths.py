@@ -41,6 +41,11 @@ class StagePaths:
         return self.root / "generations.jsonl"
 
     @property
+    def losses(self) -> Path:
+        """LM losses scored while generating (``optima.loss_stream``)."""
+        return self.root / "losses.jsonl"
+
+    @property
     def rewarded(self) -> Path:
         return self.root / "rewarded.jsonl"
 

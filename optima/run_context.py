@@ -1,8 +1,7 @@
 """What every stage of a run shares: the recipe, paths, environments, the served model, the tokenizer, reports.
 
-``ServerHolder`` keeps at most one model served across stages: generation at iteration 0 and the LM-loss scoring
-that follows both need the initial model, so the same vLLM server does both; any other switch stops the old
-servers before starting new ones (on a CPU the servers hold the cores; on a GPU, the memory).
+The servers live in ``optima.serving.holder.ServerHolder``: the policy (one model at a time) and the loss server
+beside it for the whole run.
 """
 
 from __future__ import annotations
@@ -16,54 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from optima.config.fields import RecipeError
+from optima.config.rules import loss_model
 from optima.environments import PythonEnv
 from optima.logging_utils import LOG_FORMAT
 from optima.manifest import Manifest, fields_hash
 from optima.paths import RunPaths, StagePaths
 from optima.serving.gpus import has_gpu
+from optima.serving.holder import ServerHolder
 from optima.store import write_json, write_yaml
 from optima.tasks import Task, get_task
 
 logger = logging.getLogger(__name__)
-
-
-class ServerHolder:
-    """At most one served model at a time, reused while the same model is asked for.
-
-    Args:
-        recipe: Serving fields.
-        vllm_env: The vLLM environment.
-    """
-
-    def __init__(self, recipe, vllm_env: PythonEnv | None):
-        self.recipe, self.vllm_env = recipe, vllm_env
-        self.model: str | None = None
-        self.urls: list[str] = []
-        self._stack: contextlib.ExitStack | None = None
-
-    def endpoints(self, model: str, stage_paths: StagePaths) -> list[str]:
-        """OpenAI base URLs serving ``model`` (started now unless already up)."""
-        if self.model == str(model) and self._stack is not None:
-            return self.urls
-        self.close()
-        from optima.serving import serve
-
-        stack = contextlib.ExitStack()
-        self.urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths))
-        self._stack, self.model = stack, str(model)
-        return self.urls
-
-    def close(self) -> None:
-        """Stop the servers (no-op when none is up)."""
-        stack, self._stack, self.model = self._stack, None, None
-        if stack is not None:
-            stack.close()
-
-    def __enter__(self) -> ServerHolder:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 @dataclass
@@ -95,7 +57,7 @@ class RunContext:
             recipe,
             paths,
             envs,
-            ServerHolder(recipe, envs.get("vllm")),
+            ServerHolder(recipe, envs.get("vllm"), loss_model(recipe), paths.driver_log.parent),
             get_task(recipe.dataset_type),
             has_gpu(),
             report_to=resolve_report_to(recipe.report_to, envs.get("train")),

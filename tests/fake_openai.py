@@ -79,6 +79,7 @@ class FakeOpenAIServer:
     def __init__(self, respond: Callable[[dict], FakeReply] = agreeing_reply, model: str = "optima", port: int = 0):
         self.respond, self.model = respond, model
         self.requests: list[tuple[dict, dict]] = []
+        self.posts: list[str] = []  # path and query of every POST, in order (sleep-mode and RPC requests)
         self._lock = threading.Lock()
         self._httpd = _QuietServer(("127.0.0.1", port), self._handler_class())
         self.port = self._httpd.server_address[1]
@@ -124,7 +125,14 @@ class FakeOpenAIServer:
                     self._send(404, {"error": "not found"})
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if raw else {}
+                with server._lock:
+                    server.posts.append(self.path)
+                if not self.path.startswith("/v1/"):  # a development endpoint (/sleep, /collective_rpc, ...)
+                    server._record(body, {k.lower(): v for k, v in self.headers.items()})
+                    self._send(200, {"status": "ok"})
+                    return
                 server._record(body, {k.lower(): v for k, v in self.headers.items()})
                 reply = server.respond(body)
                 if reply.delay_s:

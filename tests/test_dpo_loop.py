@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from optima.serving.vllm_server import find_free_port
+from optima.store import load_records
 from optima.training.common import is_complete, read_completion
 from tests.conftest import requires_vllm
 
@@ -32,7 +34,7 @@ def trainer_yaml(tmp_path: Path, name: str, base: Path, extra: dict) -> str:
     return str(path)
 
 
-def loop_recipe(tmp_path: Path, model: Path, method: str) -> Path:
+def loop_recipe(tmp_path: Path, model: Path, method: str, **overrides) -> Path:
     recipe = {
         "dataset_type": "arc",
         "initial_model_path": str(model),
@@ -68,7 +70,7 @@ def loop_recipe(tmp_path: Path, model: Path, method: str) -> Path:
             "selection_range": [0.0, 1.0],
         }
     path = tmp_path / f"{method}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path.write_text(yaml.safe_dump(recipe | overrides))
     return path
 
 
@@ -107,3 +109,24 @@ def test_isft_dpo_one_iteration(tiny_model, tmp_path):
     pairs = json.loads((run / "iteration_0" / "dpo" / "metrics.json").read_text())["stages"]["pairs"]
     assert "method iSFT-DPO" in report and "| 0 sft |" in report and "## DPO pairs and rollouts" in report
     assert f"| {pairs['pairs_found']} | {pairs['pairs_kept']} | {pairs['questions_with_pairs']} |" in report
+
+
+def test_idpo_with_a_separate_loss_model_scores_on_its_server_not_in_the_driver(tiny_model, tmp_path, monkeypatch):
+    import dpo_script
+    from optima import lm_loss
+
+    loss_model = tmp_path / "loss_model"
+    shutil.copytree(tiny_model, loss_model)
+    recipe = loop_recipe(tmp_path, tiny_model, "dpo", loss_backend="vllm", loss_model_path=str(loss_model))
+
+    def no_hf_forward(*args, **kwargs):
+        raise AssertionError("the driver built an in-process HF loss model")
+
+    monkeypatch.setattr(lm_loss.HFLossScorer, "__init__", no_hf_forward)
+    assert dpo_script.main(["--train_config_path", str(recipe)]) == 0
+    run = tmp_path / "dpo"
+    check_dpo_stage(run / "iteration_0", run / "checkpoints" / "iteration_0", tiny_model)
+    log = (run / "logs" / "loss_server.log").read_text()
+    assert f"serve {loss_model}" in log and "POST /v1/completions" in log  # the rollouts were scored there
+    rollouts = [r for line in load_records(run / "iteration_0" / "rollouts.jsonl")[0] for r in line["rollouts"]]
+    assert any(r["reward_parts"]["loss_term"] > 0 for r in rollouts)

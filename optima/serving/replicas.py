@@ -70,13 +70,21 @@ def plan_replicas(recipe, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas
 
 
 def build_replica_specs(
-    recipe, model_path: str, vllm_env: PythonEnv, stage_paths: StagePaths, placements: Sequence[Placement]
+    recipe,
+    model_path: str,
+    vllm_env: PythonEnv,
+    stage_paths: StagePaths,
+    placements: Sequence[Placement],
+    exclude_ports: Sequence[int] = (),
 ) -> list[ServerSpec]:
-    """Command line, environment, port and log file of each replica (ports are probed, nothing starts)."""
+    """Command line, environment, port and log file of each replica (ports are probed, nothing starts).
+
+    ``exclude_ports`` are taken by servers that are starting and may not listen yet (the loss server).
+    """
     cache_root = RunPaths.from_recipe(recipe).vllm_cache
-    specs, taken = [], []
+    specs, taken = [], list(exclude_ports)
     for replica, placement in enumerate(placements):
-        port = find_free_port(recipe.host, recipe.port if not taken else taken[-1] + 1, taken)
+        port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
         taken.append(port)
         argv = build_serve_command(recipe, model_path, port, vllm_env, placement)
         env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path)
@@ -118,7 +126,12 @@ def check_endpoints(urls: Sequence[str], recipe) -> list[str]:
 
 @contextlib.contextmanager
 def serve(
-    recipe, model_path: str | Path, vllm_env: PythonEnv | None, stage_paths: StagePaths, cpu_replicas: int = 1
+    recipe,
+    model_path: str | Path,
+    vllm_env: PythonEnv | None,
+    stage_paths: StagePaths,
+    cpu_replicas: int = 1,
+    layout: tuple[Sequence[Placement], Sequence[int]] | None = None,
 ) -> Iterator[list[str]]:
     """Serve ``model_path`` for the duration of the block; yield the OpenAI base URLs of its replicas.
 
@@ -130,6 +143,8 @@ def serve(
         vllm_env: Python environment with vLLM (unused when the recipe lists ``endpoints``).
         stage_paths: Stage folder; replica logs go to its ``logs/vllm_<i>.log``.
         cpu_replicas: Replicas on a machine without GPU (default 1).
+        layout: Placements of the replicas and ports to leave alone, when a loss server runs beside them
+            (``optima.serving.layout``); default: ``plan_replicas``.
     """
     with sigterm_as_exit():
         if recipe.endpoints:
@@ -139,8 +154,10 @@ def serve(
             return
         if vllm_env is None:
             raise ValueError("serve() needs a vLLM environment when the recipe lists no endpoints")
-        placements = plan_replicas(recipe, visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas)
-        specs = build_replica_specs(recipe, str(model_path), vllm_env, stage_paths, placements)
+        if layout is None:
+            layout = (plan_replicas(recipe, visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas), ())
+        placements, exclude = layout
+        specs = build_replica_specs(recipe, str(model_path), vllm_env, stage_paths, placements, exclude)
         where = "CPU" if placements[0].on_cpu else "GPU"
         logger.info(
             "serve | %s | %d %s replicas on ports %s",

@@ -46,10 +46,17 @@ class Placement:
     Args:
         gpus: ``CUDA_VISIBLE_DEVICES`` entries of the replica (``None`` on CPU).
         cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` (``None``: vLLM's automatic binding).
+        gpu_memory_utilization: This server's share of each GPU (``None``: the recipe's); a loss server beside
+            the policy takes part of it.
+        carry_over: The process carries over to the next checkpoint (``optima.serving.sleep_mode``): the
+            development endpoints (``/collective_rpc``, ``/reset_prefix_cache``; ``/sleep``, ``/wake_up``), and on a
+            GPU ``--enable-sleep-mode``.
     """
 
     gpus: tuple[str, ...] | None = None
     cpu_bind: str | None = None
+    gpu_memory_utilization: float | None = None
+    carry_over: bool = False
 
     @property
     def on_cpu(self) -> bool:
@@ -112,7 +119,9 @@ def build_serve_command(recipe, model_path: str, port: int, vllm_env: PythonEnv,
         argv += ["--max-num-batched-tokens", str(batched)]
     else:
         argv += ["--tensor-parallel-size", str(recipe.tensor_parallel_size)]
-        argv += ["--gpu-memory-utilization", str(recipe.gpu_memory_utilization)]
+        argv += ["--gpu-memory-utilization", str(placement.gpu_memory_utilization or recipe.gpu_memory_utilization)]
+        if placement.carry_over:
+            argv += ["--enable-sleep-mode"]
     return argv + list(recipe.vllm_extra_args)
 
 
@@ -128,6 +137,8 @@ def build_serve_env(recipe, vllm_env: PythonEnv, placement: Placement, cache_roo
         extra["HF_HUB_OFFLINE"] = "1"  # a local folder needs no hub (and the hub may be unreachable)
     if recipe.api_key:
         extra["VLLM_API_KEY"] = recipe.api_key
+    if placement.carry_over:
+        extra["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /sleep and /wake_up are development endpoints
     if placement.on_cpu:
         # Without an explicit CPU target vLLM loads AVX-512 kernels and dies with SIGILL on AVX2 machines.
         extra["VLLM_TARGET_DEVICE"] = "cpu"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -45,30 +46,53 @@ def training_questions(ctx: RunContext, iteration: int, stage: str, count: int |
     return slice_questions(examples, recipe.sample_count if count is None else count, recipe.seed, iteration, stage)
 
 
+def served_loss_scorer(ctx: RunContext, urls: list[str]) -> ScoreTexts:
+    """Mean LM loss of each text from vLLM servers of the loss model at ``urls``."""
+    from optima.lm_loss import VLLMLossScorer
+
+    return VLLMLossScorer(urls, ctx.recipe.served_model_name, ctx.tokenizer(), ctx.recipe).score
+
+
+def built_on_first_use(build: Callable[[], ScoreTexts]) -> ScoreTexts:
+    """A scorer that is built (its server started or waited for) only when something is left to score."""
+    built: list[ScoreTexts] = []
+    lock = threading.Lock()
+
+    def score(texts: Sequence[str]) -> list[float]:
+        with lock:
+            if not built:
+                built.append(build())
+        return built[0](texts)
+
+    return score
+
+
 def loss_scorer(ctx: RunContext, sp: StagePaths, keep_served: bool = False) -> ScoreTexts | None:
     """The LM-loss function of the recipe (mean NLL of each text under the loss model), or None without the term.
 
     Args:
         ctx: The run.
         sp: The stage folder (logs of a server started for the loss model).
-        keep_served: The stage still needs the model being served (the tree search): the vLLM backend is used only
-            when that model is the loss model, else the loss model runs in-process (HF) beside it. Otherwise the
-            vLLM backend serves the loss model, and the HF backend first stops the servers (it needs the cores or
-            the memory).
+        keep_served: The stage still needs the model being served (the tree search).
+
+    With the vLLM backend the loss is scored on the run's loss server beside the policy (``loss_placement:
+    beside``); else (``after``, or external endpoints) on a server of the loss model, started in place of the
+    policy unless ``keep_served``, when it is used only if the policy is the loss model. Otherwise the HF backend
+    runs in this process (stopping the servers first unless ``keep_served``: it needs the cores or the memory).
     """
     recipe = ctx.recipe
     if not recipe.cal_ppl:
         return None
     model = loss_model(recipe)
+    if recipe.loss_backend == "vllm" and ctx.servers.loss is not None:
+        return built_on_first_use(lambda: served_loss_scorer(ctx, ctx.servers.loss_endpoints()))
     if recipe.loss_backend == "vllm" and (not keep_served or ctx.servers.model == model):
-        from optima.lm_loss import VLLMLossScorer
-
-        urls = ctx.servers.endpoints(model, sp)
-        return VLLMLossScorer(urls, recipe.served_model_name, ctx.tokenizer(), recipe).score
+        return built_on_first_use(lambda: served_loss_scorer(ctx, ctx.servers.endpoints(model, sp)))
     from optima.lm_loss import HFLossScorer
 
     if not keep_served:
         ctx.servers.close()
+    logger.info("loss | %s scored with transformers in this process (loss_backend %s)", model, recipe.loss_backend)
     return HFLossScorer(model, ctx.tokenizer(), recipe.loss_batch_size).score
 
 

@@ -63,8 +63,12 @@ class CachedLoss:
     def __call__(self, texts: Sequence[str]) -> list[float]:
         with self.lock:
             missing = [t for t in dict.fromkeys(texts) if t not in self.cache]
-            if missing:
-                self.cache.update(zip(missing, self.score_texts(missing), strict=True))
+        if missing:
+            # Outside the lock: the trees score their rollouts concurrently (a text scored twice gets one value).
+            scored = dict(zip(missing, self.score_texts(missing), strict=True))
+            with self.lock:
+                self.cache.update(scored)
+        with self.lock:
             return [self.cache[t] for t in texts]
 
 

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optima.agents.prompts import Utterance, render_utterance
+from optima.agents.prompts import Utterance
+from optima.loss_stream import conversation_texts
 from optima.reward import Conversation, question_t_max, score_conversation
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
@@ -24,6 +25,7 @@ from optima.tasks.scoring import score_example
 logger = logging.getLogger(__name__)
 
 ScoreTexts = Callable[[Sequence[str]], list[float]]
+KnownLosses = Callable[[dict], list[float] | None]
 QUESTIONS_PER_CHUNK = 32
 
 
@@ -92,17 +94,21 @@ def reward_question(records: Sequence[dict], losses: Sequence[Sequence[float] | 
     return {"task_id": records[0]["task_id"], "t_max": t_max, "results": results}
 
 
-def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None) -> list[list]:
-    """LM losses of every utterance of every conversation in ``chunk`` (one batched call)."""
+def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None, known: KnownLosses | None) -> list:
+    """LM losses of every utterance of every conversation in ``chunk``: stored ones, the rest in one batched call."""
     if score_texts is None:
         return [[None] * len(group) for group in chunk]
-    texts = [render_utterance(u) for group in chunk for record in group for u in _utterances(record)]
+    stored = [[known(record) if known else None for record in group] for group in chunk]
+    pairs = [list(zip(group, have, strict=True)) for group, have in zip(chunk, stored, strict=True)]
+    texts = [text for group in pairs for record, h in group if h is None for text in conversation_texts(record)]
     flat = iter(score_texts(texts) if texts else [])
-    return [[[next(flat) for _ in record["utterances"]] for record in group] for group in chunk]
+    return [
+        [h if h is not None else [next(flat) for _ in record["utterances"]] for record, h in group] for group in pairs
+    ]
 
 
 def reward_generations(
-    recipe, generations: Path, out_path: Path, score_texts: ScoreTexts | None, tokenize=None
+    recipe, generations: Path, out_path: Path, score_texts: ScoreTexts | None, tokenize=None, known=None
 ) -> RewardStats:
     """Reward every question of ``generations`` into ``out_path``, resuming what is there.
 
@@ -112,6 +118,8 @@ def reward_generations(
         out_path: ``rewarded.jsonl``.
         score_texts: Mean LM loss of each text (``None`` when ``cal_ppl`` is off).
         tokenize: The initial tokenizer's ``tokenize`` (subword F1 under ``compat: original``).
+        known: ``losses_of(record)``: losses scored while generating (``optima.loss_stream``), None if missing;
+            ``score_texts`` is called only for the rest.
     """
     from tqdm.auto import tqdm
 
@@ -132,7 +140,7 @@ def reward_generations(
     with JsonlWriter(out_path) as writer, tqdm(total=len(todo), unit="question", desc="score") as bar:
         for start in range(0, len(todo), QUESTIONS_PER_CHUNK):
             chunk = todo[start : start + QUESTIONS_PER_CHUNK]
-            for group, losses in zip(chunk, _losses_for(chunk, score_texts), strict=True):
+            for group, losses in zip(chunk, _losses_for(chunk, score_texts, known), strict=True):
                 line = reward_question(group, losses, recipe, tokenize)
                 writer.write(line)
                 stats.add(line)

@@ -6,12 +6,14 @@ the manifest records (and metrics.json reports).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from pathlib import Path
 
 from optima.agents.generation import generate_conversations, plan_generation
-from optima.config.rules import train_start
+from optima.config.rules import loss_model, train_start
+from optima.loss_stream import StreamingLosses, load_known_losses
 from optima.paths import StagePaths
 from optima.run_context import RunContext
 from optima.selection.io import save_splits, write_jsonl
@@ -24,19 +26,34 @@ logger = logging.getLogger(__name__)
 
 
 def generate(ctx: RunContext, iteration: int, model: str, sp: StagePaths) -> dict:
-    """Serve ``model`` and sample ``explore_count`` conversations for each of ``sample_count`` questions."""
+    """Serve ``model`` and sample ``explore_count`` conversations for each of ``sample_count`` questions.
+
+    With a loss server beside the policy, each conversation's LM loss is scored as soon as it is written.
+    """
     examples = common.training_questions(ctx, iteration, "sft")
     endpoints = ctx.servers.endpoints(model, sp)
-    stats = generate_conversations(
-        ctx.recipe, examples, endpoints, sp.generations, plan_generation(ctx.recipe, iteration)
-    )
-    return {"questions": len(examples)} | stats.to_dict()
+    plan = plan_generation(ctx.recipe, iteration)
+    with contextlib.ExitStack() as stack:
+        stream = None
+        if ctx.recipe.cal_ppl and ctx.servers.loss is not None:
+            scorer = common.served_loss_scorer(ctx, ctx.servers.loss_endpoints())
+            stream = stack.enter_context(StreamingLosses(scorer, sp.losses, loss_model(ctx.recipe)))
+        stats = generate_conversations(
+            ctx.recipe, examples, endpoints, sp.generations, plan, on_record=stream.submit if stream else None
+        )
+        streamed = {"loss_stream": stream.finish()} if stream else {}
+    return {"questions": len(examples)} | stats.to_dict() | streamed
 
 
 def score(ctx: RunContext, sp: StagePaths) -> dict:
-    """Task score, token term and LM-loss term of every conversation (docs/method.md#reward)."""
+    """Task score, token term and LM-loss term of every conversation (docs/method.md#reward).
+
+    LM losses scored while generating (``losses.jsonl``) are used as they are; the rest are scored now.
+    """
     tokenize = ctx.tokenizer().tokenize if ctx.recipe.compat == "original" else None
-    stats = reward_generations(ctx.recipe, sp.generations, sp.rewarded, common.loss_scorer(ctx, sp), tokenize)
+    known = load_known_losses(sp.losses, loss_model(ctx.recipe))
+    scorer = common.loss_scorer(ctx, sp)
+    stats = reward_generations(ctx.recipe, sp.generations, sp.rewarded, scorer, tokenize, known)
     return stats.to_dict()
 
 

@@ -1,0 +1,107 @@
+"""Where the policy replicas and the loss server run when both live at once (pure, unit-tested).
+
+The loss model is fixed for the whole run, so its vLLM server starts once and scores each conversation while the
+policy is still generating (``loss_placement: beside``). The two must not fight over the same resources:
+
+* CPU: each server's OpenMP threads are bound to their own cores (``VLLM_CPU_OMP_THREADS_BIND``): the loss server
+  gets the last quarter of the allowed cores (at least one), the policy the rest. On a 2-core machine: policy on
+  core 0, loss server on core 1 (``bench/RESULTS.md`` has the measurement that made this the default).
+* GPU: the loss server runs on ``loss_devices`` when the recipe names them (each keeps the full
+  ``gpu_memory_utilization``), else on the first policy GPU with ``loss_gpu_memory_utilization`` of its memory,
+  taken from that replica's share; the other policy replicas keep theirs.
+
+With ``sleep_mode`` (default on with GPUs, off on CPU) the policy replicas are kept from checkpoint to checkpoint:
+they sleep (GPU) or idle (CPU) during training and then load the new weights (``optima.serving.sleep_mode``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from optima.config.fields import RecipeError
+from optima.serving.replicas import plan_replicas
+from optima.serving.vllm_server import Placement
+
+
+@dataclass(frozen=True)
+class ServerLayout:
+    """Placements of the policy replicas and of the loss server (``None``: no loss server beside them)."""
+
+    policy: tuple[Placement, ...]
+    loss: Placement | None
+
+
+def loss_server_wanted(recipe) -> bool:
+    """Whether the run keeps a vLLM server of the loss model beside the policy (launched servers only)."""
+    served = recipe.cal_ppl and recipe.loss_backend == "vllm"
+    return bool(served and recipe.loss_placement == "beside" and not recipe.endpoints)
+
+
+def carry_over_on(recipe, gpus: Sequence[str]) -> bool:
+    """Keep the policy server across checkpoints: ``sleep_mode``, by default on with GPUs and off on CPU."""
+    if recipe.endpoints:
+        return False
+    return bool(gpus) if recipe.sleep_mode is None else recipe.sleep_mode
+
+
+def plan_layout(recipe, gpus: Sequence[str], cpus: Sequence[int]) -> ServerLayout:
+    """Placements of every server of an iteration recipe.
+
+    Args:
+        recipe: Serving fields, ``loss_placement``, ``loss_devices``, ``loss_gpu_memory_utilization``, ``sleep_mode``.
+        gpus: Visible GPU ids (empty: CPU machine).
+        cpus: CPU ids this process may run on.
+    """
+    beside, carry = loss_server_wanted(recipe), carry_over_on(recipe, gpus)
+    if gpus:
+        policy = [dataclasses.replace(p, carry_over=carry) for p in plan_replicas(recipe, gpus, cpus)]
+        if not beside:
+            return ServerLayout(tuple(policy), None)
+        if recipe.loss_devices is not None:
+            bad = [d for d in recipe.loss_devices if d >= len(gpus)]
+            if bad:
+                raise RecipeError("loss_devices", f"GPU {bad[0]} is not visible (visible: {list(gpus)})")
+            return ServerLayout(tuple(policy), Placement(gpus=tuple(gpus[d] for d in recipe.loss_devices)))
+        share = recipe.loss_gpu_memory_utilization
+        left = round(recipe.gpu_memory_utilization - share, 4)
+        if left <= 0:
+            raise RecipeError(
+                "loss_gpu_memory_utilization",
+                f"{share} leaves nothing of gpu_memory_utilization={recipe.gpu_memory_utilization} for the policy "
+                "on the GPU they share; lower it or name loss_devices",
+            )
+        policy[0] = dataclasses.replace(policy[0], gpu_memory_utilization=left)
+        return ServerLayout(tuple(policy), Placement(gpus=policy[0].gpus[:1], gpu_memory_utilization=share))
+    if not beside:
+        return ServerLayout((Placement(carry_over=carry),), None)
+    cpus = sorted(cpus)
+    if len(cpus) < 2:
+        return ServerLayout((Placement(carry_over=carry),), Placement())  # one core: both servers share it
+    loss_cores = max(1, len(cpus) // 4)
+    policy = Placement(cpu_bind=",".join(map(str, cpus[:-loss_cores])), carry_over=carry)
+    return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:]))))
+
+
+def describe_placement(placement: Placement, recipe) -> str:
+    """``GPUs 0 (memory share 0.8)`` / ``CPU cores 0`` / ``CPU (vLLM's automatic binding)``."""
+    if placement.on_cpu:
+        where = f"CPU cores {placement.cpu_bind}" if placement.cpu_bind else "CPU (vLLM's automatic binding)"
+        return where + (", kept across iterations (weights reloaded)" if placement.carry_over else "")
+    share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
+    sleep = ", sleeps during training" if placement.carry_over else ""
+    return f"GPUs {','.join(placement.gpus)} (memory share {share}{sleep})"
+
+
+def describe_layout(recipe, loss_model: str, gpus: Sequence[str], cpus: Sequence[int]) -> dict[str, str]:
+    """The servers of a run as ``--dry-run`` shows them (one line per server)."""
+    if recipe.endpoints:
+        return {"policy": "external endpoints " + ", ".join(recipe.endpoints)}
+    layout = plan_layout(recipe, gpus, cpus)
+    lines = {f"policy replica {i}": describe_placement(p, recipe) for i, p in enumerate(layout.policy)}
+    if layout.loss is not None:
+        lines["loss server"] = f"{loss_model} on {describe_placement(layout.loss, recipe)}, started once per run"
+    elif recipe.cal_ppl:
+        lines["loss model"] = f"{loss_model}, {recipe.loss_backend} backend, scored after generation"
+    return lines

