@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe
-from optima.config.rules import generation_temperature, selection_range
+from optima.config.rules import generation_temperature, loss_model, selection_range
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
 from optima.serving.gpus import has_gpu
@@ -89,8 +89,7 @@ def server_layout_details(recipe) -> dict[str, str]:
     from optima.serving.gpus import visible_gpus
     from optima.serving.layout import describe_layout
 
-    loss_model = str(recipe.loss_model_path or recipe.initial_model_path)
-    return describe_layout(recipe, loss_model, visible_gpus(), sorted(os.sched_getaffinity(0)))
+    return describe_layout(recipe, loss_model(recipe), visible_gpus(), sorted(os.sched_getaffinity(0)))
 
 
 def _sft_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage: str | None) -> list[Stage]:
