@@ -25,7 +25,12 @@ from tests.helpers import arc_examples
 
 EXAMPLES = arc_examples(12)
 RECIPE = SimpleNamespace(
-    initial_dpo_epsilon=0.4, initial_dpo_min_value=0.2, dpo_keep_fraction=0.5, dpo_train_fraction=0.75, seed=42
+    initial_dpo_epsilon=0.4,
+    initial_dpo_min_value=0.2,
+    dpo_keep_fraction=0.5,
+    dpo_train_fraction=0.75,
+    seed=42,
+    compat="default",
 )
 SPEAKERS = ("Alice", "Bob")
 

@@ -204,7 +204,7 @@ def test_stale_best_and_worst_regression():
     tree.backpropagate(a, -1.0)
     assert a.value == pytest.approx(-1 / 3)
     assert ranked_children(tree.root) == [b, a]
-    recipe = SimpleNamespace(initial_dpo_epsilon=0.4, initial_dpo_min_value=0.2)
+    recipe = SimpleNamespace(initial_dpo_epsilon=0.4, initial_dpo_min_value=0.2, compat="default")
     (pair,) = candidate_pairs(tree.result().to_dict(), recipe)
     assert pair["chosen"][0]["content"] == "Alice: I pick <A>B</A> for sure"
     assert pair["rejected"][0]["content"] == "Alice: I pick <A>A</A>"

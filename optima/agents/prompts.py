@@ -11,9 +11,9 @@ rarely write the answer tag unless they see it.
 
 Every agent's view is an ordinary chat (`build_agent_messages`), unlike the original where all turns were
 `assistant` (docs/method.md D22): the system prompt holds the role instructions; the first user turn holds the task and
-the agent's private information (joined text, never a Python list repr: docs/method.md D11); the agent's own utterances
-are `assistant` turns and the partner's are `user` turns (consecutive turns of one role are merged). Utterances are
-stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`.
+the agent's private information (joined text, not the original's Python list repr: docs/method.md D11); the agent's own
+utterances are `assistant` turns and the partner's are `user` turns (consecutive turns of one role are merged).
+Utterances are stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`.
 
 The iteration-0 format pool (docs/method.md#prompt-pool) lives in `prompt_pools/<pool>.jsonl`, one `{"index": k,
 "prompt": ...}` per line, each prompt being one extra rule that suggests a compact format. It is used only at iteration
@@ -194,6 +194,35 @@ def partner_of(speaker: str) -> str:
     return AGENT_NAMES[1 - agent_index(speaker)]
 
 
+@dataclass(frozen=True)
+class RenderStyle:
+    """How a training row or a tree-search request renders an agent's view; ``compat: original`` changes it.
+
+    Parameters:
+        list_repr_context (`bool`): private information as the Python list repr of its pieces, as the original
+            rendered it in training rows and tree-search prompts (docs/method.md, D11); else joined text.
+        prompt_set (`str`, *optional*): role prompts to use instead of the task's own (the original trained MATH
+            conversations under the GSM8K solver prompt: D12).
+    """
+
+    list_repr_context: bool = False
+    prompt_set: str | None = None
+
+
+DEFAULT_STYLE = RenderStyle()
+
+
+def compat_style(compat: str, task: Task | str, sft_rows: bool = False) -> RenderStyle:
+    """The rendering of training rows (``sft_rows``: iSFT rows) and tree-search views under recipe ``compat``.
+
+    Generation and evaluation always use the default rendering: the original generated with joined text.
+    """
+    if compat != "original":
+        return DEFAULT_STYLE
+    original_math = sft_rows and _resolve(task).prompt_set == "math"
+    return RenderStyle(list_repr_context=True, prompt_set="gsm8k" if original_math else None)
+
+
 def _resolve(task: Task | str) -> Task:
     return get_task(task) if isinstance(task, str) else task
 
@@ -209,14 +238,15 @@ def build_system_prompt(task: Task | str, speaker: str, extra_rule: str | None =
     return role_prompt(task, speaker).render(speaker, partner_of(speaker), extra_rule)
 
 
-def role_prompt(task: Task | str, speaker: str) -> RolePrompt:
+def role_prompt(task: Task | str, speaker: str, style: RenderStyle = DEFAULT_STYLE) -> RolePrompt:
     """The role prompt of `speaker` for `task` (solver/critic in debate, the same for both in qa).
 
     Args:
         task: a `Task` or its name.
         speaker: "Alice" or "Bob".
+        style: may name another prompt set (`compat: original` MATH rows).
     """
-    return ROLE_PROMPTS[_resolve(task).prompt_set][agent_index(speaker)]
+    return ROLE_PROMPTS[style.prompt_set or _resolve(task).prompt_set][agent_index(speaker)]
 
 
 def render_information(paragraphs: Iterable[str]) -> str:
@@ -228,21 +258,25 @@ def render_information(paragraphs: Iterable[str]) -> str:
     return "\n".join(paragraph.strip() for paragraph in paragraphs if paragraph.strip())
 
 
-def render_task_turn(example: Example, speaker: str, task: Task | None = None) -> str:
+def render_task_turn(
+    example: Example, speaker: str, task: Task | None = None, style: RenderStyle = DEFAULT_STYLE
+) -> str:
     """Return the first user turn: the question and, for information exchange, the agent's private information.
 
     Args:
         example: the question.
         speaker: whose view this is.
         task: the example's task (looked up from `example.task` when None).
+        style: list-repr information and another prompt set's reminder under `compat: original`.
     """
     task = task or get_task(example.task)
-    role = role_prompt(task, speaker)
+    role = role_prompt(task, speaker, style)
     reminder = Template(role.reminder).safe_substitute(name=speaker, partner=partner_of(speaker))
     if task.family != "qa":
         body = f"Problem:\n{example.question}"
     else:
-        information = render_information(example.context_for(agent_index(speaker)))
+        pieces = example.context_for(agent_index(speaker))
+        information = str(list(pieces)) if style.list_repr_context else render_information(pieces)
         if not information:
             information = "none (answer from what you know and what your partner tells you)"
         body = f"Question: {example.question}{_TURN_SEPARATOR}Your information:\n{information}"
@@ -265,6 +299,7 @@ def build_agent_messages(
     utterances: Iterable[Utterance | Sequence[str] | dict],
     system_prompt: str | None = None,
     task: Task | None = None,
+    style: RenderStyle = DEFAULT_STYLE,
 ) -> list[dict[str, str]]:
     """Build `speaker`'s chat view of a conversation: system, task turn, then user/assistant turns.
 
@@ -278,12 +313,14 @@ def build_agent_messages(
         utterances: the conversation so far, oldest first.
         system_prompt: a rendered system prompt (e.g. from `draw_pool_prompts`); the base prompt when None.
         task: the example's task (looked up from `example.task` when None).
+        style: the rendering (`compat_style`); generation and evaluation use the default.
     """
     task = task or get_task(example.task)
-    system_text = build_system_prompt(task, speaker) if system_prompt is None else system_prompt
+    if system_prompt is None:
+        system_prompt = role_prompt(task, speaker, style).render(speaker, partner_of(speaker))
     messages = [
-        {"role": "system", "content": system_text},
-        {"role": "user", "content": render_task_turn(example, speaker, task)},
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": render_task_turn(example, speaker, task, style)},
     ]
     for item in utterances:
         utterance = as_utterance(item)

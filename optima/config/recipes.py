@@ -93,8 +93,11 @@ class _BaseRecipe(ServingFields, GenerationFields):
     seed: int = field(42, help="seed of every random choice (question slices, contexts, pool draws, shuffles)")
     compat: Literal["default", "original"] = field(
         "default",
-        help="'original' restores the original's task scores in the reward: subword F1 with its character strip, "
-        "string equality for multiple choice and gsm8k (docs/method.md#where-we-differ-from-the-original)",
+        help="'original' restores exactly these of the original's behaviours: reward F1 over model subwords with its "
+        "character strip; string equality for multiple choice and gsm8k; private information as a Python list repr "
+        "in training rows and tree-search prompts; MATH training rows under the GSM8K solver prompt; a tree-search "
+        "rollout that hits max_turns scores no answer; the tree-search stop rule only knows the selected node's "
+        "answer (docs/method.md#where-we-differ-from-the-original)",
     )
 
     method = "base"  # class attribute: the loop's name, used in default paths and logs

@@ -29,7 +29,14 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from optima.agents.prompts import Utterance, build_agent_messages, render_utterance
+from optima.agents.prompts import (
+    DEFAULT_STYLE,
+    RenderStyle,
+    Utterance,
+    build_agent_messages,
+    compat_style,
+    render_utterance,
+)
 from optima.selection.io import save_splits, write_jsonl
 from optima.tasks import Example
 
@@ -88,7 +95,14 @@ def passes_pair_rule(best: float, worst: float, recipe) -> bool:
     return best > recipe.initial_dpo_epsilon and best - worst > recipe.initial_dpo_min_value
 
 
-def build_pair_row(example: Example, path: Sequence[Utterance], chosen: dict, rejected: dict, node: dict) -> dict:
+def build_pair_row(
+    example: Example,
+    path: Sequence[Utterance],
+    chosen: dict,
+    rejected: dict,
+    node: dict,
+    style: RenderStyle = DEFAULT_STYLE,
+) -> dict:
     """One TRL conversational preference row from the view of the agent who speaks after ``node``.
 
     Args:
@@ -97,10 +111,11 @@ def build_pair_row(example: Example, path: Sequence[Utterance], chosen: dict, re
         chosen: The best child (node dict).
         rejected: The worst child (node dict).
         node: The branching node.
+        style: The rendering of the prompt (list-repr information under ``compat: original``).
     """
     speaker = chosen["speaker"]
     return {
-        "prompt": build_agent_messages(example, speaker, path),
+        "prompt": build_agent_messages(example, speaker, path, style=style),
         "chosen": [{"role": "assistant", "content": render_utterance((speaker, chosen["text"]))}],
         "rejected": [{"role": "assistant", "content": render_utterance((speaker, rejected["text"]))}],
         "task_id": example.id,
@@ -117,9 +132,10 @@ def candidate_pairs(line: dict, recipe) -> list[dict]:
 
     Args:
         line: The question's search result (``SearchResult.to_dict``).
-        recipe: Supplies the pair thresholds.
+        recipe: Supplies the pair thresholds and ``compat``.
     """
     example = Example.from_dict(line["example"])
+    style = compat_style(recipe.compat, example.task)
     by_id = {node["id"]: node for node in line["nodes"]}
     children = children_by_parent(line["nodes"])
     pairs = []
@@ -129,7 +145,7 @@ def candidate_pairs(line: dict, recipe) -> list[dict]:
             continue
         best, worst = best_and_worst(kids)
         if passes_pair_rule(best["value"], worst["value"], recipe):
-            pairs.append(build_pair_row(example, path_utterances(node, by_id), best, worst, node))
+            pairs.append(build_pair_row(example, path_utterances(node, by_id), best, worst, node, style))
     return pairs
 
 

@@ -24,8 +24,11 @@ Pure tree logic: the model call and the reward are injected callables, randomnes
   of every node from the last one reached up to the root. Pair mining (``optima.selection.dpo``) reads the
   children's *current* values, so there are no stale best/worst pointers (docs/method.md D14).
 
-Deliberate difference: a rollout that reaches ``max_turns`` keeps its last stated answer (``stop_reason
-"max_turns"``), as in generation; the original scored it with the answer ``"error"`` (task score 0).
+Deliberate differences (docs/method.md D25, D26; ``compat: original`` restores both): a rollout that reaches
+``max_turns`` keeps its last stated answer (``stop_reason "max_turns"``), as in generation, where the original scored
+it with the answer ``"error"`` (task score 0); and the stop rule sees every answer stated on the path, where the
+original's rollout only knew the answer of the selected node's own utterance. ``compat: original`` also renders the
+agents' private information as the original's list repr (``compat_style``, D11).
 """
 
 from __future__ import annotations
@@ -36,7 +39,14 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, render_utterance, strip_speaker_prefix
+from optima.agents.prompts import (
+    AGENT_NAMES,
+    Utterance,
+    build_agent_messages,
+    compat_style,
+    render_utterance,
+    strip_speaker_prefix,
+)
 from optima.config.rules import ORIGINAL_MCTS_SELECTIONS
 from optima.reward import RewardParts
 from optima.selection.edit_distance import merge_distance, selection_distance
@@ -117,6 +127,7 @@ class SearchSettings:
     diversity_threshold: float = 0.25
     merge_threshold: float = 0.1
     max_turns: int = 10
+    compat: str = "default"
 
     @classmethod
     def from_recipe(cls, recipe) -> SearchSettings:
@@ -128,6 +139,7 @@ class SearchSettings:
             diversity_threshold=recipe.diversity_threshold,
             merge_threshold=recipe.merge_threshold,
             max_turns=recipe.max_turns,
+            compat=recipe.compat,
         )
 
 
@@ -291,13 +303,16 @@ class SearchTree:
         path = start.path()
         utterances = [n.utterance for n in path]
         tokens = [n.tokens for n in path]
+        original = self.settings.compat == "original"
+        style = compat_style(self.settings.compat, self.task)
         tracker = AnswerTracker()
-        for utterance in utterances:  # answers already stated on the path count for the stop rule
+        # Answers already stated on the path count for the stop rule; the original only knew the last one (D26).
+        for utterance in utterances[-1:] if original else utterances:
             tracker.update(self.task.parse_answer(utterance.text))
         node, status, stop_reason = start, "ok", "max_turns"
         while len(utterances) < self.settings.max_turns:
             speaker = AGENT_NAMES[node.next_speaker]
-            messages = build_agent_messages(self.example, speaker, utterances, task=self.task)
+            messages = build_agent_messages(self.example, speaker, utterances, task=self.task, style=style)
             reply = generate(messages, speaker)
             if reply.status != "ok":
                 status = stop_reason = reply.status
@@ -309,7 +324,10 @@ class SearchTree:
             if tracker.update(self.task.parse_answer(utterance.text)):
                 stop_reason = "same_answer"
                 break
-        rollout = Rollout(tuple(utterances), tuple(tokens), tracker.final_answer, status, stop_reason)
+        final_answer = tracker.final_answer
+        if original and stop_reason == "max_turns":
+            final_answer = ""  # the original scored it with the answer "error": task score 0 (D25)
+        rollout = Rollout(tuple(utterances), tuple(tokens), final_answer, status, stop_reason)
         outcome = score(rollout)
         reward = outcome.reward if isinstance(outcome, RewardParts) else float(outcome)
         self.backpropagate(node, reward)

@@ -20,7 +20,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages
+from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, compat_style
 from optima.config.rules import selection_range
 from optima.tasks import Example
 
@@ -82,16 +82,21 @@ def select_questions(lines: Sequence[dict], recipe) -> list[Decision]:
     return [decisions[task_id] for task_id, _ in best]
 
 
-def conversation_rows(record: dict) -> list[dict]:
-    """Alice's and Bob's training rows of one conversation (base system prompts, docs/method.md#prompt-pool)."""
+def conversation_rows(record: dict, compat: str = "default") -> list[dict]:
+    """Alice's and Bob's training rows of one conversation (base system prompts, docs/method.md#prompt-pool).
+
+    ``compat="original"`` renders them as the original did (``compat_style``: list-repr information, MATH rows
+    under the GSM8K solver prompt).
+    """
     example = Example.from_dict(record["example"])
     utterances = [Utterance(u["speaker"], u["text"]) for u in record["utterances"]]
+    style = compat_style(compat, example.task, sft_rows=True)
     rows = []
     for speaker in AGENT_NAMES:
         if any(u.speaker == speaker for u in utterances):  # a view without own turns trains nothing
             rows.append(
                 {
-                    "messages": build_agent_messages(example, speaker, utterances),
+                    "messages": build_agent_messages(example, speaker, utterances, style=style),
                     "task_id": example.id,
                     "speaker": speaker,
                 }
@@ -99,7 +104,9 @@ def conversation_rows(record: dict) -> list[dict]:
     return rows
 
 
-def split_rows(kept: Sequence[dict], train_fraction: float, seed: int, iteration: int) -> dict[str, list[dict]]:
+def split_rows(
+    kept: Sequence[dict], train_fraction: float, seed: int, iteration: int, compat: str = "default"
+) -> dict[str, list[dict]]:
     """Seeded shuffle of the kept conversations, split into train/test, expanded into per-agent rows."""
     order = list(kept)
     random.Random(f"{seed}:sft-split:{iteration}").shuffle(order)
@@ -108,6 +115,6 @@ def split_rows(kept: Sequence[dict], train_fraction: float, seed: int, iteration
         n_test = 1  # keep an evaluation split once there is enough data for it
     test, train = order[:n_test], order[n_test:]
     return {
-        "train": [row for r in train for row in conversation_rows(r)],
-        "test": [row for r in test for row in conversation_rows(r)],
+        "train": [row for r in train for row in conversation_rows(r, compat)],
+        "test": [row for r in test for row in conversation_rows(r, compat)],
     }

@@ -64,7 +64,11 @@ def select(ctx: RunContext, iteration: int, sp: StagePaths) -> dict:
     decisions = select_questions(lines, recipe)
     write_jsonl((d.to_record() for d in decisions), sp.selection_record)
     kept = [d.best for d in decisions if d.reason == KEPT]
-    rows = save_splits(split_rows(kept, recipe.sft_train_fraction, recipe.seed, iteration), sp.dataset) if kept else {}
+    rows = (
+        save_splits(split_rows(kept, recipe.sft_train_fraction, recipe.seed, iteration, recipe.compat), sp.dataset)
+        if kept
+        else {}
+    )
     best = [d.best for d in decisions if d.best is not None]
     top = max(best, key=lambda r: r["reward"], default=None)
     return {
