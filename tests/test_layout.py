@@ -207,3 +207,28 @@ def test_a_kept_policy_serves_the_next_checkpoint_without_a_restart(tmp_path):
         assert holder.asleep and holder.endpoints("/ckpt/iteration_0", stage) == first
         assert holder.model == "/ckpt/iteration_0" and not holder.asleep
     assert len(server_log_lines(stage.server_log(0))) == 1
+
+
+@pytest.mark.parametrize("keep_served", [True, False])
+def test_search_and_score_stage_use_the_loss_server_never_the_driver(tmp_path, monkeypatch, keep_served):
+    from types import SimpleNamespace
+
+    from optima import lm_loss
+    from optima.stages import common
+
+    def no_hf(*args, **kwargs):
+        raise AssertionError("an in-process HF loss model in the driver")
+
+    asked = []
+    monkeypatch.setattr(lm_loss.HFLossScorer, "__init__", no_hf)
+    monkeypatch.setattr(common, "served_loss_scorer", lambda ctx, urls: lambda texts: asked.append(urls) or [1.0])
+    recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs")
+    holder._layout = plan_layout(recipe, [], [0, 1])
+    stage = RunPaths.from_recipe(recipe).stage(0)
+    with holder:
+        policy = holder.endpoints("/ckpt/iteration_0", stage)  # the policy is not the loss model
+        score = common.loss_scorer(SimpleNamespace(recipe=recipe, servers=holder), stage, keep_served=keep_served)
+        assert score(["Alice: hi"]) == [1.0]
+        assert asked == [holder.loss_endpoints()] and asked[0] != policy
+        assert holder.model == "/ckpt/iteration_0"  # the policy kept serving
