@@ -12,7 +12,7 @@ D3). Nothing is written into the source tree, and no other module builds run pat
         manifest.json                 finished stages, their config hash, counts and timings
         generations.jsonl             raw conversations, one line per (question, sample)
         rewarded.jsonl                conversations with their reward parts
-        probe.jsonl, rollouts.jsonl, pairs.jsonl    (DPO stages)
+        probe.jsonl, rollouts.jsonl   (DPO stages)
         dataset/                      the training set (datasets.save_to_disk)
         selection.jsonl               what selection kept and why
         trainer.yaml                  the rendered TRL trainer recipe
@@ -56,10 +56,6 @@ class StagePaths:
     @property
     def rollouts(self) -> Path:
         return self.root / "rollouts.jsonl"
-
-    @property
-    def pairs(self) -> Path:
-        return self.root / "pairs.jsonl"
 
     @property
     def dataset(self) -> Path:

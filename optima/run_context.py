@@ -18,7 +18,7 @@ from optima.config.fields import RecipeError
 from optima.config.rules import loss_model
 from optima.environments import PythonEnv
 from optima.logging_utils import LOG_FORMAT
-from optima.manifest import Manifest, fields_hash
+from optima.manifest import Manifest
 from optima.paths import RunPaths, StagePaths
 from optima.serving.gpus import has_gpu
 from optima.serving.holder import ServerHolder
@@ -62,9 +62,6 @@ class RunContext:
             has_gpu(),
             report_to=resolve_report_to(recipe.report_to, envs.get("train")),
         )
-
-    def stage_hashes(self, stage_fields: dict[str, tuple[str, ...]]) -> dict[str, str]:
-        return {stage: fields_hash(self.recipe, names) for stage, names in stage_fields.items()}
 
     def tokenizer(self):
         """The initial model's tokenizer (token counts, LM-loss rendering, subword F1)."""

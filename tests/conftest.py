@@ -5,11 +5,11 @@ Nothing here downloads anything: the tiny model is built from scratch once per s
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
+from optima.serving.gpus import has_gpu
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import build_test_recipe
 
@@ -19,7 +19,7 @@ SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct"
 
 requires_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venvs/vllm (run `make setup`)")
 requires_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(), reason="no SmolLM2 (run `make setup`)")
-require_gpu = pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")
+require_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a visible NVIDIA GPU")
 
 
 @pytest.fixture(scope="session")

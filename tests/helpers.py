@@ -79,3 +79,21 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.1):
 
 def count_lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def assert_ran_what_the_dry_run_printed(script: Path, recipe: Path, run: Path) -> None:
+    """The stages a finished run recorded, in order, are the stages ``--dry-run`` printed for the same recipe."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    argv = [sys.executable, str(script), "--train_config_path", str(recipe), "--dry-run"]
+    printed = subprocess.run(argv, capture_output=True, text=True, cwd=script.parent, check=True, timeout=300).stdout
+    planned = [name for name in re.findall(r"^  \[(\w+)\]$", printed, flags=re.MULTILINE) if name != "serve"]
+    ran = []
+    for folder in sorted(run.glob("iteration_*"), key=lambda p: int(p.name.rpartition("_")[2])):
+        parts = [folder] if (folder / "manifest.json").exists() else [folder / "sft", folder / "dpo"]
+        for part in parts:
+            ran += list(json.loads((part / "manifest.json").read_text())["stages"])
+    assert planned and ran == planned, (ran, planned)

@@ -19,6 +19,7 @@ from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
 from optima.training.common import is_complete, read_completion
 from tests.conftest import requires_vllm
+from tests.helpers import assert_ran_what_the_dry_run_printed
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -79,6 +80,7 @@ def run_loop(tmp_path: Path, model: Path, method: str) -> Path:
     argv = [sys.executable, str(REPO / f"{method}_script.py"), "--train_config_path", str(recipe)]
     result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert_ran_what_the_dry_run_printed(REPO / f"{method}_script.py", recipe, tmp_path / method)
     return tmp_path / method
 
 

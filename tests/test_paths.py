@@ -12,7 +12,7 @@ def test_run_layout(tmp_path):
     assert paths.checkpoint(2) == tmp_path / "checkpoints" / "iteration_2"
     assert paths.checkpoint(1, "sft") == tmp_path / "checkpoints" / "sft_iteration_1"
     assert paths.stage(0).generations == tmp_path / "iteration_0" / "generations.jsonl"
-    assert paths.stage(3, "dpo").pairs == tmp_path / "iteration_3" / "dpo" / "pairs.jsonl"
+    assert paths.stage(3, "dpo").rollouts == tmp_path / "iteration_3" / "dpo" / "rollouts.jsonl"
     assert paths.stage(0).server_log(1) == tmp_path / "iteration_0" / "logs" / "vllm_1.log"
     assert RunPaths(tmp_path, Path("/ckpt")).checkpoint(0) == Path("/ckpt/iteration_0")
 

@@ -10,7 +10,8 @@ import pytest
 from optima.config import SFTRecipe, load_recipe
 from optima.manifest import Manifest
 from optima.paths import RunPaths
-from optima.pipeline import SFT_STAGE_FIELDS, NothingSelected, run_sft_iteration
+from optima.pipeline import NothingSelected, run_part, stage_hashes
+from optima.plan import SFT_STAGES, build_plan
 from optima.run_context import RunContext
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,11 +37,17 @@ def finished_until_select(tmp_path: Path, **overrides) -> RunContext:
     } | overrides
     recipe = load_recipe(SFTRecipe, None, values, check_paths=False)
     ctx = RunContext.create(recipe, RunPaths.from_recipe(recipe), {})
-    manifest = Manifest(ctx.paths.stage(0).manifest, ctx.stage_hashes(SFT_STAGE_FIELDS))
+    manifest = Manifest(ctx.paths.stage(0).manifest, stage_hashes(ctx.recipe, SFT_STAGES))
     manifest.record("generate", {"written": 8}, 1.0)
     manifest.record("score", {"answer_rate": 0.0, "accuracy": 0.0, "mean_tokens": 50.0}, 1.0)
     manifest.record("select", EMPTY_SELECTION, 0.1)
     return ctx
+
+
+def run_sft_iteration(ctx: RunContext, iteration: int, model: str) -> str | None:
+    """The iteration's stages, as ``run_plan`` runs them."""
+    plan = build_plan(ctx.recipe, {})
+    return run_part(ctx, plan, plan.parts[iteration], model)
 
 
 def test_nothing_selected_stops_with_the_reasons(tmp_path):

@@ -22,7 +22,7 @@ from optima.serving.processes import group_members
 from optima.serving.vllm_server import find_free_port
 from optima.training.common import is_complete
 from tests.conftest import requires_vllm
-from tests.helpers import child_groups, wait_for
+from tests.helpers import assert_ran_what_the_dry_run_printed, child_groups, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -107,6 +107,7 @@ def test_sft_loop_resumes_after_kill_and_finishes(tiny_model, tmp_path):
     assert (run / "logs" / "loss_server.log").read_text().count("=== optima: starting") == 2  # killed run + resumed
     assert "loss | 6 conversations scored while generating (0 stored before)" in second.stderr  # iteration 2
     assert (run / "iteration_1" / "losses.jsonl").read_bytes().count(b"\n") == 6
+    assert_ran_what_the_dry_run_printed(REPO / "sft_script.py", recipe, run)
 
     third = subprocess.run(command(recipe), capture_output=True, text=True, cwd=REPO, timeout=300)
     assert third.returncode == 0 and "starting on" not in third.stderr  # a finished run starts no server

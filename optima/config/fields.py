@@ -45,12 +45,31 @@ class RecipeError(ValueError):
         return RecipeError(self.field, self.message, path)
 
 
-def field(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:  # noqa: A002
-    """A dataclass field with ``metadata={"help": ...}``; list defaults are copied per instance."""
+def field(default: Any = dataclasses.MISSING, help: str = "", redoes: tuple[str, ...] = (), **kwargs: Any) -> Any:  # noqa: A002
+    """A dataclass field with ``metadata={"help": ..., "redoes": ...}``; list defaults are copied per instance.
+
+    Args:
+        default: The default value (the original's, where the original had one).
+        help: One line for ``--help`` and the docs.
+        redoes: The stages whose output this field decides: changing it on a finished run redoes them (and the
+            stages after them). Fields that only change how fast or where a run goes (ports, threads, batch
+            sizes) name none.
+    """
+    metadata = {"help": help, "redoes": tuple(redoes)}
     if isinstance(default, list):
         value = list(default)
-        return dataclasses.field(default_factory=lambda: list(value), metadata={"help": help}, **kwargs)
-    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+        return dataclasses.field(default_factory=lambda: list(value), metadata=metadata, **kwargs)
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def stage_fields(stage: str, *groups: type) -> tuple[str, ...]:
+    """The fields of ``groups`` (recipe classes or field groups) whose change redoes ``stage``, in field order."""
+    names: dict[str, None] = {}
+    for group in groups:
+        for f in dataclasses.fields(group):
+            if stage in f.metadata.get("redoes", ()):
+                names[f.name] = None
+    return tuple(names)
 
 
 def require(condition: bool, name: str, message: str) -> None:

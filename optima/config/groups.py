@@ -15,6 +15,17 @@ from optima.config.fields import field, require
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
+# The stages whose output a field decides (``field(redoes=...)``): the stage tables of ``optima.plan`` read them.
+GENERATED = ("generate",)  # iSFT's conversations
+PROBED = ("probe",)  # DPO's token-count probe
+SAMPLED = GENERATED + PROBED  # both ask the served model for conversations
+SCORED = ("score",)  # iSFT's rewards
+SEARCHED = ("search",)  # DPO's tree search
+REWARDED = SCORED + SEARCHED  # both apply the reward formula
+SELECTED = ("select",)  # iSFT's training set
+PAIRED = ("pairs",)  # DPO's preference pairs
+TRAINED = ("train",)  # the checkpoint (of whichever method's train stage reads the group)
+
 
 def _in(name: str, value: float, low: float, high: float) -> None:
     require(low <= value <= high, name, f"must be in [{low}, {high}], got {value!r}")
@@ -40,8 +51,8 @@ class ServingFields:
     endpoints: list[str] = field([], help="already-running OpenAI-compatible base URLs; if set, none is launched")
     api_key: str | None = field(None, help="API key for the servers (required when host is not loopback)")
     host: str = field("127.0.0.1", help="address the launched servers bind to")
-    served_model_name: str = field("optima", help="model name the servers answer to")
-    thread_count: int = field(64, help="conversations in flight at once")
+    served_model_name: str = field("optima", help="model name the servers answer to", redoes=SAMPLED)
+    thread_count: int = field(64, help="work in flight at once: conversations, search trees, LM-loss requests")
     server_startup_timeout_s: float = field(900.0, help="deadline for a server to answer /health")
     request_timeout_s: float = field(600.0, help="timeout of one chat request")
     max_retries: int = field(3, help="retries of a transient request failure (with backoff)")
@@ -96,21 +107,28 @@ def parse_devices(value: int | str | list[int] | None, name: str = "devices") ->
 class GenerationFields:
     """Two-agent conversation sampling (docs/method.md#sampling-schedule, #turn-loop)."""
 
-    sample_count: int = field(100, help="questions per iteration")
-    explore_count: int = field(10, help="conversations per question")
-    max_turns: int = field(10, help="utterances per conversation at most (both agents together)")
-    max_tokens: int = field(2000, help="tokens per utterance at most; longer ends the conversation as too_long")
-    temperature: float = field(0.7, help="sampling temperature from iteration 1 on")
+    sample_count: int = field(100, help="questions per iteration", redoes=GENERATED)
+    explore_count: int = field(10, help="conversations per question", redoes=GENERATED)
+    max_turns: int = field(10, help="utterances per conversation at most (both agents together)", redoes=SAMPLED)
+    max_tokens: int = field(
+        2000, help="tokens per utterance at most; longer ends the conversation as too_long", redoes=SAMPLED
+    )
+    temperature: float = field(0.7, help="sampling temperature from iteration 1 on", redoes=SAMPLED)
     temperature_iteration0: float | None = field(
-        None, help="temperature at iteration 0; null = 0.3, or 0.7 for gsm8k/math (the original's schedule)"
+        None,
+        help="temperature at iteration 0; null = 0.3, or 0.7 for gsm8k/math (the original's schedule)",
+        redoes=GENERATED,
     )
     use_prompt_pool: bool = field(
-        True, help="draw format-diverse system prompts at iteration 0 (docs/method.md#prompt-pool)"
+        True, help="draw format-diverse system prompts at iteration 0 (docs/method.md#prompt-pool)", redoes=GENERATED
     )
-    prompt_pool_path: str | None = field(None, help="JSONL prompt pool; null = the built-in pool of the task")
+    prompt_pool_path: str | None = field(
+        None, help="JSONL prompt pool; null = the built-in pool of the task", redoes=GENERATED
+    )
     prefill_answer_iteration0: bool = field(
         False,
         help="at iteration 0, start each answering reply with the answer tag (bootstraps the format in tiny models)",
+        redoes=GENERATED,
     )
 
     def validate(self) -> None:
@@ -125,12 +143,16 @@ class GenerationFields:
 class RewardFields:
     """R = task score + lambda1 * tokens / T_max + lambda2 / max utterance LM loss (docs/method.md#reward)."""
 
-    lambda1: float = field(-0.6, help="token-term coefficient (negative: fewer tokens is better)")
-    lambda2: float = field(1.0, help="LM-loss-term coefficient")
-    cal_ppl: bool = field(True, help="compute the LM-loss term (0/false drops it)")
-    loss_backend: Literal["vllm", "hf"] = field("vllm", help="LM loss from a vLLM server of the loss model, or HF")
+    lambda1: float = field(-0.6, help="token-term coefficient (negative: fewer tokens is better)", redoes=REWARDED)
+    lambda2: float = field(1.0, help="LM-loss-term coefficient", redoes=REWARDED)
+    cal_ppl: bool = field(True, help="compute the LM-loss term (0/false drops it)", redoes=REWARDED)
+    loss_backend: Literal["vllm", "hf"] = field(
+        "vllm", help="LM loss from a vLLM server of the loss model, or HF", redoes=REWARDED
+    )
     loss_model_path: str | None = field(
-        None, help="fixed model whose LM loss scores readability (same tokenizer); null = initial_model_path"
+        None,
+        help="fixed model whose LM loss scores readability (same tokenizer); null = initial_model_path",
+        redoes=REWARDED,
     )
     loss_batch_size: int = field(8, help="texts per LM-loss batch")
     loss_placement: Literal["beside", "after"] = field(
@@ -144,10 +166,12 @@ class RewardFields:
     loss_devices: int | str | list[int] | None = field(
         None, help="GPU ids of the loss server; null = it shares the policy's first GPU by memory share"
     )
-    min_tokens: int = field(40, help="conversations with at most this many tokens get token term -1")
-    max_total_tokens: int = field(2000, help="conversations above this many tokens get loss term -1")
-    overlong_penalty: float = field(-1.0, help="token/loss term of a too long or too short conversation")
-    impersonation_penalty: float = field(-10.0, help="added when an utterance speaks for the partner")
+    min_tokens: int = field(40, help="conversations with at most this many tokens get token term -1", redoes=REWARDED)
+    max_total_tokens: int = field(2000, help="conversations above this many tokens get loss term -1", redoes=REWARDED)
+    overlong_penalty: float = field(
+        -1.0, help="token/loss term of a too long or too short conversation", redoes=REWARDED
+    )
+    impersonation_penalty: float = field(-10.0, help="added when an utterance speaks for the partner", redoes=SCORED)
 
     def validate(self) -> None:
         require(self.lambda1 <= 0, "lambda1", f"must be <= 0 (it multiplies the token count), got {self.lambda1}")
@@ -170,13 +194,16 @@ class TrainingFields:
         None,
         help="name under alignment-handbook/recipes/accelerate_configs (cpu, multi_gpu, deepspeed_zero3, "
         "fsdp) or a YAML path; null = cpu without a GPU, else deepspeed_zero3",
+        redoes=TRAINED,
     )
     num_processes: int | None = field(None, help="training processes (GPUs); null = the accelerate config's value")
     accelerate_extra_args: list[str] = field(
         [],
         help="more 'accelerate launch' flags, e.g. multi-node: --num_machines 2 --machine_rank 0 --main_process_ip H",
     )
-    from_initial: bool = field(False, help="fine-tune the base model every iteration (data from the newest)")
+    from_initial: bool = field(
+        False, help="fine-tune the base model every iteration (data from the newest)", redoes=TRAINED
+    )
     on_empty_selection: Literal["stop", "carry_forward"] = field(
         "stop", help="when nothing passes selection: stop, or carry the current model to the next iteration"
     )
@@ -211,12 +238,16 @@ class TrainingFields:
 class SFTFields(TrainingFields):
     """iSFT data selection and its trainer recipe (docs/method.md#isft-selection)."""
 
-    origin_yaml_path: str | None = field(None, help="handbook-style SFT trainer YAML (base.yaml)")
-    initial_epsilon: float = field(0.5, help="keep conversations with reward >= this")
+    origin_yaml_path: str | None = field(None, help="handbook-style SFT trainer YAML (base.yaml)", redoes=TRAINED)
+    initial_epsilon: float = field(0.5, help="keep conversations with reward >= this", redoes=SELECTED)
     selection_range: list[float] | None = field(
-        None, help="[start, end) fraction of questions ranked by best reward; null = [0, 0.7] ([0.1, 0.8] for math)"
+        None,
+        help="[start, end) fraction of questions ranked by best reward; null = [0, 0.7] ([0.1, 0.8] for math)",
+        redoes=SELECTED,
     )
-    sft_train_fraction: float = field(0.98, help="train share of the SFT dataset (the rest is its test split)")
+    sft_train_fraction: float = field(
+        0.98, help="train share of the SFT dataset (the rest is its test split)", redoes=SELECTED
+    )
 
     def validate(self) -> None:
         TrainingFields.validate(self)
@@ -238,22 +269,32 @@ class SFTFields(TrainingFields):
 class DPOFields(TrainingFields):
     """Tree search for preference pairs and DPO (docs/method.md#tree-search)."""
 
-    origin_dpo_yaml_path: str | None = field(None, help="handbook-style DPO trainer YAML (base.yaml)")
-    initial_dpo_min_value: float = field(0.2, help="a pair needs best - worst child value > this")
-    initial_dpo_epsilon: float = field(0.4, help="a pair needs best child value > this")
-    monte_sample_count: int = field(100, help="questions searched per iteration")
+    origin_dpo_yaml_path: str | None = field(None, help="handbook-style DPO trainer YAML (base.yaml)", redoes=TRAINED)
+    initial_dpo_min_value: float = field(0.2, help="a pair needs best - worst child value > this", redoes=PAIRED)
+    initial_dpo_epsilon: float = field(0.4, help="a pair needs best child value > this", redoes=PAIRED)
+    monte_sample_count: int = field(100, help="questions searched per iteration", redoes=SEARCHED)
     mcts_selections: int | None = field(
-        None, help="node selections per question; null = explore_count (iDPO) or 8 (iSFT-DPO)"
+        None, help="node selections per question; null = explore_count (iDPO) or 8 (iSFT-DPO)", redoes=SEARCHED
     )
-    mcts_rollouts: int = field(3, help="rollouts per selection")
-    mcts_top_k: int = field(10, help="selection samples among the top-k values")
-    diversity_threshold: float = field(0.25, help="normalised edit distance under which a candidate is skipped")
-    merge_threshold: float = field(0.1, help="normalised edit distance under which a new utterance merges")
-    token_quantile: float = field(0.85, help="T_max of the tree search = this quantile of probe token counts")
-    probe_count: int = field(100, help="questions of the token-quantile probe")
-    dpo_keep_fraction: float = field(0.5, help="per question, keep this share of pairs (by chosen value)")
-    dpo_train_fraction: float = field(0.9, help="train share of the DPO dataset")
-    rpo_alpha: float | None = field(1.0, help="weight of the NLL term on chosen (iDPO's RPO); null = plain DPO")
+    mcts_rollouts: int = field(3, help="rollouts per selection", redoes=SEARCHED)
+    mcts_top_k: int = field(10, help="selection samples among the top-k values", redoes=SEARCHED)
+    diversity_threshold: float = field(
+        0.25, help="normalised edit distance under which a candidate is skipped", redoes=SEARCHED
+    )
+    merge_threshold: float = field(
+        0.1, help="normalised edit distance under which a new utterance merges", redoes=SEARCHED
+    )
+    token_quantile: float = field(
+        0.85, help="T_max of the tree search = this quantile of probe token counts", redoes=PROBED
+    )
+    probe_count: int = field(100, help="questions of the token-quantile probe", redoes=PROBED)
+    dpo_keep_fraction: float = field(
+        0.5, help="per question, keep this share of pairs (by chosen value)", redoes=PAIRED
+    )
+    dpo_train_fraction: float = field(0.9, help="train share of the DPO dataset", redoes=PAIRED)
+    rpo_alpha: float | None = field(
+        1.0, help="weight of the NLL term on chosen (iDPO's RPO); null = plain DPO", redoes=TRAINED
+    )
 
     def validate(self) -> None:
         TrainingFields.validate(self)

@@ -28,7 +28,18 @@ from optima.config.fields import (
     require,
     resolve_path,
 )
-from optima.config.groups import DPOFields, GenerationFields, RewardFields, ServingFields, SFTFields
+from optima.config.groups import (
+    GENERATED,
+    PROBED,
+    REWARDED,
+    SAMPLED,
+    TRAINED,
+    DPOFields,
+    GenerationFields,
+    RewardFields,
+    ServingFields,
+    SFTFields,
+)
 from optima.config.rules import default_mcts_selections, default_output_dir
 
 logger = logging.getLogger(__name__)
@@ -82,15 +93,23 @@ class _BaseRecipe(ServingFields, GenerationFields):
         seed (`int`, defaults to `42`): Seed of every random choice.
     """
 
-    dataset_type: str = field(help="task name, e.g. arc or hotpot_qa")
-    initial_model_path: str = field(help="base model: hub id org/name or local folder (start local ones with ./)")
+    dataset_type: str = field(help="task name, e.g. arc or hotpot_qa", redoes=SAMPLED)
+    initial_model_path: str = field(
+        help="base model: hub id org/name or local folder (start local ones with ./)", redoes=GENERATED
+    )
     tokenizer_first_path: str | None = field(None, help="tokenizer of Alice (default: the model's own)")
     tokenizer_second_path: str | None = field(None, help="tokenizer of Bob (default: the model's own)")
-    data_dir: str | None = field(None, help=f"local dataset root (JSONL); default ${DATA_DIR_ENV}, else the hub")
-    output_dir: str | None = field(None, help="run directory; default runs/<dataset_type>_<method>")
+    data_dir: str | None = field(
+        None, help=f"local dataset root (JSONL); default ${DATA_DIR_ENV}, else the hub", redoes=SAMPLED
+    )
+    output_dir: str | None = field(
+        None, help="run directory; default runs/<dataset_type>_<method> (evaluation: output_root_path)"
+    )
     check_point_root_path: str | None = field(None, help="checkpoint root; default <output_dir>/checkpoints")
     iteration_times: int = field(1, help="number of iterations")
-    seed: int = field(42, help="seed of every random choice (question slices, contexts, pool draws, shuffles)")
+    seed: int = field(
+        42, help="seed of every random choice (question slices, contexts, pool draws, shuffles)", redoes=SAMPLED
+    )
     compat: Literal["default", "original"] = field(
         "default",
         help="'original' restores exactly these of the original's behaviours: reward F1 over model subwords with its "
@@ -98,10 +117,13 @@ class _BaseRecipe(ServingFields, GenerationFields):
         "in training rows and tree-search prompts; MATH training rows under the GSM8K solver prompt; a tree-search "
         "rollout that hits max_turns scores no answer; the tree-search stop rule only knows the selected node's "
         "answer (docs/method.md#where-we-differ-from-the-original)",
+        redoes=REWARDED,
     )
 
     method = "base"  # class attribute: the loop's name, used in default paths and logs
     unused_keys: ClassVar[tuple[str, ...]] = ()  # class attribute: original keys this method accepts and ignores
+    # class attribute: fields this method has (shared with the loops) but never reads; set in a recipe, they warn
+    ignored_fields: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         tasks = known_tasks()
@@ -115,7 +137,7 @@ class _BaseRecipe(ServingFields, GenerationFields):
         if self.data_dir is None:
             self.data_dir = os.environ.get(DATA_DIR_ENV) or None
         if self.output_dir is None:
-            self.output_dir = default_output_dir(self.dataset_type, self.method)
+            self.output_dir = default_output_dir(self)
         pool = self.prompt_pool_path
         if pool and Path(pool).name in ORIGINAL_POOLS and not Path(pool).exists():
             logger.warning("prompt_pool_path %s is the original's pool; using Optima's built-in pool", pool)
@@ -197,8 +219,12 @@ class SFTDPORecipe(DPOFields, SFTFields, RewardFields, _BaseRecipe):
     """iSFT-DPO (docs/method.md#isft-dpo): a full iSFT iteration, then a DPO stage on the new checkpoint, repeated."""
 
     # Where iSFT-DPO differs from iDPO: plain sigmoid DPO, and the P80 token quantile.
-    rpo_alpha: float | None = field(None, help="weight of the NLL term on chosen; null = plain sigmoid DPO")
-    token_quantile: float = field(0.8, help="T_max of the tree search = this quantile of probe token counts")
+    rpo_alpha: float | None = field(
+        None, help="weight of the NLL term on chosen; null = plain sigmoid DPO", redoes=TRAINED
+    )
+    token_quantile: float = field(
+        0.8, help="T_max of the tree search = this quantile of probe token counts", redoes=PROBED
+    )
 
     method = "sft_dpo"
 
@@ -237,6 +263,19 @@ class InferenceRecipe(_BaseRecipe):
     )
     include_base: bool = field(False, help="also evaluate initial_model_path as 'base'")
 
+    # What only the training loops read: evaluation samples greedily (or at sc_temperature), without the pool.
+    ignored_fields = (
+        "sample_count",
+        "explore_count",
+        "temperature",
+        "temperature_iteration0",
+        "use_prompt_pool",
+        "prompt_pool_path",
+        "prefill_answer_iteration0",
+        "iteration_times",
+        "check_point_root_path",
+        "compat",
+    )
     method = "inference"
 
     def __post_init__(self) -> None:
@@ -315,6 +354,8 @@ def load_recipe(
                     raw.pop(key),
                 )
         recipe = build(cls, check_keys(raw, cls, ALIASES, cls.unused_keys))
+        for key in sorted(set(raw) & set(cls.ignored_fields)):
+            logger.warning("%s: %s=%r is not used by %s; ignored", where, key, raw[key], cls.__name__)
         if check_paths:
             missing = recipe.missing_inputs()
             if missing:

@@ -13,9 +13,13 @@ ORIGINAL_MCTS_SELECTIONS = 8
 VLLM_LOSS_BATCH_FACTOR = 4
 
 
-def default_output_dir(dataset_type: str, method: str) -> str:
-    """``runs/<dataset_type>_<method>`` (relative to the working directory) when a recipe sets no ``output_dir``."""
-    return f"runs/{dataset_type}_{method}"
+def default_output_dir(recipe) -> str:
+    """Where a run writes (its vLLM cache, logs) when the recipe sets no ``output_dir``.
+
+    A training loop: ``runs/<dataset_type>_<method>`` (relative to the working directory). An evaluation: its
+    output folder (``output_root_path``).
+    """
+    return getattr(recipe, "output_root_path", None) or f"runs/{recipe.dataset_type}_{recipe.method}"
 
 
 def generation_temperature(recipe, iteration: int) -> float:

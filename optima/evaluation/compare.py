@@ -27,7 +27,6 @@ from optima.evaluation.report import plot_comparison, render_markdown_table, ren
 from optima.evaluation.runs import (
     EvalSession,
     GenerationJob,
-    eval_recipe,
     load_eval_examples,
     load_tokenize,
     prepare_output,
@@ -131,7 +130,6 @@ def run_compare(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> 
         envs: ``{"vllm": PythonEnv}`` (unused when the recipe lists ``endpoints``).
         options: Methods, Optima rows, sampling settings.
     """
-    recipe = eval_recipe(recipe)
     out_root = prepare_output(recipe)
     examples = load_eval_examples(recipe)
     rows = plan_rows(recipe, options)

@@ -9,15 +9,12 @@ tasks, the whole test split for debate tasks, capped by the data; ``limit`` over
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan, generate_conversations
-from optima.config.fields import resolve_path
-from optima.config.rules import default_output_dir
 from optima.environments import PythonEnv, check_env
 from optima.paths import StagePaths
 from optima.run_context import attach_driver_log, save_recipe
@@ -42,14 +39,6 @@ class GenerationJob:
     out_path: Path
     plan: GenerationPlan
     generate: Callable = generate_conversations
-
-
-def eval_recipe(recipe):
-    """The recipe with ``output_dir`` (vLLM cache, logs) under the output folder, unless set explicitly."""
-    default = resolve_path(default_output_dir(recipe.dataset_type, recipe.method))
-    if recipe.output_dir != default:
-        return recipe
-    return dataclasses.replace(recipe, output_dir=recipe.output_root_path)
 
 
 def prepare_output(recipe) -> Path:

@@ -38,7 +38,6 @@ from optima.evaluation.runs import (
     EvalSession,
     GenerationJob,
     checkpoint_iteration,
-    eval_recipe,
     load_eval_examples,
     load_tokenize,
     prepare_output,
@@ -158,7 +157,6 @@ def run_self_consistency(recipe, envs: dict[str, PythonEnv], options: SCOptions 
         options: Baseline and largest k.
     """
     options = options or SCOptions()
-    recipe = eval_recipe(recipe)
     out_root = prepare_output(recipe)
     examples = load_eval_examples(recipe)
     max_k = options.max_k or recipe.num_samples

@@ -32,7 +32,6 @@ from optima.evaluation.runs import (
     EvalSession,
     GenerationJob,
     checkpoint_iteration,
-    eval_recipe,
     load_eval_examples,
     load_tokenize,
     prepare_output,
@@ -102,7 +101,6 @@ def run_sweep(recipe, envs: dict[str, PythonEnv], baselines: tuple[str, ...] = (
             questions), written to ``<model>.<method>.jsonl`` and compared in ``comparison.md/.csv/.png``.
         settings: ``BaselineSettings`` of those baselines (default: its defaults).
     """
-    recipe = eval_recipe(recipe)
     out_root = prepare_output(recipe)
     models = list_models(recipe)
     if not models:

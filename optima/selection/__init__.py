@@ -1,1 +1,2 @@
-"""Training-data selection: the best conversations for SFT (``sft``), preference pairs for DPO (``dpo``)."""
+"""Training-data selection: the best conversations for SFT (``sft``), preference pairs for DPO (``dpo``) from
+the tree search (``mcts``, whose rollouts are scored by ``rollout_reward``)."""

@@ -1,4 +1,8 @@
-"""What the SFT and DPO stages share: the question slices, the LM-loss scorer, the MATH verifier, the train stage.
+"""What the SFT and DPO stages share: how a stage is called, the question slices, the LM-loss scorer, the MATH
+verifier, and the train stage.
+
+Every stage function takes one ``StageCall`` (the stage tables of ``optima.plan`` list them) and returns a small
+JSON-able result that the iteration's manifest records.
 
 ``train_checkpoint`` is the whole train stage of either method: a finished checkpoint is reused, a partial one (a
 killed run) is deleted, the servers are stopped (training needs the cores or the GPU memory), the trainer YAML is
@@ -13,10 +17,12 @@ import logging
 import shutil
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from optima.config.rules import loss_model
+from optima.environments import PythonEnv
 from optima.paths import StagePaths
 from optima.run_context import RunContext
 from optima.tasks import select_questions as slice_questions
@@ -28,6 +34,41 @@ from optima.training.launch_config import launch_for, render_trainer_config, wri
 logger = logging.getLogger(__name__)
 
 ScoreTexts = Callable[[Sequence[str]], list[float]]
+CHECKPOINT = "checkpoint"  # the output name of a train stage (every other output is a ``StagePaths`` attribute)
+
+
+@dataclass
+class StageCall:
+    """Where a stage runs and what came before it.
+
+    Args:
+        recipe: The validated recipe.
+        iteration: The iteration.
+        part: ``sft`` or ``dpo`` within an iSFT-DPO iteration, else None.
+        model: The model this part starts from: it is served for sampling, and training starts from it
+            (``optima.config.rules.train_start``).
+        sp: The part's folder.
+        out: The part's checkpoint.
+        envs: ``{"vllm": ..., "train": ...}``.
+        gpu: Whether a GPU is visible.
+        ctx: The run (None when ``--dry-run`` describes the stage).
+        results: The results of the part's earlier stages, by name.
+    """
+
+    recipe: Any
+    iteration: int
+    part: str | None
+    model: str
+    sp: StagePaths
+    out: Path
+    envs: dict[str, PythonEnv]
+    gpu: bool
+    ctx: RunContext | None = None
+    results: dict[str, dict] = field(default_factory=dict)
+
+    def output(self, name: str) -> Path:
+        """A stage output by name: ``checkpoint`` or a ``StagePaths`` attribute (``generations``, ``dataset``...)."""
+        return self.out if name == CHECKPOINT else getattr(self.sp, name)
 
 
 def training_questions(ctx: RunContext, iteration: int, stage: str, count: int | None = None):
@@ -109,28 +150,22 @@ def math_verifier(ctx: RunContext):
 
 
 def train_checkpoint(
-    ctx: RunContext,
+    call: StageCall,
     kind: Literal["sft", "dpo"],
-    iteration: int,
     start: str,
-    sp: StagePaths,
-    out: Path,
     overrides: dict[str, Any] | None = None,
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict:
-    """Fine-tune ``start`` into ``out`` on the stage's dataset; the checkpoint is complete once its marker is written.
+    """Fine-tune ``start`` into the part's checkpoint; the checkpoint is complete once its marker is written.
 
     Args:
-        ctx: The run.
+        call: The train stage's call (its dataset, trainer YAML and log are in ``call.sp``).
         kind: ``sft`` or ``dpo`` (the base YAML and the handbook script).
-        iteration: The iteration (the trainer's seed is ``seed + iteration``).
         start: The model training starts from (``optima.config.rules.train_start``).
-        sp: The stage folder (dataset, trainer YAML, train log).
-        out: The checkpoint folder.
         overrides: More trainer YAML values of this method (``None`` deletes a key).
         check: Validates the rendered trainer YAML before anything is written.
     """
-    recipe = ctx.recipe
+    ctx, recipe, sp, out = call.ctx, call.recipe, call.sp, call.out
     if is_complete(out):
         return read_completion(out)
     if out.exists():
@@ -139,11 +174,11 @@ def train_checkpoint(
     base = recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}
     # The run's trackers and a run name per iteration (optima.tracking), then this method's own values.
-    values |= {"seed": recipe.seed + iteration} | trainer_overrides(ctx.report_to, ctx.paths.output_dir, sp.root)
+    values |= {"seed": recipe.seed + call.iteration} | trainer_overrides(ctx.report_to, ctx.paths.output_dir, sp.root)
     config = render_trainer_config(Path(base), values | (overrides or {}))
     if check is not None:
         check(config)
     write_trainer_config(config, sp.trainer_yaml)
-    launch = launch_for(recipe, kind, ctx.envs["train"], sp.trainer_yaml, ctx.gpu)
+    launch = launch_for(recipe, kind, call.envs["train"], sp.trainer_yaml, call.gpu)
     run_training(launch, sp.train_log, trainer_env(ctx.report_to, ctx.paths.output_dir, sp.root))
     return read_completion(out) | {"model": start}

@@ -17,7 +17,6 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from pathlib import Path
 
 from optima.agents.generation import GenerationPlan, generate_conversations
 from optima.config.rules import train_start, workers
@@ -29,6 +28,7 @@ from optima.selection.mcts import reply_from_chat, search_question
 from optima.selection.rollout_reward import build_rollout_scorer
 from optima.serving import ReplicaPool, RequestFailed, Sampling
 from optima.stages import common
+from optima.stages.common import StageCall
 from optima.stages.reward_stage import mean_parts
 from optima.store import JsonlWriter, load_records, prepare_resume
 from optima.tasks.contexts import stable_rng
@@ -36,12 +36,12 @@ from optima.tasks.contexts import stable_rng
 logger = logging.getLogger(__name__)
 
 
-def probe(ctx: RunContext, iteration: int, model: str, sp: StagePaths) -> dict:
+def probe(call: StageCall) -> dict:
     """Sample ``probe_count`` conversations and take the token quantile as ``T_max`` (docs/method.md#idpo)."""
-    recipe = ctx.recipe
-    examples = common.training_questions(ctx, iteration, "probe", recipe.probe_count)
-    endpoints = ctx.servers.endpoints(model, sp)
-    plan = GenerationPlan(iteration, recipe.temperature, 1, use_prompt_pool=False, stage="probe")
+    ctx, recipe, sp = call.ctx, call.recipe, call.sp
+    examples = common.training_questions(ctx, call.iteration, "probe", recipe.probe_count)
+    endpoints = ctx.servers.endpoints(call.model, sp)
+    plan = GenerationPlan(call.iteration, recipe.temperature, 1, use_prompt_pool=False, stage="probe")
     stats = generate_conversations(recipe, examples, endpoints, sp.probe, plan)
     records = load_records(sp.probe)[0]
     counts = counted_tokens(records)
@@ -78,14 +78,16 @@ def search_loss(ctx: RunContext, sp: StagePaths) -> CachedLoss | None:
     return CachedLoss(scorer) if scorer is not None else None
 
 
-def search(ctx: RunContext, iteration: int, model: str, sp: StagePaths, t_max: int) -> dict:
+def search(call: StageCall) -> dict:
     """Tree search over ``monte_sample_count`` questions, ``thread_count`` trees at a time.
 
-    See docs/method.md#tree-search.
+    See docs/method.md#tree-search. ``T_max`` is the probe's (``call.results["probe"]["t_max"]``): the one every
+    rollout reward uses.
     """
-    recipe = ctx.recipe
+    ctx, recipe, sp, iteration = call.ctx, call.recipe, call.sp, call.iteration
+    t_max = call.results["probe"]["t_max"]
     examples = common.training_questions(ctx, iteration, "search", recipe.monte_sample_count)
-    urls = ctx.servers.endpoints(model, sp)
+    urls = ctx.servers.endpoints(call.model, sp)
     done = {task_id for task_id, _ in prepare_resume(sp.rollouts)}
     todo = [(q, ex) for q, ex in enumerate(examples) if (ex.id, 0) not in done]
     logger.info(
@@ -146,18 +148,23 @@ def _run_trees(recipe, todo, run, writer) -> None:
                 bar.update()
 
 
-def pairs(ctx: RunContext, iteration: int, sp: StagePaths) -> dict:
+def pairs(call: StageCall) -> dict:
     """Mine preference pairs from the trees and save them (docs/method.md#mining-pairs)."""
-    lines, _ = load_records(sp.rollouts)
-    return save_pairs(lines, ctx.recipe, sp.dataset, sp.selection_record, iteration)
+    lines, _ = load_records(call.sp.rollouts)
+    return save_pairs(lines, call.recipe, call.sp.dataset, call.sp.selection_record, call.iteration)
 
 
-def train(ctx: RunContext, iteration: int, model: str, sp: StagePaths, out: Path, stage: str | None = None) -> dict:
+def nothing_kept(recipe, mined: dict) -> str | None:
+    """Why no pair is left to train on, or None when some are."""
+    return None if mined["pairs_kept"] else f"no preference pair passed the thresholds ({mined})"
+
+
+def train(call: StageCall) -> dict:
     """DPO (+ NLL on chosen when ``rpo_alpha`` is set); the reference model is the start model too."""
     from optima.training.dpo_train import validate_lengths
 
     def check(config: dict) -> None:
         validate_lengths(config.get("max_length"), config.get("max_prompt_length"))
 
-    start = train_start(ctx.recipe, model, stage)
-    return common.train_checkpoint(ctx, "dpo", iteration, start, sp, out, {"rpo_alpha": ctx.recipe.rpo_alpha}, check)
+    start = train_start(call.recipe, call.model, call.part)
+    return common.train_checkpoint(call, "dpo", start, {"rpo_alpha": call.recipe.rpo_alpha}, check)

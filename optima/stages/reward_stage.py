@@ -76,12 +76,14 @@ def _utterances(record: dict) -> list[Utterance]:
     return [Utterance(u["speaker"], u["text"]) for u in record["utterances"]]
 
 
-def reward_question(records: Sequence[dict], losses: Sequence[Sequence[float] | None], recipe, tokenize=None) -> dict:
-    """The rewarded line of one question."""
+def reward_question(
+    records: Sequence[dict], losses: Sequence[Sequence[float] | None], recipe, tokenize=None, verifier=None
+) -> dict:
+    """The rewarded line of one question (``verifier``: the stage's shared ``MathVerifier`` for MATH answers)."""
     conversations = []
     for record, record_losses in zip(records, losses, strict=True):
         example = Example.from_dict(record["example"])
-        task_score = score_example(example, record.get("final_answer"), recipe.compat, tokenize)
+        task_score = score_example(example, record.get("final_answer"), recipe.compat, tokenize, verifier=verifier)
         conversations.append(
             Conversation(_utterances(record), record["token_count"], task_score, record["status"], record_losses)
         )
@@ -108,7 +110,13 @@ def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None,
 
 
 def reward_generations(
-    recipe, generations: Path, out_path: Path, score_texts: ScoreTexts | None, tokenize=None, known=None
+    recipe,
+    generations: Path,
+    out_path: Path,
+    score_texts: ScoreTexts | None,
+    tokenize=None,
+    known=None,
+    verifier=None,
 ) -> RewardStats:
     """Reward every question of ``generations`` into ``out_path``, resuming what is there.
 
@@ -120,6 +128,8 @@ def reward_generations(
         tokenize: The initial tokenizer's ``tokenize`` (subword F1 under ``compat: original``).
         known: ``losses_of(record)``: losses scored while generating (``optima.loss_stream``), None if missing;
             ``score_texts`` is called only for the rest.
+        verifier: One ``MathVerifier`` for the whole stage (MATH answers); without it each answer that needs the
+            symbolic check starts its own worker.
     """
     from tqdm.auto import tqdm
 
@@ -141,7 +151,7 @@ def reward_generations(
         for start in range(0, len(todo), QUESTIONS_PER_CHUNK):
             chunk = todo[start : start + QUESTIONS_PER_CHUNK]
             for group, losses in zip(chunk, _losses_for(chunk, score_texts, known), strict=True):
-                line = reward_question(group, losses, recipe, tokenize)
+                line = reward_question(group, losses, recipe, tokenize, verifier)
                 writer.write(line)
                 stats.add(line)
                 bar.update()

@@ -1,0 +1,245 @@
+"""One stage table per method drives both ``--dry-run`` and the run; derived values come from one rule each."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from optima import pipeline, plan
+from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, load_recipe, rules
+from optima.environments import PythonEnv
+from optima.reward import question_t_max
+from optima.stages.reward_stage import reward_generations, reward_question
+from tests.helpers import arc_examples
+from tests.test_pipeline import EMPTY_SELECTION
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "alignment-handbook" / "recipes" / "smollm2-135m"
+TRAIN_ENV = PythonEnv(sys.executable, "python", (sys.executable,))
+CLASSES = {"sft": SFTRecipe, "dpo": DPORecipe, "sft_dpo": SFTDPORecipe}
+
+# The field lists the stages had before the table derived them from the recipe fields: a finished run directory
+# must keep resuming (its manifest hashes these fields), so the derived lists must not drift.
+SFT_BEFORE = {
+    "generate": {"dataset_type", "data_dir", "seed", "temperature", "max_turns", "max_tokens", "served_model_name",
+                 "initial_model_path", "sample_count", "explore_count", "temperature_iteration0", "use_prompt_pool",
+                 "prompt_pool_path", "prefill_answer_iteration0"},
+    "score": {"lambda1", "lambda2", "cal_ppl", "loss_backend", "loss_model_path", "min_tokens", "max_total_tokens",
+              "overlong_penalty", "compat", "impersonation_penalty"},
+    "select": {"initial_epsilon", "selection_range", "sft_train_fraction"},
+    "train": {"from_initial", "accelerate_config", "origin_yaml_path"},
+}  # fmt: skip
+DPO_BEFORE = {
+    "probe": {"dataset_type", "data_dir", "seed", "temperature", "max_turns", "max_tokens", "served_model_name",
+              "probe_count", "token_quantile"},
+    "search": {"lambda1", "lambda2", "cal_ppl", "loss_backend", "loss_model_path", "min_tokens", "max_total_tokens",
+               "overlong_penalty", "compat", "monte_sample_count", "mcts_selections", "mcts_rollouts", "mcts_top_k",
+               "diversity_threshold", "merge_threshold"},
+    "pairs": {"initial_dpo_min_value", "initial_dpo_epsilon", "dpo_keep_fraction", "dpo_train_fraction"},
+    "train": {"from_initial", "accelerate_config", "origin_dpo_yaml_path", "rpo_alpha"},
+}  # fmt: skip
+
+
+def make_recipe(tmp_path: Path, method: str, **overrides):
+    values = {
+        "dataset_type": "arc",
+        "initial_model_path": str(tmp_path / "base_model"),
+        "output_dir": str(tmp_path / "run"),
+        "iteration_times": 2,
+    }
+    if method in ("sft", "sft_dpo"):
+        values["origin_yaml_path"] = str(
+            RECIPES / ("arc_sft_dpo/sft" if method == "sft_dpo" else "arc_sft") / "base.yaml"
+        )
+    if method in ("dpo", "sft_dpo"):
+        values["origin_dpo_yaml_path"] = str(
+            RECIPES / ("arc_sft_dpo/dpo" if method == "sft_dpo" else "arc_dpo") / "base.yaml"
+        )
+    return load_recipe(CLASSES[method], None, values | overrides, check_paths=False)
+
+
+def test_stage_fields_come_from_the_recipe_fields_and_match_what_runs_resumed_with():
+    assert {s.name: set(s.fields) for s in plan.SFT_STAGES} == SFT_BEFORE
+    assert {s.name: set(s.fields) for s in plan.DPO_STAGES} == DPO_BEFORE
+    # iSFT-DPO redefines two DPO fields; they keep their stage.
+    for name in ("rpo_alpha", "token_quantile"):
+        ours = {f.name: f for f in dataclasses.fields(SFTDPORecipe)}[name].metadata["redoes"]
+        assert ours == {f.name: f for f in dataclasses.fields(DPORecipe)}[name].metadata["redoes"]
+
+
+def recording_tables(monkeypatch) -> list[tuple[int, str | None, str]]:
+    """Replace every stage function by one that records (iteration, part, stage) and leaves something to train."""
+    ran: list[tuple[int, str | None, str]] = []
+
+    def recorder(name):
+        def run(call):
+            ran.append((call.iteration, call.part, name))
+            return {"kept_conversations": 1, "pairs_kept": 1, "t_max": 10}
+
+        return run
+
+    tables = {
+        method: tuple(
+            (part, tuple(dataclasses.replace(s, run=recorder(s.name)) for s in stages)) for part, stages in parts
+        )
+        for method, parts in plan.METHOD_PARTS.items()
+    }
+    monkeypatch.setattr(plan, "METHOD_PARTS", tables)
+    monkeypatch.setattr(pipeline, "check_env", lambda env, role: None)
+    return ran
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo", "sft_dpo"])
+@pytest.mark.parametrize("skip", [0, 1])
+def test_the_run_follows_the_dry_run(tmp_path, monkeypatch, method, skip):
+    ran = recording_tables(monkeypatch)
+    recipe = make_recipe(tmp_path, method)
+    the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, skip_iteration=skip, gpu=False)
+    printed = re.findall(r"^  \[(\w+)\]$", the_plan.render(), flags=re.MULTILINE)
+    pipeline.run_plan(the_plan)
+
+    assert ran == [entry for entry in the_plan.stage_names() if entry[2] != "skip"]
+    assert [name for name in printed if name != "serve"] == [name for _, _, name in the_plan.stage_names()]
+    expected = {"sft": ["generate", "score", "select", "train"], "dpo": ["probe", "search", "pairs", "train"]}
+    per_iteration = expected.get(method) or expected["sft"] + expected["dpo"]
+    assert [name for _, _, name in ran] == per_iteration * (2 - skip)
+
+
+def test_a_part_with_nothing_to_train_stops_there_and_the_next_part_starts_from_its_model(tmp_path, monkeypatch):
+    ran = recording_tables(monkeypatch)
+    starts = []
+
+    def select_nothing(call):
+        starts.append(call.model)
+        ran.append((call.iteration, call.part, "select"))
+        return EMPTY_SELECTION
+
+    tables = dict(plan.METHOD_PARTS)
+    sft_stages = [
+        dataclasses.replace(s, run=select_nothing) if s.name == "select" else s for s in tables["sft_dpo"][0][1]
+    ]
+    tables["sft_dpo"] = (("sft", tuple(sft_stages)), tables["sft_dpo"][1])
+    monkeypatch.setattr(plan, "METHOD_PARTS", tables)
+    recipe = make_recipe(tmp_path, "sft_dpo", iteration_times=1, on_empty_selection="carry_forward")
+    the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False)
+    final = pipeline.run_plan(the_plan)
+    assert [name for _, part, name in ran if part == "sft"] == ["generate", "score", "select"]  # no train
+    assert [name for _, part, name in ran if part == "dpo"] == ["probe", "search", "pairs", "train"]
+    assert starts == [recipe.initial_model_path]
+    assert final == str(the_plan.paths.checkpoint(0))
+
+
+def test_dry_run_names_the_loss_model_in_use(tmp_path):
+    recipe = make_recipe(tmp_path, "sft", loss_model_path=str(tmp_path / "judge"))
+    text = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False).render()
+    assert f"LM loss (vllm, {tmp_path / 'judge'})" in text
+    assert rules.loss_model(recipe) == str(tmp_path / "judge")
+    plain = make_recipe(tmp_path, "sft")
+    assert f"LM loss (vllm, {plain.initial_model_path})" in plan.build_plan(plain, {"train": TRAIN_ENV}).render()
+
+
+@pytest.mark.parametrize(("method", "part", "from_initial", "expected"), [
+    ("sft", None, False, "current"), ("sft", None, True, "initial"),
+    ("dpo", None, True, "initial"), ("sft_dpo", "sft", True, "initial"),
+    ("sft_dpo", "dpo", True, "current"),  # DPO of iSFT-DPO continues from the iteration's SFT checkpoint
+])  # fmt: skip
+def test_train_start(tmp_path, method, part, from_initial, expected):
+    recipe = make_recipe(tmp_path, method, from_initial=from_initial)
+    start = rules.train_start(recipe, "current", part)
+    assert start == (recipe.initial_model_path if expected == "initial" else "current")
+
+
+def test_the_plan_shows_the_model_training_starts_from(tmp_path):
+    recipe = make_recipe(tmp_path, "dpo", from_initial=True)
+    text = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False).render()
+    assert text.count(f"model: {recipe.initial_model_path}") >= 3  # both iterations' train stages, and serving
+    assert f"reference: {recipe.initial_model_path}" in text
+
+
+def test_derived_defaults(tmp_path):
+    dpo = make_recipe(tmp_path, "dpo", explore_count=5)
+    assert dpo.mcts_selections == rules.default_mcts_selections("dpo", 5) == 5
+    assert make_recipe(tmp_path, "sft_dpo", explore_count=5).mcts_selections == 8
+    assert rules.vllm_loss_batch_size(dpo) == 4 * dpo.loss_batch_size == 32
+    assert rules.workers(dpo) == dpo.thread_count and rules.workers(dpo, 3) == 3 and rules.workers(dpo, 0) == 1
+    sweep = load_recipe(
+        InferenceRecipe, None, {"dataset_type": "arc", "model_root_path": str(tmp_path / "ckpts")}, check_paths=False
+    )
+    assert sweep.output_dir == sweep.output_root_path  # an evaluation's vLLM cache and logs go under its output
+
+
+def record(example, sample: int, status: str, tokens: int) -> dict:
+    return {
+        "task_id": example.id,
+        "sample_index": sample,
+        "example": example.to_dict(),
+        "final_answer": "B",
+        "status": status,
+        "token_count": tokens,
+        "utterances": [{"speaker": "Alice", "text": f"reply {sample}"}],
+    }
+
+
+@pytest.mark.parametrize("counts", [[(("ok", 50)), ("ok", 80), ("too_long", 300)], [("ok", 0), ("too_long", 120)]])
+def test_the_t_max_written_is_the_one_the_reward_used(tmp_path, counts):
+    recipe = make_recipe(tmp_path, "sft", cal_ppl=False, min_tokens=0)
+    example = arc_examples(1)[0]
+    records = [record(example, i, status, tokens) for i, (status, tokens) in enumerate(counts)]
+    line = reward_question(records, [None] * len(records), recipe)
+    from optima.reward import Conversation
+
+    t_max = question_t_max([Conversation([], r["token_count"], 0.0, r["status"]) for r in records])
+    assert line["t_max"] == t_max
+    for result in line["results"]:
+        if result["status"] == "ok" and result["token_count"] > 0:
+            assert result["reward_parts"]["token_term"] == pytest.approx(
+                recipe.lambda1 * result["token_count"] / t_max
+            )
+        else:
+            assert result["reward_parts"]["token_term"] == recipe.overlong_penalty
+
+
+def test_evaluation_recipes_warn_about_fields_they_ignore(tmp_path, caplog):
+    values = {"dataset_type": "arc", "model_root_path": str(tmp_path), "temperature": 0.9, "explore_count": 3}
+    with caplog.at_level("WARNING"):
+        load_recipe(InferenceRecipe, None, values, check_paths=False)
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("temperature=0.9 is not used by InferenceRecipe" in m for m in warned)
+    assert any("explore_count=3 is not used by InferenceRecipe" in m for m in warned)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_recipe(
+            InferenceRecipe, None, {"dataset_type": "arc", "model_root_path": str(tmp_path)}, check_paths=False
+        )
+    assert not caplog.records
+
+
+def test_the_score_stage_shares_one_math_verifier(tmp_path, monkeypatch):
+    """Scoring MATH answers with the stage's verifier starts no verifier per conversation."""
+    from optima.store import write_jsonl
+    from optima.tasks import Example, scoring
+    from optima.tasks.math_equiv import MathVerifier
+
+    started = []
+
+    class CountingVerifier(MathVerifier):
+        def __init__(self, *args, **kwargs):
+            started.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(scoring, "MathVerifier", CountingVerifier)
+    example = Example(id="m0", task="math", question="Half of 1?", answer="\\frac{1}{2}", score_type="math")
+    records = [record(example, i, "ok", 50 + i) | {"final_answer": answer} for i, answer in enumerate(["1/2", "0.5"])]
+    write_jsonl(records, tmp_path / "generations.jsonl")
+    recipe = make_recipe(tmp_path, "sft", cal_ppl=False, min_tokens=0)
+    with MathVerifier() as shared:
+        stats = reward_generations(
+            recipe, tmp_path / "generations.jsonl", tmp_path / "rewarded.jsonl", None, verifier=shared
+        )
+    assert stats.to_dict()["accuracy"] == 1.0 and started == []
+    reward_generations(recipe, tmp_path / "generations.jsonl", tmp_path / "again.jsonl", None)
+    assert len(started) == 2  # without one, each answer starts its own
