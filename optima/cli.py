@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from optima.config import RecipeError, load_recipe
+from optima.config.devices import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag
 from optima.environments import EnvError, PythonEnv, resolve_env
 from optima.logging_utils import setup_logging
 
@@ -151,12 +152,19 @@ EVAL_FLAGS = {
 }
 
 
-def add_eval_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by the two evaluation scripts and ``python -m optima compare``."""
+def add_eval_args(parser: argparse.ArgumentParser, device_span: int) -> None:
+    """Flags shared by the two evaluation scripts and ``python -m optima compare``.
+
+    ``device_span``: GPUs that ``--device d`` names from d on (the original's 4 for the sweep, 8 for self-consistency).
+    """
     parser.add_argument("--config", help="optional recipe YAML with the same keys as the flags")
     parser.add_argument("--dataset_type", help="hotpot_qa, mwh_qa, trival_qa, cbt, math, gsm8k, arc or mmlu")
     parser.add_argument("--tokenizer_path", help="tokenizer for token counts (default: each model's own)")
-    parser.add_argument("--device", help="GPU ids for the vLLM replicas, e.g. 0 or 0,1,2,3 (ignored on CPU)")
+    parser.add_argument(
+        "--device",
+        help=f"first GPU: d = GPUs d..d+{device_span - 1}, one vLLM replica each, as in the original; a list 0,3 = "
+        "exactly those GPUs (default: all visible; ignored on CPU)",
+    )
     parser.add_argument("--port", type=int, help="first port tried (default 8000)")
     parser.add_argument("--num_thread", type=int, help="conversations in flight (default 64)")
     parser.add_argument("--limit", type=int, help="evaluate only the first N questions")
@@ -197,13 +205,16 @@ def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentPars
     parser.add_argument("--baseline", action="append", choices=("cot", "mad", "autoform"), help=baseline_help)
     add_debate_args(parser)
     parser.add_argument("--base_model_path", help="the base model (evaluated as 'base' with --include_base)")
-    add_eval_args(parser)
+    add_eval_args(parser, SC_DEVICE_SPAN if multi_sc else SWEEP_DEVICE_SPAN)
     return parser
 
 
 def eval_recipe_from_args(recipe_cls: type, args: argparse.Namespace, flags: dict[str, str], defaults=None):
     """The evaluation recipe from ``defaults``, the flags (``flags``: flag -> recipe key), ``--config``, ``--set``."""
     values = dict(defaults or {}) | overrides_from_flags(args, EVAL_FLAGS | flags)
+    if "devices" in values:  # the original's --device d: four (sweep) or eight (self-consistency) GPUs from d
+        span = SC_DEVICE_SPAN if recipe_cls.method == "multi_sc" else SWEEP_DEVICE_SPAN
+        values["devices"] = expand_device_flag(values["devices"], span)
     if "tokenizer_first_path" in values:
         values["tokenizer_second_path"] = values["tokenizer_first_path"]
     from optima.config.fields import parse_override
@@ -301,7 +312,7 @@ def build_compare_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, help="answers per question of CoT-SC (default 4)")
     parser.add_argument("--temperature", type=float, help="sampling temperature of CoT-SC and MAD (default 0.5)")
     add_debate_args(parser)
-    add_eval_args(parser)
+    add_eval_args(parser, SC_DEVICE_SPAN)  # one model, as multi_sc_data_generate_script.py
     return parser
 
 

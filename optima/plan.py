@@ -253,7 +253,7 @@ def _render_stage(name: str, details: dict[str, Any]) -> list[str]:
 
 def _serve_details(recipe, model: str, gpu: bool) -> dict[str, Any]:
     if recipe.endpoints:
-        where = {"endpoints": ", ".join(recipe.endpoints)}
+        where = {"endpoints": ", ".join(recipe.endpoints), "endpoint_sync": recipe.endpoint_sync}
     elif gpu:
         where = {"replicas": f"GPUs {recipe.devices or 'all visible'}, tp={recipe.tensor_parallel_size}"}
         where["first port"] = recipe.port

@@ -4,6 +4,11 @@ It answers ``GET /health``, ``GET /v1/models`` and ``POST /v1/chat/completions``
 (body and headers) and answered by ``respond(body) -> FakeReply``; the default responder makes Alice state the
 answer ``<A>B</A>`` and Bob agree, so conversations stop after three utterances.
 
+Like vLLM, it reports the model it was started with as ``root`` in ``/v1/models``, and with ``dev_mode`` (the
+default, vLLM's ``VLLM_SERVER_DEV_MODE=1``) it has the development routes that reload weights in place: ``/pause``,
+``/resume``, ``/collective_rpc`` (``reload_weights``), ``/reset_prefix_cache``, ``/update_weight_version`` and
+``GET /weight_info``. Those requests go to ``dev_requests`` (reloads also to ``reloads``), not to ``requests``.
+
     with FakeOpenAIServer() as server:            # server.base_url == "http://127.0.0.1:<port>/v1"
         ...
 """
@@ -74,11 +79,24 @@ class FakeOpenAIServer:
         respond: Maps a request body to a ``FakeReply``.
         model: The served model name.
         port: Port to bind (0: any free one).
+        root: The model it reports as loaded (vLLM's ``root``); None: not reported.
+        dev_mode: Whether it has vLLM's development routes (weights can be reloaded).
     """
 
-    def __init__(self, respond: Callable[[dict], FakeReply] = agreeing_reply, model: str = "optima", port: int = 0):
-        self.respond, self.model = respond, model
+    def __init__(
+        self,
+        respond: Callable[[dict], FakeReply] = agreeing_reply,
+        model: str = "optima",
+        port: int = 0,
+        root: str | None = None,
+        dev_mode: bool = True,
+    ):
+        self.respond, self.model, self.root, self.dev_mode = respond, model, root, dev_mode
+        self.weight_version = "default"
+        self.reloads: list[str] = []
+        self.fail_reload = False  # True: reload_weights answers HTTP 500, as vLLM does for an unreadable path
         self.requests: list[tuple[dict, dict]] = []
+        self.dev_requests: list[tuple[dict, dict]] = []  # development-endpoint requests (not in ``requests``)
         self.posts: list[str] = []  # path and query of every POST, in order (sleep-mode and RPC requests)
         self._lock = threading.Lock()
         self._httpd = _QuietServer(("127.0.0.1", port), self._handler_class())
@@ -120,7 +138,10 @@ class FakeOpenAIServer:
                 if self.path == "/health":
                     self._send(200, {})
                 elif self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": server.model, "object": "model"}]})
+                    card = {"id": server.model, "object": "model"} | ({"root": server.root} if server.root else {})
+                    self._send(200, {"object": "list", "data": [card]})
+                elif self.path == "/weight_info" and server.dev_mode:
+                    self._send(200, {"weight_version": server.weight_version})
                 else:
                     self._send(404, {"error": "not found"})
 
@@ -130,8 +151,10 @@ class FakeOpenAIServer:
                 with server._lock:
                     server.posts.append(self.path)
                 if not self.path.startswith("/v1/"):  # a development endpoint (/sleep, /collective_rpc, ...)
-                    server._record(body, {k.lower(): v for k, v in self.headers.items()})
-                    self._send(200, {"status": "ok"})
+                    with server._lock:
+                        server.dev_requests.append((body, {k.lower(): v for k, v in self.headers.items()}))
+                    status, payload = server.dev_route(self.path.split("?")[0], body)
+                    self._send(status, payload)
                     return
                 server._record(body, {k.lower(): v for k, v in self.headers.items()})
                 reply = server.respond(body)
@@ -150,6 +173,19 @@ class FakeOpenAIServer:
                 self._send(200, completion(body, reply))
 
         return Handler
+
+    def dev_route(self, path: str, body: dict) -> tuple[int, dict]:
+        """vLLM's development routes (reload, sleep mode, ...); 404 without ``dev_mode``."""
+        if not self.dev_mode:
+            return 404, {"detail": "Not Found"}
+        if path == "/update_weight_version":
+            self.weight_version = body["new_version"]
+        elif path == "/collective_rpc" and body.get("method") == "reload_weights":
+            if self.fail_reload:
+                return 500, {"error": f"cannot load {body['kwargs']['weights_path']}"}
+            with self._lock:
+                self.reloads.append(body["kwargs"]["weights_path"])
+        return 200, {"success": True} if path == "/reset_prefix_cache" else {"status": "ok"}
 
     def start(self) -> FakeOpenAIServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)

@@ -76,7 +76,7 @@ def test_original_sft_recipe_keys_are_accepted(in_repo, caplog):
         recipe = load_recipe(SFTRecipe, REPO / "tests/data/original_sft_arc.yaml", check_paths=False)
     assert recipe.initial_epsilon == 0.6  # read from initial_episilon
     assert recipe.cal_ppl is True and recipe.from_initial is True  # 1 / True
-    assert recipe.devices == [7]
+    assert recipe.devices == list(range(8))  # the original's devices: 7 = GPUs 0..7
     assert recipe.check_point_root_path == str(REPO / "checkpoints/arc_sft")
     assert "initial_episilon" in caplog.text and "mid_jsonl_root_path" in caplog.text
 

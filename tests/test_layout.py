@@ -124,9 +124,9 @@ def test_sleep_then_wake_with_a_checkpoint_sends_vllms_requests(tmp_path):
                 "/wake_up?tags=kv_cache",
                 "/reset_prefix_cache",
             ]
-            rpc = [body for body, _ in server.requests if body][0]
+            rpc = [body for body, _ in server.dev_requests if body][0]
             assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/iteration_0"}}
-            assert all(headers["authorization"] == "Bearer secret" for _, headers in server.requests)
+            assert all(headers["authorization"] == "Bearer secret" for _, headers in server.dev_requests)
     assert dict(parse_qsl(urlsplit(first.posts[0]).query)) == {"level": "2"}
 
 

@@ -15,8 +15,9 @@ from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, VLLMServer, build_serve_command, serve, start_replicas
+from optima.serving.endpoints import normalize_base_url, sync_endpoints
 from optima.serving.processes import group_members
-from optima.serving.replicas import build_replica_specs, check_endpoints, normalize_base_url, plan_replicas
+from optima.serving.replicas import build_replica_specs, plan_replicas
 from optima.serving.vllm_server import Placement, ServerSpec, build_serve_env, find_free_port
 from tests.fake_vllm import CRASH_MARKER
 from tests.helpers import child_groups
@@ -203,14 +204,14 @@ def test_external_endpoints_are_checked_not_launched(make_recipe, fake_servers, 
 
 def test_external_endpoint_serving_another_model_is_rejected(make_recipe, fake_server):
     with pytest.raises(ServerStartupError, match="not served_model_name='other'"):
-        check_endpoints([fake_server.base_url], make_recipe(served_model_name="other"))
+        sync_endpoints([fake_server.base_url], make_recipe(served_model_name="other"), "model")
 
 
 def test_unreachable_endpoints_are_dropped_and_none_left_fails(make_recipe, fake_server):
     dead = f"http://127.0.0.1:{find_free_port('127.0.0.1', 22000)}/v1"
-    assert check_endpoints([dead, fake_server.base_url], make_recipe()) == [fake_server.base_url]
+    assert sync_endpoints([dead, fake_server.base_url], make_recipe(), "model") == [fake_server.base_url]
     with pytest.raises(ServerStartupError, match="none of the endpoints"):
-        check_endpoints([dead], make_recipe())
+        sync_endpoints([dead], make_recipe(), "model")
 
 
 @pytest.mark.parametrize(

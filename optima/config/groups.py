@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Literal
 
+from optima.config.devices import parse_devices
 from optima.config.fields import field, require
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -43,12 +44,20 @@ class ServingFields:
 
     port: int = field(8000, help="first port tried; each replica takes the next free port from here")
     devices: int | str | list[int] | None = field(
-        None, help="GPU ids, one vLLM replica each (e.g. [0,1,2,3] or '0,1'); null = all visible; ignored on CPU"
+        None,
+        help="GPUs of the vLLM replicas: an integer N = GPUs 0..N (the original's 'devices: 7' = 8 GPUs), "
+        "a list [0, 3] or '0,3' = exactly those; null = all visible; ignored on CPU",
     )
     tensor_parallel_size: int = field(1, help="GPUs per replica for models too big for one GPU")
     gpu_memory_utilization: float = field(0.9, help="vLLM --gpu-memory-utilization")
     max_model_len: int | None = field(None, help="vLLM --max-model-len (null: the model's own)")
     endpoints: list[str] = field([], help="already-running OpenAI-compatible base URLs; if set, none is launched")
+    endpoint_sync: Literal["reload", "check", "off"] = field(
+        "reload",
+        help="before each stage, compare the model each endpoint holds with the one the stage needs; on a mismatch "
+        "'reload' loads the needed weights into it (vLLM with VLLM_SERVER_DEV_MODE=1) or stops, 'check' stops, "
+        "'off' checks only served_model_name (sampling may then be off-policy)",
+    )
     api_key: str | None = field(None, help="API key for the servers (required when host is not loopback)")
     host: str = field("127.0.0.1", help="address the launched servers bind to")
     served_model_name: str = field("optima", help="model name the servers answer to", redoes=SAMPLED)
@@ -81,26 +90,6 @@ class ServingFields:
             "host",
             f"binding to {self.host!r} exposes the servers; set api_key too",
         )
-
-
-def parse_devices(value: int | str | list[int] | None, name: str = "devices") -> list[int] | None:
-    """``7`` -> [7], ``"0,1"`` -> [0, 1], ``[0, 1]`` -> [0, 1], ``None`` -> None (all visible GPUs)."""
-    if value is None or isinstance(value, list):
-        devices = value
-    elif isinstance(value, int):
-        devices = [value]
-    else:
-        parts = [part.strip() for part in value.split(",") if part.strip()]
-        require(
-            all(p.isascii() and p.isdigit() for p in parts),
-            name,
-            f"expected GPU ids like [0, 1] or '0,1', got {value!r}",
-        )
-        devices = [int(p) for p in parts]
-    if devices is not None:
-        require(len(devices) == len(set(devices)), name, f"lists a GPU twice: {value!r}")
-        require(all(d >= 0 for d in devices), name, f"GPU ids must be >= 0, got {value!r}")
-    return devices
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -164,7 +153,7 @@ class RewardFields:
         0.1, help="GPU memory share of the loss server beside the policy (taken from gpu_memory_utilization)"
     )
     loss_devices: int | str | list[int] | None = field(
-        None, help="GPU ids of the loss server; null = it shares the policy's first GPU by memory share"
+        None, help="GPU ids of the loss server (7 = GPU 7); null = it shares the policy's first GPU by memory share"
     )
     min_tokens: int = field(40, help="conversations with at most this many tokens get token term -1", redoes=REWARDED)
     max_total_tokens: int = field(2000, help="conversations above this many tokens get loss term -1", redoes=REWARDED)

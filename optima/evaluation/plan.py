@@ -22,6 +22,14 @@ def list_models(recipe: InferenceRecipe) -> list[tuple[str, Path]]:
     return models
 
 
+def describe_serving(recipe: InferenceRecipe) -> str:
+    """Where the models are served: the external endpoints, or the GPUs of the vLLM replicas."""
+    if recipe.endpoints:
+        return f"endpoints {', '.join(recipe.endpoints)} (endpoint_sync: {recipe.endpoint_sync})"
+    gpus = "all visible" if recipe.devices is None else str(recipe.devices)
+    return f"GPUs {gpus}, one replica per {recipe.tensor_parallel_size} (one CPU replica without a GPU)"
+
+
 def render_eval_plan(recipe: InferenceRecipe, envs: dict[str, PythonEnv]) -> str:
     """Human-readable plan of a sweep or a self-consistency run."""
     sc = isinstance(recipe, MultiSCRecipe)
@@ -38,6 +46,7 @@ def render_eval_plan(recipe: InferenceRecipe, envs: dict[str, PythonEnv]) -> str
         f"  vllm env: {envs['vllm'].describe()}",
         f"  questions: {questions} of the eval split (data: {recipe.data_dir or 'hub'})",
         f"  sampling: {sampling}",
+        f"  serving: {describe_serving(recipe)}",
         f"  output: {recipe.output_root_path}",
     ]
     if not models:

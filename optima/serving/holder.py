@@ -121,9 +121,13 @@ class ServerHolder:
         return self._loss
 
     def endpoints(self, model: str, stage_paths: StagePaths) -> list[str]:
-        """OpenAI base URLs serving ``model``: reused, woken with its weights, or started now."""
+        """OpenAI base URLs serving ``model``: reused, woken with its weights, or started now.
+
+        External endpoints are checked again before every stage (``optima.serving.endpoints``): someone else may
+        have restarted or reloaded them since.
+        """
         model = str(model)
-        if self._stack is not None and self.model == model and not self.asleep:
+        if self._stack is not None and self.model == model and not self.asleep and not self.recipe.endpoints:
             return self.urls
         if self._stack is not None and self.asleep:
             from optima.serving.sleep_mode import wake_with_weights
@@ -149,7 +153,13 @@ class ServerHolder:
 
     def release(self) -> None:
         """Give the policy's cores / memory back for training: sleep (GPU sleep mode) or stop."""
-        if self._stack is not None and self.layout.policy[0].carry_over and not self.asleep:
+        # External endpoints are not ours to put to sleep; the next stage's check reloads them if needed.
+        if (
+            not self.recipe.endpoints
+            and self._stack is not None
+            and self.layout.policy[0].carry_over
+            and not self.asleep
+        ):
             from optima.serving.sleep_mode import put_to_sleep
 
             put_to_sleep(self.urls, self.recipe, gpu=not self.layout.policy[0].on_cpu)

