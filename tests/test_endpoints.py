@@ -66,6 +66,12 @@ def test_server_without_reload_routes_stops_with_one_clear_error(make_recipe, mo
     assert "VLLM_SERVER_DEV_MODE=1" in message
 
 
+def test_server_that_names_no_model_points_to_the_switch(make_recipe, models):
+    with FakeOpenAIServer(root=None, dev_mode=False) as server:
+        with pytest.raises(EndpointMismatch, match="does not say which model it serves.*endpoint_sync: off"):
+            sync_endpoints([server.base_url], make_recipe(), models["ckpt"])
+
+
 def test_check_mode_never_reloads(make_recipe, server, models):
     with pytest.raises(EndpointMismatch, match="endpoint_sync: check does not reload"):
         sync_endpoints([server.base_url], make_recipe(endpoint_sync="check"), models["ckpt"])

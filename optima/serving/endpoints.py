@@ -237,6 +237,9 @@ def sync_endpoints(urls: Sequence[str], recipe, needed: str) -> list[str]:
                 continue
             if recipe.endpoint_sync == "check":
                 raise mismatch(holding, needed, "endpoint_sync: check does not reload (restart it with that model)")
+            if not holding.reloadable and holding.root is None:
+                why = "it does not say which model it serves (not vLLM?); endpoint_sync: off uses it unchecked"
+                raise mismatch(holding, needed, why)
             if not holding.reloadable:
                 why = "it cannot load weights at run time (start it with VLLM_SERVER_DEV_MODE=1 to let Optima "
                 raise mismatch(holding, needed, why + "reload them, or restart it with that model)")
