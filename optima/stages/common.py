@@ -5,16 +5,15 @@ Every stage function takes one ``StageCall`` (the stage tables of ``optima.plan`
 JSON-able result that the iteration's manifest records.
 
 ``train_checkpoint`` is the whole train stage of either method: a finished checkpoint is reused, a partial one (a
-killed run) is deleted, the servers are stopped (training needs the cores or the GPU memory), the trainer YAML is
-rendered from the recipe's base YAML and written, TRL runs under accelerate, and the result is what the trainer
-wrote with its completion marker.
+killed run) is deleted except the trainer's resumable ``checkpoint-N`` states, the servers are stopped (training
+needs the cores or the GPU memory), the trainer YAML is rendered from the recipe's base YAML and written, TRL runs
+under accelerate, and the result is what the trainer wrote with its completion marker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from optima.paths import StagePaths
 from optima.run_context import RunContext
 from optima.tasks import select_questions as slice_questions
 from optima.tracking import trainer_env, trainer_overrides
+from optima.training.checkpoint import clear_partial_output
 from optima.training.common import is_complete, read_completion
 from optima.training.launch import run_training
 from optima.training.launch_config import launch_for, render_trainer_config, write_trainer_config
@@ -168,8 +168,7 @@ def train_checkpoint(
     ctx, recipe, sp, out = call.ctx, call.recipe, call.sp, call.out
     if is_complete(out):
         return read_completion(out)
-    if out.exists():
-        shutil.rmtree(out)  # a partial checkpoint of a killed run
+    clear_partial_output(out)  # a killed run's files go; its resumable trainer checkpoints (checkpoint-N) stay
     ctx.servers.close()
     base = recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}

@@ -12,6 +12,31 @@ logger = logging.getLogger(__name__)
 COMPLETE_MARKER = "optima_complete.json"
 
 
+def resolve_attn_implementation(requested: str, warn: bool = True) -> str:
+    """``requested``, or ``sdpa`` when it is ``flash_attention_2`` and flash-attn cannot run here (one warning).
+
+    The Llama-3 trainer YAMLs ask for flash-attn; it needs the ``flash_attn`` package built for the installed
+    torch/CUDA and a GPU. Without them transformers would fail at model load; PyTorch's SDPA computes the same
+    attention, more slowly on long sequences.
+
+    Args:
+        requested: ``attn_implementation`` from the trainer YAML.
+        warn: Log the fallback (the main process only, so that a multi-process run warns once).
+    """
+    if requested != "flash_attention_2":
+        return requested
+    from transformers.utils import is_flash_attn_2_available
+
+    if is_flash_attn_2_available():
+        return requested
+    if warn:
+        logger.warning(
+            "attn_implementation: flash_attention_2 was asked for, but flash-attn is not installed or no CUDA GPU "
+            "is visible; using sdpa instead"
+        )
+    return "sdpa"
+
+
 def load_model_and_tokenizer(model_args: Any, training_args: Any):
     """The policy model and its tokenizer, from ``model_name_or_path`` (hub id or folder)."""
     import torch
@@ -22,7 +47,9 @@ def load_model_and_tokenizer(model_args: Any, training_args: Any):
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
     kwargs = {"dtype": dtype}
     if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
+        kwargs["attn_implementation"] = resolve_attn_implementation(
+            model_args.attn_implementation, warn=training_args.process_index == 0
+        )
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if tokenizer.pad_token is None:
         # Labels are built explicitly, so pad == eos no longer hides end-of-turn tokens (docs/method.md D17).
@@ -30,15 +57,34 @@ def load_model_and_tokenizer(model_args: Any, training_args: Any):
     return model, tokenizer
 
 
+def train_or_resume(trainer: Any, training_args: Any) -> Any:
+    """``trainer.train()``, continuing from the newest saved trainer state when the YAML asks to resume."""
+    from optima.training.checkpoint import resume_checkpoint
+
+    resume = resume_checkpoint(training_args)
+    logger.info("train | process %d of %d", training_args.process_index + 1, training_args.world_size)
+    if resume is not None:
+        logger.info("train | resuming from %s", resume)
+    elif training_args.resume_from_checkpoint:
+        logger.info("train | resume_from_checkpoint is set but %s holds no trainer checkpoint yet: starting fresh",
+                    training_args.output_dir)  # fmt: skip
+    return trainer.train(resume_from_checkpoint=resume)
+
+
 def save_checkpoint(trainer: Any, tokenizer: Any, output_dir: str, metrics: dict[str, Any]) -> None:
-    """Save a servable checkpoint (LoRA merged into the weights), then the completion marker, last."""
-    model = trainer.model
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
+    """Save a servable checkpoint (shards gathered, LoRA merged), check it, then write the completion marker.
+
+    Every process calls this (gathering sharded weights is collective); only the main process writes. The
+    marker is written after ``verify_saved_weights`` passed, so a broken save is never taken for a finished one.
+    """
+    from optima.training.checkpoint import remove_trainer_checkpoints, save_servable, verify_saved_weights
+
+    save_servable(trainer, tokenizer, output_dir)
     if trainer.accelerator.is_main_process:
-        trainer.accelerator.unwrap_model(model).save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
-        Path(output_dir, COMPLETE_MARKER).write_text(json.dumps(metrics, indent=2) + "\n")
+        tensors = verify_saved_weights(Path(output_dir))
+        logger.info("checkpoint | %d tensors verified in %s", tensors, output_dir)
+        Path(output_dir, COMPLETE_MARKER).write_text(json.dumps(metrics | {"tensors": tensors}, indent=2) + "\n")
+        remove_trainer_checkpoints(Path(output_dir))
     trainer.accelerator.wait_for_everyone()
 
 

@@ -111,7 +111,8 @@ def load_pair_splits(script_args: Any, training_args: Any):
     """The train split (and the test split when evaluating) with only the prompt/chosen/rejected columns."""
     from datasets import load_from_disk
 
-    data = load_from_disk(script_args.dataset_name)
+    # In memory: no rank writes datasets cache files into the dataset folder (TRL maps it once per process).
+    data = load_from_disk(script_args.dataset_name, keep_in_memory=True)
     train = data[script_args.dataset_train_split].select_columns(list(PAIR_COLUMNS))
     test = None
     if training_args.eval_strategy != "no" and script_args.dataset_test_split in data:
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from optima.logging_utils import setup_logging
     from optima.training.args import OptimaDPOArguments
-    from optima.training.common import load_model_and_tokenizer, save_checkpoint
+    from optima.training.common import load_model_and_tokenizer, save_checkpoint, train_or_resume
 
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig, OptimaDPOArguments))
     script_args, training_args, model_args, optima_args = parser.parse_args_and_config(argv)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         peft_config=get_peft_config(model_args),
         max_prompt_length=optima_args.max_prompt_length,
     )
-    result = trainer.train()
+    result = train_or_resume(trainer, training_args)
     losses = logged_losses(trainer)
     metrics = dict(result.metrics) | {
         "train_rows": len(train),

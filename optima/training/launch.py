@@ -47,7 +47,7 @@ def run_training(launch: TrainLaunch, log_path: Path, extra_env: dict[str, str] 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = launch.argv()
     logger.info("train | %s | log %s", " ".join(argv), log_path)
-    env = launch.env.process_env(extra_env) | {PARENT_ENV: str(os.getpid())}
+    env = launch.env.process_env(launch.env_vars() | (extra_env or {})) | {PARENT_ENV: str(os.getpid())}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", GUARD_MODULE, *argv],

@@ -84,14 +84,40 @@ class TrainLaunch:
     extra_launch_args: tuple[str, ...] = field(default_factory=tuple)
 
     def argv(self) -> list[str]:
-        """The exact command line (pure; shown by ``--dry-run``)."""
+        """The exact command line (starts nothing; shown by ``--dry-run``)."""
         launch = ["--config_file", str(self.accelerate_config)]
         if self.num_processes is not None:
             launch += ["--num_processes", str(self.num_processes)]
+        if self.is_multi_cpu():
+            # accelerate starts a CPU config's processes with its simple launcher, i.e. ONE process whatever
+            # num_processes says; its torchrun-based launcher (--multi_gpu) starts them all, and with
+            # ACCELERATE_USE_CPU (env_vars) each one joins a gloo process group on the CPU.
+            launch.append("--multi_gpu")
         launch += list(self.extra_launch_args)
         return self.env.module_argv(
             "accelerate.commands.launch", *launch, str(SCRIPTS[self.kind]), "--config", str(self.trainer_yaml)
         )
+
+    def is_multi_cpu(self) -> bool:
+        """A CPU-only accelerate config (``use_cpu``, no DeepSpeed/FSDP) asked to run more than one process."""
+        config = read_accelerate_config(self.accelerate_config)
+        processes = self.num_processes if self.num_processes is not None else config.get("num_processes", 1)
+        cpu_only = config.get("use_cpu") and config.get("distributed_type") in ("NO", "MULTI_CPU", None)
+        return bool(cpu_only) and int(processes) > 1
+
+    def env_vars(self) -> dict[str, str]:
+        """Environment the launch needs on top of the training env's (CPU processes for a multi-CPU run)."""
+        return {"ACCELERATE_USE_CPU": "true"} if self.is_multi_cpu() else {}
+
+
+def read_accelerate_config(path: Path) -> dict[str, Any]:
+    """The accelerate YAML as a mapping (``distributed_type``, ``num_processes``, ``use_cpu``, ...)."""
+    import yaml
+
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: an accelerate config must be a mapping, got {type(config).__name__}")
+    return config
 
 
 def launch_for(recipe, kind: Literal["sft", "dpo"], env: PythonEnv, trainer_yaml: Path, gpu: bool) -> TrainLaunch:

@@ -22,7 +22,8 @@ def build_datasets(script_args, training_args, optima_args, tokenizer):
 
     from optima.training.masking import tokenize_with_mask
 
-    dataset = load_from_disk(script_args.dataset_name)
+    # In memory: the maps below (ours and TRL's) never write cache files into the dataset folder, from any rank.
+    dataset = load_from_disk(script_args.dataset_name, keep_in_memory=True)
 
     def encode(row):
         messages = row["messages"]
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from optima.logging_utils import setup_logging
     from optima.training.args import OptimaSFTArguments
-    from optima.training.common import load_model_and_tokenizer, save_checkpoint
+    from optima.training.common import load_model_and_tokenizer, save_checkpoint, train_or_resume
 
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, OptimaSFTArguments))
     script_args, training_args, model_args, optima_args = parser.parse_args_and_config(argv)
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    result = trainer.train()
+    result = train_or_resume(trainer, training_args)
     metrics = dict(result.metrics) | {"train_rows": len(train)}
     save_checkpoint(trainer, tokenizer, training_args.output_dir, metrics)
     return 0

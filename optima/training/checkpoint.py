@@ -1,0 +1,185 @@
+"""Save a servable checkpoint from a (possibly sharded) trainer, check it, and find the state to resume from.
+
+Under DeepSpeed ZeRO-3 and FSDP every process holds only a shard of each parameter: the model object on the
+main process has empty or partial tensors, so ``model.save_pretrained()`` there writes a broken checkpoint. Here
+the weights go through ``accelerator.get_state_dict``, a collective that gathers the full tensors onto the main
+process (every process must call it), and only the main process writes. A LoRA run is merged after gathering:
+the adapter and base weights are loaded into a fresh copy of the base model on the main process and merged
+there, so the same path serves DDP, FSDP and ZeRO-3.
+
+Before the completion marker is written, the saved files are read back and checked against the architecture
+in ``config.json`` (``verify_saved_weights``): every parameter present with its expected shape, no empty tensor
+(ZeRO-3's placeholders) and no weight matrix that is all zeros. A checkpoint that fails is never marked complete.
+
+Resuming: a trainer YAML with ``save_strategy: steps`` writes ``checkpoint-<step>`` folders into ``output_dir``
+while it trains. With ``resume_from_checkpoint: true`` a rerun continues from the newest of them (weights,
+optimizer, scheduler, RNG states and the data position), instead of starting over (``resume_checkpoint``).
+The orchestrator keeps those folders when it clears a killed stage's output (``clear_partial_output``).
+
+This module imports torch only inside the functions that need it; the orchestrator uses the path helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR + global step
+
+
+class CheckpointError(RuntimeError):
+    """The saved checkpoint is incomplete or broken; the message names the folder and the bad tensors."""
+
+
+def trainer_checkpoints(output_dir: Path) -> list[Path]:
+    """The trainer's intermediate ``checkpoint-<step>`` folders in ``output_dir``, oldest first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := TRAINER_CHECKPOINT.match(p.name))]
+    return [path for _, path in sorted(found) if path.is_dir()]
+
+
+def clear_partial_output(output_dir: Path) -> list[Path]:
+    """Remove what a killed training stage left in ``output_dir``, except the trainer's resumable checkpoints.
+
+    Returns:
+        The ``checkpoint-<step>`` folders kept (the next run may resume from the newest).
+    """
+    output_dir = Path(output_dir)
+    kept = trainer_checkpoints(output_dir)
+    if not output_dir.exists():
+        return kept
+    for path in output_dir.iterdir():
+        if path in kept:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if kept:
+        logger.info("train | kept %d resumable trainer checkpoint(s), newest %s", len(kept), kept[-1])
+    return kept
+
+
+def resume_checkpoint(training_args: Any) -> str | None:
+    """The trainer state to resume from, or None to start fresh.
+
+    ``resume_from_checkpoint`` in the trainer YAML: unset/false -> None; ``true`` (or ``latest``) -> the newest
+    complete ``checkpoint-<step>`` in ``output_dir`` (None when there is none yet); anything else is a path,
+    which must exist.
+    """
+    value = training_args.resume_from_checkpoint
+    if value is None or value is False or str(value).lower() in ("", "false", "no", "none"):
+        return None
+    if value is True or str(value).lower() in ("true", "yes", "latest"):
+        saved = trainer_checkpoints(Path(training_args.output_dir))
+        complete = [path for path in saved if (path / "trainer_state.json").is_file()]  # written last by the trainer
+        return str(complete[-1]) if complete else None
+    if not Path(value).is_dir():
+        raise FileNotFoundError(f"resume_from_checkpoint: {value!r} is not a folder")
+    return str(value)
+
+
+def save_servable(trainer: Any, tokenizer: Any, output_dir: str) -> None:
+    """Write the full (LoRA-merged) weights, config and tokenizer to ``output_dir`` from the main process.
+
+    Every process must call this: gathering sharded weights is a collective operation.
+    """
+    accelerator = trainer.accelerator
+    # model_wrapped is the DeepSpeed engine / FSDP / DDP module: what get_state_dict knows how to gather.
+    state_dict = accelerator.get_state_dict(trainer.model_wrapped)
+    if not accelerator.is_main_process:
+        return
+    model = accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "merge_and_unload"):
+        model, state_dict = merge_lora(model, state_dict), None
+    # With a state dict given, save_pretrained ignores the (possibly empty, sharded) tensors of the model object.
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    tokenizer.save_pretrained(output_dir)
+
+
+def merge_lora(peft_model: Any, state_dict: dict) -> Any:
+    """A plain model with the gathered LoRA weights merged, built on the main process from a fresh base copy."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_config = peft_model.get_base_model().config
+    dtype = next(iter(state_dict.values())).dtype if state_dict else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(base_config._name_or_path, dtype=dtype)
+    fresh = get_peft_model(base, peft_model.peft_config[peft_model.active_adapter])
+    missing, unexpected = fresh.load_state_dict(state_dict, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"LoRA state dict does not fit its base model: missing {missing}, extra {unexpected}")
+    return fresh.merge_and_unload()
+
+
+def expected_parameters(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter the architecture in ``checkpoint/config.json`` has (tied ones once)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def read_saved_weights(checkpoint: Path) -> dict[str, Any]:
+    """Every tensor in the checkpoint's safetensors files (one file or an indexed set of shards)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{checkpoint}: no *.safetensors weights were written")
+    tensors: dict[str, Any] = {}
+    for path in files:
+        tensors |= load_file(path)
+    return tensors
+
+
+def find_weight_problems(expected: dict[str, tuple[int, ...]], saved: dict[str, Any]) -> list[str]:
+    """What is wrong with ``saved`` against the expected names and shapes (empty list: nothing).
+
+    Args:
+        expected: Parameter name -> shape (``expected_parameters``).
+        saved: Tensor name -> tensor, as read from the files.
+    """
+    problems = []
+    for name, shape in expected.items():
+        tensor = saved.get(name)
+        if tensor is None:
+            problems.append(f"{name}: missing")
+        elif tuple(tensor.shape) != shape:
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
+        elif tensor.numel() == 0:
+            problems.append(f"{name}: empty")
+        elif tensor.dim() >= 2 and not tensor.any():
+            problems.append(f"{name}: all zeros")
+    return problems
+
+
+def verify_saved_weights(checkpoint: Path) -> int:
+    """Check the saved weights against the architecture; return the tensor count.
+
+    Raises:
+        CheckpointError: naming the folder and up to ten bad tensors.
+    """
+    expected = expected_parameters(checkpoint)
+    problems = find_weight_problems(expected, read_saved_weights(checkpoint))
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise CheckpointError(f"{checkpoint}: the saved weights are incomplete ({len(problems)} problems): {shown}")
+    return len(expected)
+
+
+def remove_trainer_checkpoints(output_dir: Path) -> None:
+    """Delete the intermediate ``checkpoint-<step>`` folders once the final checkpoint is complete (disk space)."""
+    for path in trainer_checkpoints(Path(output_dir)):
+        shutil.rmtree(path)
