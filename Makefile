@@ -1,12 +1,13 @@
 # Optima: the two commands of the README, and their parts.
 #   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU, ~30 min)
 #   make test   set up (if needed) and run the default test suite
+#   make gpu-check  on one NVIDIA GPU: set up, one iSFT + one iDPO iteration (bf16, ZeRO-3), reload, PASS/FAIL
 PYTHON ?= python3
 TRAIN_PY := .venvs/train/bin/python
 OPTIMA_DATA_DIR ?= $(abspath ../shared/data)
 export OPTIMA_DATA_DIR
 
-.PHONY: setup test test-slow lint demo bench
+.PHONY: setup test test-slow lint demo bench gpu-check
 
 setup:
 	$(PYTHON) -m optima setup
@@ -27,3 +28,6 @@ demo: setup
 
 bench: setup
 	$(TRAIN_PY) bench/run_all.py
+
+gpu-check:
+	$(PYTHON) bench/gpu_check.py

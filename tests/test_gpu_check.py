@@ -1,0 +1,54 @@
+"""``make gpu-check`` (``bench/gpu_check.py``): its dry run, and that the loop scripts accept what it passes them.
+
+The check itself needs an NVIDIA GPU; here only its plan is tested: the stages, their order and settings, nothing
+written, and each loop command validated by the script's own ``--dry-run`` (recipe overrides, trainer YAMLs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_prints_the_stages_and_starts_nothing(tmp_path, capsys):
+    out = tmp_path / "gpu_check"
+    assert load_gpu_check().main(["--dry-run", "--output-dir", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == ["setup", "trainer-yamls", "isft", "idpo", "reload"]
+    assert "'bf16': True" in lines[0] and "'attn_implementation': 'flash_attention_2'" in lines[0]
+    for stage in lines[3:5]:
+        assert "--set iteration_times=1 --set accelerate_config=deepspeed_zero3 --set num_processes=1" in stage
+    assert f"initial_model_path={out}/isft/checkpoints/iteration_0" in lines[4]
+    assert lines[5].endswith(f"--reload {out}/isft/checkpoints/iteration_0 {out}/idpo/checkpoints/iteration_0")
+    assert not out.exists()
+
+
+def test_skip_setup_drops_the_setup_stage(tmp_path):
+    stages = load_gpu_check().build_stages(tmp_path, skip_setup=True)
+    assert [name for name, _ in stages] == ["trainer-yamls", "isft", "idpo", "reload"]
+
+
+@pytest.mark.parametrize("stage", ["isft", "idpo"])
+def test_the_loop_scripts_accept_the_gpu_settings(stage, tmp_path, capsys, monkeypatch):
+    gpu_check = load_gpu_check()
+    assert gpu_check.main(["--write-trainer-yamls", str(tmp_path)]) == 0  # the stage before the loops
+    command = dict(gpu_check.build_stages(tmp_path, skip_setup=True))[stage]
+    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(REPO))
+    script = importlib.util.spec_from_file_location(stage, REPO / command[1])
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    assert module.main([*command[2:], "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "accelerate_configs/deepspeed_zero3.yaml --num_processes 1" in plan
+    assert f"trainer_{stage[1:]}_gpu.yaml" in plan
