@@ -139,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, command in stages:
             print(f"{name}: {' '.join(command)}")
         return 0
-    if shutil.which("nvidia-smi") is None:
-        print("GPU CHECK: FAIL (no nvidia-smi: this check needs an NVIDIA GPU)")
+    sys.path.insert(0, str(REPO))
+    from optima.serving.gpus import has_gpu  # standard library only: works before setup
+
+    if not has_gpu():
+        print("GPU CHECK: FAIL (no NVIDIA GPU visible: nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)")
         return 1
     if out.exists():
         shutil.rmtree(out)  # a fresh run each time: the loop scripts would resume from an old one

@@ -132,6 +132,13 @@ def load_weights(folder: Path) -> dict:
     return load_file(folder / "model.safetensors")
 
 
+def assert_sharded(log: Path, strategy: str) -> None:
+    """Both processes trained with the model sharded the way ``strategy`` says (accelerate did not fall back)."""
+    sharding = {"fsdp": "fsdp", "zero3": "deepspeed zero-3"}[strategy]
+    text = log.read_text()
+    assert f"train | process 1 of 2 | {sharding}" in text and f"train | process 2 of 2 | {sharding}" in text
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_model):
     work = tmp_path_factory.mktemp("sharded")
@@ -156,8 +163,10 @@ def data_parallel_reference(workspace, tiny_model):
 
 def test_two_cpu_processes_start_and_flash_attention_falls_back_to_sdpa(workspace, data_parallel_reference):
     log = (workspace / "sft_ddp.log").read_text()
-    assert "--multi_gpu" in log  # the launch line: accelerate's torchrun launcher, not its one-process one
-    assert "train | process 1 of 2" in log and "train | process 2 of 2" in log  # one process group of two
+    launch = TrainLaunch("sft", resolve_env(sys.executable, "train"), ACCELERATE_CONFIGS / "cpu.yaml", Path("t"), 2)
+    assert "--multi_gpu" in launch.argv()  # accelerate's torchrun launcher, not its one-process one
+    for rank in (1, 2):  # one process group of two, each holding the whole model
+        assert f"train | process {rank} of 2 | replicated (multi_cpu)" in log
     assert log.count("flash_attention_2 was asked for") == 1  # one warning, from the main process, then sdpa
 
 
@@ -175,6 +184,7 @@ def test_sharded_run_saves_the_gathered_weights(kind, strategy, workspace, tiny_
     config = trainer_yaml(workspace / f"{kind}_{strategy}.yaml", tiny_model, dataset, out, **extra)
     audit = train(kind, cpu_accelerate_config(workspace, strategy), config, workspace)
 
+    assert_sharded(workspace / f"{kind}_{strategy}.log", strategy)
     assert is_complete(out)
     start, reference, saved = (load_weights(p) for p in (tiny_model, data_parallel_reference[kind], out))
     assert read_completion(out)["tensors"] == len(saved) == len(start)
@@ -232,7 +242,7 @@ def test_killed_run_resumes_from_its_last_trainer_checkpoint(workspace, tiny_mod
     train("sft", accelerate, config, workspace)
     log = (workspace / "resumed.log").read_text()
     assert f"train | resuming from {kept[-1]}" in log
-    logged_steps = [line for line in log.splitlines() if line.startswith("{'loss'")]
+    logged_steps = [line for line in log.splitlines() if line.startswith("{") and "'loss':" in line]
     assert len(logged_steps) == 60 - resumed_from  # it went on from step N instead of starting over
     assert is_complete(out) and not trainer_checkpoints(out)  # intermediate states go once the result is whole
     import torch
@@ -240,3 +250,27 @@ def test_killed_run_resumes_from_its_last_trainer_checkpoint(workspace, tiny_mod
     saved, expected = load_weights(out), load_weights(reference)
     for name in expected:  # the same rows in the same steps as a run that was never interrupted
         torch.testing.assert_close(saved[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sharded_lora_run_saves_the_merged_weights(strategy, workspace, tiny_model):
+    """LoRA, sharded: the adapter is gathered and merged on the main process, as in a data-parallel run."""
+    import torch
+
+    lora = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]}
+    outputs = {}
+    for run in ("ddp", strategy):
+        out = workspace / f"lora_{run}"
+        extra = lora | ({"use_cpu": False} if run == "zero3" else {})
+        config = trainer_yaml(workspace / f"lora_{run}.yaml", tiny_model, workspace / "sft_data", out, **extra)
+        if not (run == "ddp" and is_complete(out)):  # the reference is shared by both strategies
+            train("sft", cpu_accelerate_config(workspace, run), config, workspace)
+        assert is_complete(out) and not (out / "adapter_config.json").exists()  # a plain, servable model
+        outputs[run] = load_weights(out)
+    assert_sharded(workspace / f"lora_{strategy}.log", strategy)
+    start = load_weights(tiny_model)
+    assert set(outputs[strategy]) == set(start)
+    for name in start:
+        torch.testing.assert_close(outputs[strategy][name], outputs["ddp"][name], atol=2e-4, rtol=1e-3, msg=name)
+    changed = {name for name in start if not torch.equal(outputs[strategy][name], start[name])}
+    assert changed and all(".q_proj." in name or ".v_proj." in name for name in changed)  # LoRA merged there only

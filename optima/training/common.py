@@ -57,12 +57,24 @@ def load_model_and_tokenizer(model_args: Any, training_args: Any):
     return model, tokenizer
 
 
+def describe_sharding(trainer: Any) -> str:
+    """How the model is spread over the processes: ``fsdp``, ``deepspeed zero-<stage>`` or ``replicated``."""
+    accelerator = trainer.accelerator
+    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1].lower()
+    if kind == "deepspeed":
+        return f"deepspeed zero-{accelerator.state.deepspeed_plugin.zero_stage}"
+    return "fsdp" if kind == "fsdp" else f"replicated ({kind})"
+
+
 def train_or_resume(trainer: Any, training_args: Any) -> Any:
     """``trainer.train()``, continuing from the newest saved trainer state when the YAML asks to resume."""
     from optima.training.checkpoint import resume_checkpoint
 
     resume = resume_checkpoint(training_args)
-    logger.info("train | process %d of %d", training_args.process_index + 1, training_args.world_size)
+    logger.info(
+        "train | process %d of %d | %s",
+        training_args.process_index + 1, training_args.world_size, describe_sharding(trainer),
+    )  # fmt: skip
     if resume is not None:
         logger.info("train | resuming from %s", resume)
     elif training_args.resume_from_checkpoint:
