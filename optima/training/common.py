@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,15 @@ def describe_sharding(trainer: Any) -> str:
     kind = str(accelerator.distributed_type).rsplit(".", 1)[-1].lower()
     if kind == "deepspeed":
         return f"deepspeed zero-{accelerator.state.deepspeed_plugin.zero_stage}"
-    return "fsdp" if kind == "fsdp" else f"replicated ({kind})"
+    if kind == "fsdp":
+        return "fsdp"
+    # accelerate's launcher exports these for an FSDP / DeepSpeed config; on CPU processes accelerate may still
+    # run the model whole on every process (its FSDP needs an accelerator device), which is worth saying.
+    asked = [name for name in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
+    if asked and trainer.args.process_index == 0:
+        logger.warning("the accelerate config asks for %s, but accelerate runs the model whole on every process "
+                       "(%s): nothing is sharded", asked[0], kind)  # fmt: skip
+    return f"replicated ({kind})"
 
 
 def train_or_resume(trainer: Any, training_args: Any) -> Any:
