@@ -72,6 +72,13 @@ def test_server_that_names_no_model_points_to_the_switch(make_recipe, models):
             sync_endpoints([server.base_url], make_recipe(), models["ckpt"])
 
 
+def test_missing_checkpoint_folder_is_never_sent(make_recipe, server, models):
+    missing = models["ckpt"] + "_missing"
+    with pytest.raises(EndpointMismatch, match=f"needs {missing}; that folder does not exist here"):
+        sync_endpoints([server.base_url], make_recipe(), missing)
+    assert server.reloads == [] and server.dev_requests == []
+
+
 def test_check_mode_never_reloads(make_recipe, server, models):
     with pytest.raises(EndpointMismatch, match="endpoint_sync: check does not reload"):
         sync_endpoints([server.base_url], make_recipe(endpoint_sync="check"), models["ckpt"])

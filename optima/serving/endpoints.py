@@ -131,10 +131,10 @@ def read_holding(session, url: str, served_name: str) -> Holding | None:
     try:
         response = session.get(f"{url}/models", timeout=PROBE_TIMEOUT_S)
         response.raise_for_status()
-    except (requests.ConnectionError, requests.Timeout, requests.HTTPError) as exc:
+        cards = [card for card in response.json().get("data", []) if isinstance(card, dict)]
+    except (requests.ConnectionError, requests.Timeout, requests.HTTPError, ValueError, AttributeError) as exc:
         logger.warning("endpoint %s does not answer /models (%s); not used", url, exc)
         return None
-    cards = [card for card in response.json().get("data", []) if isinstance(card, dict)]
     names = tuple(str(card.get("id")) for card in cards)
     if served_name not in names:
         raise ServerStartupError(f"endpoint {url} serves {list(names)}, not served_model_name={served_name!r}")
@@ -240,6 +240,9 @@ def sync_endpoints(urls: Sequence[str], recipe, needed: str) -> list[str]:
             if not holding.reloadable and holding.root is None:
                 why = "it does not say which model it serves (not vLLM?); endpoint_sync: off uses it unchecked"
                 raise mismatch(holding, needed, why)
+            if os.path.isabs(needed) and not os.path.isdir(needed):
+                # vLLM puts the layers on the meta device before it reads the files: a failed read breaks the server.
+                raise mismatch(holding, needed, "that folder does not exist here, so it is not sent to the server")
             if not holding.reloadable:
                 why = "it cannot load weights at run time (start it with VLLM_SERVER_DEV_MODE=1 to let Optima "
                 raise mismatch(holding, needed, why + "reload them, or restart it with that model)")
