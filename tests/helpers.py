@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from optima.config import InferenceRecipe, load_recipe
 from optima.tasks import Example
+
+# Resets SIGINT and SIGTERM to their defaults, then becomes the real command (same pid).
+_EXEC_WITH_DEFAULT_SIGNALS = (
+    "import os, signal, sys; "
+    "[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)]; "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def with_default_signals(argv: Sequence[str]) -> list[str]:
+    """``argv`` started with SIGINT and SIGTERM at their defaults, whatever this test run inherited.
+
+    A suite launched as a background job (``cmd &`` in a non-interactive shell) ignores SIGINT, and an ignored signal
+    stays ignored across fork and exec: a driver a test interrupts would never see its Ctrl-C. This wrapper resets
+    both signals to SIG_DFL and execs ``argv`` in place (the pid the test signals stays the same), so the Python
+    driver installs its usual KeyboardInterrupt handler. (``preexec_fn`` would do the same but is unsafe in a
+    process with threads, such as a test with a fake server running.)
+    """
+    return [sys.executable, "-c", _EXEC_WITH_DEFAULT_SIGNALS, *argv]
 
 
 def build_test_recipe(output_dir: Path, **overrides):

@@ -21,7 +21,7 @@ from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
 from optima.tasks import Example
 from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply, question_of
-from tests.helpers import arc_examples, child_groups, count_lines, wait_for
+from tests.helpers import arc_examples, child_groups, count_lines, wait_for, with_default_signals
 
 DRIVER = Path(__file__).with_name("generation_driver.py")
 PLAN = GenerationPlan(iteration=1, temperature=0.7, samples=2)
@@ -175,7 +175,8 @@ def start_driver(tmp_path: Path, config: dict) -> subprocess.Popen:
     path = tmp_path / "driver.json"
     path.write_text(json.dumps({"output_dir": str(tmp_path / "run"), "out": str(tmp_path / "gen.jsonl"), **config}))
     log = open(tmp_path / "driver.log", "ab")  # noqa: SIM115 - the child keeps it
-    return subprocess.Popen([sys.executable, str(DRIVER), str(path)], stdout=log, stderr=subprocess.STDOUT)
+    argv = with_default_signals([sys.executable, str(DRIVER), str(path)])  # the tests interrupt it
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
 
 def test_kill_9_then_rerun_loses_and_duplicates_nothing(tmp_path):

@@ -41,7 +41,7 @@ from optima.tasks import select_questions as slice_questions
 from optima.training.common import is_complete
 from tests.conftest import requires_vllm
 from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply
-from tests.helpers import arc_examples, child_groups, count_lines, wait_for
+from tests.helpers import arc_examples, child_groups, count_lines, wait_for, with_default_signals
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -96,7 +96,8 @@ def run_sft(recipe: Path) -> subprocess.CompletedProcess:
 
 def start_sft(recipe: Path) -> subprocess.Popen:
     with (recipe.parent / "driver.out").open("ab") as log:
-        return subprocess.Popen(sft_command(recipe), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        argv = with_default_signals(sft_command(recipe))  # the tests interrupt it
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def stages_done(run: Path) -> list[str]:
@@ -243,7 +244,8 @@ def test_stopping_the_driver_in_training_stops_the_trainer_and_its_workers(tmp_p
     recipe = write_sft_recipe(tmp_path, tmp_path / "model", fake_server.base_url, sample_count=4, cal_ppl=False)
     command = [*sft_command(recipe)[:-1], str(env)]  # --alignment_env: the fake
     pids = tmp_path / "pids"
-    driver = subprocess.Popen(command, cwd=REPO, env=os.environ | {"FAKE_TRAINER_PIDS": str(pids)})
+    env = os.environ | {"FAKE_TRAINER_PIDS": str(pids)}
+    driver = subprocess.Popen(with_default_signals(command), cwd=REPO, env=env)
     try:
         trainer, worker = wait_for(lambda: read_pids(pids), 120, "the fake trainer and its worker")
         group = os.getpgid(trainer)

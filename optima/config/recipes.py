@@ -309,6 +309,23 @@ class MultiSCRecipe(InferenceRecipe):
         require(0 <= self.sc_temperature <= 2, "sc_temperature", f"must be in [0, 2], got {self.sc_temperature}")
 
 
+def drop_empty_mix_dataset(raw: dict[str, Any]) -> None:
+    """Accept the original recipes' ``mix_dataset: []`` (the sub-tasks of its ``mix`` loader, empty everywhere).
+
+    Optima's ``dataset_type: mix`` always mixes the four information-exchange tasks, so a non-empty list would be
+    silently ignored: it is rejected instead.
+    """
+    from optima.tasks import TASKS
+
+    value = raw.pop("mix_dataset", None)
+    mixed = ", ".join(task.name for task in TASKS["mix"].tasks)
+    require(
+        value is None or value == [],
+        "mix_dataset",
+        f"only an empty list is accepted (dataset_type: mix always mixes {mixed}), got {value!r}",
+    )
+
+
 def load_recipe(
     cls: type[R],
     path: str | Path | None,
@@ -353,6 +370,7 @@ def load_recipe(
                     key,
                     raw.pop(key),
                 )
+        drop_empty_mix_dataset(raw)
         recipe = build(cls, check_keys(raw, cls, ALIASES, cls.unused_keys))
         for key in sorted(set(raw) & set(cls.ignored_fields)):
             logger.warning("%s: %s=%r is not used by %s; ignored", where, key, raw[key], cls.__name__)
