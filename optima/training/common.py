@@ -92,6 +92,36 @@ def train_or_resume(trainer: Any, training_args: Any) -> Any:
     return trainer.train(resume_from_checkpoint=resume)
 
 
+def evaluation_split(splits: Any, training_args: Any, split: str) -> Any:
+    """The split to evaluate on, or None; without test rows, evaluation is turned off (with a warning).
+
+    Selection leaves the test split out when it got no rows (fewer than about four kept conversations or
+    questions), and ``Trainer`` refuses an ``eval_strategy`` without an ``eval_dataset``: training goes on
+    without evaluation instead of failing the stage.
+
+    Args:
+        splits: The loaded ``DatasetDict``.
+        training_args: The trainer's arguments (``eval_strategy``, ``load_best_model_at_end`` are changed).
+        split: Name of the test split (``dataset_test_split``).
+    """
+    if training_args.eval_strategy == "no":
+        return None
+    test = splits[split] if split in splits else None
+    if test is not None and len(test) > 0:
+        return test
+    logger.warning(
+        "no %r rows to evaluate on: training without evaluation (eval_strategy was %r)",
+        split,
+        getattr(training_args.eval_strategy, "value", training_args.eval_strategy),
+    )
+    from transformers.trainer_utils import IntervalStrategy
+
+    training_args.eval_strategy = IntervalStrategy.NO
+    training_args.do_eval = False
+    training_args.load_best_model_at_end = False  # there is no evaluation to pick a best model by
+    return None
+
+
 def save_checkpoint(trainer: Any, tokenizer: Any, output_dir: str, metrics: dict[str, Any]) -> None:
     """Save a servable checkpoint (shards gathered, LoRA merged), check it, then write the completion marker.
 

@@ -111,13 +111,13 @@ def load_pair_splits(script_args: Any, training_args: Any):
     """The train split (and the test split when evaluating) with only the prompt/chosen/rejected columns."""
     from datasets import load_from_disk
 
+    from optima.training.common import evaluation_split
+
     # In memory: no rank writes datasets cache files into the dataset folder (TRL maps it once per process).
     data = load_from_disk(script_args.dataset_name, keep_in_memory=True)
     train = data[script_args.dataset_train_split].select_columns(list(PAIR_COLUMNS))
-    test = None
-    if training_args.eval_strategy != "no" and script_args.dataset_test_split in data:
-        test = data[script_args.dataset_test_split].select_columns(list(PAIR_COLUMNS))
-    return train, test
+    test = evaluation_split(data, training_args, script_args.dataset_test_split)
+    return train, None if test is None else test.select_columns(list(PAIR_COLUMNS))
 
 
 def build_trainer_class():

@@ -20,6 +20,7 @@ def build_datasets(script_args, training_args, optima_args, tokenizer):
     """Load the saved dataset and tokenise each row with the per-agent mask."""
     from datasets import load_from_disk
 
+    from optima.training.common import evaluation_split
     from optima.training.masking import tokenize_with_mask
 
     # In memory: the maps below (ours and TRL's) never write cache files into the dataset folder, from any rank.
@@ -34,8 +35,7 @@ def build_datasets(script_args, training_args, optima_args, tokenizer):
     columns = dataset[script_args.dataset_train_split].column_names
     dataset = dataset.map(encode, remove_columns=columns)
     train = dataset[script_args.dataset_train_split]
-    test = dataset.get(script_args.dataset_test_split) if training_args.eval_strategy != "no" else None
-    return train, test
+    return train, evaluation_split(dataset, training_args, script_args.dataset_test_split)
 
 
 def main(argv: list[str] | None = None) -> int:
