@@ -28,17 +28,9 @@ from optima.selection.mcts import Reply, SearchSettings, SearchTree
 from optima.selection.sft import conversation_rows, split_rows
 from optima.tasks import Example
 from tests.helpers import arc_examples
+from tests.test_prompts import QA_EXAMPLE
 
 REPO = Path(__file__).resolve().parent.parent
-QA = Example(
-    id="h1",
-    task="hotpot_qa",
-    question="Where does the Blue Nile end?",
-    answer="Khartoum",
-    score_type="f1",
-    context_first=("Lake Tana: source of the Blue Nile.", "Ethiopia: a country."),
-    context_second=("Khartoum: where the Blue and White Nile meet.",),
-)
 MATH = Example(id="m1", task="math", question="Solve x^2 = 9/16, x > 0.", answer="\\frac{3}{4}", score_type="math")
 ARC = arc_examples(1)[0]
 
@@ -70,18 +62,19 @@ def tree_for(example: Example, compat: str, max_turns: int = 10) -> SearchTree:
 
 def test_default_rendering_is_untouched_by_compat_default():
     assert (
-        compat_style("default", QA) is DEFAULT_STYLE and compat_style("default", MATH, sft_rows=True) is DEFAULT_STYLE
+        compat_style("default", "hotpot_qa") is DEFAULT_STYLE
+        and compat_style("default", MATH, sft_rows=True) is DEFAULT_STYLE
     )
-    plain = build_agent_messages(QA, "Alice", [])
-    assert build_agent_messages(QA, "Alice", [], style=compat_style("default", "hotpot_qa")) == plain
-    assert "Lake Tana: source of the Blue Nile.\nEthiopia: a country." in plain[1]["content"]
+    plain = build_agent_messages(QA_EXAMPLE, "Alice", [])
+    assert build_agent_messages(QA_EXAMPLE, "Alice", [], style=compat_style("default", "hotpot_qa")) == plain
+    assert "France: Paris is the capital of France.\nSeine: A river." in plain[1]["content"]
     assert "['" not in plain[1]["content"]
 
 
 def test_original_renders_private_information_as_the_list_repr():
-    messages = build_agent_messages(QA, "Bob", [], style=compat_style("original", "hotpot_qa"))
-    assert "['Khartoum: where the Blue and White Nile meet.']" in messages[1]["content"]
-    assert messages[0] == build_agent_messages(QA, "Bob", [])[0]  # the system prompt is the same
+    messages = build_agent_messages(QA_EXAMPLE, "Bob", [], style=compat_style("original", "hotpot_qa"))
+    assert "['Louvre: A museum in Paris.']" in messages[1]["content"]
+    assert messages[0] == build_agent_messages(QA_EXAMPLE, "Bob", [])[0]  # the system prompt is the same
 
 
 def test_original_trains_math_rows_under_the_gsm8k_solver_prompt():
@@ -98,7 +91,7 @@ def test_original_trains_math_rows_under_the_gsm8k_solver_prompt():
 
 
 def test_split_rows_passes_compat_to_every_row():
-    kept = [record(QA, "Lake Tana -> Blue Nile.", "It meets the White Nile at Khartoum. <A>Khartoum</A>")] * 4
+    kept = [record(QA_EXAMPLE, "Paris is the capital.", "Agreed. <A>Paris</A>")] * 4
     for compat, expected in (("default", False), ("original", True)):
         splits = split_rows(kept, 0.5, 42, 0, compat)
         rows = splits["train"] + splits["test"]
@@ -108,15 +101,15 @@ def test_split_rows_passes_compat_to_every_row():
 def test_original_dpo_pairs_render_the_list_repr():
     nodes = [
         {"id": 0, "parent": None, "depth": 0, "speaker": None, "text": None, "value": 0.5, "minable": True},
-        {"id": 1, "parent": 0, "depth": 1, "speaker": "Alice", "text": "<A>Khartoum</A>", "value": 0.9},
+        {"id": 1, "parent": 0, "depth": 1, "speaker": "Alice", "text": "<A>Paris</A>", "value": 0.9},
         {"id": 2, "parent": 0, "depth": 1, "speaker": "Alice", "text": "no idea", "value": 0.1},
     ]
-    line = {"example": QA.to_dict(), "nodes": nodes}
+    line = {"example": QA_EXAMPLE.to_dict(), "nodes": nodes}
     recipe = SimpleNamespace(initial_dpo_epsilon=0.4, initial_dpo_min_value=0.2, compat="default")
     (default,) = candidate_pairs(line, recipe)
     (original,) = candidate_pairs(line, SimpleNamespace(**vars(recipe) | {"compat": "original"}))
-    assert "['Lake Tana" not in default["prompt"][1]["content"]
-    assert "['Lake Tana: source of the Blue Nile.', 'Ethiopia: a country.']" in original["prompt"][1]["content"]
+    assert "['France" not in default["prompt"][1]["content"]
+    assert "['France: Paris is the capital of France.', 'Seine: A river.']" in original["prompt"][1]["content"]
     assert (original["chosen"], original["rejected"]) == (default["chosen"], default["rejected"])
 
 
@@ -153,8 +146,8 @@ def test_the_stop_rule_sees_the_whole_path_unless_original(compat, length):
 
 def test_original_tree_search_requests_render_the_list_repr():
     for compat, expected in (("default", False), ("original", True)):
-        script = Script(["<A>Khartoum</A>", "<A>Khartoum</A>"])
-        tree = tree_for(QA, compat)
+        script = Script(["<A>Paris</A>", "<A>Paris</A>"])
+        tree = tree_for(QA_EXAMPLE, compat)
         tree.run_rollout(tree.root, script, lambda r: 1.0)
         assert [("['" in call[1]["content"]) for call in script.calls] == [expected, expected]
 

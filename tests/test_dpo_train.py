@@ -249,8 +249,13 @@ def chosen_nll(model, tokenizer, rows) -> float:
 
 
 def run_dpo(config: Path, log: Path) -> None:
+    run_trainer(RUN_DPO, config, log)
+
+
+def run_trainer(script: Path, config: Path, log: Path) -> None:
+    """Run a handbook trainer script under ``accelerate launch`` on the CPU; fail with its log's tail."""
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU), str(RUN_DPO)]
+    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU), str(script)]
     with log.open("w") as handle:
         result = subprocess.run(
             [*argv, "--config", str(config)], cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False

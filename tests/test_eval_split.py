@@ -9,9 +9,6 @@ with a warning; both trainer scripts use it, checked here with TRL's real config
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +18,9 @@ from optima.selection.io import save_splits
 from optima.selection.sft import split_rows
 from optima.training.common import evaluation_split, is_complete, read_completion
 from tests.helpers import arc_examples
-from tests.test_dpo_train import PAIRS, run_dpo, write_config
+from tests.test_dpo_train import PAIRS, run_dpo, run_trainer, write_config
 
 REPO = Path(__file__).resolve().parent.parent
-ACCELERATE_CPU = REPO / "alignment-handbook/recipes/accelerate_configs/cpu.yaml"
 RUN_SFT = REPO / "alignment-handbook/scripts/run_sft.py"
 SFT_ROWS = [
     {
@@ -79,16 +75,6 @@ def test_test_rows_are_used_and_no_evaluation_stays_off(tmp_path, caplog):
     assert caplog.text == ""  # not evaluating by choice is not worth a warning
 
 
-def run_sft(config: Path, log: Path) -> None:
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU), str(RUN_SFT)]
-    with log.open("w") as handle:
-        result = subprocess.run(
-            [*argv, "--config", str(config)], cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False
-        )
-    assert result.returncode == 0, log.read_text()[-3000:]
-
-
 def test_real_sft_run_without_test_rows_trains_without_evaluation(tiny_model, tmp_path):
     save_splits({"train": SFT_ROWS, "test": []}, tmp_path / "data")
     out = tmp_path / "checkpoint"
@@ -97,7 +83,7 @@ def test_real_sft_run_without_test_rows_trains_without_evaluation(tiny_model, tm
         config.pop(key)
     config |= {"eval_strategy": "epoch", "max_steps": 1, "packing": False}
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
-    run_sft(tmp_path / "sft.yaml", tmp_path / "train.log")
+    run_trainer(RUN_SFT, tmp_path / "sft.yaml", tmp_path / "train.log")
     assert is_complete(out) and read_completion(out)["train_rows"] == 4
     assert "training without evaluation" in (tmp_path / "train.log").read_text()
 
