@@ -61,10 +61,8 @@ def tree_for(example: Example, compat: str, max_turns: int = 10) -> SearchTree:
 
 
 def test_default_rendering_is_untouched_by_compat_default():
-    assert (
-        compat_style("default", "hotpot_qa") is DEFAULT_STYLE
-        and compat_style("default", MATH, sft_rows=True) is DEFAULT_STYLE
-    )
+    assert compat_style("default", "hotpot_qa") is DEFAULT_STYLE
+    assert compat_style("default", "math", sft_rows=True) is DEFAULT_STYLE
     plain = build_agent_messages(QA_EXAMPLE, "Alice", [])
     assert build_agent_messages(QA_EXAMPLE, "Alice", [], style=compat_style("default", "hotpot_qa")) == plain
     assert "France: Paris is the capital of France.\nSeine: A river." in plain[1]["content"]
