@@ -1,5 +1,6 @@
 # Optima: the two commands of the README, and their parts.
 #   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU, ~30 min)
+#   make demo-hotpot   the same on HotpotQA (information exchange; CPU, ~30 min)
 #   make test   set up (if needed) and run the default test suite
 #   make gpu-check  on one NVIDIA GPU: set up, one iSFT + one iDPO iteration (bf16, ZeRO-3), reload, PASS/FAIL
 PYTHON ?= python3
@@ -7,7 +8,7 @@ TRAIN_PY := .venvs/train/bin/python
 OPTIMA_DATA_DIR ?= $(abspath ../shared/data)
 export OPTIMA_DATA_DIR
 
-.PHONY: setup test test-slow lint demo bench gpu-check
+.PHONY: setup test test-slow lint demo demo-hotpot bench gpu-check
 
 setup:
 	$(PYTHON) -m optima setup
@@ -25,6 +26,9 @@ test-slow: setup
 demo: setup
 	$(TRAIN_PY) sft_script.py --train_config_path train/sft_recipes/demo_arc.yaml
 	$(TRAIN_PY) bench/iteration.py --run-dir runs/demo_arc_sft
+
+demo-hotpot: setup
+	$(TRAIN_PY) sft_script.py --train_config_path train/sft_recipes/demo_hotpot_qa.yaml
 
 bench: setup
 	$(TRAIN_PY) bench/run_all.py

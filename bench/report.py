@@ -5,7 +5,11 @@
 
 from __future__ import annotations
 
-TARGETS = {"scoring": 3.0, "sft": 0.95, "iteration": 0.10, "generation": 0.90}
+TARGETS = {"scoring": 3.0, "sft": 0.95, "iteration": 0.10, "generation": 0.90, "prefix_hit_rate": 0.8}
+GENERATION_TITLES = {
+    "generation": "Generation (`bench/generation.py`)",
+    "generation_ie": "Generation, information exchange (`bench/generation.py --task hotpot_qa`)",
+}
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:
@@ -156,26 +160,37 @@ def render_iteration(result: dict) -> list[str]:
     return lines + [""]
 
 
-def render_generation(result: dict) -> list[str]:
-    lines = ["## Generation (`bench/generation.py`)", "", f"`{result['command']}`", ""]
+def render_generation(result: dict, name: str = "generation") -> list[str]:
+    lines = [f"## {GENERATION_TITLES[name]}", "", f"`{result['command']}`", ""]
     if "error" in result["data"]:
-        return lines + failed("generation", result)
+        return lines + failed(name, result)
     d = result["data"]
     lines += [d.get("setting", ""), ""]
     rows = [
-        [side, d[side]["tokens"], d[side]["seconds"], d[side]["tokens_per_s"]]
+        [side, d[side]["tokens"], d[side]["seconds"], d[side]["tokens_per_s"], (d.get("hit_rate") or {}).get(side, "")]
         for side in ("generator", "plain")
         if side in d
     ]
-    lines += table(["side", "generated tokens", "seconds", "tok/s"], rows)
+    lines += table(["side", "generated tokens", "seconds", "tok/s", "prefix-cache hit rate (/metrics)"], rows)
     ratio = d.get("ratio")
     if ratio is not None:
         lines += [
             f"- ratio generator / plain client: **{ratio:.3f}**; target >= {TARGETS['generation']}: "
             f"{verdict(ratio >= TARGETS['generation'])}",
-            "",
         ]
-    return lines
+    if d.get("hit_rate_turns_2_n") is not None:
+        ok = d["hit_rate_turns_2_n"] >= TARGETS["prefix_hit_rate"]
+        lines += [
+            f"- generator's prefix-cache hit rate over turns 2..N (share of prompt tokens read from the cache, from"
+            f" each reply's usage): **{d['hit_rate_turns_2_n']:.3f}**; target >= {TARGETS['prefix_hit_rate']}:"
+            f" {verdict(ok)}; over turns 3..N (each agent's own later turns): {d.get('hit_rate_turns_3_n')}",
+            f"- by turn: {d.get('hit_rate_by_turn', '')}",
+        ]
+    if name == "generation_ie" and "date" in result:
+        lines += [
+            f"- run {result['date']}, load average before / after {result['load_before']} / {result['load_after']}"
+        ]
+    return lines + [""]
 
 
 def render_memory(results: dict) -> list[str]:
@@ -268,7 +283,21 @@ def render_findings(results: dict) -> list[str]:
             f"- Generation, generator >= {TARGETS['generation']} of a plain client: {verdict(ok)} "
             f"({generation['ratio']:.3f}; one pass each side, seconds-long, so noisy on a shared box)."
         )
+    lines += [line for line in [generation_ie_finding(results)] if line]
     return lines + [""]
+
+
+def generation_ie_finding(results: dict) -> str | None:
+    d = results.get("generation_ie", {}).get("data", {})
+    if d.get("ratio") is None:
+        return None
+    hit = d.get("hit_rate_turns_2_n")
+    ok = d["ratio"] >= TARGETS["generation"] and hit is not None and hit >= TARGETS["prefix_hit_rate"]
+    return (
+        f"- Generation, information exchange (HotpotQA, 6 turns), generator >= {TARGETS['generation']} of a plain"
+        f" client and prefix-cache hit rate >= {TARGETS['prefix_hit_rate']} over turns 2..N: {verdict(ok)}"
+        f" (ratio {d['ratio']:.3f}, hit rate {hit})."
+    )
 
 
 def render_results(results: dict, meta: dict) -> str:
@@ -288,9 +317,34 @@ def render_results(results: dict, meta: dict) -> str:
         "sft": render_sft,
         "iteration": render_iteration,
         "generation": render_generation,
+        "generation_ie": lambda result: render_generation(result, "generation_ie"),
     }
     for name, render in renderers.items():
         if name in results:
             lines += render(results[name])
     lines += render_memory(results)
     return "\n".join(lines)
+
+
+def update_sections(text: str, results: dict, meta: dict) -> str:
+    """``text`` (an earlier RESULTS.md) with the sections of ``results`` replaced or added before the memory table.
+
+    Only the generation benchmarks render on their own; their target line in "Targets" is replaced too.
+    """
+    sections = text.split("\n## ")
+    for name, result in results.items():
+        result = result | {"date": meta["date"], "load_before": meta["load_before"], "load_after": meta["load_after"]}
+        new = "\n".join(render_generation(result, name)).removeprefix("## ")
+        title = GENERATION_TITLES[name]
+        found = [i for i, section in enumerate(sections) if section.startswith(title)]
+        if found:
+            sections[found[0]] = new
+        else:
+            memory = [i for i, section in enumerate(sections) if section.startswith("Peak memory")]
+            sections.insert(memory[0] if memory else len(sections), new)
+    targets = [i for i, section in enumerate(sections) if section.startswith("Targets")]
+    finding = generation_ie_finding(results)
+    if targets and finding:
+        kept = [ln for ln in sections[targets[0]].rstrip("\n").splitlines() if not ln.startswith("- Generation, inf")]
+        sections[targets[0]] = "\n".join([*kept, finding]) + "\n"
+    return "\n## ".join(sections)

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import REPO, TreeMemorySampler, describe_machine, load_average  # noqa: E402
-from report import render_results  # noqa: E402
+from report import render_results, update_sections  # noqa: E402
 
 PYTHON = sys.executable
 # Sections after this line come from longer, one-off measurements (commands given there); run_all keeps them.
@@ -36,7 +36,10 @@ BENCHMARKS = {
     "scoring": ["bench/scoring.py", "--conversations", "48", "--rounds", "2"],
     "sft": ["bench/sft.py", "--max-steps", "3", "--rounds", "3"],
     "generation": ["bench/generation.py", "--questions", "12", "--samples", "2"],
-}
+    # Information exchange: HotpotQA's long private contexts, 6 turns, the default KV sizing and in-flight bound.
+    "generation_ie": ["bench/generation.py", "--task", "hotpot_qa", "--questions", "12", "--samples", "2",
+                      "--max-turns", "6", "--max-tokens", "128", "--threads", "64"],
+}  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--run-dir", default=str(REPO / "runs" / "demo_arc_sft"))
     parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     parser.add_argument("--render", default=None, help="only re-render --out from this earlier run's results.json")
+    parser.add_argument(
+        "--update", action="store_true", help="replace only the sections of --only in the existing --out"
+    )
     return parser.parse_args(argv)
 
 
@@ -63,6 +69,18 @@ def parse_generation(stdout: str) -> dict:
     setting = re.search(r"^model .*$", stdout, re.MULTILINE)
     found["ratio"] = float(ratio[1]) if ratio else None
     found["setting"] = setting[0] if setting else ""
+    metrics = re.search(r"hit rate \(vLLM /metrics\): generator ([\d.]+|None), plain ([\d.]+|None)", stdout)
+    if metrics:
+        found["hit_rate"] = {
+            side: float(v) if v != "None" else None
+            for side, v in zip(("generator", "plain"), metrics.groups(), strict=True)
+        }
+    for first in (2, 3):
+        match = re.search(rf"hit rate over turns {first}\.\.N: ([\d.]+)", stdout)
+        if match:
+            found[f"hit_rate_turns_{first}_n"] = float(match[1])
+    by_turn = re.search(r"hit rate by turn \(share of prompt tokens\): (.*)$", stdout, re.MULTILINE)
+    found["hit_rate_by_turn"] = by_turn[1] if by_turn else ""
     return found
 
 
@@ -72,7 +90,7 @@ def run_benchmark(name: str, args, workdir: Path) -> dict:
     json_path = workdir / f"{name}.json"
     if name == "iteration":
         argv += ["--run-dir", args.run_dir]
-    if name != "generation":
+    if not name.startswith("generation"):
         argv += ["--json", str(json_path)]
     log_path = workdir / f"{name}.log"
     print(f"{name}: {' '.join(argv[1:])} (log {log_path}) | load {load_average()}", flush=True)
@@ -83,7 +101,7 @@ def run_benchmark(name: str, args, workdir: Path) -> dict:
     output = log_path.read_text(errors="replace")
     if code != 0:
         data = {"error": f"exit code {code}", "tail": output.splitlines()[-20:]}
-    elif name == "generation":
+    elif name.startswith("generation"):
         data = parse_generation(output)
     else:
         data = json.loads(json_path.read_text())
@@ -126,7 +144,11 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     (workdir / "results.json").write_text(json.dumps({"results": results, "meta": meta}, indent=2) + "\n")
-    write_results(Path(args.out), render_results(results, meta))
+    out = Path(args.out)
+    if args.update and out.exists():
+        out.write_text(update_sections(out.read_text(), results, meta))
+    else:
+        write_results(out, render_results(results, meta))
     print(f"wrote {args.out} ({meta['total_s']:.0f} s in all)")
     return 0 if all("error" not in r["data"] for r in results.values()) else 1
 

@@ -6,7 +6,9 @@ See docs/method.md#isft.
 question. Compared with the original (one thread per question, its samples in sequence, a random port per
 question, lost futures):
 
-* ``thread_count`` conversations are in flight at once (``ThreadPoolExecutor`` + ``as_completed``);
+* ``thread_count`` conversations are in flight at once (``ThreadPoolExecutor`` + ``as_completed``), fewer when
+  the servers' KV caches cannot hold that many (``optima.serving.capacity``); the stage's KV figures and prefix-cache
+  hit rate go into its stats (``kv_cache``);
 * question ``q`` goes to replica ``q mod n`` (deterministic round-robin); every turn of its conversations stays on
   that replica so vLLM's prefix cache reuses the shared system prompt and history; a dead replica fails over;
 * one line per conversation, keyed by ``(task_id, sample_index)``, flushed as it completes; a rerun skips what is
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.conversation import ConversationResult, TurnLimits, run_conversation
+from optima.agents.footprint import conversation_footprint
 from optima.agents.prompts import (
     AGENT_NAMES,
     build_system_prompt,
@@ -42,6 +45,7 @@ from optima.agents.prompts import (
 )
 from optima.config.rules import generation_temperature, workers
 from optima.serving.client import ReplicaPool, Sampling
+from optima.serving.kv_monitor import KVMonitor
 from optima.store import JsonlWriter, prepare_resume
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
@@ -100,6 +104,7 @@ class GenerationStats:
     generated_tokens: int = 0
     conversation_tokens: int = 0
     elapsed_s: float = 0.0
+    kv: dict = field(default_factory=dict)
 
     def add(self, record: dict, generated_tokens: int) -> None:
         self.written += 1
@@ -128,6 +133,7 @@ class GenerationStats:
             "elapsed_s": round(self.elapsed_s, 2),
             "conversations_per_s": round(self.conversations_per_s, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "kv_cache": self.kv,
         }
 
 
@@ -295,11 +301,17 @@ def generate_conversations(
         " | prompt pool" if plan.use_prompt_pool else "",
     )
     if jobs:
+        # Never more conversations in flight than the servers' KV caches hold (else they thrash: see capacity.py).
+        monitor = KVMonitor(endpoints, recipe.api_key)
+        in_flight = workers(recipe)
+        if monitor.kv_tokens is not None:
+            in_flight = monitor.bound(in_flight, conversation_footprint(recipe, examples))
         pool = ReplicaPool(endpoints, recipe)
         try:
-            _run_jobs(runner_cls(recipe, plan, pool), jobs, out_path, stats, on_record)
+            _run_jobs(runner_cls(recipe, plan, pool), jobs, out_path, stats, on_record, in_flight)
         finally:
             pool.close()
+        stats.kv = monitor.report()
     logger.info(
         "generate | %d written, statuses %s | %.2f conversations/s, %.1f tokens/s",
         stats.written,
@@ -310,11 +322,13 @@ def generate_conversations(
     return stats
 
 
-def _run_jobs(runner: ConversationRunner, jobs: list[Job], out_path: Path, stats: GenerationStats, on_record) -> None:
+def _run_jobs(
+    runner: ConversationRunner, jobs: list[Job], out_path: Path, stats: GenerationStats, on_record, in_flight: int
+) -> None:
     from tqdm.auto import tqdm
 
     started = time.monotonic()
-    executor = ThreadPoolExecutor(max_workers=workers(runner.recipe), thread_name_prefix="conversation")
+    executor = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="conversation")
     finished = False
     try:
         with JsonlWriter(out_path) as writer, tqdm(total=len(jobs), unit="conv", desc="generate") as bar:

@@ -61,11 +61,17 @@ class ServingFields:
     api_key: str | None = field(None, help="API key for the servers (required when host is not loopback)")
     host: str = field("127.0.0.1", help="address the launched servers bind to")
     served_model_name: str = field("optima", help="model name the servers answer to", redoes=SAMPLED)
-    thread_count: int = field(64, help="work in flight at once: conversations, search trees, LM-loss requests")
+    thread_count: int = field(
+        64,
+        help="work in flight at once: conversations (fewer when the servers' KV caches cannot hold them), "
+        "search trees, LM-loss requests",
+    )
     server_startup_timeout_s: float = field(900.0, help="deadline for a server to answer /health")
     request_timeout_s: float = field(600.0, help="timeout of one chat request")
     max_retries: int = field(3, help="retries of a transient request failure (with backoff)")
-    cpu_kvcache_space_gb: int = field(2, help="VLLM_CPU_KVCACHE_SPACE on a CPU-only machine")
+    cpu_kvcache_space_gb: int | None = field(
+        None, help="VLLM_CPU_KVCACHE_SPACE (GiB) on a CPU-only machine; null = a share of the memory available"
+    )
     vllm_extra_args: list[str] = field([], help="extra arguments appended to 'vllm serve'")
     sleep_mode: bool | None = field(
         None,
@@ -77,6 +83,8 @@ class ServingFields:
         _in("port", self.port, 1, 65535)
         _positive(self, "tensor_parallel_size", "thread_count", "server_startup_timeout_s", "request_timeout_s")
         _in("max_retries", self.max_retries, 0, 100)
+        if self.cpu_kvcache_space_gb is not None:
+            _positive(self, "cpu_kvcache_space_gb")
         require(
             0 < self.gpu_memory_utilization <= 1,
             "gpu_memory_utilization",

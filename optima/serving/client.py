@@ -17,6 +17,7 @@ Backoff waits on ``ReplicaPool.stop_event``, so a shutdown interrupts them inste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -45,12 +46,17 @@ class ChatReply:
         finish_reason: ``stop``, ``length``, ... as the server says.
         completion_tokens: Generated tokens counted by the server (None if it sent no usage).
         replica: Index of the replica that answered.
+        prompt_tokens: Prompt tokens counted by the server (None without usage).
+        cached_tokens: Of those, tokens read from its prefix cache (vLLM sends them with
+            ``--enable-prompt-tokens-details``; None otherwise).
     """
 
     text: str
     finish_reason: str | None
     completion_tokens: int | None
     replica: int
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,8 @@ class ChatClient:
         self.model = model
         self._client = openai.OpenAI(base_url=base_url, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=0)
 
-    def chat(self, messages: Sequence[dict], sampling: Sampling) -> tuple[str, str | None, int | None]:
-        """One chat completion (no retry here): content, finish reason, completion tokens."""
+    def chat(self, messages: Sequence[dict], sampling: Sampling) -> ChatReply:
+        """One chat completion (no retry here); ``replica`` is left at -1 for the pool to fill."""
         optional = {"seed": sampling.seed} if sampling.seed is not None else {}
         response = self._client.chat.completions.create(
             model=self.model,
@@ -115,10 +121,18 @@ class ChatClient:
         if isinstance(response, str) or not response.choices:  # not JSON, or a completion without a choice
             raise RequestFailed(f"{self.base_url}: not a chat completion: {str(response)[:200]!r}")
         choice = response.choices[0]
-        tokens = response.usage.completion_tokens if response.usage is not None else None
+        usage = response.usage
+        details = usage.prompt_tokens_details if usage is not None else None
         # Lone surrogates (a "\udc80" escape in the JSON) cannot be written as UTF-8: replace them with "?".
         text = (choice.message.content or "").encode("utf-8", "replace").decode("utf-8")
-        return text, choice.finish_reason, tokens
+        return ChatReply(
+            text,
+            choice.finish_reason,
+            usage.completion_tokens if usage is not None else None,
+            replica=-1,
+            prompt_tokens=usage.prompt_tokens if usage is not None else None,
+            cached_tokens=details.cached_tokens if details is not None else None,
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -185,8 +199,7 @@ class ReplicaPool:
         replica = self.next_alive(replica)
         while True:
             try:
-                text, finish, tokens = self._chat_with_retries(replica, messages, sampling)
-                return ChatReply(text, finish, tokens, replica)
+                return dataclasses.replace(self._chat_with_retries(replica, messages, sampling), replica=replica)
             except _ReplicaDown as down:
                 self.mark_dead(replica, down.__cause__)
                 replica = self.next_alive(replica + 1)

