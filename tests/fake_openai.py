@@ -81,6 +81,7 @@ class FakeOpenAIServer:
         port: Port to bind (0: any free one).
         root: The model it reports as loaded (vLLM's ``root``); None: not reported.
         dev_mode: Whether it has vLLM's development routes (weights can be reloaded).
+        metrics: Produces the Prometheus text of ``GET /metrics`` (None: 404, as a server that is not vLLM).
     """
 
     def __init__(
@@ -90,8 +91,10 @@ class FakeOpenAIServer:
         port: int = 0,
         root: str | None = None,
         dev_mode: bool = True,
+        metrics: Callable[[], str] | None = None,
     ):
         self.respond, self.model, self.root, self.dev_mode = respond, model, root, dev_mode
+        self.metrics = metrics
         self.weight_version = "default"
         self.reloads: list[str] = []
         self.fail_reload = False  # True: reload_weights answers HTTP 500, as vLLM does for an unreadable path
@@ -142,6 +145,13 @@ class FakeOpenAIServer:
                     self._send(200, {"object": "list", "data": [card]})
                 elif self.path == "/weight_info" and server.dev_mode:
                     self._send(200, {"weight_version": server.weight_version})
+                elif self.path == "/metrics" and server.metrics is not None:
+                    data = server.metrics().encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                 else:
                     self._send(404, {"error": "not found"})
 

@@ -172,3 +172,45 @@ def test_footprint_renders_each_task_prompt(tmp_path, make_recipe):
     # Without a loadable tokenizer the estimate falls back to characters (never fewer tokens than the words).
     fallback = make_recipe(tokenizer_first_path=str(tmp_path / "missing"))
     assert prompt_tokens(fallback, long) >= 500
+
+
+def test_generation_keeps_in_flight_what_the_kv_cache_holds(make_recipe, tmp_path):
+    """A server reporting room for 2.5 conversations gets at most 2 at once, whatever thread_count says."""
+    import math
+    import threading
+    import time
+
+    from optima.agents.footprint import conversation_footprint
+    from optima.agents.generation import GenerationPlan, generate_conversations
+    from tests.fake_openai import FakeOpenAIServer, agreeing_reply
+    from tests.helpers import arc_examples
+
+    recipe, examples = make_recipe(thread_count=8), arc_examples(6)
+    blocks = math.ceil(2.5 * conversation_footprint(recipe, examples) / 16)
+    lock, active, peak = threading.Lock(), [0], [0]
+
+    def respond(body):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.02)  # a slow "model", so that requests of different conversations overlap
+        with lock:
+            active[0] -= 1
+        return agreeing_reply(body)
+
+    def metrics() -> str:
+        served = len(server.requests)  # each request: 100 prompt tokens looked up, 80 found in the cache
+        return (
+            f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{blocks}"}} 1.0\n'
+            f'vllm:prefix_cache_queries_total{{engine="0"}} {100.0 * served}\n'
+            f'vllm:prefix_cache_hits_total{{engine="0"}} {80.0 * served}\n'
+        )
+
+    with FakeOpenAIServer(respond, metrics=metrics) as server:
+        stats = generate_conversations(
+            recipe, examples, [server.base_url], tmp_path / "gen.jsonl", GenerationPlan(1, 0.7, 2)
+        )
+    assert stats.written == 12 and 1 <= peak[0] <= 2
+    kv = stats.kv
+    assert (kv["kv_cache_tokens"], kv["in_flight"]) == (blocks * 16, 2)
+    assert kv["prefix_cache_queries"] == 100 * len(server.requests) and kv["prefix_cache_hit_rate"] == 0.8
