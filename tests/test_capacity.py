@@ -214,3 +214,29 @@ def test_generation_keeps_in_flight_what_the_kv_cache_holds(make_recipe, tmp_pat
     kv = stats.kv
     assert (kv["kv_cache_tokens"], kv["in_flight"]) == (blocks * 16, 2)
     assert kv["prefix_cache_queries"] == 100 * len(server.requests) and kv["prefix_cache_hit_rate"] == 0.8
+
+
+@pytest.mark.parametrize("speaker", ["Alice", "Bob"])
+@pytest.mark.parametrize("task", ["arc", "hotpot_qa"])
+def test_each_turn_extends_the_previous_prompt_of_its_view(task, speaker):
+    """The prefix cache can only help if an agent's next request starts with its previous one, byte for byte."""
+    from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages
+    from optima.tasks import Example
+    from tests.tiny_model import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    example = Example(
+        id="q", task=task, question="Who?", answer="B", score_type="f1", context_first=("P1",), context_second=("P2",)
+    )
+    if task == "arc":
+        example = dataclasses.replace(example, score_type="choice", options=(("A", "x"), ("B", "y")))
+    utterances = [Utterance(AGENT_NAMES[t % 2], f"utterance {t}") for t in range(6)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            build_agent_messages(example, speaker, utterances[:turn]), tokenize=False, add_generation_prompt=True
+        )
+        for turn in range(AGENT_NAMES.index(speaker), 6, 2)  # the turns this agent speaks
+    ]
+    assert len(prompts) == 3
+    for earlier, later in zip(prompts, prompts[1:], strict=False):
+        assert later.startswith(earlier) and len(later) > len(earlier)
