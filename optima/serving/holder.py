@@ -62,7 +62,10 @@ class LossServer:
         recipe, placement = self.recipe, self.layout.loss
         port = find_free_port(recipe.host, recipe.port, busy_ports)
         argv = build_serve_command(recipe, self.model, port, self.vllm_env, placement)
-        env = build_serve_env(recipe, self.vllm_env, placement, RunPaths.from_recipe(recipe).vllm_cache, self.model)
+        cache = RunPaths.from_recipe(recipe).vllm_cache
+        # It runs beside the policy's replicas: the CPU memory for KV caches is split between all of them.
+        servers = 1 + len(self.layout.policy)
+        env = build_serve_env(recipe, self.vllm_env, placement, cache, self.model, servers=servers)
         logger.info("loss server | %s | port %d | log %s", self.model, port, self.log_path)
         server = VLLMServer(ServerSpec(0, tuple(argv), env, recipe.host, port, self.log_path))
         server.__enter__()

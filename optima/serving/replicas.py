@@ -92,7 +92,9 @@ def build_replica_specs(
         port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
         taken.append(port)
         argv = build_serve_command(recipe, model_path, port, vllm_env, placement)
-        env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path, servers=len(placements))
+        # The machine's memory is shared by these replicas and the loss server beside them (its port is excluded).
+        servers = len(placements) + len(exclude_ports)
+        env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path, servers=servers)
         log = stage_paths.server_log(replica)
         specs.append(ServerSpec(replica, tuple(argv), env, recipe.host, port, log))
     return specs
@@ -132,7 +134,9 @@ def serve(
             layout = (plan_replicas(recipe, visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas), ())
         placements, exclude = layout
         specs = build_replica_specs(recipe, str(model_path), vllm_env, stage_paths, placements, exclude)
-        where = "CPU" if placements[0].on_cpu else "GPU"
+        where = "GPU"
+        if placements[0].on_cpu:  # the KV budget: the recipe's, or sized to the memory available now
+            where = f"CPU (KV cache {specs[0].env['VLLM_CPU_KVCACHE_SPACE']} GiB each)"
         logger.info(
             "serve | %s | %d %s replicas on ports %s",
             model_path,
