@@ -37,7 +37,7 @@ BENCHMARKS = {
     "sft": ["bench/sft.py", "--max-steps", "3", "--rounds", "3"],
     "generation": ["bench/generation.py", "--questions", "12", "--samples", "2"],
     # Information exchange: HotpotQA's long private contexts, 6 turns, the default KV sizing and in-flight bound.
-    "generation_ie": ["bench/generation.py", "--task", "hotpot_qa", "--questions", "12", "--samples", "2",
+    "generation_ie": ["bench/generation.py", "--task", "hotpot_qa", "--questions", "6", "--samples", "2",
                       "--max-turns", "6", "--max-tokens", "128", "--threads", "64"],
 }  # fmt: skip
 
