@@ -240,3 +240,17 @@ def test_each_turn_extends_the_previous_prompt_of_its_view(task, speaker):
     assert len(prompts) == 3
     for earlier, later in zip(prompts, prompts[1:], strict=False):
         assert later.startswith(earlier) and len(later) > len(earlier)
+
+
+def test_footprint_of_an_eval_recipe_without_initial_model(tmp_path, make_recipe):
+    """The sweep's recipe may name no initial model: the served model's folder gives tokenizer and context."""
+    from optima.agents.footprint import conversation_footprint
+    from tests.helpers import arc_examples
+    from tests.tiny_model import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(tmp_path / "served")
+    (tmp_path / "served" / "config.json").write_text('{"max_position_embeddings": 100}')
+    recipe = make_recipe(initial_model_path=None, max_tokens=10, max_turns=2)
+    assert recipe.initial_model_path is None
+    assert conversation_footprint(recipe, arc_examples(2), str(tmp_path / "served")) == 2 * 100  # capped by context
+    assert conversation_footprint(recipe, arc_examples(2)) > 2 * 20  # nothing known: characters, no cap

@@ -38,12 +38,13 @@ def prompt_tokens(recipe, examples: Sequence[Example], tokenizer_path: str | Non
     Args:
         recipe: Its ``tokenizer_first_path`` / ``initial_model_path`` name the tokenizer.
         examples: The stage's questions.
-        tokenizer_path: Overrides the recipe's tokenizer.
+        tokenizer_path: The served model (its tokenizer, unless the recipe names Alice's).
     """
     if not examples:
         return 0
     step = max(1, len(examples) // SAMPLED_QUESTIONS)
-    tokenizer = _load_tokenizer(tokenizer_path or recipe.tokenizer_first_path or str(recipe.initial_model_path))
+    path = recipe.tokenizer_first_path or tokenizer_path or recipe.initial_model_path
+    tokenizer = _load_tokenizer(str(path)) if path else None
     counts = []
     for example in examples[::step]:
         task = get_task(example.task)
@@ -65,10 +66,12 @@ def conversation_footprint(recipe, examples: Sequence[Example], model_path: str 
     Args:
         recipe: ``max_tokens``, ``max_turns``, ``max_model_len`` (else the model's ``max_position_embeddings``).
         examples: The stage's questions.
-        model_path: The served model (its context length; default ``initial_model_path``).
+        model_path: The served model (tokenizer and context length; default ``initial_model_path``).
     """
+    model_path = model_path or recipe.initial_model_path
     max_model_len = recipe.max_model_len
-    if max_model_len is None:
-        config = load_model_config(model_path or recipe.initial_model_path) or {}
+    if max_model_len is None and model_path:
+        config = load_model_config(model_path) or {}
         max_model_len = (config.get("text_config") or config).get("max_position_embeddings")
-    return conversation_kv_tokens(prompt_tokens(recipe, examples), recipe.max_tokens, recipe.max_turns, max_model_len)
+    prompt = prompt_tokens(recipe, examples, model_path)
+    return conversation_kv_tokens(prompt, recipe.max_tokens, recipe.max_turns, max_model_len)

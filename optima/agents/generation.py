@@ -305,7 +305,7 @@ def generate_conversations(
         monitor = KVMonitor(endpoints, recipe.api_key)
         in_flight = workers(recipe)
         if monitor.kv_tokens is not None:
-            in_flight = monitor.bound(in_flight, conversation_footprint(recipe, examples))
+            in_flight = monitor.bound(in_flight, conversation_footprint(recipe, examples, monitor.model))
         pool = ReplicaPool(endpoints, recipe)
         try:
             _run_jobs(runner_cls(recipe, plan, pool), jobs, out_path, stats, on_record, in_flight)

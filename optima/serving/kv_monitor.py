@@ -35,6 +35,21 @@ def fetch_metrics(base_url: str, api_key: str | None = None) -> list[tuple[str, 
     return parse_prometheus(response.text)
 
 
+def fetch_served_model(base_url: str, api_key: str | None = None) -> str | None:
+    """The model folder (or hub id) a vLLM server was started with (``root`` in ``/v1/models``); None if unknown."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = requests.get(f"{base_url.rstrip('/')}/models", headers=headers, timeout=METRICS_TIMEOUT_S)
+    except (requests.ConnectionError, requests.Timeout):
+        return None
+    if response.status_code != 200:
+        return None
+    models = response.json().get("data") or [{}]
+    return models[0].get("root")
+
+
 class KVMonitor:
     """KV capacity and prefix-cache counters of a set of replicas over one stage.
 
@@ -52,6 +67,9 @@ class KVMonitor:
         self.before = self._counters(scraped)
         self.in_flight: int | None = None
         self.per_conversation: int | None = None
+        # The served model names the tokenizer and context length of the footprint (an eval recipe may have no
+        # initial model); only needed when the KV size is known.
+        self.model = fetch_served_model(self.endpoints[0], api_key) if self.kv_tokens is not None else None
 
     def _counters(self, scraped) -> CacheCounters | None:
         if any(s is None for s in scraped):
