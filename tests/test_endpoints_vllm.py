@@ -29,8 +29,11 @@ PROMPT = [{"role": "user", "content": "Alice : what is 2 + 2 ? the answer is"}]
 
 
 def greedy(url: str) -> str:
-    """Sixteen greedy tokens of the fixed prompt (enough to tell two random models apart)."""
-    body = {"model": "optima", "messages": PROMPT, "temperature": 0, "max_tokens": 16, "seed": 0}
+    """Sixteen greedy tokens of the fixed prompt (enough to tell two random models apart).
+
+    ``ignore_eos``: a random tiny model often ends at once, and two empty replies tell nothing apart.
+    """
+    body = {"model": "optima", "messages": PROMPT, "temperature": 0, "max_tokens": 16, "seed": 0, "ignore_eos": True}
     response = requests.post(f"{url}/chat/completions", json=body, timeout=120)
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"]
