@@ -124,7 +124,7 @@ def test_lm_loss_backends_agree(tiny_servers, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     texts = ["Alice: the answer is 4 . <A> B </A>", "Bob: 2 + 2 = 4", "Alice: Bob : 1 2 3 4 5 6 7 8 9", "Bob: ."]
     urls = [s.spec.api_url for s in servers]
-    from_vllm = VLLMLossScorer(urls, recipe.served_model_name, tokenizer, recipe).score(texts)
+    from_vllm = VLLMLossScorer(urls, recipe.served_model_name, tokenizer, recipe, 4).score(texts)
     from_hf = HFLossScorer(str(tiny_model), tokenizer, batch_size=3).score(texts)
     assert all(loss > 0 for loss in from_hf)
     assert from_vllm == pytest.approx(from_hf, abs=1e-3)
