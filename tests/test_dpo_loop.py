@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from optima.serving.vllm_server import find_free_port
@@ -95,12 +96,14 @@ def check_dpo_stage(stage_dir: Path, checkpoint: Path, start: Path) -> None:
     assert is_complete(checkpoint) and read_completion(checkpoint)["train_rows"] >= 1
 
 
+@pytest.mark.slow  # ~2 min; the default suite keeps the iDPO run with a separate loss model
 def test_idpo_one_iteration(tiny_model, tmp_path):
     run = run_loop(tmp_path, tiny_model, "dpo")
     check_dpo_stage(run / "iteration_0", run / "checkpoints" / "iteration_0", tiny_model)
     assert yaml.safe_load((run / "iteration_0" / "trainer.yaml").read_text())["rpo_alpha"] == 1.0  # DPO + NLL
 
 
+@pytest.mark.slow  # ~3 min on 2 cores; the iSFT and iDPO parts run in the default suite
 def test_isft_dpo_one_iteration(tiny_model, tmp_path):
     run = run_loop(tmp_path, tiny_model, "sft_dpo")
     sft = run / "checkpoints" / "sft_iteration_0"

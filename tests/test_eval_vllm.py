@@ -50,6 +50,7 @@ def detach_driver_logs():
         handler.close()
 
 
+@pytest.mark.slow  # ~2 min on 2 cores
 def test_real_sweep_of_two_checkpoints_then_resume_without_servers(tiny_model, tmp_path, capsys):
     root = tmp_path / "checkpoints"
     for k in (0, 1):

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from optima.serving.vllm_server import find_free_port
@@ -79,6 +80,7 @@ def write_recipe(tmp_path: Path, model: Path, data_dir: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # ~80-120 s on 2 cores
 def test_every_information_exchange_task_runs_one_iteration(tiny_model, tmp_path):
     recipe = write_recipe(tmp_path, tiny_model, build_data_dir(tmp_path / "data"))
     argv = [sys.executable, str(REPO / "sft_script.py"), "--train_config_path", str(recipe)]
