@@ -24,6 +24,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "openai")
+DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
+
+
+def add_model_args(parser, data_dir: bool = True) -> None:
+    """``--model`` (default: the embedded SmolLM2 folder) and, with ``data_dir``, ``--data-dir`` (the samples)."""
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder or hub id (default: %(default)s)")
+    if data_dir:
+        default = os.environ.get("OPTIMA_DATA_DIR", str(REPO.parent / "shared" / "data"))
+        parser.add_argument("--data-dir", default=default, help="task data folder (default: %(default)s)")
 
 
 def read_status_kib(pid: int, field: str) -> int:

@@ -32,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchlib import add_model_args  # noqa: E402
+
 from optima.agents.generation import ConversationRunner, GenerationPlan, generate_conversations  # noqa: E402
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages  # noqa: E402
 from optima.config import InferenceRecipe, load_recipe  # noqa: E402
@@ -47,8 +49,7 @@ from optima.tasks import TASKS, Example  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
-    parser.add_argument("--data-dir", default=os.environ.get("OPTIMA_DATA_DIR", str(REPO.parent / "shared" / "data")))
+    add_model_args(parser)
     parser.add_argument("--task", default="arc", choices=sorted(TASKS), help="task whose train questions are used")
     parser.add_argument("--questions", type=int, default=12)
     parser.add_argument("--samples", type=int, default=2)

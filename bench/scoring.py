@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchlib import TreeMemorySampler, load_average, self_maxrss_mib  # noqa: E402
+from benchlib import TreeMemorySampler, add_model_args, load_average, self_maxrss_mib  # noqa: E402
 
 from optima.agents.prompts import Utterance, render_utterance  # noqa: E402
 from optima.lm_loss import build_loss_input  # noqa: E402
@@ -50,7 +50,7 @@ METHODS = ("vllm", "vllm_prefill", "hf", "original")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
+    add_model_args(parser, data_dir=False)
     parser.add_argument(
         "--generations", default=str(REPO / "runs" / "demo_arc_sft" / "iteration_1" / "generations.jsonl")
     )

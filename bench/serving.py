@@ -33,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchlib import add_model_args  # noqa: E402
+
 from optima.agents.generation import GenerationPlan, generate_conversations  # noqa: E402
 from optima.config import SFTRecipe, load_recipe  # noqa: E402
 from optima.environments import resolve_env  # noqa: E402
@@ -53,8 +55,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
-    parser.add_argument("--data-dir", default=os.environ.get("OPTIMA_DATA_DIR", str(REPO.parent / "shared" / "data")))
+    add_model_args(parser)
     parser.add_argument("--questions", type=int, default=12)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--threads", type=int, default=32)

@@ -34,7 +34,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchlib import TreeMemorySampler, load_average  # noqa: E402
+from benchlib import TreeMemorySampler, add_model_args, load_average  # noqa: E402
 
 from optima.environments import resolve_env  # noqa: E402
 from optima.training.launch_config import (  # noqa: E402
@@ -52,7 +52,7 @@ SIDES = ("ours", "plain")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
+    add_model_args(parser, data_dir=False)
     parser.add_argument("--dataset", default=str(REPO / "runs" / "demo_arc_sft" / "iteration_1" / "dataset"))
     parser.add_argument("--base-yaml", default=str(BASE_YAML))
     parser.add_argument("--max-steps", type=int, default=6)

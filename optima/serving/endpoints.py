@@ -35,8 +35,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from optima.serving.vllm_server import ServerStartupError
 from optima.serving.sleep_mode import reload_rpc
+from optima.serving.vllm_server import ServerStartupError
 
 logger = logging.getLogger(__name__)
 
