@@ -299,7 +299,12 @@ def build_compare_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help="the base model the baselines run on (a folder)")
     parser.add_argument(
-        "--methods", nargs="+", choices=BASELINES, default=list(BASELINES), help="baselines to run (default: all)"
+        "--methods",
+        nargs="+",
+        choices=(*BASELINES, "none"),
+        default=list(BASELINES),
+        help="baselines to run (default: all; 'none': only the --optima rows, e.g. one more checkpoint on the "
+        "questions of an earlier comparison)",
     )
     parser.add_argument(
         "--optima",
@@ -336,7 +341,8 @@ def run_compare_script(argv: list[str] | None) -> int:
         # The base model is also the fallback tokenizer of token counts (servers normally send usage).
         recipe = eval_recipe_from_args(MultiSCRecipe, args, flags, {"initial_model_path": args.model})
         settings = baseline_settings(args, recipe.num_samples, recipe.sc_temperature)
-        options = CompareOptions(tuple(dict.fromkeys(args.methods)), parse_optima_rows(args.optima), settings)
+        methods = tuple(dict.fromkeys(m for m in args.methods if m != "none"))
+        options = CompareOptions(methods, parse_optima_rows(args.optima), settings)
         if args.dry_run:
             emit(render_compare_plan(recipe, options))
             return 0

@@ -118,3 +118,32 @@ def assert_ran_what_the_dry_run_printed(script: Path, recipe: Path, run: Path) -
         for part in parts:
             ran += list(json.loads((part / "manifest.json").read_text())["stages"])
     assert planned and ran == planned, (ran, planned)
+
+
+def tiny_trainer_yaml(path: Path, model: Path, dataset: Path, output: Path, **extra) -> Path:
+    """A handbook-style trainer YAML for a tiny model on CPU (SFT keys; DPO tests add theirs in ``extra``)."""
+    import yaml
+
+    config = {
+        "model_name_or_path": str(model),
+        "dataset_name": str(dataset),
+        "output_dir": str(output),
+        "dtype": "float32",
+        "bf16": False,
+        "use_cpu": True,
+        "activation_checkpointing": False,
+        "per_device_train_batch_size": 2,
+        "max_steps": 3,
+        "learning_rate": 1.0e-2,
+        "lr_scheduler_type": "constant",
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "logging_steps": 1,
+        "report_to": "none",
+        "seed": 0,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+        "max_length": 64,
+    } | extra
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

@@ -257,3 +257,15 @@ def test_compare_dry_run_lists_every_row_and_starts_nothing(tmp_path, capsys):
     assert "[CoT] serve" in plan and "[MAD] serve" in plan and "[Optima-iDPO] serve" in plan
     assert "[CoT-SC]" not in plan and "MAD: 2 agents, 2 rounds" in plan
     assert not (tmp_path / "out").exists()
+
+
+def test_compare_with_methods_none_runs_only_the_optima_rows(tmp_path, capsys):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    argv = ["compare", "--model", str(tmp_path), "--dataset_type", "arc", "--methods", "none"]
+    argv += ["--optima", f"Optima-iSFT-DPO={checkpoint}", "--output_path", str(tmp_path / "out"), "--dry-run"]
+    assert optima_main(argv) == 0
+    plan = capsys.readouterr().out
+    assert "[Optima-iSFT-DPO] serve" in plan
+    assert not [label for label in ("[CoT]", "[CoT-SC]", "[MAD]", "[AutoForm]") if label in plan]

