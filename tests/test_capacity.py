@@ -92,10 +92,11 @@ def test_an_explicit_budget_wins(tmp_path):
 @pytest.mark.parametrize(
     ("prompt", "max_tokens", "max_turns", "max_model_len", "expected"),
     [
-        (900, 256, 6, 8192, 2 * (900 + 6 * 256)),  # HotpotQA, the issue's command
-        (250, 256, 6, 8192, 2 * (250 + 6 * 256)),  # ARC: short prompts
-        (900, 2000, 10, 8192, 2 * 8192),  # the original's budgets: a view never outgrows the context
-        (900, 2000, 10, None, 2 * (900 + 20000)),
+        (900, 256, 6, 8192, 2 * 900 + 6 * 256),  # HotpotQA: both prompts cached, the speaker's history resident
+        (250, 256, 6, 8192, 2 * 250 + 6 * 256),  # ARC: short prompts
+        (900, 2000, 10, 8192, 8192 + 900),  # the original's budgets: a view never outgrows the context
+        (900, 2000, 10, None, 2 * 900 + 20000),
+        (9000, 10, 2, 8192, 2 * 8192),  # a prompt longer than the context is cut to it
     ],
 )
 def test_conversation_kv_tokens(prompt, max_tokens, max_turns, max_model_len, expected):
@@ -168,7 +169,7 @@ def test_footprint_renders_each_task_prompt(tmp_path, make_recipe):
     short = arc_examples(3)
     long = [dataclasses.replace(e, question=e.question + " and" * 500) for e in short]
     assert 0 < prompt_tokens(recipe, short) < prompt_tokens(recipe, long)
-    assert conversation_footprint(recipe, long) == 2 * (prompt_tokens(recipe, long) + 20)
+    assert conversation_footprint(recipe, long) == 2 * prompt_tokens(recipe, long) + 20
     # Without a loadable tokenizer the estimate falls back to characters (never fewer tokens than the words).
     fallback = make_recipe(tokenizer_first_path=str(tmp_path / "missing"))
     assert prompt_tokens(fallback, long) >= 500
@@ -244,7 +245,7 @@ def test_each_turn_extends_the_previous_prompt_of_its_view(task, speaker):
 
 def test_footprint_of_an_eval_recipe_without_initial_model(tmp_path, make_recipe):
     """The sweep's recipe may name no initial model: the served model's folder gives tokenizer and context."""
-    from optima.agents.footprint import conversation_footprint
+    from optima.agents.footprint import conversation_footprint, prompt_tokens
     from tests.helpers import arc_examples
     from tests.tiny_model import build_tiny_tokenizer
 
@@ -252,5 +253,6 @@ def test_footprint_of_an_eval_recipe_without_initial_model(tmp_path, make_recipe
     (tmp_path / "served" / "config.json").write_text('{"max_position_embeddings": 100}')
     recipe = make_recipe(initial_model_path=None, max_tokens=10, max_turns=2)
     assert recipe.initial_model_path is None
-    assert conversation_footprint(recipe, arc_examples(2), str(tmp_path / "served")) == 2 * 100  # capped by context
+    served = conversation_footprint(recipe, arc_examples(2), str(tmp_path / "served"))
+    assert served == 100 + min(prompt_tokens(recipe, arc_examples(2), str(tmp_path / "served")), 100)  # capped
     assert conversation_footprint(recipe, arc_examples(2)) > 2 * 20  # nothing known: characters, no cap

@@ -154,6 +154,27 @@ def test_the_loss_server_lives_across_policy_models_and_stops_with_the_run(tmp_p
     assert len(server_log_lines(stage.server_log(0))) == 2  # the policy: once per model
 
 
+def test_a_running_loss_server_is_not_counted_again_in_the_policys_kv_budget(tmp_path, monkeypatch):
+    """Iteration 0: both servers start together and split the memory; later the loss server's memory is gone from
+    ``MemAvailable`` already, so the new policy sizes its cache as the only server starting."""
+    from optima.serving import vllm_server
+
+    asked = []
+    monkeypatch.setattr(
+        vllm_server, "resolve_cpu_kvcache_gb", lambda explicit, model, servers: asked.append(servers) or 1
+    )
+    recipe = sft_recipe(tmp_path)
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")
+    holder._layout = plan_layout(recipe, [], [0, 1])
+    stage = RunPaths.from_recipe(recipe).stage(0)
+    with holder:
+        holder.endpoints("/models/base", stage)
+        assert asked == [2, 2]  # the loss server, then the policy: two starting side by side
+        holder.close()
+        holder.endpoints("/ckpt/iteration_0", stage)
+        assert asked == [2, 2, 1]
+
+
 def test_an_error_stops_the_loss_server_too(tmp_path):
     recipe = sft_recipe(tmp_path)
     holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")

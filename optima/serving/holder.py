@@ -140,13 +140,18 @@ class ServerHolder:
             return self.urls
         self.stop_policy()
         loss = self.loss if not self.recipe.endpoints else None
+        # A loss server that starts now may not listen yet (its port is kept free) and holds no memory yet (the
+        # policy's KV budget leaves room for it); one that runs already is neither.
+        starting: tuple[int, ...] = ()
         if loss is not None:
+            running = bool(loss.ports)
             loss.start()  # loads while the policy loads (CPU); on a shared GPU the policy waits for it below
+            starting = () if running else loss.ports
             if not self.layout.loss.on_cpu and self.layout.loss.gpus == self.layout.policy[0].gpus[:1]:
                 loss.urls()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
         stack = contextlib.ExitStack()
         # The planned placements always: they carry the sleep-mode flag that opens vLLM's reload routes.
-        layout = (self.layout.policy, loss.ports if loss is not None else ())
+        layout = (self.layout.policy, starting)
         self.urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
         self._stack, self.model = stack, model
         return self.urls
