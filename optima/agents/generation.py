@@ -289,8 +289,8 @@ def generate_conversations(
     stats = GenerationStats(requested=len(examples) * plan.samples)
     stats.already_done = stats.requested - len(jobs)
     logger.info(
-        "iteration %d | generate (%s) | %d questions x %d | %d to do, %d done | %d endpoints | T=%.2f%s",
-        plan.iteration,
+        "%sgenerate (%s) | %d questions x %d | %d to do, %d done | %d endpoints | T=%.2f%s",
+        f"iteration {plan.iteration} | " if plan.iteration >= 0 else "",  # evaluation runs have no iteration
         plan.stage,
         len(examples),
         plan.samples,
