@@ -11,6 +11,7 @@ from optima.tasks import Example
 
 ARC = Example(id="q", task="arc", question="2 + 2?", answer="B", score_type="choice", options=(("A", "3"), ("B", "4")))
 GSM = Example(id="g", task="gsm8k", question="2 + 2?", answer="4", score_type="number")
+HOTPOT = Example("h", "hotpot_qa", "Where do the Niles meet?", "Khartoum", "f1", ("Lake Tana.",), ("Khartoum.",))
 LIMITS = TurnLimits(max_turns=6, max_tokens=20)
 
 
@@ -120,3 +121,17 @@ def test_answer_openings_are_prefilled_and_kept():
     (_, alice_messages), (_, bob_messages) = generate.seen[0], generate.seen[1]
     assert alice_messages[-1] == {"role": "assistant", "content": "<A>"}
     assert bob_messages[-1]["role"] == "user"
+
+
+def test_information_exchange_prefills_answers_only_after_both_agents_shared():
+    """QA pre-fill: turns 0 and 1 exchange information freely; from turn 2 both agents' replies open with <A>."""
+    from optima.agents.prompts import AGENT_NAMES, role_prompt
+
+    roles = [role_prompt("hotpot_qa", name) for name in AGENT_NAMES]
+    assert [(r.answer_opening, r.answer_from_turn) for r in roles] == [("<A>", 2), ("<A>", 2)]
+    generate = Scripted("Alice: Tana feeds the Blue Nile", "Bob: it meets the White Nile at Khartoum",
+                        "Khartoum</A>", "Khartoum</A> agreed")  # fmt: skip
+    result = run(HOTPOT, generate, answer_openings=("<A>", "<A>"), answer_from_turn=2)
+    assert [u.text for u in result.utterances][2:] == ["<A>Khartoum</A>", "<A>Khartoum</A> agreed"]
+    assert [messages[-1]["role"] for _, messages in generate.seen] == ["user", "user", "assistant", "assistant"]
+    assert result.final_answer == "Khartoum" and result.stop_reason == "same_answer"

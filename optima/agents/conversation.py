@@ -14,8 +14,9 @@ instead:
 * ``error``: a request failed for good (``RequestFailed``); the message is kept in ``error``.
 
 Answer pre-fill (``answer_openings``, format bootstrapping for small models at iteration 0): the agent's reply is
-started with its role's answer opening (``<A>`` for a multiple-choice solver) as a final assistant message that the
-server continues; the stored utterance is the opening plus the continuation.
+started with its role's answer opening (``<A>`` for a multiple-choice solver, and for both information-exchange
+agents from turn ``answer_from_turn`` = 2 on, once each has shared its information) as a final assistant message
+that the server continues; the stored utterance is the opening plus the continuation.
 
 Token accounting (docs/method.md#token-count): each utterance counts the server's ``usage.completion_tokens`` (the
 model's own tokenizer, the name prefix the model wrote included), or ``count_tokens(text)`` when the server sent no
@@ -90,6 +91,7 @@ def run_conversation(
     count_tokens: CountTokens | None = None,
     task: Task | None = None,
     answer_openings: Sequence[str] = ("", ""),
+    answer_from_turn: int = 0,
 ) -> ConversationResult:
     """Run one two-agent conversation.
 
@@ -101,13 +103,14 @@ def run_conversation(
         count_tokens: Token counter used when a reply carries no ``completion_tokens``.
         task: The example's task (looked up from ``example.task`` when None).
         answer_openings: (Alice's, Bob's) reply openings to pre-fill ("" for none).
+        answer_from_turn: The first turn (0-based, over both agents) whose reply is pre-filled.
     """
     task = task or get_task(example.task)
     result, tracker = ConversationResult(), AnswerTracker()
     for turn in range(limits.max_turns):
         speaker = AGENT_NAMES[turn % 2]
         messages = build_agent_messages(example, speaker, result.utterances, system_prompts[turn % 2], task)
-        opening = answer_openings[turn % 2]
+        opening = answer_openings[turn % 2] if turn >= answer_from_turn else ""
         if opening:
             messages.append({"role": "assistant", "content": opening})
         try:

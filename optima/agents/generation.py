@@ -213,10 +213,12 @@ class ConversationRunner:
             replica = reply.replica  # after a failover the rest of the conversation stays on the new replica
             return reply
 
-        openings = tuple(
-            role_prompt(task, name).answer_opening if self.plan.prefill_answer else "" for name in AGENT_NAMES
+        roles = [role_prompt(task, name) for name in AGENT_NAMES]
+        openings = tuple(role.answer_opening if self.plan.prefill_answer else "" for role in roles)
+        from_turn = min((role.answer_from_turn for role in roles if role.answer_opening), default=0)
+        result = run_conversation(
+            job.example, prompts, generate, self.limits, self.count_tokens, task, openings, from_turn
         )
-        result = run_conversation(job.example, prompts, generate, self.limits, self.count_tokens, task, openings)
         if result.replica is None:
             result.replica = replica
         return self.build_record(job, prompts, result), result.generated_tokens

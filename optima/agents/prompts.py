@@ -45,7 +45,9 @@ class RolePrompt:
 
     `reminder` closes the first user turn with the answer format in one line: small models follow the last user
     line far more than the system prompt (SmolLM2-135M wrote no answer tag in 144 replies without it).
-    `answer_opening` is what a reply starts with when generation pre-fills the answer (`prefill_answer`).
+    `answer_opening` is what a reply starts with when generation pre-fills the answer (`prefill_answer`), from
+    conversation turn `answer_from_turn` on (0: every reply; information exchange waits until both agents have
+    shared their information once, so that the pre-filled answers follow an exchange instead of replacing it).
     """
 
     intro: str
@@ -53,6 +55,7 @@ class RolePrompt:
     example: str
     reminder: str = ""
     answer_opening: str = ""
+    answer_from_turn: int = 0
 
     def render(self, name: str, partner: str, extra_rule: str | None = None) -> str:
         """Return the system prompt for agent `name`, optionally with one more rule (a format-pool entry).
@@ -85,6 +88,8 @@ QA_PROMPT = RolePrompt(
     ),
     example="${name}: Lake Tana -> source of Blue Nile; Blue Nile joins White Nile at Khartoum. <A>Khartoum</A>",
     reminder="Share what helps, briefly. Once you know the answer, write it as <A>answer</A>.",
+    answer_opening="<A>",
+    answer_from_turn=2,
 )
 
 CHOICE_SOLVER_PROMPT = RolePrompt(
