@@ -34,8 +34,11 @@ class ServerLayout:
 
 
 def loss_server_wanted(recipe) -> bool:
-    """Whether the run keeps a vLLM server of the loss model beside the policy (launched servers only)."""
-    served = recipe.cal_ppl and recipe.loss_backend == "vllm"
+    """Whether the run keeps a vLLM server of the loss model beside the policy (launched servers only).
+
+    Evaluation recipes have no reward, so no loss model: never.
+    """
+    served = getattr(recipe, "cal_ppl", False) and recipe.loss_backend == "vllm"
     return bool(served and recipe.loss_placement == "beside" and not recipe.endpoints)
 
 
