@@ -3,11 +3,11 @@
 Every run here is ``alignment-handbook/scripts/run_{sft,dpo}.py`` under ``accelerate launch`` with 2 processes
 (gloo), built by ``TrainLaunch`` and run by ``run_training`` as a pipeline stage does, on the tiny Llama:
 
-* DeepSpeed ZeRO-3 (where ``deepspeed`` is importable) and an FSDP config, which accelerate runs unsharded on
-  CPU processes (the trainer warns; see ``SHARDING_ON_CPU``): the checkpoint holds the full
-  weights, equal to those of a plain data-parallel 2-process run with the same seed and data (every rank holds
-  every weight there, so nothing can be lost) and different from the start; the completion marker counts the
-  tensors checked.
+* An FSDP config, which accelerate runs unsharded on CPU processes (the trainer warns; see ``SHARDING_ON_CPU``):
+  the checkpoint holds the full weights, equal to those of a plain data-parallel 2-process run with the same seed
+  and data (every rank holds every weight there, so nothing can be lost) and different from the start; the
+  completion marker counts the tensors checked. DeepSpeed ZeRO-3 (where ``deepspeed`` is importable) runs the same
+  checks as a strict expected failure: on CPU ranks accelerate 1.15 and DeepSpeed disagree on the world size.
 * A run killed after it saved ``checkpoint-N`` resumes from it (``save_strategy: steps`` +
   ``resume_from_checkpoint: true``) and ends with the weights of a run that was never interrupted.
 * Only rank 0 writes the final checkpoint; no rank writes into the dataset folder

@@ -54,7 +54,7 @@ def reload_rpc(weights_path: str, timeout_s: float | None = None) -> dict:
 
 def sleep_requests(model_path: str | None = None, gpu: bool = True) -> list[tuple[str, list, dict | None]]:
     """The (path, query parameters, JSON body) sequence: ``model_path=None`` to sleep, else to wake with it."""
-    reload = ("/collective_rpc", [], reload_rpc(str(model_path)))
+    reload = ("/collective_rpc", [], reload_rpc(model_path))
     if not gpu:
         return [] if model_path is None else [reload, ("/reset_prefix_cache", [], None)]
     if model_path is None:
