@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, new_weights_id
 
-COMPLETE_MARKER = "optima_complete.json"
+logger = logging.getLogger(__name__)
 
 
 def resolve_attn_implementation(requested: str, warn: bool = True) -> str:
@@ -134,7 +134,8 @@ def save_checkpoint(trainer: Any, tokenizer: Any, output_dir: str, metrics: dict
     if trainer.accelerator.is_main_process:
         tensors = verify_saved_weights(Path(output_dir))
         logger.info("checkpoint | %d tensors verified in %s", tensors, output_dir)
-        Path(output_dir, COMPLETE_MARKER).write_text(json.dumps(metrics | {"tensors": tensors}, indent=2) + "\n")
+        marker = metrics | {"tensors": tensors, WEIGHTS_ID_KEY: new_weights_id()}
+        Path(output_dir, COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         remove_trainer_checkpoints(Path(output_dir))
     trainer.accelerator.wait_for_everyone()
 

@@ -1,0 +1,43 @@
+"""Model identity: a checkpoint's weights id, a marker-less folder's hash, a hub name (optima/identity.py)."""
+
+from __future__ import annotations
+
+import json
+
+from optima.identity import COMPLETE_MARKER, model_identity, new_weights_id
+
+
+def write_model(folder, weights: bytes = b"\x00" * 64):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 16}))
+    (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
+def test_marker_weights_id_wins_and_changes_when_redone(tmp_path):
+    folder = write_model(tmp_path / "ckpt")
+    first, second = new_weights_id(), new_weights_id()
+    assert first != second
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"weights_id": first}))
+    assert model_identity(folder) == first
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"weights_id": second}))  # the stage redone in place
+    assert model_identity(folder) == second
+
+
+def test_folder_without_marker_hashes_its_weights(tmp_path):
+    a = model_identity(write_model(tmp_path / "a"))
+    assert a.startswith("sha256:")
+    assert model_identity(write_model(tmp_path / "b")) == a  # same files elsewhere: same identity
+    assert model_identity(write_model(tmp_path / "c", b"\x01" * 64)) != a
+    assert model_identity(tmp_path / "a") == a  # stable
+
+
+def test_marker_without_id_falls_back_to_the_hash(tmp_path):
+    folder = write_model(tmp_path / "old")
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"train_rows": 3}))
+    assert model_identity(folder).startswith("sha256:")
+
+
+def test_hub_name_is_its_own_identity(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert model_identity("meta-llama/Meta-Llama-3-8B-Instruct") == "meta-llama/Meta-Llama-3-8B-Instruct"
