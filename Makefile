@@ -5,8 +5,8 @@
 #   make gpu-check  on one NVIDIA GPU: set up, one iSFT + one iDPO iteration (bf16, ZeRO-3), reload, PASS/FAIL
 PYTHON ?= python3
 TRAIN_PY := .venvs/train/bin/python
-OPTIMA_DATA_DIR ?= $(abspath ../shared/data)
-export OPTIMA_DATA_DIR
+# Data: the demos, tests and benchmarks read the samples in data/ (data/README.md); OPTIMA_DATA_DIR=<folder> in
+# the environment points the tests and benchmarks at another copy.
 
 .PHONY: setup test test-slow lint demo demo-hotpot bench gpu-check
 
