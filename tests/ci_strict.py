@@ -43,13 +43,15 @@ def fail_if_missing(report) -> None:
         report.longrepr = f"CI is set, so a skip for a missing part of the set-up fails the run: {reason}"
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    outcome = yield
-    fail_if_missing(outcome.get_result())
+    report = yield
+    fail_if_missing(report)
+    return report
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector):
-    outcome = yield
-    fail_if_missing(outcome.get_result())
+    report = yield
+    fail_if_missing(report)
+    return report
