@@ -31,7 +31,7 @@ def add_model_args(parser, data_dir: bool = True) -> None:
     """``--model`` (default: the embedded SmolLM2 folder) and, with ``data_dir``, ``--data-dir`` (the samples)."""
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder or hub id (default: %(default)s)")
     if data_dir:
-        default = os.environ.get("OPTIMA_DATA_DIR", str(REPO.parent / "shared" / "data"))
+        default = os.environ.get("OPTIMA_DATA_DIR") or str(REPO / "data")
         parser.add_argument("--data-dir", default=default, help="task data folder (default: %(default)s)")
 
 

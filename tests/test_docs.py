@@ -19,6 +19,8 @@ SCRIPTS = ("sft_script", "dpo_script", "sft_dpo_script", "inference_script", "mu
 # Spelled in pieces so that this file does not match itself.
 _FILES = "|".join(name + r"\.md" for name in ("SPEC", "ENVIRONMENT", "STYLE"))
 EXTERNAL = re.compile(rf"({_FILES}|\bSPEC(?: section)? \d|\bpitfall \d)")
+# A folder beside the repository (spelled in pieces so that this file does not match itself).
+OUTSIDE = re.compile(r"\.\./" + "shared|/work/" + "shared|" + '"shar' + 'ed" / "data"')
 DOC_REF = re.compile(r"docs/(method|cpu)\.md#([A-Za-z0-9_-]+)")
 DIFF_REF = re.compile(r"docs/method\.md,?\s+((?:D\d+(?:,\s*|\s+and\s+)?)+)")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".txt", ".toml", ".cfg", ".jinja", ".json", ".sh"}
@@ -80,6 +82,51 @@ def test_no_file_cites_documents_outside_the_repository():
             if EXTERNAL.search(line):
                 hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not hits, "cite docs/method.md or docs/cpu.md instead:\n" + "\n".join(hits)
+
+
+def test_no_file_names_a_folder_beside_the_repository():
+    assert OUTSIDE.search("data_dir: .." + "/shared/data") and OUTSIDE.search('REPO.parent / "sha' + 'red" / "data"')
+    hits = []
+    for path in tracked_text_files():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line):
+                hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not hits, "read the repository's data/ (or $OPTIMA_DATA_DIR) instead:\n" + "\n".join(hits)
+
+
+def test_every_dataset_sample_carries_its_licence_and_source():
+    folders = sorted(p for p in (REPO / "data").iterdir() if p.is_dir())
+    assert {p.name for p in folders} >= {"arc_challenge", "hotpotqa", "gsm8k", "math", "mmlu", "cbt"}
+    for folder in folders:
+        source = (folder / "SOURCE.md").read_text()
+        assert "**In this repository:**" in source and re.search(r"licen[cs]e", source, re.I), folder.name
+    assert all(f"`{p.name}/`" in (REPO / "data/README.md").read_text() for p in folders)
+
+
+# Each make target that states a time, and the recipe that states it too.
+TIMED_TARGETS = {"demo": "train/sft_recipes/demo_arc.yaml", "demo-hotpot": "train/sft_recipes/demo_hotpot_qa.yaml",
+                 "test": None}  # fmt: skip
+
+
+def stated_minutes(text: str, target: str) -> set[str]:
+    """The "about N min" of every line naming `make <target>` (or of the line after it, for wrapped lines)."""
+    lines = text.splitlines()
+    found = set()
+    for number, line in enumerate(lines):
+        if re.search(rf"make {re.escape(target)}(?![\w-])", line):
+            window = line + " " + (lines[number + 1] if number + 1 < len(lines) else "")
+            found |= set(re.findall(r"make [\w-]+(?:(?!make ).)*?about (\d+) min", window)[:1])
+    return found
+
+
+def test_readme_makefile_and_recipes_state_one_time_per_target():
+    makefile, readme = (REPO / "Makefile").read_text(), (REPO / "README.md").read_text()
+    assert stated_minutes("x make demo: about 3 min\n", "demo") == {"3"} and not stated_minutes("make demo", "test")
+    for target, recipe in TIMED_TARGETS.items():
+        (minutes,) = stated_minutes(makefile, target)
+        assert stated_minutes(readme, target) == {minutes}, target
+        if recipe:
+            assert f"about {minutes} min" in (REPO / recipe).read_text().split("\n", 3)[1], recipe
 
 
 def test_every_docs_reference_resolves():

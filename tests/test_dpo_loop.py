@@ -19,11 +19,12 @@ import yaml
 from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
 from optima.training.common import is_complete, read_completion
+from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import requires_vllm
 from tests.helpers import assert_ran_what_the_dry_run_printed
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or REPO.parent / "shared" / "data")
+DATA = resolve_test_data_dir()
 HANDBOOK = REPO / "alignment-handbook/recipes/smollm2-135m"
 pytestmark = requires_vllm
 TRAINER = {"max_steps": 2, "per_device_train_batch_size": 2, "learning_rate": 1e-3, "max_length": 256}

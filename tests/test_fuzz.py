@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
-from pathlib import Path
 
 import pytest
 import yaml
@@ -36,13 +35,13 @@ from optima.tasks import TASKS, Example, get_task
 from optima.tasks.answers import normalize_final_answer, parse_boxed, parse_math_answer, parse_tag
 from optima.tasks.math_equiv import MathVerifier, canonical_answer, fast_equivalence, numeric_value
 from optima.tasks.scoring import AnswerTracker, ScoreContext, score_by_type, score_example
-from tests._task_fixtures import echo_check
+from tests._task_fixtures import echo_check, resolve_test_data_dir
 
 # No example database: nothing is written into the source tree (a failure prints its reproducing example).
 FAST = settings(
     max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+DATA = resolve_test_data_dir()
 
 # ---------------------------------------------------------------- recipe loader
 

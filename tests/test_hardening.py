@@ -39,12 +39,13 @@ from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks import select_questions as slice_questions
 from optima.training.common import is_complete
+from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import requires_vllm
 from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply
 from tests.helpers import arc_examples, child_groups, count_lines, wait_for, with_default_signals
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or REPO.parent / "shared" / "data")
+DATA = resolve_test_data_dir()
 VLLM_ENV = REPO / ".venvs" / "vllm"
 SFT_BASE = REPO / "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml"
 FAKE_ENV = PythonEnv("fake", "python", (sys.executable, str(Path(__file__).with_name("fake_vllm.py"))))

@@ -24,10 +24,11 @@ import pytest
 import yaml
 
 from optima.serving.vllm_server import find_free_port
+from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import requires_vllm
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or REPO.parent / "shared" / "data")
+DATA = resolve_test_data_dir()
 TRAIN_FILES = {
     "hotpotqa/train.jsonl": "hotpotqa/train.jsonl",
     "2wikimultihopqa/train.jsonl": "2wikimultihopqa/train.jsonl",

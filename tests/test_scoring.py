@@ -37,7 +37,7 @@ HUGE = 100_000
 def data_dir():
     path = resolve_test_data_dir()
     if not path.is_dir():
-        pytest.skip(f"shared data samples not found at {path} (set OPTIMA_DATA_DIR)")
+        pytest.skip(f"dataset samples not found at {path} (the repository's data/, or OPTIMA_DATA_DIR)")
     return path
 
 

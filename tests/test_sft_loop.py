@@ -22,11 +22,12 @@ import yaml
 from optima.serving.processes import group_members
 from optima.serving.vllm_server import find_free_port
 from optima.training.common import is_complete
+from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import requires_vllm
 from tests.helpers import assert_ran_what_the_dry_run_printed, child_groups, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or REPO.parent / "shared" / "data")
+DATA = resolve_test_data_dir()
 pytestmark = requires_vllm
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from optima.agents.generation import generate_conversations, plan_generation
@@ -14,10 +11,11 @@ from optima.serving import serve
 from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
 from optima.tasks import TASKS
+from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import SMOLLM2, requires_smollm2, requires_vllm
 from tests.helpers import build_test_recipe
 
-DATA_DIR = Path(os.environ.get("OPTIMA_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+DATA_DIR = resolve_test_data_dir()
 
 pytestmark = [pytest.mark.slow, requires_vllm, requires_smollm2]
 

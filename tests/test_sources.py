@@ -13,15 +13,15 @@ are read too; other files fail with a message that says how to convert them.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 from optima.tasks import DataError, get_task
+from tests._task_fixtures import resolve_test_data_dir
 
-DATA = Path(os.environ.get("OPTIMA_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+DATA = resolve_test_data_dir()
 ROWS_PER_SPLIT = 24
 
 

@@ -24,7 +24,7 @@ from tests._task_fixtures import REPO_ROOT, resolve_test_data_dir
 def data_dir():
     path = resolve_test_data_dir()
     if not path.is_dir():
-        pytest.skip(f"shared data samples not found at {path} (set OPTIMA_DATA_DIR)")
+        pytest.skip(f"dataset samples not found at {path} (the repository's data/, or OPTIMA_DATA_DIR)")
     return path
 
 
@@ -33,25 +33,25 @@ def no_data_env(monkeypatch):
     monkeypatch.delenv("OPTIMA_DATA_DIR", raising=False)
 
 
-# (task, split, rows in /work/shared/data; see each SOURCE.md)
+# (task, split, rows in the repository's data/; see data/README.md and each SOURCE.md)
 SPLIT_COUNTS = [
     ("hotpot_qa", "train", 300),
-    ("hotpot_qa", "validation", 210),
+    ("hotpot_qa", "validation", 60),
     ("mwh_qa", "train", 6),
-    ("mwh_qa", "dev", 500),
-    ("trival_qa", "validation", 500),
+    ("mwh_qa", "dev", 60),
+    ("trival_qa", "validation", 100),
     ("cbt", "train", 1),
     ("cbt", "test", 1),
     ("cbt_ne", "validation", 1),
     ("cbt_ne", "test", 1),
-    ("gsm8k", "train", 2000),
-    ("gsm8k", "test", 500),
-    ("math", "train", 1998),  # two training solutions end in an empty \boxed{}
-    ("math", "test", 500),
+    ("gsm8k", "train", 200),
+    ("gsm8k", "test", 100),
+    ("math", "train", 200),
+    ("math", "test", 100),
     ("arc", "train", 1056),
     ("arc", "test", 500),
-    ("mmlu", "auxiliary_train", 1789),  # 2000 minus 211 questions that are also in ARC-Challenge train
-    ("mmlu", "test", 500),
+    ("mmlu", "auxiliary_train", 257),  # 286 minus 29 questions that are also in ARC-Challenge train
+    ("mmlu", "test", 100),
 ]
 
 
@@ -141,7 +141,7 @@ def test_trivia_closed_book_is_logged_once_per_load(data_dir, caplog):
     with caplog.at_level(logging.INFO, logger="optima.tasks"):
         examples = get_task("trivia_qa").load("validation", data_dir=data_dir)
     lines = [record.getMessage() for record in caplog.records if "closed-book" in record.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("trival_qa split validation: 500 of 500 questions have no evidence")
+    assert len(lines) == 1 and lines[0].startswith("trival_qa split validation: 100 of 100 questions have no evidence")
     assert isinstance(examples[0].answer, tuple) and examples[0].answer[0] == "Lauren Bacall"
 
 
@@ -163,7 +163,7 @@ def test_mmlu_train_drops_arc_overlap(data_dir):
         for example in get_task("arc").load("train", data_dir=data_dir)
     }
     assert not any(normalize_question(question_stem(example.question)) in arc for example in mmlu)
-    assert mmlu[0].id == "auxiliary_train-0" and mmlu[-1].id == "auxiliary_train-1998"
+    assert mmlu[0].id == "auxiliary_train-0" and mmlu[-1].id == "auxiliary_train-285"
 
 
 def test_mmlu_without_arc_data_keeps_everything(tmp_path, data_dir, caplog):
@@ -172,7 +172,7 @@ def test_mmlu_without_arc_data_keeps_everything(tmp_path, data_dir, caplog):
         (data_dir / "mmlu/auxiliary_train.jsonl").read_text(encoding="utf-8")
     )
     with caplog.at_level(logging.WARNING):
-        assert len(get_task("mmlu").load_train(data_dir=tmp_path)) == 2000
+        assert len(get_task("mmlu").load_train(data_dir=tmp_path)) == 286
     assert "ARC overlap not removed" in caplog.text
 
 
@@ -185,7 +185,7 @@ def test_eval_size(task_name, available, expected):
 
 
 def test_load_eval_uses_eval_split(data_dir):
-    assert len(get_task("hotpot_qa").load_eval(data_dir=data_dir)) == 210
+    assert len(get_task("hotpot_qa").load_eval(data_dir=data_dir)) == 60
     assert len(get_task("arc").load_eval(data_dir=data_dir)) == 500
 
 
@@ -213,7 +213,7 @@ def test_missing_folder_and_bad_rows(tmp_path):
 
 def test_data_dir_comes_from_the_environment(data_dir, monkeypatch):
     monkeypatch.setenv("OPTIMA_DATA_DIR", str(data_dir))
-    assert len(get_task("gsm8k").load("test")) == 500
+    assert len(get_task("gsm8k").load("test")) == 100
 
 
 def test_local_only_task_without_data_dir_says_so(no_data_env):
@@ -318,7 +318,7 @@ def test_mix_interleaves_round_robin(data_dir):
     mix = MixTask([get_task("cbt"), get_task("hotpot_qa")], name="mix_test")
     examples = mix.load_eval(data_dir=data_dir)
     assert [example.task for example in examples[:3]] == ["cbt", "hotpot_qa", "hotpot_qa"]
-    assert len(examples) == 1 + 210 and examples[0].id == "cbt:test-0"
+    assert len(examples) == 1 + 60 and examples[0].id == "cbt:test-0"
     assert len(mix.load("train", data_dir=data_dir)) == 1 + 300
     with pytest.raises(ValueError, match="family"):
         MixTask([get_task("cbt"), get_task("gsm8k")])
