@@ -80,13 +80,12 @@ def resolve_envs(vllm_env: str | None, alignment_env: str | None = None, train: 
 
 def expected_failures() -> tuple[type[BaseException], ...]:
     """Failures that end a run with one clear message instead of a traceback (each names what to look at)."""
-    from optima.manifest import StaleStageError
     from optima.pipeline import NothingSelected
     from optima.serving import NoReplicaLeft, ServerStartupError
     from optima.tasks import DataError
     from optima.training.launch import TrainingError
 
-    return (NothingSelected, StaleStageError, ServerStartupError, NoReplicaLeft, DataError, TrainingError)
+    return (NothingSelected, ServerStartupError, NoReplicaLeft, DataError, TrainingError)
 
 
 def guarded(body: Callable[[], int]) -> int:
