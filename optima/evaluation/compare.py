@@ -168,8 +168,8 @@ def compare_rows(recipe, envs: dict[str, PythonEnv], options: CompareOptions) ->
     rows = plan_rows(recipe, options)
     session = EvalSession(recipe, envs, examples)
     by_model: dict[Path, list[Row]] = {}
-    for row in rows:
-        by_model.setdefault(row.model_path, []).append(row)
+    for row in rows:  # one server per model folder, however its path was written
+        by_model.setdefault(row.model_path.resolve(), []).append(row)
     logger.info(
         "compare | %s | %d questions | %d rows | %d models",
         recipe.dataset_type,
