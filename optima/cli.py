@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from optima.config import RecipeError, load_recipe
@@ -80,13 +81,12 @@ def resolve_envs(vllm_env: str | None, alignment_env: str | None = None, train: 
 
 def expected_failures() -> tuple[type[BaseException], ...]:
     """Failures that end a run with one clear message instead of a traceback (each names what to look at)."""
-    from optima.manifest import StaleStageError
     from optima.pipeline import NothingSelected
     from optima.serving import NoReplicaLeft, ServerStartupError
     from optima.tasks import DataError
     from optima.training.launch import TrainingError
 
-    return (NothingSelected, StaleStageError, ServerStartupError, NoReplicaLeft, DataError, TrainingError)
+    return (NothingSelected, ServerStartupError, NoReplicaLeft, DataError, TrainingError)
 
 
 def guarded(body: Callable[[], int]) -> int:
@@ -175,9 +175,18 @@ def add_eval_args(parser: argparse.ArgumentParser, device_span: int) -> None:
 
 
 def add_debate_args(parser: argparse.ArgumentParser) -> None:
-    """The shape of the MAD baseline."""
-    parser.add_argument("--mad_agents", type=int, default=2, help="debating agents of MAD (default 2)")
-    parser.add_argument("--mad_rounds", type=int, default=2, help="revision rounds of MAD after the first answers")
+    """The shape of the MAD baseline (the paper's: 3 agents, 2 rounds, after Du et al.)."""
+    parser.add_argument("--mad_agents", type=int, default=3, help="debating agents of MAD (default 3)")
+    parser.add_argument(
+        "--mad_rounds", type=int, default=2, help="revision rounds of MAD after the first answers (default 2)"
+    )
+    parser.add_argument(
+        "--mad_context",
+        choices=("whole", "split"),
+        default="whole",
+        help="information-exchange tasks: every debater reads the whole context (default), or agent i reads "
+        "half i mod 2, as Optima's and AutoForm's two agents do (docs/method.md#baselines)",
+    )
 
 
 def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentParser:
@@ -189,7 +198,8 @@ def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentPars
         parser.add_argument("--temperature", type=float, help="sampling temperature (default 0.5)")
         parser.add_argument("--num_samples", type=int, help="conversations per question (default 50)")
         baseline_help = (
-            "also run a baseline on the same model and questions (repeatable): cot = CoT (greedy) and CoT-SC "
+            "also run a baseline on the same questions on the base model (--base_model_path, else the run's "
+            "initial_model_path; repeatable): cot = CoT (greedy) and CoT-SC "
             "(num_samples answers), mad = multi-agent debate at the temperature, autoform = num_samples AutoForm "
             "conversations"
         )
@@ -223,12 +233,13 @@ def eval_recipe_from_args(recipe_cls: type, args: argparse.Namespace, flags: dic
     return load_recipe(recipe_cls, args.config, values, check_paths=not args.dry_run)
 
 
-def baseline_settings(args: argparse.Namespace, samples: int = 4, temperature: float = 0.5):
+def baseline_settings(args: argparse.Namespace, samples: int = 8, temperature: float = 0.5):
     """Sampling and debate settings of the baselines from the flags."""
     from optima.evaluation.debate import DebateSettings
     from optima.evaluation.methods import BaselineSettings
 
-    return BaselineSettings(samples, temperature, DebateSettings(args.mad_agents, args.mad_rounds))
+    debate = DebateSettings(args.mad_agents, args.mad_rounds, args.mad_context)
+    return BaselineSettings(samples, temperature, debate)
 
 
 def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:
@@ -279,12 +290,15 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
 
 COMPARE_DESCRIPTION = r"""Baselines and Optima checkpoints on the same questions, in one table and one plot.
 
-    python -m optima compare --model models/SmolLM2-135M-Instruct --dataset_type arc --limit 40 \
-        --optima Optima-iSFT=runs/demo_arc_sft/checkpoints/iteration_1
+    python -m optima compare --model models/SmolLM2-135M-Instruct --tasks arc,gsm8k --limit 40 \
+        --optima Optima-iSFT=runs/demo_arc_sft/checkpoints/iteration_1 --optima_sc 8
 
-The base model is served once for all baselines (CoT, CoT-SC, MAD, AutoForm); each --optima checkpoint is served
-in turn and holds Optima's conversation greedily. Each method's results resume on their own. Writes
-comparison.md/.csv/.json/.png in the output folder. Add --dry-run to print what would run.
+The base model is served once for all baselines (CoT, CoT-SC with 8 samples, MAD with 3 agents and 2 rounds,
+AutoForm); each --optima checkpoint is served in turn and holds Optima's conversation greedily (and, with
+--optima_sc K, K sampled conversations, majority-voted). Each method's results resume on their own and are
+recomputed when what produced them changed. Writes comparison.md/.csv/.json/.png in the output folder; with
+--tasks, one folder per task and the methods x tasks table table.md/.csv/.json/.png. Add --dry-run to print what
+would run.
 """
 
 
@@ -311,10 +325,15 @@ def build_compare_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=CHECKPOINT",
-        help="an Optima row: NAME in the table, CHECKPOINT a model folder (repeatable)",
+        help="an Optima row: NAME in the table, CHECKPOINT a model folder (repeatable); TASK:NAME=CHECKPOINT "
+        "puts it in that task's table only",
     )
-    parser.add_argument("--output_path", help="output folder (default runs/compare_<dataset_type>)")
-    parser.add_argument("--samples", type=int, help="answers per question of CoT-SC (default 4)")
+    parser.add_argument(
+        "--optima_sc", type=int, default=0, metavar="K", help="also K sampled conversations per Optima row, voted"
+    )
+    parser.add_argument("--tasks", help="comma-separated tasks, e.g. arc,gsm8k: the methods x tasks table")
+    parser.add_argument("--output_path", help="output folder (default runs/compare_<task>[_<task>...])")
+    parser.add_argument("--samples", type=int, help="answers per question of CoT-SC (default 8)")
     parser.add_argument("--temperature", type=float, help="sampling temperature of CoT-SC and MAD (default 0.5)")
     add_debate_args(parser)
     add_eval_args(parser, SC_DEVICE_SPAN)  # one model, as multi_sc_data_generate_script.py
@@ -327,29 +346,59 @@ def run_compare_script(argv: list[str] | None) -> int:
     setup_logging()
 
     def body() -> int:
-        from optima.config import MultiSCRecipe
-        from optima.config.fields import resolve_path
-        from optima.evaluation.compare import CompareOptions, parse_optima_rows, render_compare_plan, run_compare
+        from optima.evaluation.compare import CompareOptions, parse_optima_rows, render_compare_plan
 
-        if not args.dataset_type and not args.config:
-            raise RecipeError("dataset_type", "required (--dataset_type or a --config recipe)")
-        flags = {"model": "model_root_path", "output_path": "output_root_path"}
-        flags |= {"samples": "num_samples", "temperature": "sc_temperature"}
-        args.samples = 4 if args.samples is None else args.samples
-        if args.output_path is None and args.dataset_type:
-            args.output_path = resolve_path(f"runs/compare_{args.dataset_type}")
-        # The base model is also the fallback tokenizer of token counts (servers normally send usage).
-        recipe = eval_recipe_from_args(MultiSCRecipe, args, flags, {"initial_model_path": args.model})
-        settings = baseline_settings(args, recipe.num_samples, recipe.sc_temperature)
+        tasks = compare_tasks(args)
+        recipes = [compare_recipe(args, task, len(tasks) > 1 or bool(args.tasks)) for task in tasks]
+        settings = baseline_settings(args, recipes[0].num_samples, recipes[0].sc_temperature)
         methods = tuple(dict.fromkeys(m for m in args.methods if m != "none"))
-        options = CompareOptions(methods, parse_optima_rows(args.optima), settings)
+        options = CompareOptions(methods, parse_optima_rows(args.optima), settings, args.optima_sc)
         if args.dry_run:
-            emit(render_compare_plan(recipe, options))
+            emit("\n".join(render_compare_plan(recipe, options) for recipe in recipes))
             return 0
-        emit(run_compare(recipe, resolve_envs(args.vllm_env, train=False), options))
+        envs = resolve_envs(args.vllm_env, train=False)
+        if args.tasks:
+            from optima.evaluation.compare import run_compare_tasks
+
+            emit(run_compare_tasks(recipes, envs, options, Path(args.output_path)))
+        else:
+            from optima.evaluation.compare import run_compare
+
+            emit(run_compare(recipes[0], envs, options))
         return 0
 
     return guarded(body)
+
+
+def compare_tasks(args: argparse.Namespace) -> list[str | None]:
+    """The tasks of ``compare``: ``--tasks a,b`` or ``--dataset_type`` (None: the ``--config`` recipe's)."""
+    from optima.config.fields import resolve_path
+
+    if args.tasks and args.dataset_type:
+        raise RecipeError("tasks", "give --tasks or --dataset_type, not both")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else [args.dataset_type]
+    if args.tasks and (not tasks or len(set(tasks)) != len(tasks)):
+        raise RecipeError("tasks", f"expected distinct comma-separated task names, got {args.tasks!r}")
+    if tasks == [None] and not args.config:
+        raise RecipeError("dataset_type", "required (--tasks, --dataset_type or a --config recipe)")
+    if args.output_path is None and tasks != [None]:
+        args.output_path = resolve_path("runs/compare_" + "_".join(tasks))
+    return tasks
+
+
+def compare_recipe(args: argparse.Namespace, task: str | None, own_folder: bool):
+    """The ``MultiSCRecipe`` of one task of ``compare`` (in ``<output>/<task>/`` with ``own_folder``)."""
+    from optima.config import MultiSCRecipe
+
+    flags = {"model": "model_root_path", "output_path": "output_root_path"}
+    flags |= {"samples": "num_samples", "temperature": "sc_temperature"}
+    values = {"initial_model_path": args.model}  # also the fallback tokenizer of token counts
+    task_args = argparse.Namespace(**vars(args))
+    task_args.samples = 8 if args.samples is None else args.samples
+    task_args.dataset_type = task
+    if own_folder:
+        task_args.output_path = str(Path(args.output_path) / task)
+    return eval_recipe_from_args(MultiSCRecipe, task_args, flags, values)
 
 
 def run_report_command(run_dir) -> int:

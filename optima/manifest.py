@@ -1,10 +1,15 @@
-"""Per-iteration stage manifest: resume at the first unfinished stage (docs/method.md D4).
+"""Per-iteration stage manifest: resume at the first unfinished stage (docs/method.md D4, #resume).
 
 The original treated "the trainer YAML exists" as "trained", even after a crash. Here each stage appends an entry
-to ``manifest.json`` only after it succeeded: its name, a hash of the recipe fields it depends on, its counts and
+to ``manifest.json`` only after it succeeded: its name, its key (a hash of the recipe fields it depends on, those
+fields' values, and the identities of what it reads: the models, the files, the stage before it), its counts and
 metrics, and its wall time. A rerun skips finished stages (and reuses their results); a finished run is a no-op;
-a stage whose fields changed is redone with every stage after it. The file is replaced atomically, so a kill
-never leaves it half written.
+a stage whose key changed is redone with every stage after it, with a warning that names what changed. The outputs
+of a redone sampling stage are moved aside, not deleted. The file is replaced atomically, so a kill never leaves
+it half written.
+
+Entries written before stages recorded their inputs (no ``inputs`` key) are judged by their fields alone, then
+upgraded with the current inputs, so an existing run keeps resuming.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.store import write_json
@@ -22,14 +28,57 @@ from optima.store import write_json
 logger = logging.getLogger(__name__)
 
 
+def _digest(payload) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def field_values(recipe, names: tuple[str, ...]) -> dict:
+    """The JSON form of the values of ``names`` in ``recipe``."""
+    return json.loads(json.dumps({name: getattr(recipe, name, None) for name in names}, default=str))
+
+
 def fields_hash(recipe, names: tuple[str, ...]) -> str:
     """Hash of the values of ``names`` in ``recipe`` (what one stage's output depends on)."""
-    values = {name: getattr(recipe, name, None) for name in names}
-    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _digest({name: getattr(recipe, name, None) for name in names})
 
 
-class StaleStageError(RuntimeError):
-    """A finished stage whose recipe fields changed and that cannot be redone in place."""
+@dataclass(frozen=True)
+class StageKey:
+    """What one stage's output depends on.
+
+    Args:
+        config_hash: ``fields_hash`` of the stage's recipe fields.
+        fields: Those fields' values (to name the ones that changed).
+        inputs: Identity of each thing the stage reads: models, files, and ``previous stage`` (the key of the
+            stage before it, across parts and iterations), so that a change upstream reaches every later stage.
+            None: not known (only the fields are recorded and compared).
+    """
+
+    config_hash: str
+    fields: dict = field(default_factory=dict)
+    inputs: dict | None = None
+
+    @property
+    def identity(self) -> str:
+        """One hash of the whole key (what the next stage records as its ``previous stage``)."""
+        return _digest({"config_hash": self.config_hash, "inputs": self.inputs})
+
+    def changes(self, entry: dict) -> list[str]:
+        """What differs between this key and a recorded manifest entry, one phrase per change (empty: none)."""
+        reasons = []
+        if entry.get("config_hash") != self.config_hash:
+            old = entry.get("fields")
+            if old is None:
+                reasons.append("recipe fields changed")
+            else:
+                names = sorted(n for n in set(old) | set(self.fields) if old.get(n) != self.fields.get(n))
+                reasons += [f"{n}: {old.get(n)!r} -> {self.fields.get(n)!r}" for n in names] or ["recipe fields"]
+        if "inputs" in entry and self.inputs is not None:
+            old = entry["inputs"]
+            for name in sorted(set(old) | set(self.inputs)):
+                if old.get(name) != self.inputs.get(name):
+                    reasons.append(f"{name}: {old.get(name)} -> {self.inputs.get(name)}")
+        return reasons
 
 
 class Manifest:
@@ -37,11 +86,12 @@ class Manifest:
 
     Args:
         path: ``<iteration folder>/manifest.json``.
-        hashes: Per stage, the hash of the recipe fields its output depends on.
+        keys: Per stage, its ``StageKey`` (or just its fields hash: no inputs).
     """
 
-    def __init__(self, path: Path, hashes: dict[str, str]):
-        self.path, self.hashes = path, hashes
+    def __init__(self, path: Path, keys: dict[str, StageKey | str]):
+        self.path = path
+        self.keys = {name: key if isinstance(key, StageKey) else StageKey(key) for name, key in keys.items()}
         self.entries: dict[str, dict] = json.loads(path.read_text())["stages"] if path.exists() else {}
 
     def done(self, stage: str) -> bool:
@@ -54,35 +104,51 @@ class Manifest:
         write_json(self.path, {"stages": self.entries})
 
     def invalidate_changed(
-        self, order: list[str], outputs: dict[str, list[Path]], refuse: tuple[str, ...] = ()
-    ) -> None:
-        """Forget (and delete the outputs of) the first finished stage whose fields changed, and every later one.
+        self, order: list[str], outputs: dict[str, list[Path]], keep: tuple[str, ...] = ()
+    ) -> list[str]:
+        """Forget the first finished stage whose key changed, and every later one; return the stages forgotten.
 
         Args:
             order: Stage names in execution order.
-            outputs: Files and folders each stage writes.
-            refuse: Stages that must not be redone in place (raise ``StaleStageError`` instead).
+            outputs: Files and folders each stage writes (deleted, or moved aside for ``keep``).
+            keep: Stages whose outputs are costly samples: moved aside (``<name>.replaced-<n>``), not deleted.
         """
+        upgraded = False
         for index, stage in enumerate(order):
             entry = self.entries.get(stage)
-            if entry is None or entry.get("config_hash") == self.hashes[stage]:
+            if entry is None:
                 continue
-            if stage in refuse:
-                raise StaleStageError(
-                    f"{self.path.parent}: the {stage} stage finished with other recipe values; "
-                    "use a new output_dir, or delete this iteration folder to redo it"
-                )
+            reasons = self.keys[stage].changes(entry)
+            if not reasons:
+                if "inputs" not in entry and self.keys[stage].inputs is not None:
+                    # Written before inputs were recorded: take them as they are now.
+                    entry |= self._key_fields(stage)
+                    upgraded = True
+                continue
             later = order[index:]
-            logger.warning("%s: recipe fields of stage %s changed; redoing %s", self.path, stage, ", ".join(later))
+            logger.warning(
+                "%s: stage %s must be redone (%s); redoing %s", self.path, stage, "; ".join(reasons), ", ".join(later)
+            )
             for name in later:
                 self.entries.pop(name, None)
-                remove_outputs(outputs.get(name, []))
+                for path in outputs.get(name, []):
+                    if name in keep:
+                        set_aside(path)
+                    else:
+                        remove_outputs([path])
             self._save()
-            return
+            return later
+        if upgraded:
+            self._save()
+        return []
+
+    def _key_fields(self, stage: str) -> dict:
+        key = self.keys[stage]
+        known = {"inputs": key.inputs, "identity": key.identity} if key.inputs is not None else {}
+        return {"config_hash": key.config_hash, "fields": key.fields} | known
 
     def record(self, stage: str, result: dict, elapsed_s: float) -> None:
-        self.entries[stage] = {
-            "config_hash": self.hashes[stage],
+        self.entries[stage] = self._key_fields(stage) | {
             "result": result,
             "elapsed_s": round(elapsed_s, 2),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -105,9 +171,21 @@ class Manifest:
 
 
 def remove_outputs(paths: list[Path]) -> None:
-    """Delete stage outputs that a recipe change made stale."""
+    """Delete stage outputs that a change made stale."""
     for path in paths:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def set_aside(path: Path) -> Path | None:
+    """Move a stale output to ``<name>.replaced-<n>`` (the first free n) and return where; None if absent."""
+    if not path.exists():
+        return None
+    number = 1
+    while (target := path.with_name(f"{path.name}.replaced-{number}")).exists():
+        number += 1
+    path.rename(target)
+    logger.warning("%s: kept as %s", path, target.name)
+    return target

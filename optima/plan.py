@@ -38,8 +38,10 @@ class StageDef:
         describe: What ``--dry-run`` shows about it.
         nothing_to_train: For the stage that builds the training set: why its result leaves nothing to train on
             (None when something is left).
-        redo_in_place: False for the stages whose output a changed recipe must not overwrite (the samples of a
-            finished run): the run stops and asks for a new ``output_dir`` instead.
+        reads: What it reads besides its fields (``optima.stage_identity.READERS``: models, files); their
+            identities, with the key of the stage before it, are part of its key in the manifest.
+        set_aside: True for the stages whose outputs are costly samples: when redone, the old ones are moved
+            aside (``<name>.replaced-<n>``) instead of deleted.
     """
 
     name: str
@@ -48,7 +50,8 @@ class StageDef:
     run: Callable[[StageCall], dict]
     describe: Callable[[StageCall], dict]
     nothing_to_train: Callable[[Any, dict], str | None] | None = None
-    redo_in_place: bool = True
+    reads: tuple[str, ...] = ()
+    set_aside: bool = False
 
 
 def _describe_generate(call: StageCall) -> dict:
@@ -124,12 +127,15 @@ SFT_STAGES = (
     StageDef(
         "generate",
         stage_fields("generate", SFTRecipe),
-        ("generations",),
+        ("generations", "losses"),
         sft.generate,
         _describe_generate,
-        redo_in_place=False,
+        reads=("served model", "prompt pool"),
+        set_aside=True,
     ),
-    StageDef("score", stage_fields("score", SFTRecipe), ("rewarded",), sft.score, _describe_score),
+    StageDef(
+        "score", stage_fields("score", SFTRecipe), ("rewarded",), sft.score, _describe_score, reads=("loss model",)
+    ),
     StageDef(
         "select",
         stage_fields("select", SFTRecipe),
@@ -138,12 +144,35 @@ SFT_STAGES = (
         _describe_select,
         nothing_to_train=sft.nothing_kept,
     ),
-    StageDef("train", stage_fields("train", SFTRecipe), (CHECKPOINT,), sft.train, lambda c: _describe_train(c, "sft")),
+    StageDef(
+        "train",
+        stage_fields("train", SFTRecipe),
+        (CHECKPOINT,),
+        sft.train,
+        lambda c: _describe_train(c, "sft"),
+        reads=("start model", "SFT trainer YAML"),
+    ),
 )
 # iDPO (docs/method.md#idpo): probe T_max, tree search, mine preference pairs, DPO.
 DPO_STAGES = (
-    StageDef("probe", stage_fields("probe", DPORecipe), ("probe",), dpo.probe, _describe_probe, redo_in_place=False),
-    StageDef("search", stage_fields("search", DPORecipe), ("rollouts",), dpo.search, _describe_search),
+    StageDef(
+        "probe",
+        stage_fields("probe", DPORecipe),
+        ("probe",),
+        dpo.probe,
+        _describe_probe,
+        reads=("served model",),
+        set_aside=True,
+    ),
+    StageDef(
+        "search",
+        stage_fields("search", DPORecipe),
+        ("rollouts",),
+        dpo.search,
+        _describe_search,
+        reads=("served model", "loss model"),
+        set_aside=True,
+    ),
     StageDef(
         "pairs",
         stage_fields("pairs", DPORecipe),
@@ -152,7 +181,14 @@ DPO_STAGES = (
         _describe_pairs,
         nothing_to_train=dpo.nothing_kept,
     ),
-    StageDef("train", stage_fields("train", DPORecipe), (CHECKPOINT,), dpo.train, lambda c: _describe_train(c, "dpo")),
+    StageDef(
+        "train",
+        stage_fields("train", DPORecipe),
+        (CHECKPOINT,),
+        dpo.train,
+        lambda c: _describe_train(c, "dpo"),
+        reads=("start model", "DPO trainer YAML"),
+    ),
 )
 # The parts of one iteration of each method, in order: (part name, its stages). iSFT-DPO (docs/method.md#isft-dpo)
 # runs a whole iSFT part, then a DPO part from its checkpoint; each part has its own folder, manifest and checkpoint.

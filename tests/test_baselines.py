@@ -143,7 +143,7 @@ def test_debates_through_the_fake_server_record_every_reply_and_its_tokens(tmp_p
         # token_count: the server's completion tokens (one per word here) of all six replies.
         words = sum(len(u["text"].split()) for u in record["utterances"])
         assert record["token_count"] == words == sum(u["tokens"] for u in record["utterances"])
-        assert record["debate"] == {"agents": 2, "rounds": 2} and record["stage"] == "mad"
+        assert record["debate"] == {"agents": 2, "rounds": 2, "context": "whole"} and record["stage"] == "mad"
     # Rerun: complete, nothing sent.
     with FakeOpenAIServer(respond=debating_reply) as again:
         generate_debates(recipe, examples, [again.base_url], out, plan, DebateSettings(2, 2))
@@ -194,8 +194,8 @@ def test_compare_writes_one_table_plot_and_csv_and_resumes(tmp_path, capsys):
         (tmp_path / "base").mkdir()
         assert optima_main(argv) == 0
         sent = len(server.requests)
-        # 4 questions: CoT 1 + CoT-SC 3 answers, MAD 2 agents x 3 replies, AutoForm and Optima 3 utterances each.
-        assert sent == 4 * (1 + 3 + 6 + 3 + 3)
+        # 4 questions: CoT 1 + CoT-SC 3 answers, MAD 3 agents x 3 replies, AutoForm and Optima 3 utterances each.
+        assert sent == 4 * (1 + 3 + 9 + 3 + 3)
         assert optima_main(argv) == 0  # every file complete: nothing sent again
         assert len(server.requests) == sent
     table = capsys.readouterr().out
@@ -207,7 +207,7 @@ def test_compare_writes_one_table_plot_and_csv_and_resumes(tmp_path, capsys):
     # ARC rows: "B) 4" is right for half of the questions; CoT-SC costs its three answers' tokens.
     assert float(rows["CoT"]["accuracy"]) == 0.5 and float(rows["CoT"]["answer_rate"]) == 1.0
     assert float(rows["CoT-SC"]["mean_tokens"]) == 3 * float(rows["CoT"]["mean_tokens"])
-    assert float(rows["MAD"]["mean_tokens"]) == 6 * float(rows["CoT"]["mean_tokens"])
+    assert float(rows["MAD"]["mean_tokens"]) == 9 * float(rows["CoT"]["mean_tokens"])
     summary = json.loads((out / "comparison.json").read_text())
     assert summary["metric"] == "accuracy" and summary["settings"]["samples"] == 3 and summary["questions"] == 4
     assert (out / "comparison.md").read_text().startswith("| method | model | questions | accuracy |")
@@ -219,7 +219,7 @@ def test_compare_writes_one_table_plot_and_csv_and_resumes(tmp_path, capsys):
 def test_compare_rejects_a_bad_optima_row(tmp_path, capsys):
     argv = ["compare", "--model", str(tmp_path), "--dataset_type", "arc", "--optima", "nameless", "--dry-run"]
     assert optima_main(argv) == 2
-    assert "expected NAME=CHECKPOINT" in capsys.readouterr().err
+    assert "expected [TASK:]NAME=CHECKPOINT" in capsys.readouterr().err
     argv[-2] = f"X={tmp_path / 'missing'}"
     assert optima_main(argv) == 2
     assert "not a model folder" in capsys.readouterr().err
@@ -255,7 +255,7 @@ def test_compare_dry_run_lists_every_row_and_starts_nothing(tmp_path, capsys):
     assert optima_main(argv) == 0
     plan = capsys.readouterr().out
     assert "[CoT] serve" in plan and "[MAD] serve" in plan and "[Optima-iDPO] serve" in plan
-    assert "[CoT-SC]" not in plan and "MAD: 2 agents, 2 rounds" in plan
+    assert "[CoT-SC]" not in plan and "MAD: 3 agents, 2 rounds" in plan
     assert not (tmp_path / "out").exists()
 
 

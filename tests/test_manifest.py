@@ -1,4 +1,4 @@
-"""Stage manifests: finished stages are skipped, changed recipe fields redo a stage and the ones after it."""
+"""Stage manifests: finished stages are skipped, a changed key (fields or inputs) redoes a stage and the later ones."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from optima.manifest import Manifest, StaleStageError, fields_hash
+from optima.manifest import Manifest, StageKey, fields_hash
 
 ORDER = ["generate", "score", "select", "train"]
 
@@ -50,11 +50,33 @@ def test_changed_fields_redo_the_stage_and_later_ones(tmp_path):
     assert outputs["score"][0].exists() and not outputs["select"][0].exists() and not outputs["train"][0].exists()
 
 
-def test_changed_generation_settings_are_refused(tmp_path):
+def test_redone_samples_are_moved_aside_not_deleted(tmp_path):
+    out = tmp_path / "generations.jsonl"
+    out.write_text("old\n")
     Manifest(tmp_path / "manifest.json", hashes()).run("generate", lambda: {})
     changed = Manifest(tmp_path / "manifest.json", hashes(generate="other"))
-    with pytest.raises(StaleStageError, match="use a new output_dir"):
-        changed.invalidate_changed(ORDER, {}, refuse=("generate",))
+    assert changed.invalidate_changed(ORDER, {"generate": [out]}, keep=("generate",)) == ORDER
+    assert not out.exists() and (tmp_path / "generations.jsonl.replaced-1").read_text() == "old\n"
+
+
+def key(model: str, epsilon: float = 0.5) -> StageKey:
+    return StageKey(f"h{epsilon}", {"initial_epsilon": epsilon}, {"served model": model})
+
+
+def test_the_warning_names_what_changed(tmp_path, caplog):
+    Manifest(tmp_path / "manifest.json", {"select": key("w1")}).run("select", lambda: {})
+    changed = Manifest(tmp_path / "manifest.json", {"select": key("w2", 0.7)})
+    with caplog.at_level("WARNING"):
+        assert changed.invalidate_changed(["select"], {}) == ["select"]
+    assert "initial_epsilon: 0.5 -> 0.7" in caplog.text and "served model: w1 -> w2" in caplog.text
+
+
+def test_entries_without_inputs_are_judged_by_their_fields_and_upgraded(tmp_path):
+    Manifest(tmp_path / "manifest.json", {"select": "h0.5"}).run("select", lambda: {"n": 1})
+    upgraded = Manifest(tmp_path / "manifest.json", {"select": key("w1")})
+    assert upgraded.invalidate_changed(["select"], {}) == [] and upgraded.result("select") == {"n": 1}
+    assert json.loads((tmp_path / "manifest.json").read_text())["stages"]["select"]["inputs"] == {"served model": "w1"}
+    assert Manifest(tmp_path / "manifest.json", {"select": key("w2")}).invalidate_changed(["select"], {}) == ["select"]
 
 
 def test_fields_hash_depends_only_on_named_fields():

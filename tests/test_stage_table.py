@@ -23,7 +23,9 @@ TRAIN_ENV = PythonEnv(sys.executable, "python", (sys.executable,))
 CLASSES = {"sft": SFTRecipe, "dpo": DPORecipe, "sft_dpo": SFTDPORecipe}
 
 # The field lists the stages had before the table derived them from the recipe fields: a finished run directory
-# must keep resuming (its manifest hashes these fields), so the derived lists must not drift.
+# must keep resuming (its manifest hashes these fields), so the derived lists must not drift. What a stage reads
+# besides its fields (the model it samples from, e.g. iDPO's probe from initial_model_path) is part of its key
+# through its inputs (optima.stage_identity; tests/test_resume_inputs.py).
 SFT_BEFORE = {
     "generate": {"dataset_type", "data_dir", "seed", "temperature", "max_turns", "max_tokens", "served_model_name",
                  "initial_model_path", "sample_count", "explore_count", "temperature_iteration0", "use_prompt_pool",

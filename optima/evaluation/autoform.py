@@ -13,6 +13,7 @@ from pathlib import Path
 
 from optima.agents.generation import ConversationRunner, GenerationPlan, GenerationStats, Job, generate_conversations
 from optima.agents.prompts import AGENT_NAMES, build_system_prompt
+from optima.evaluation.fingerprint import conversation_prompts
 from optima.tasks import Example, Task
 
 AUTOFORM_RULE = (
@@ -25,6 +26,11 @@ AUTOFORM_RULE = (
 def autoform_prompts(task: Task | str) -> tuple[str, str]:
     """(Alice's, Bob's) system prompts: the base role prompts plus the non-natural-language format rule."""
     return tuple(build_system_prompt(task, name, AUTOFORM_RULE) for name in AGENT_NAMES)
+
+
+def autoform_request_texts(example: Example) -> list:
+    """The texts an AutoForm conversation sends for ``example`` (its prompt version)."""
+    return conversation_prompts(example, autoform_prompts(example.task))
 
 
 class AutoFormRunner(ConversationRunner):

@@ -2,13 +2,19 @@
 
 The base model is served once for every baseline it runs (CoT, CoT-SC, MAD, AutoForm; ``optima.evaluation.methods``),
 then each ``--optima NAME=CHECKPOINT`` is served in turn and holds Optima's conversation greedily (as the sweep
-does). Every method's file resumes on its own: a rerun regenerates only what is missing and starts no server for a
-model whose files are complete. Then, in the output folder:
+does), and with ``--optima_sc K`` also K sampled conversations per question, majority-voted (the paper's
+Optima + SC rows). Every method's file resumes on its own, and records what produced it
+(``optima.evaluation.fingerprint``): a rerun regenerates only what is missing, starts no server for a model whose
+files are complete, and recomputes a file whose producer changed. Then, in the output folder:
 
-    <model>.<method>.jsonl   one record per answer, debate or conversation (``<NAME>.optima.jsonl`` for checkpoints)
+    <model>.<method>.jsonl   one record per answer, debate or conversation (``<NAME>.optima.jsonl`` for checkpoints,
+                             ``<NAME>.optima_sc.jsonl`` for their samples), with ``<file>.producer.json`` beside it
     comparison.json          {"task", "metric", "questions", "settings", "rows": [...]}
     comparison.csv / .md     one row per method: task metric, answer rate, tokens per question, failure rates
     comparison.png           task metric and answer rate against tokens per question, one point per method
+
+With ``--tasks a,b,...`` each task gets its own folder ``<output>/<task>/`` with those files, and the methods x
+tasks table joins them (``optima.evaluation.task_table``: ``table.md/.csv/.json/.png``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
+from optima.evaluation.fingerprint import digest, read_producer
 from optima.evaluation.methods import BASELINES, LABELS, ROW_COLUMNS, BaselineSettings, method_job, method_row
 from optima.evaluation.metrics import RecordScorer, metric_names
 from optima.evaluation.report import plot_comparison, render_markdown_table, render_table, write_csv, write_json
@@ -32,10 +39,19 @@ from optima.evaluation.runs import (
     prepare_output,
 )
 from optima.store import atomic_write_text, load_records
-from optima.tasks import get_task
+from optima.tasks import TASKS, get_task
 from optima.tasks.math_equiv import MathVerifier
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OptimaRow:
+    """A trained checkpoint's row: its name in the table, its folder, and the task it is for (None: every task)."""
+
+    name: str
+    path: Path
+    task: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,34 +60,43 @@ class CompareOptions:
 
     Args:
         methods: Baselines run on the base model, in table order.
-        optima: (row name, checkpoint folder) of each Optima row.
-        settings: Samples and temperature of the sampled baselines, shape of the debate.
+        optima: The Optima rows.
+        settings: Samples and temperature of the sampled methods, shape of the debate.
+        optima_sc: Sampled conversations per question of each Optima row's self-consistency row (0: none).
     """
 
     methods: tuple[str, ...] = BASELINES
-    optima: tuple[tuple[str, Path], ...] = ()
+    optima: tuple[OptimaRow, ...] = ()
     settings: BaselineSettings = field(default_factory=BaselineSettings)
+    optima_sc: int = 0
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in BASELINES]
         if unknown:
             raise RecipeError("methods", f"unknown {unknown}; choose from {BASELINES}")
-        names = [name for name, _ in self.optima]
-        if len(set(names)) != len(names) or set(names) & set(BASELINES):
-            raise RecipeError("optima", f"row names must be unique and differ from the baselines, got {names}")
-        for name, path in self.optima:
-            if not (Path(path) / "config.json").is_file():
-                raise RecipeError("optima", f"{name}={path}: not a model folder (no config.json)")
+        keys = [(row.task, row.name) for row in self.optima]
+        names = {row.name for row in self.optima}
+        if len(set(keys)) != len(keys) or names & {*BASELINES, *(LABELS[m] for m in BASELINES)}:
+            raise RecipeError("optima", f"row names must be unique and differ from the baselines, got {keys}")
+        for row in self.optima:
+            if row.task is not None and row.task not in TASKS:
+                raise RecipeError("optima", f"{row.task}:{row.name}: unknown task {row.task!r}")
+            if not (Path(row.path) / "config.json").is_file():
+                raise RecipeError("optima", f"{row.name}={row.path}: not a model folder (no config.json)")
+        if self.optima_sc < 0:
+            raise RecipeError("optima_sc", f"must be >= 0, got {self.optima_sc}")
 
 
-def parse_optima_rows(items: Sequence[str]) -> tuple[tuple[str, Path], ...]:
-    """``NAME=CHECKPOINT`` strings -> (name, path) pairs."""
+def parse_optima_rows(items: Sequence[str]) -> tuple[OptimaRow, ...]:
+    """``[TASK:]NAME=CHECKPOINT`` strings -> Optima rows (with a task prefix: that task's table only)."""
     rows = []
     for item in items:
         name, sep, path = item.partition("=")
+        task, colon, plain = name.partition(":")
+        name = plain if colon else name
         if not sep or not name.strip() or not path.strip():
-            raise RecipeError("optima", f"expected NAME=CHECKPOINT, got {item!r}")
-        rows.append((name.strip(), Path(path.strip())))
+            raise RecipeError("optima", f"expected [TASK:]NAME=CHECKPOINT, got {item!r}")
+        rows.append(OptimaRow(name.strip(), Path(path.strip()), task.strip() if colon else None))
     return tuple(rows)
 
 
@@ -86,13 +111,18 @@ class Row:
 
 
 def plan_rows(recipe, options: CompareOptions) -> list[Row]:
-    """The rows in table order: the baselines on the base model, then the Optima checkpoints."""
-    out_root, base = Path(recipe.output_root_path), Path(recipe.model_root_path)
-    rows = [
-        Row(LABELS[m], base.name, base, method_job(m, out_root, base.name, options.settings)) for m in options.methods
-    ]
-    for name, path in options.optima:
-        rows.append(Row(name, Path(path).name, Path(path), method_job("optima", out_root, name, options.settings)))
+    """The rows in table order: the baselines on the base model, then the Optima checkpoints (and their SC)."""
+    out_root, base, s = Path(recipe.output_root_path), Path(recipe.model_root_path), options.settings
+    rows = [Row(LABELS[m], base.name, base, method_job(m, out_root, base.name, s)) for m in options.methods]
+    sc = dataclasses.replace(s, samples=options.optima_sc or 1)
+    for optima in options.optima:
+        if optima.task not in (None, recipe.dataset_type):
+            continue
+        path = Path(optima.path)
+        rows.append(Row(optima.name, path.name, path, method_job("optima", out_root, optima.name, s)))
+        if options.optima_sc:
+            job = method_job("optima_sc", out_root, optima.name, sc)
+            rows.append(Row(f"{optima.name} SC", path.name, path, job))
     return rows
 
 
@@ -103,7 +133,8 @@ def render_compare_plan(recipe, options: CompareOptions) -> str:
     lines = [
         f"Optima comparison plan: {recipe.dataset_type}, {questions} questions of the eval split",
         f"  CoT-SC: {s.samples} samples at T={s.temperature}; MAD: {s.debate.agents} agents, "
-        f"{s.debate.rounds} rounds at T={s.temperature}",
+        f"{s.debate.rounds} rounds at T={s.temperature}, {s.debate.context} context"
+        + (f"; Optima SC: {options.optima_sc} samples" if options.optima_sc else ""),
     ]
     lines += [f"  [{row.label}] serve {row.model_path} -> {row.job.out_path}" for row in plan_rows(recipe, options)]
     return "\n".join(lines)
@@ -122,21 +153,23 @@ def write_comparison(out_root: Path, task: str, rows: list[dict], header: dict) 
     return render_table(rows, columns, title=f"Comparison | {task} | {metric} | {out_root}")
 
 
-def run_compare(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> str:
-    """Generate every row's file (resuming), score them, write the comparison; return the table.
+def settings_header(options: CompareOptions) -> dict:
+    """The sampling settings and debate shape, as the reports record them."""
+    s = options.settings
+    return {"samples": s.samples, "temperature": s.temperature, "optima_sc": options.optima_sc} | dataclasses.asdict(
+        s.debate
+    )
 
-    Args:
-        recipe: A validated ``MultiSCRecipe`` (``model_root_path`` is the base model; serving fields, ``limit``).
-        envs: ``{"vllm": PythonEnv}`` (unused when the recipe lists ``endpoints``).
-        options: Methods, Optima rows, sampling settings.
-    """
-    out_root = prepare_output(recipe)
+
+def compare_rows(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> tuple[list[dict], dict]:
+    """Generate every row's file of one task (resuming) and score them; return the rows and the header."""
+    prepare_output(recipe)
     examples = load_eval_examples(recipe)
     rows = plan_rows(recipe, options)
     session = EvalSession(recipe, envs, examples)
     by_model: dict[Path, list[Row]] = {}
-    for row in rows:
-        by_model.setdefault(row.model_path, []).append(row)
+    for row in rows:  # one server per model folder, however its path was written
+        by_model.setdefault(row.model_path.resolve(), []).append(row)
     logger.info(
         "compare | %s | %d questions | %d rows | %d models",
         recipe.dataset_type,
@@ -154,11 +187,46 @@ def run_compare(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> 
             records, _ = load_records(row.job.out_path)
             scorer = RecordScorer(load_tokenize(recipe, row.model_path, score_type), verifier)
             summary = method_row(records, row.job.plan.samples, scorer, recipe.cluster_f1)
-            results.append({"method": row.label, "model": row.model} | summary)
-    s = options.settings
+            producer = digest(read_producer(row.job.out_path))
+            results.append({"method": row.label, "model": row.model} | summary | {"producer": producer})
     header = {
         "questions": len(examples),
-        "settings": {"samples": s.samples, "temperature": s.temperature} | dataclasses.asdict(s.debate),
+        "settings": settings_header(options),
+        "producers": {row.label: read_producer(row.job.out_path) for row in rows},
     }
-    logger.info("compare | done | %d servers started", session.servers_started)
-    return write_comparison(out_root, recipe.dataset_type, results, header)
+    logger.info("compare | %s | done | %d servers started", recipe.dataset_type, session.servers_started)
+    return results, header
+
+
+def run_compare(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> str:
+    """Generate every row's file (resuming), score them, write the comparison; return the table.
+
+    Args:
+        recipe: A validated ``MultiSCRecipe`` (``model_root_path`` is the base model; serving fields, ``limit``).
+        envs: ``{"vllm": PythonEnv}`` (unused when the recipe lists ``endpoints``).
+        options: Methods, Optima rows, sampling settings.
+    """
+    results, header = compare_rows(recipe, envs, options)
+    return write_comparison(Path(recipe.output_root_path), recipe.dataset_type, results, header)
+
+
+def run_compare_tasks(recipes: Sequence, envs: dict[str, PythonEnv], options: CompareOptions, out_root: Path) -> str:
+    """``run_compare`` for each task's recipe (its own output folder), then the methods x tasks table.
+
+    Args:
+        recipes: One validated ``MultiSCRecipe`` per task, each with its own ``output_root_path``.
+        envs: ``{"vllm": PythonEnv}``.
+        options: Methods, Optima rows, sampling settings (the same for every task).
+        out_root: Where ``table.md/.csv/.json/.png`` go.
+    """
+    per_task, producers, texts = {}, {}, []
+    for recipe in recipes:
+        results, header = compare_rows(recipe, envs, options)
+        texts.append(write_comparison(Path(recipe.output_root_path), recipe.dataset_type, results, header))
+        per_task[recipe.dataset_type] = results
+        producers[recipe.dataset_type] = header["producers"]
+    from optima.evaluation.task_table import write_task_table
+
+    header = {"settings": settings_header(options), "producers": producers}
+    table = write_task_table(out_root, per_task, header)
+    return "\n\n".join([*texts, f"Methods x tasks | {out_root / 'table.md'}", table])

@@ -67,17 +67,20 @@ COT_PROMPTS: dict[str, CoTPrompt] = {
 }
 
 
-def build_cot_messages(example: Example, task: Task | None = None) -> list[dict[str, str]]:
+def build_cot_messages(example: Example, task: Task | None = None, half: int | None = None) -> list[dict[str, str]]:
     """The single agent's chat: system prompt, then the question (with all of the context) and the format line.
 
     Args:
         example: The question.
         task: Its task (looked up from ``example.task`` when None).
+        half: Information-exchange tasks: only this half of the context (0: Alice's, 1: Bob's), as a debater
+            holds it under ``mad_context: split``; None: the whole context.
     """
     task = task or get_task(example.task)
     prompt = COT_PROMPTS[task.prompt_set]
     if task.family == "qa":
-        information = render_information((*example.context_first, *example.context_second)) or "none"
+        pieces = (*example.context_first, *example.context_second) if half is None else example.context_for(half)
+        information = render_information(pieces) or "none"
         body = f"Question: {example.question}\n\nInformation:\n{information}"
     else:
         body = f"Problem:\n{example.question}"

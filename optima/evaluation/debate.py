@@ -1,11 +1,14 @@
 """The multi-agent debate baseline (MAD, Du et al. 2023; a row of the paper's comparison table).
 
-``agents`` copies of the served model (default 2) each answer the question alone, with the single-agent CoT prompt
-(``optima.evaluation.cot``). Then, for ``rounds`` rounds (default 2), each agent reads the other agents' latest
-answers and writes a revised one; every agent keeps its own chat (its answers are ``assistant`` turns, the others'
-answers arrive in a ``user`` turn). The final answer is the majority of the agents' last-round answers, clustered
-as the self-consistency vote does (``optima.evaluation.voting``: the same matching rules, ties to the earliest
-agent); agents whose last answer states none do not vote.
+``agents`` copies of the served model (default 3, as Du et al.) each answer the question alone, with the
+single-agent CoT prompt (``optima.evaluation.cot``). On information-exchange tasks ``context`` decides what each
+agent reads: ``whole`` gives every agent the whole context (the default: MAD as a reasoning method), ``split``
+gives agent i the half ``i mod 2`` (Alice's or Bob's), as AutoForm and Optima split it between their two agents, so
+the debate must carry the information too (docs/method.md#baselines). Then, for ``rounds`` rounds (default 2), each
+agent reads the other agents' latest answers and writes a revised one; every agent keeps its own chat (its answers
+are ``assistant`` turns, the others' answers arrive in a ``user`` turn). The final answer is the majority of the
+agents' last-round answers, clustered as the self-consistency vote does (``optima.evaluation.voting``: the same
+matching rules, ties to the earliest agent); agents whose last answer states none do not vote.
 
 Answer parsing, scoring and token counting are the conversations': each reply is parsed by the task's parser, the
 record is the same JSONL line (``status``, ``token_count``, ``final_answer``, ``utterances``), scored by the same
@@ -18,10 +21,12 @@ last-round answer was parsed and a last-round reply was cut, else ``ok``. Agents
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from optima.agents.conversation import ConversationResult
 from optima.agents.generation import ConversationRunner, GenerationPlan, GenerationStats, Job, generate_conversations
@@ -33,6 +38,7 @@ from optima.serving.client import ChatReply, RequestFailed, Sampling
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
 
+MAD_CONTEXTS = ("whole", "split")
 # (messages, agent index, round) -> the reply; raises RequestFailed.
 DebateGenerate = Callable[[list[dict], int, int], ChatReply]
 
@@ -42,14 +48,19 @@ class DebateSettings:
     """Shape of a debate.
 
     Args:
-        agents: Debating agents (>= 2).
+        agents: Debating agents (>= 2; the paper's setting, after Du et al., is 3).
         rounds: Revision rounds after the first answers (>= 1).
+        context: Information-exchange tasks: ``whole`` (every agent reads the whole context) or ``split``
+            (agent i reads half ``i mod 2``, as Optima's two agents do). Other tasks have no context to split.
     """
 
-    agents: int = 2
+    agents: int = 3
     rounds: int = 2
+    context: Literal["whole", "split"] = "whole"
 
     def __post_init__(self) -> None:
+        if self.context not in MAD_CONTEXTS:
+            raise RecipeError("mad_context", f"must be one of {MAD_CONTEXTS}, got {self.context!r}")
         if self.agents < 2:
             raise RecipeError("mad_agents", f"a debate needs at least 2 agents, got {self.agents}")
         if self.rounds < 1:
@@ -68,6 +79,19 @@ def revision_turn(others: Sequence[tuple[int, str]], reminder: str) -> str:
         f"The other agents answered:\n\n{shown}\n\nWeigh their reasoning against yours, fix any mistake you find, "
         f"and give your updated answer. {reminder}"
     )
+
+
+def debater_messages(example: Example, task: Task, settings: DebateSettings, agent: int) -> list[dict[str, str]]:
+    """An agent's first chat: the CoT prompt with the whole context, or its half under ``context: split``."""
+    split = settings.context == "split" and task.family == "qa"
+    return build_cot_messages(example, task, agent % 2 if split else None)
+
+
+def debate_prompts(example: Example, settings: DebateSettings) -> list:
+    """The texts a debate sends for ``example`` (each agent's first chat, a revision turn): its prompt version."""
+    task = get_task(example.task)
+    chats = [debater_messages(example, task, settings, agent) for agent in range(settings.agents)]
+    return [*chats, revision_turn([(1, "...")], COT_PROMPTS[task.prompt_set].reminder)]
 
 
 def majority_answer(answers: Sequence[str | None], matcher: AnswerMatcher) -> str:
@@ -101,7 +125,7 @@ def run_debate(
     """
     task = task or get_task(example.task)
     reminder = COT_PROMPTS[task.prompt_set].reminder
-    chats = [build_cot_messages(example, task) for _ in range(settings.agents)]
+    chats = [debater_messages(example, task, settings, agent) for agent in range(settings.agents)]
     result = ConversationResult(stop_reason="majority")
     latest: list[str] = [""] * settings.agents
     answers: list[str | None] = [None] * settings.agents
@@ -163,7 +187,7 @@ class DebateRunner(ConversationRunner):
         if result.replica is None:
             result.replica = replica
         record = self.build_record(job, (build_cot_messages(job.example, task)[0]["content"], ""), result)
-        record["debate"] = {"agents": self.settings.agents, "rounds": self.settings.rounds}
+        record["debate"] = dataclasses.asdict(self.settings)
         return record, result.generated_tokens
 
 

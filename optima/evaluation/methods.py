@@ -1,15 +1,17 @@
 """The methods an evaluation can run on one served model, and one summary row per method (paper Table 1 rows).
 
     optima      Optima's two-agent conversation, greedy (the sweep's file; the trained checkpoints' rows)
+    optima_sc   ``samples`` Optima conversations at ``temperature``, majority vote (the paper's Optima + SC rows)
     cot         one agent, chain of thought, greedy                          (``optima.evaluation.cot``)
     cot_sc      ``samples`` CoT answers at ``temperature``, majority vote     (``optima.evaluation.voting``)
     mad         multi-agent debate at ``temperature``, majority of the agents (``optima.evaluation.debate``)
     autoform    Optima's conversation loop, non-natural-language format rule, greedy (``optima.evaluation.autoform``)
     autoform_sc ``samples`` AutoForm conversations at ``temperature`` (the self-consistency script's variant)
 
-Each method fills ``<output>/<model>.<method>.jsonl`` (resumable, one record per conversation, debate or answer)
-and is summarised by the same scorer: the task metric (majority vote over the samples for sampled methods),
-the answer rate, and the tokens per question (all samples, agents and rounds of a question summed).
+Each method fills ``<output>/<model>.<method>.jsonl`` (resumable, one record per conversation, debate or answer;
+its producer's fingerprint beside it: ``optima.evaluation.fingerprint``) and is summarised by the same scorer: the
+task metric (majority vote over the samples for sampled methods), the answer rate, and the tokens per question (all
+samples, agents and rounds of a question summed).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from pathlib import Path
 
 from optima.agents.generation import GenerationPlan
 from optima.config.fields import RecipeError
-from optima.evaluation.autoform import generate_autoform
-from optima.evaluation.cot import generate_cot_answers
-from optima.evaluation.debate import DebateSettings, generate_debates
+from optima.evaluation.autoform import autoform_request_texts, generate_autoform
+from optima.evaluation.cot import build_cot_messages, generate_cot_answers
+from optima.evaluation.debate import DebateSettings, debate_prompts, generate_debates
 from optima.evaluation.metrics import RecordScorer, metric_names, record_example, summarize_records
 from optima.evaluation.runs import GenerationJob
 from optima.evaluation.voting import analyze_self_consistency
@@ -45,12 +47,12 @@ class BaselineSettings:
     """How the sampled baselines sample.
 
     Args:
-        samples: Answers per question of CoT-SC (and AutoForm SC).
-        temperature: Sampling temperature of CoT-SC, AutoForm SC and the debaters.
-        debate: Agents and rounds of MAD.
+        samples: Answers per question of CoT-SC (and AutoForm SC, Optima SC); the paper's CoT-SC uses 8.
+        temperature: Sampling temperature of CoT-SC, AutoForm SC, Optima SC and the debaters.
+        debate: Agents, rounds and context of MAD.
     """
 
-    samples: int = 4
+    samples: int = 8
     temperature: float = 0.5
     debate: DebateSettings = field(default_factory=DebateSettings)
 
@@ -67,7 +69,7 @@ def method_job(
     """The result file of ``method`` on the model called ``name``: ``<out_root>/<name>.<method>.jsonl``.
 
     Args:
-        method: One of ``LABELS``' keys except ``optima_sc`` (the self-consistency script's own file).
+        method: One of ``LABELS``' keys.
         out_root: Output folder.
         name: The model's name (file prefix).
         settings: Samples, temperature and debate shape.
@@ -76,19 +78,24 @@ def method_job(
     path, t = out_root / f"{name}.{method}.jsonl", settings.temperature
     if method == "optima":
         return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="eval"))
+    if method == "optima_sc":
+        return GenerationJob(method, path, GenerationPlan(iteration, t, settings.samples, stage="sc"))
+    cot = {"generate": generate_cot_answers, "prompts": build_cot_messages}
     if method == "cot":
-        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="cot"), generate_cot_answers)
+        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="cot"), **cot)
     if method == "cot_sc":
-        plan = GenerationPlan(iteration, t, settings.samples, stage="cot_sc")
-        return GenerationJob(method, path, plan, generate_cot_answers)
+        return GenerationJob(method, path, GenerationPlan(iteration, t, settings.samples, stage="cot_sc"), **cot)
     if method == "mad":
         debate = functools.partial(generate_debates, settings=settings.debate)
-        return GenerationJob(method, path, GenerationPlan(iteration, t, 1, stage="mad"), debate)
+        shape = {"agents": settings.debate.agents, "rounds": settings.debate.rounds}  # the context: in the prompts
+        prompts = functools.partial(debate_prompts, settings=settings.debate)
+        return GenerationJob(method, path, GenerationPlan(iteration, t, 1, stage="mad"), debate, shape, prompts)
+    autoform = {"generate": generate_autoform, "prompts": autoform_request_texts}
     if method == "autoform":
-        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="autoform"), generate_autoform)
+        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="autoform"), **autoform)
     if method == "autoform_sc":
         plan = GenerationPlan(iteration, t, settings.samples, stage="autoform_sc")
-        return GenerationJob(method, path, plan, generate_autoform)
+        return GenerationJob(method, path, plan, **autoform)
     raise RecipeError("methods", f"unknown method {method!r}; choose from {tuple(LABELS)}")
 
 

@@ -4,18 +4,20 @@
 The eval set is fixed: the first N questions of the task's eval split (1000 for the information-exchange
 tasks, the whole test split for debate tasks, capped by the data; ``limit`` overrides), with contexts split by
 ``seed``. A result file is complete when every ``(question, sample)`` of that set has a record other than
-``error``; a model whose files are all complete is not served again.
+``error``; a model whose files are all complete is not served again. Each file records what produced it
+(``optima.evaluation.fingerprint``): a file of another producer is moved aside and generated anew, never resumed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan, generate_conversations
 from optima.environments import PythonEnv, check_env
+from optima.evaluation.fingerprint import claim_result_file, producer_fingerprint
 from optima.paths import StagePaths
 from optima.run_context import attach_driver_log, save_recipe
 from optima.store import load_records, record_key
@@ -33,12 +35,17 @@ class GenerationJob:
         out_path: The JSONL result file.
         plan: Temperature and samples per question.
         generate: ``generate_conversations`` or another function with its signature (the CoT baseline).
+        params: The method's own parameters (MAD's agents, rounds, context), part of the file's fingerprint.
+        prompts: Renders the texts the method sends for one question (its prompt version); None: Optima's
+            two-agent conversation.
     """
 
     label: str
     out_path: Path
     plan: GenerationPlan
     generate: Callable = generate_conversations
+    params: dict = field(default_factory=dict)
+    prompts: Callable[[Example], list] | None = None
 
 
 def prepare_output(recipe) -> Path:
@@ -87,8 +94,11 @@ class EvalSession:
     def run(self, name: str, model_path: Path, jobs: Sequence[GenerationJob]) -> dict[str, dict]:
         """Fill every incomplete file of ``jobs`` with ``model_path`` served; return each job's generation stats.
 
-        A model whose files are all complete is skipped without starting a server.
+        A model whose files are all complete is skipped without starting a server. A file that another producer
+        wrote (``optima.evaluation.fingerprint``) is moved aside first.
         """
+        for job in jobs:
+            claim_result_file(job.out_path, producer_fingerprint(self.recipe, model_path, job, self.examples))
         todo = [job for job in jobs if pending_count(job.out_path, self.examples, job.plan.samples)]
         if not todo:
             logger.info("%s | skip: %d result files complete, no server started", name, len(jobs))

@@ -3,18 +3,20 @@
 See docs/method.md#self-consistency.
 
 For the model (every model of ``list_models``, usually one): serve it once, sample ``num_samples`` conversations
-per eval question at ``sc_temperature`` (no prompt pool), and, with ``--baseline cot``, also the single-agent
-baselines on the same model and questions: CoT (one greedy answer) and CoT-SC (``num_samples`` sampled answers);
-``--baseline mad`` adds one debate per question, ``--baseline autoform`` ``num_samples`` AutoForm conversations.
+per eval question at ``sc_temperature`` (no prompt pool). The baselines run on the same questions on the *base*
+model (what Optima trained from, as in the paper's table: ``--base_model_path``, else the ``initial_model_path`` of
+the run a checkpoint belongs to, else the model itself when it is no trained checkpoint): ``--baseline cot`` adds
+CoT (one greedy answer) and CoT-SC (``num_samples`` sampled answers), ``--baseline mad`` one debate per question,
+``--baseline autoform`` ``num_samples`` AutoForm conversations.
 Every file resumes; complete ones are not regenerated, and a model whose files are all complete is not served.
 Then, for k = 1..K, majority vote, coverage and tokens (``optima.evaluation.voting``):
 
     <output_root>/<model>.sc.jsonl         Optima conversations (not <model>.jsonl: the sweep's greedy file
                                            of the same model may share the default folder)
-    <output_root>/<model>.cot.jsonl        CoT, greedy          (with --baseline cot)
-    <output_root>/<model>.cot_sc.jsonl     CoT samples          (with --baseline cot)
-    <output_root>/<model>.mad.jsonl        debates              (with --baseline mad)
-    <output_root>/<model>.autoform_sc.jsonl AutoForm samples    (with --baseline autoform)
+    <output_root>/<base>.cot.jsonl         CoT, greedy          (with --baseline cot; <base>: "base", or the
+    <output_root>/<base>.cot_sc.jsonl      CoT samples           model's name when it is the base model)
+    <output_root>/<base>.mad.jsonl         debates              (with --baseline mad)
+    <output_root>/<base>.autoform_sc.jsonl AutoForm samples     (with --baseline autoform)
     <output_root>/sc_analysis.json         {"task", "metric", ..., "models": {model: {method: rows or summary}}}
     <output_root>/sc_analysis.csv          model, method, k, majority_vote, coverage, tokens, questions
     <output_root>/sc_analysis.png          score vs k (vote and coverage), vote vs tokens (paper Fig. 3)
@@ -26,10 +28,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from optima.agents.generation import GenerationPlan
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.debate import DebateSettings
+from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import LABELS, BaselineSettings, method_job
 from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
 from optima.evaluation.plan import list_models
@@ -43,6 +48,7 @@ from optima.evaluation.runs import (
     prepare_output,
 )
 from optima.evaluation.voting import analyze_self_consistency
+from optima.identity import COMPLETE_MARKER
 from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
@@ -79,15 +85,51 @@ class SCOptions:
             raise RecipeError("max_k", f"must be >= 1, got {self.max_k}")
 
 
+def base_model(recipe, models: list[tuple[str, Path]]) -> tuple[str, Path]:
+    """The model the baselines run on, and its name in the files.
+
+    ``initial_model_path`` (``--base_model_path``); else, for a trained checkpoint (it has a completion marker),
+    the ``initial_model_path`` of its run's ``recipe.yaml`` (``<run>/checkpoints/<checkpoint>``); else the model
+    itself. Raises ``RecipeError`` for a checkpoint whose run is not found.
+    """
+    if recipe.initial_model_path:
+        path = Path(recipe.initial_model_path)
+        return next(((name, p) for name, p in models if p.resolve() == path.resolve()), ("base", path))
+    name, path = models[0]
+    if not (path / COMPLETE_MARKER).is_file():
+        return name, path
+    run_recipe = path.parent.parent / "recipe.yaml"
+    initial = yaml.safe_load(run_recipe.read_text()).get("initial_model_path") if run_recipe.is_file() else None
+    if not initial:
+        raise RecipeError(
+            "base_model_path",
+            f"{path} is a trained checkpoint and {run_recipe} names no initial_model_path; the baselines run on "
+            "the base model: give --base_model_path",
+        )
+    return "base", Path(initial)
+
+
 def sc_jobs(recipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
-    """The result files of one model: Optima's samples, then each baseline's (``BASELINE_METHODS``)."""
-    iteration, temperature, samples = checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples
-    optima = GenerationPlan(iteration, temperature, samples, stage="sc")
-    jobs = [GenerationJob("optima_sc", out_root / f"{name}.sc.jsonl", optima)]
-    settings = BaselineSettings(samples, temperature, options.debate)
-    for baseline in options.baselines:
-        jobs += [method_job(m, out_root, name, settings, iteration) for m in BASELINE_METHODS[baseline]]
-    return jobs
+    """The Optima samples of one model."""
+    optima = GenerationPlan(checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples, stage="sc")
+    return [GenerationJob("optima_sc", out_root / f"{name}.sc.jsonl", optima)]
+
+
+def baseline_jobs(recipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
+    """The result files of each baseline (``BASELINE_METHODS``) on the base model called ``name``."""
+    settings = BaselineSettings(recipe.num_samples, recipe.sc_temperature, options.debate)
+    methods = [m for baseline in options.baselines for m in BASELINE_METHODS[baseline]]
+    return [method_job(m, out_root, name, settings) for m in methods]
+
+
+def plan_models(recipe, out_root: Path, options: SCOptions) -> dict[str, tuple[Path, list[GenerationJob]]]:
+    """Per model name: its folder and its result files (Optima's samples; the baselines on the base model)."""
+    models = list_models(recipe)
+    planned = {name: (path, sc_jobs(recipe, out_root, name, options)) for name, path in models}
+    if options.baselines and models:
+        name, path = base_model(recipe, models)
+        planned.setdefault(name, (path, []))[1].extend(baseline_jobs(recipe, out_root, name, options))
+    return planned
 
 
 def analyze_model(jobs: list[GenerationJob], max_k: int, scorer: RecordScorer, cluster_f1: float) -> dict:
@@ -124,12 +166,19 @@ def shown_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["k"] & (r["k"] - 1) == 0 or r["k"] == last[(r["model"], r["method"])]]
 
 
-def write_sc_report(recipe, results: dict[str, dict], max_k: int) -> str:
-    """Write sc_analysis.json/.csv/.png; return the table as text."""
+def write_sc_report(recipe, results: dict[str, dict], max_k: int, producers: dict | None = None) -> str:
+    """Write sc_analysis.json/.csv/.png; return the table as text.
+
+    Args:
+        recipe: The recipe.
+        results: Per model and method, the analysis rows or summary.
+        max_k: Largest k.
+        producers: Per model and method, the fingerprint of its file (recorded in the JSON).
+    """
     out_root = Path(recipe.output_root_path)
     metric, _ = metric_names(get_task(recipe.dataset_type).score_type)
     header = {"task": recipe.dataset_type, "metric": metric, "temperature": recipe.sc_temperature}
-    header |= {"num_samples": recipe.num_samples, "max_k": max_k}
+    header |= {"num_samples": recipe.num_samples, "max_k": max_k, "producers": producers or {}}
     write_json(out_root / "sc_analysis.json", header | {"models": results})
     rows = flat_rows(results, metric)
     write_csv(out_root / "sc_analysis.csv", rows, CSV_COLUMNS)
@@ -162,13 +211,13 @@ def run_self_consistency(recipe, envs: dict[str, PythonEnv], options: SCOptions 
     max_k = options.max_k or recipe.num_samples
     session = EvalSession(recipe, envs, examples)
     score_type = get_task(recipe.dataset_type).score_type
-    results = {}
+    results, producers = {}, {}
     with MathVerifier() as verifier:
-        for name, path in list_models(recipe):
-            jobs = sc_jobs(recipe, out_root, name, options)
-            logger.info("self-consistency | %s | %d questions x %d samples", name, len(examples), recipe.num_samples)
+        for name, (path, jobs) in plan_models(recipe, out_root, options).items():
+            logger.info("self-consistency | %s | %d questions | %s", name, len(examples), [j.label for j in jobs])
             session.run(name, path, jobs)
             scorer = RecordScorer(load_tokenize(recipe, path, score_type), verifier)
             results[name] = analyze_model(jobs, max_k, scorer, recipe.cluster_f1)
-        table = write_sc_report(recipe, results, max_k)
+            producers[name] = {job.label: read_producer(job.out_path) for job in jobs}
+        table = write_sc_report(recipe, results, max_k, producers)
     return table

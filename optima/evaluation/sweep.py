@@ -13,7 +13,8 @@ an interrupted one resumes at the first missing question. After each checkpoint 
     <output_root>/<model>/logs/vllm_0.log
     <output_root>/<model>.<method>.jsonl, comparison.md/.csv/.json/.png   (with --baseline cot/mad/autoform)
 
-The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model`` and ``iteration``.
+The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model``, ``iteration`` and ``producer``
+(the hash of the fingerprint recorded beside the model's file: ``optima.evaluation.fingerprint``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from optima.agents.generation import GenerationPlan
 from optima.environments import PythonEnv
 from optima.evaluation.compare import write_comparison
+from optima.evaluation.fingerprint import digest, read_producer
 from optima.evaluation.methods import LABELS, BaselineSettings, method_job, method_row
 from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
 from optima.evaluation.plan import list_models
@@ -57,7 +59,8 @@ def summarize_checkpoint(recipe, name: str, model_path: Path, verifier: MathVeri
     tokenize = load_tokenize(recipe, model_path, get_task(recipe.dataset_type).score_type)
     iteration = checkpoint_iteration(name)
     row = {"model": name, "iteration": iteration if iteration >= 0 else None}  # None: the base or a lone model
-    return row | summarize_records(records, RecordScorer(tokenize, verifier))
+    producer = {"producer": digest(read_producer(Path(recipe.output_root_path) / f"{name}.jsonl"))}
+    return row | summarize_records(records, RecordScorer(tokenize, verifier)) | producer
 
 
 def write_sweep_report(recipe, rows: list[dict]) -> str:

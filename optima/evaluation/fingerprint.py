@@ -1,0 +1,159 @@
+"""What produced an evaluation result file: its producer's fingerprint, kept beside it (docs/method.md#evaluation).
+
+Result files (``<model>.jsonl``, ``<model>.<method>.jsonl``, ``<model>.sc.jsonl``) resume by (question, sample), so
+a rerun with other settings would otherwise append to rows sampled under the old ones. Each file therefore has a
+sidecar ``<file>.producer.json`` holding the fingerprint of what produced it:
+
+* ``model``: the weights' unique id (``optima.identity.model_identity``: a checkpoint's ``weights_id``);
+* ``tokenizer``: a hash of the tokenizer files that count its tokens and hold the chat template;
+* ``prompts``: a hash of the prompt texts the method sends (rendered for the first question);
+* ``generation``: temperature, samples per question, ``max_tokens``, ``max_turns``, ``seed``, the seed label;
+* ``questions``: the task and a hash of the eval questions (ids, texts, answers, context halves), so ``--limit``
+  or the data changing is a change;
+* ``method``: the method and its parameters (MAD's agents, rounds and context).
+
+Before a file is filled, its recorded fingerprint is compared with this run's: a file written by another producer
+(or by one that recorded none) is moved to ``superseded/<file>.<old fingerprint>.jsonl`` with a warning naming
+what changed, and generated anew. Rows of two producers never mix in one file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, partner_of, role_prompt
+from optima.identity import model_identity
+from optima.store import write_json
+from optima.tasks import Example, get_task
+
+logger = logging.getLogger(__name__)
+
+# The files of a tokenizer (and of its chat template), hashed in this order when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+SUPERSEDED = "superseded"
+
+
+def digest(payload) -> str:
+    """A short stable hash of a JSON-able value."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def tokenizer_identity(path: str | Path) -> str:
+    """Hash of a folder's tokenizer files (``TOKENIZER_FILES``); a hub name is its own identity."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return str(path)
+    hasher = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            hasher.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    return "sha256:" + hasher.hexdigest()[:32]
+
+
+def conversation_prompts(example: Example, system_prompts: Sequence[str] | None = None) -> list:
+    """What Optima's two-agent conversation sends: each agent's view after one partner message, and its role."""
+    task = get_task(example.task)
+    texts: list = []
+    for index, name in enumerate(AGENT_NAMES):
+        system = system_prompts[index] if system_prompts else None
+        texts.append(build_agent_messages(example, name, [Utterance(partner_of(name), "...")], system, task))
+        texts.append(repr(role_prompt(task, name)))  # reminder, answer opening
+    return texts
+
+
+def producer_fingerprint(recipe, model_path: Path, job, examples: Sequence[Example]) -> dict:
+    """The fingerprint of ``job``'s result file when ``model_path`` produces it on ``examples``.
+
+    Args:
+        recipe: The evaluation recipe (generation settings, tokenizer, seed).
+        model_path: The served model.
+        job: The ``GenerationJob`` (plan, method parameters, prompt renderer).
+        examples: The eval set.
+    """
+    render = job.prompts or conversation_prompts
+    plan = job.plan
+    return {
+        "method": {"label": job.label} | dict(job.params),
+        "model": model_identity(model_path),
+        "tokenizer": tokenizer_identity(recipe.tokenizer_first_path or model_path),
+        "prompts": digest(render(examples[0])) if examples else None,
+        "generation": {
+            "temperature": plan.temperature,
+            "samples": plan.samples,
+            "max_tokens": recipe.max_tokens,
+            "max_turns": recipe.max_turns,
+            "seed": recipe.seed,
+            "stage": plan.stage,
+            "iteration": plan.iteration,
+        },
+        "questions": {
+            "task": recipe.dataset_type,
+            "count": len(examples),
+            "hash": digest([example.to_dict() for example in examples]),
+        },
+    }
+
+
+def producer_path(out_path: Path) -> Path:
+    """``<file>.producer.json`` beside a result file."""
+    return out_path.with_name(out_path.name.removesuffix(".jsonl") + ".producer.json")
+
+
+def read_producer(out_path: Path) -> dict | None:
+    """The fingerprint recorded beside ``out_path`` (None when there is none)."""
+    path = producer_path(out_path)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def differences(old: dict | None, new: dict) -> list[str]:
+    """What changed between two fingerprints, one ``key: old -> new`` phrase each."""
+    if old is None:
+        return ["no fingerprint recorded"]
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key), new.get(key)
+        if isinstance(before, dict) and isinstance(after, dict):
+            changes += [f"{key}.{c}" for c in differences(before, after)]
+        elif before != after:
+            changes.append(f"{key}: {before} -> {after}")
+    return changes
+
+
+def claim_result_file(out_path: Path, fingerprint: dict) -> bool:
+    """Make ``out_path`` a file of this producer; return True when rows of another one were moved aside.
+
+    A file with the same fingerprint is kept (it resumes); one with another fingerprint, or none, goes to
+    ``superseded/`` with its sidecar. The sidecar of this producer is written before any row.
+    """
+    old = read_producer(out_path)
+    changes = differences(old, fingerprint) if out_path.exists() else []
+    moved = bool(changes) and out_path.stat().st_size > 0
+    if moved:
+        folder = out_path.parent / SUPERSEDED
+        folder.mkdir(exist_ok=True)
+        stem = out_path.name.removesuffix(".jsonl")
+        target = folder / f"{stem}.{digest(old) if old else 'unknown'}.jsonl"
+        out_path.replace(target)
+        if old is not None:
+            producer_path(out_path).replace(producer_path(target))
+        logger.warning(
+            "%s: produced otherwise (%s); moved to %s, generating anew", out_path, "; ".join(changes), target
+        )
+    elif changes and out_path.exists():
+        out_path.unlink()  # an empty file of another producer
+    write_json(producer_path(out_path), fingerprint)
+    return moved

@@ -1,0 +1,87 @@
+"""The paper's comparison table: methods x tasks, task metric and tokens per question in each cell (paper Table 1).
+
+``python -m optima compare --tasks a,b,...`` compares the methods on each task (``optima.evaluation.compare``,
+one folder per task) and then joins the rows here:
+
+    <output>/table.md     | method | arc | gsm8k |, each cell "metric / tokens" (e.g. "0.412 / 87")
+    <output>/table.csv    one row per method: <task>_<metric>, <task>_tokens, <task>_cut (share of cut replies'
+                          records: ``too_long_rate``), <task>_answer_rate
+    <output>/table.json   {"tasks": {task: {"metric", "rows"}}, "producers": ...}
+    <output>/table.png    one panel per task: the task metric against tokens per question, one point per method
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from optima.evaluation.metrics import metric_names
+from optima.evaluation.report import _new_figure, render_markdown_table, write_csv, write_json
+from optima.store import atomic_write_text
+from optima.tasks import get_task
+
+logger = logging.getLogger(__name__)
+
+
+def task_metric(task: str) -> str:
+    """The task's metric key (``accuracy`` or ``f1``)."""
+    return metric_names(get_task(task).score_type)[0]
+
+
+def cell(row: Mapping | None, metric: str) -> str:
+    """One table cell: ``metric / tokens`` (``-`` for a method the task did not run)."""
+    if not row or row.get(metric) is None:
+        return "-"
+    return f"{row[metric]:.3f} / {row.get('mean_tokens') or 0:.0f}"
+
+
+def wide_rows(per_task: Mapping[str, Sequence[Mapping]]) -> list[dict]:
+    """One row per method (in first-seen order) with each task's metric, tokens, cut share and answer rate."""
+    rows: dict[str, dict] = {}
+    for task, task_rows in per_task.items():
+        metric = task_metric(task)
+        for row in task_rows:
+            wide = rows.setdefault(row["method"], {"method": row["method"]})
+            wide |= {f"{task}_{metric}": row.get(metric), f"{task}_tokens": row.get("mean_tokens")}
+            wide |= {f"{task}_cut": row.get("too_long_rate"), f"{task}_answer_rate": row.get("answer_rate")}
+            wide[f"{task}_cell"] = cell(row, metric)
+    return list(rows.values())
+
+
+def plot_task_table(per_task: Mapping[str, Sequence[Mapping]], path: Path, title: str) -> None:
+    """One panel per task: task metric against tokens per question, one labelled point per method."""
+    figure, axes = _new_figure(len(per_task))
+    axes = axes if len(per_task) > 1 else [axes]
+    for axis, (task, rows) in zip(axes, per_task.items(), strict=True):
+        metric = task_metric(task)
+        shown = [row for row in rows if row.get("mean_tokens") is not None]
+        for index, row in enumerate(shown):
+            x, y = row["mean_tokens"], row.get(metric) or 0.0
+            axis.scatter([x], [y], color=f"C{index % 10}", s=60, zorder=3)
+            axis.annotate(row["method"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize="small")
+        if shown and min(row["mean_tokens"] for row in shown) > 0:
+            axis.set_xscale("log")
+        axis.set(title=task, xlabel="tokens per question", ylabel=metric, ylim=(-0.02, 1.02))
+        axis.grid(alpha=0.3)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=100)
+    logger.info("plot | %s", path)
+
+
+def write_task_table(out_root: Path, per_task: Mapping[str, Sequence[Mapping]], header: Mapping) -> str:
+    """Write table.md/.csv/.json/.png under ``out_root``; return the Markdown table."""
+    rows = wide_rows(per_task)
+    tasks = list(per_task)
+    markdown = render_markdown_table(rows, ["method", *(f"{t}_cell" for t in tasks)], ["method", *tasks])
+    metrics = ", ".join(f"{t}: {task_metric(t)}" for t in tasks)
+    atomic_write_text(
+        out_root / "table.md", f"{markdown}\n\nEach cell: task metric / tokens per question ({metrics}).\n"
+    )
+    columns = ["method"] + [f"{t}_{k}" for t in tasks for k in (task_metric(t), "tokens", "cut", "answer_rate")]
+    write_csv(out_root / "table.csv", rows, columns)
+    tables = {t: {"metric": task_metric(t), "rows": list(per_task[t])} for t in tasks}
+    write_json(out_root / "table.json", dict(header) | {"tasks": tables})
+    if rows:
+        plot_task_table(per_task, out_root / "table.png", "methods x tasks: task metric vs tokens per question")
+    return markdown

@@ -1,0 +1,132 @@
+"""Results know what produced them: a rerun with another producer recomputes its files, never mixes rows.
+
+``python -m optima compare`` runs against the scripted server twice; each run's replies carry the run's number, so
+a file that mixes rows of the two runs shows it. One case per setting of the fingerprint
+(``optima.evaluation.fingerprint``); each lists the files that must be redone, and every other file must be kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from optima.__main__ import main as optima_main
+from optima.evaluation import cot
+from optima.evaluation.fingerprint import SUPERSEDED, differences, read_producer, tokenizer_identity
+from optima.identity import COMPLETE_MARKER, new_weights_id
+from optima.store import load_records
+from tests.fake_openai import FakeOpenAIServer, FakeReply, speaker_of
+from tests.test_eval_runs import detach_driver_logs, write_arc_data  # noqa: F401  (fixture)
+
+FILES = ("base.cot", "base.cot_sc", "base.mad", "Opt.optima")
+BASELINE_FILES = FILES[:3]
+
+
+class TaggedReplies:
+    """Answers every method like ``tests.test_baselines.method_reply``, each reply tagged with the run number."""
+
+    def __init__(self):
+        self.run = 1
+
+    def __call__(self, body: dict) -> FakeReply:
+        tag = f"run{self.run}"
+        if body["messages"][0]["content"].startswith("You answer"):  # CoT and the debaters
+            return FakeReply(f"{tag}: 2 + 2 = 4, option B. <A>B) 4</A>")
+        if speaker_of(body) == "Alice":
+            return FakeReply(f"Alice: {tag} 2 + 2 = 4 so <A>B</A>")
+        return FakeReply(f"Bob: {tag} looks right")
+
+
+def write_model(folder: Path, weights_id: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    if weights_id:
+        (folder / COMPLETE_MARKER).write_text(json.dumps({"weights_id": weights_id}))
+    return folder
+
+
+def mark_weights(tmp_path: Path) -> None:
+    write_model(tmp_path / "ckpt", new_weights_id())  # the checkpoint retrained in place
+
+
+def add_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "base" / "tokenizer.json").write_text('{"model": "other"}')
+
+
+def new_cot_reminder(monkeypatch) -> None:
+    choice = cot.COT_PROMPTS["choice"]
+    monkeypatch.setitem(cot.COT_PROMPTS, "choice", cot.CoTPrompt(choice.system, choice.reminder + " Be brief."))
+
+
+# (setting, extra flags of the second run, what else changes, the files that must be redone)
+CASES = [
+    ("questions", ["--limit", "3"], None, FILES),
+    ("seed", ["--seed", "7"], None, FILES),
+    ("temperature", ["--temperature", "0.9"], None, ("base.cot_sc", "base.mad")),  # CoT and Optima are greedy
+    ("max_tokens", ["--set", "max_tokens=77"], None, FILES),
+    ("max_turns", ["--set", "max_turns=5"], None, FILES),
+    ("samples", ["--samples", "3"], None, ("base.cot_sc",)),
+    ("mad_agents", ["--mad_agents", "3"], None, ("base.mad",)),
+    ("mad_rounds", ["--mad_rounds", "2"], None, ("base.mad",)),
+    ("weights", [], lambda tmp_path, mp: mark_weights(tmp_path), ("Opt.optima",)),
+    ("tokenizer", [], lambda tmp_path, mp: add_tokenizer(tmp_path), BASELINE_FILES),
+    ("prompts", [], lambda tmp_path, mp: new_cot_reminder(mp), BASELINE_FILES),
+]
+
+
+def tags(path: Path) -> set[str]:
+    records, _ = load_records(path)
+    return {word for r in records for u in r["utterances"] for word in u["text"].split() if word.startswith("run")}
+
+
+@pytest.mark.parametrize(("setting", "flags", "change", "redone"), CASES, ids=[c[0] for c in CASES])
+def test_another_producer_recomputes_its_files_and_keeps_the_others(
+    tmp_path, monkeypatch, capsys, setting, flags, change, redone
+):
+    write_model(tmp_path / "base")
+    write_model(tmp_path / "ckpt", new_weights_id())
+    out = tmp_path / "cmp"
+    replies = TaggedReplies()
+    with FakeOpenAIServer(respond=replies) as server:
+        argv = ["compare", "--model", str(tmp_path / "base"), "--dataset_type", "arc", "--limit", "2"]
+        argv += ["--data_dir", str(write_arc_data(tmp_path / "data")), "--output_path", str(out), "--samples", "2"]
+        argv += ["--methods", "cot", "cot_sc", "mad", "--mad_agents", "2", "--mad_rounds", "1"]
+        argv += ["--optima", f"Opt={tmp_path / 'ckpt'}", "--set", f"endpoints=[{server.base_url}]"]
+        assert optima_main(argv) == 0
+        assert all(tags(out / f"{name}.jsonl") == {"run1:" if "cot" in name or "mad" in name else "run1"}
+                   for name in FILES)  # fmt: skip
+        replies.run = 2
+        if change:
+            change(tmp_path, monkeypatch)
+        capsys.readouterr()
+        assert optima_main(argv + flags) == 0
+    for name in FILES:
+        runs = {tag.rstrip(":") for tag in tags(out / f"{name}.jsonl")}
+        assert runs == ({"run2"} if name in redone else {"run1"}), name
+        assert (name in redone) == any((out / SUPERSEDED).glob(f"{name}.*.jsonl")), name
+    assert capsys.readouterr().err.count("produced otherwise") == len(redone)  # one warning per file, naming why
+
+
+def test_a_file_without_a_fingerprint_is_moved_aside(tmp_path):
+    from optima.evaluation.fingerprint import claim_result_file
+
+    legacy = tmp_path / "model.cot.jsonl"
+    legacy.write_text('{"task_id": "q0", "sample_index": 0}\n')
+    assert claim_result_file(legacy, {"model": "w1"})
+    assert not legacy.exists() and (tmp_path / SUPERSEDED / "model.cot.unknown.jsonl").is_file()
+    assert read_producer(legacy) == {"model": "w1"}
+    assert not claim_result_file(legacy, {"model": "w1"})  # same producer: kept
+
+
+def test_fingerprint_differences_and_tokenizer_identity(tmp_path):
+    old = {"model": "w1", "generation": {"temperature": 0.5, "seed": 1}}
+    new = {"model": "w1", "generation": {"temperature": 0.9, "seed": 1}}
+    assert differences(old, new) == ["generation.temperature: 0.5 -> 0.9"]
+    assert differences(None, new) == ["no fingerprint recorded"]
+    write_model(tmp_path / "a")
+    before = tokenizer_identity(tmp_path / "a")
+    (tmp_path / "a" / "tokenizer_config.json").write_text('{"chat_template": "x"}')
+    assert tokenizer_identity(tmp_path / "a") != before
+    assert tokenizer_identity("org/name") == "org/name"

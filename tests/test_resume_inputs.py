@@ -1,0 +1,137 @@
+"""Resume follows its inputs: changing one field of a finished 2-iteration run redoes exactly what depends on it.
+
+Every stage function is replaced by a recorder (no server, no trainer); the train stage writes a checkpoint with a
+fresh ``weights_id``, as the trainer scripts do, so a retrained iteration is a new model for the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from optima import pipeline, plan
+from optima.identity import COMPLETE_MARKER, model_identity, new_weights_id
+from optima.stages.common import CHECKPOINT
+from tests.test_stage_table import TRAIN_ENV, make_recipe
+
+SFT = ["generate", "score", "select", "train"]
+DPO = ["probe", "search", "pairs", "train"]
+PARTS = {"sft": [(None, SFT)], "dpo": [(None, DPO)], "sft_dpo": [("sft", SFT), ("dpo", DPO)]}
+
+
+def write_model(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
+def fake_stage(name: str, stage: plan.StageDef, ran: list):
+    def run(call):
+        ran.append((call.iteration, call.part, name))
+        for output in stage.outputs:
+            path = call.output(output)
+            if output == CHECKPOINT:  # a finished checkpoint: new weights, new id
+                write_model(path, b"trained")
+                (path / COMPLETE_MARKER).write_text(json.dumps({"weights_id": new_weights_id()}))
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"{name} from {model_identity(call.model)}\n")
+        return {"kept_conversations": 1, "pairs_kept": 1, "t_max": 10}
+
+    return run
+
+
+@pytest.fixture
+def ran(monkeypatch) -> list:
+    calls: list = []
+    tables = {
+        method: tuple(
+            (part, tuple(dataclasses.replace(s, run=fake_stage(s.name, s, calls)) for s in stages))
+            for part, stages in parts
+        )
+        for method, parts in plan.METHOD_PARTS.items()
+    }
+    monkeypatch.setattr(plan, "METHOD_PARTS", tables)
+    monkeypatch.setattr(pipeline, "check_env", lambda env, role: None)
+    monkeypatch.setattr(pipeline, "write_iteration_report", lambda *args: None)  # plots: slow, not tested here
+    return calls
+
+
+def run(tmp_path: Path, method: str, **overrides) -> None:
+    recipe = make_recipe(tmp_path, method, **overrides)
+    pipeline.run_plan(plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False))
+
+
+def every_stage(method: str, iterations=(0, 1)) -> list:
+    return [(i, part, stage) for i in iterations for part, stages in PARTS[method] for stage in stages]
+
+
+# (method, the changed field, the stages that must run again; every other stage must not)
+CASES = [
+    ("sft", {"initial_epsilon": 0.7}, [(0, None, "select"), (0, None, "train"), *every_stage("sft", [1])]),
+    ("sft", {"lambda1": -0.3}, [(0, None, s) for s in SFT[1:]] + every_stage("sft", [1])),
+    ("sft", {"initial_model_path": "other"}, every_stage("sft")),
+    ("sft", {"thread_count": 3}, []),  # how fast, not what: nothing is redone
+    ("dpo", {"initial_model_path": "other"}, every_stage("dpo")),  # the probe, trees and pairs too
+    ("dpo", {"initial_dpo_epsilon": 0.3}, [(0, None, "pairs"), (0, None, "train"), *every_stage("dpo", [1])]),
+    ("dpo", {"lambda2": 0.5}, [(0, None, s) for s in DPO[1:]] + every_stage("dpo", [1])),
+    (
+        "sft_dpo",
+        {"initial_dpo_epsilon": 0.3},
+        [(0, "dpo", "pairs"), (0, "dpo", "train"), *every_stage("sft_dpo", [1])],
+    ),
+    (
+        "sft_dpo",
+        {"initial_epsilon": 0.7},
+        [(0, "sft", "select"), (0, "sft", "train"), *[(0, "dpo", s) for s in DPO], *every_stage("sft_dpo", [1])],
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "change", "redone"), CASES, ids=lambda v: str(v)[:40])
+def test_a_changed_field_redoes_what_depends_on_it_across_iterations(tmp_path, ran, caplog, method, change, redone):
+    base = write_model(tmp_path / "base_model", b"base")
+    write_model(tmp_path / "other", b"other weights")
+    run(tmp_path, method)
+    assert ran == every_stage(method)
+    ran.clear()
+    run(tmp_path, method)
+    assert ran == []  # a finished run is a no-op
+    if "initial_model_path" in change:
+        change = {"initial_model_path": str(tmp_path / change["initial_model_path"])}
+    with caplog.at_level(logging.WARNING, logger="optima.manifest"):
+        run(tmp_path, method, **change)
+    assert ran == redone
+    if redone:  # the warning names why: the field that changed, or the model that changed under the stage
+        assert any(name in caplog.text for name in change) or "served model" in caplog.text
+    ran.clear()
+    run(tmp_path, method, **change)
+    assert ran == [] and base.is_dir()
+
+
+def test_samples_of_a_redone_iteration_are_kept_aside(tmp_path, ran, caplog):
+    write_model(tmp_path / "base_model", b"base")
+    run(tmp_path, "sft")
+    second = tmp_path / "run" / "iteration_1"
+    old = (second / "generations.jsonl").read_text()
+    with caplog.at_level(logging.WARNING, logger="optima.manifest"):
+        run(tmp_path, "sft", initial_epsilon=0.7)
+    assert (second / "generations.jsonl.replaced-1").read_text() == old
+    assert (second / "generations.jsonl").read_text() != old  # sampled from the retrained checkpoint
+    assert "served model" in caplog.text and "previous stage" in caplog.text
+
+
+def test_a_checkpoint_replaced_in_place_redoes_the_iterations_after_it(tmp_path, ran):
+    """Weights rewritten under the same path (e.g. retrained by hand) are a new model for iteration 2."""
+    write_model(tmp_path / "base_model", b"base")
+    run(tmp_path, "sft")
+    ran.clear()
+    marker = tmp_path / "run" / "checkpoints" / "iteration_0" / COMPLETE_MARKER
+    marker.write_text(json.dumps({"weights_id": new_weights_id()}))
+    run(tmp_path, "sft")
+    assert ran == every_stage("sft", [1])
