@@ -48,7 +48,13 @@ def add_control_args(parser: argparse.ArgumentParser) -> None:
         "--dry_run",
         dest="dry_run",
         action="store_true",
-        help="validate the recipe and print the plan (stages, models, paths, commands); start nothing",
+        help="validate the recipe and print the plan (stages, models, paths, commands, hardware); start nothing",
+    )
+    parser.add_argument(
+        "--hardware",
+        metavar="[NODESx]GPUSxMEMORY",
+        help="plan for this hardware instead of the detected one, e.g. 8x80GB or 2x8x141GB (nodes x GPUs x memory), "
+        "or cpu; with --dry-run any machine can be planned from anywhere",
     )
 
 
@@ -119,9 +125,10 @@ def run_loop_script(recipe_cls: type, description: str, argv: list[str] | None) 
             )
         recipe = load_recipe(recipe_cls, args.train_config_path, args.set, check_paths=not args.dry_run)
         envs = resolve_envs(args.vllm_env, args.alignment_env)
+        from optima.hardware.spec import resolve_hardware
         from optima.plan import build_plan
 
-        plan = build_plan(recipe, envs, skip_iteration=args.skip_iteration)
+        plan = build_plan(recipe, envs, skip_iteration=args.skip_iteration, hardware=resolve_hardware(args.hardware))
         if args.dry_run:
             emit(plan.render())
             return 0
@@ -231,6 +238,16 @@ def baseline_settings(args: argparse.Namespace, samples: int = 4, temperature: f
     return BaselineSettings(samples, temperature, DebateSettings(args.mad_agents, args.mad_rounds))
 
 
+def eval_hardware_plan(recipe, given: str | None):
+    """The hardware plan of an evaluation run (its servers only) on ``--hardware`` or the detected machine."""
+    import os
+
+    from optima.hardware.plan import plan_hardware
+    from optima.hardware.spec import resolve_hardware
+
+    return plan_hardware(recipe, resolve_hardware(given), sorted(os.sched_getaffinity(0)))
+
+
 def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:
     """Body of the two evaluation scripts: flags -> recipe -> plan or run."""
     multi_sc = recipe_cls.method == "multi_sc"
@@ -258,12 +275,15 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
             settings = baseline_settings(args, recipe.num_samples, recipe.sc_temperature)
         else:
             settings = baseline_settings(args)
+        hardware = eval_hardware_plan(recipe, args.hardware)
         if args.dry_run:
             from optima.evaluation.plan import render_eval_plan
 
             shown = ", ".join("cot, cot-SC" if b == "cot" and multi_sc else b for b in baselines)
-            emit(render_eval_plan(recipe, envs) + (f"\n  baseline: {shown}" if baselines else ""))
+            text = render_eval_plan(recipe, envs) + (f"\n  baseline: {shown}" if baselines else "")
+            emit(text + "\n" + "\n".join(hardware.render()))
             return 0
+        hardware.check()
         if multi_sc:
             from optima.evaluation.self_consistency import SCOptions, run_self_consistency
 

@@ -21,8 +21,7 @@ from pathlib import Path
 
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
-from optima.serving.gpus import visible_gpus
-from optima.serving.layout import ServerLayout, loss_server_wanted, plan_layout
+from optima.serving.layout import ServerLayout, loss_server_wanted
 from optima.serving.replicas import serve
 from optima.serving.vllm_server import (
     ServerSpec,
@@ -109,10 +108,19 @@ class ServerHolder:
 
     @property
     def layout(self) -> ServerLayout:
-        """Placements of the run's servers (computed once: it asks for the visible GPUs)."""
+        """Placements of the run's servers: the hardware plan's (``optima.hardware.plan``), set by the run."""
         if self._layout is None:
-            self._layout = plan_layout(self.recipe, visible_gpus(), sorted(os.sched_getaffinity(0)))
+            from optima.hardware.plan import plan_hardware
+            from optima.hardware.spec import detect_hardware
+
+            hardware = plan_hardware(self.recipe, detect_hardware(), sorted(os.sched_getaffinity(0)))
+            hardware.check()
+            self._layout = hardware.layout
         return self._layout
+
+    @layout.setter
+    def layout(self, layout: ServerLayout) -> None:
+        self._layout = layout
 
     @property
     def loss(self) -> LossServer | None:
