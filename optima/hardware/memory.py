@@ -67,6 +67,7 @@ KNOWN_MODELS: dict[str, dict] = {
     "Llama-3.1-8B-Instruct": _LLAMA3_8B | {"max_position_embeddings": 131072},
     "SmolLM2-135M-Instruct": _SMOLLM2_135M,
 }
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads")
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2}
 # Tokens of an agent's first request (system prompt, question, private context) when nothing is measured yet.
 PROMPT_TOKENS = 1024
@@ -162,8 +163,9 @@ def model_size(*candidates: str | Path | None) -> ModelSize | None:
     """
     for candidate in (c for c in candidates if c):
         config = load_model_config(candidate)
-        if config is not None:
-            return ModelSize(str(candidates[0]), config.get("text_config") or config, f"config.json of {candidate}")
+        config = (config.get("text_config") or config) if config is not None else None
+        if config is not None and all(key in config for key in REQUIRED_KEYS):
+            return ModelSize(str(candidates[0]), config, f"config.json of {candidate}")
         table = known_model(str(candidate))
         if table is not None:
             return ModelSize(str(candidates[0]), table, f"built-in table ({Path(str(candidate)).name})")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from optima.config.fields import RecipeError
 from optima.config.groups import LOOPBACK_HOSTS
@@ -30,7 +29,7 @@ from optima.hardware.memory import GIB, ModelSize, gib
 from optima.hardware.spec import Hardware
 from optima.serving.layout import ServerLayout, carry_over_on, loss_server_wanted, plan_layout
 from optima.serving.vllm_server import Placement
-from optima.training.nodes import NodeRanks, TrainingPlacement
+from optima.training.nodes import TrainingPlacement
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MIN_LOSS_SHARE = 0.05
@@ -38,11 +37,26 @@ MIN_LOSS_SHARE = 0.05
 
 @dataclass(frozen=True)
 class Claim:
-    """One process's hold on a GPU: what (``loss server``), how much (bytes), and in which phase it holds it."""
+    """One process's hold on a GPU: what (``loss server``), how much (bytes), and in which phases it holds it.
+
+    ``generation``: while the policy samples; ``training``: while the trainer runs. A resident server holds its
+    share in both.
+    """
 
     what: str
     size: int
-    training: bool = False  # held while the trainer runs (else: during generation only)
+    generation: bool = True
+    training: bool = False
+
+    @property
+    def resident(self) -> bool:
+        """Held through both phases: a server that stays up (no trainer may share its GPU)."""
+        return self.generation and self.training
+
+
+def phase_total(claims: list[Claim], phase: str) -> int:
+    """Bytes held on one GPU in ``phase`` (``generation`` or ``training``)."""
+    return sum(c.size for c in claims if getattr(c, phase))
 
 
 @dataclass
@@ -81,7 +95,7 @@ class HardwarePlan:
         """The plan as ``--dry-run`` prints it."""
         out = [f"  hardware: {self.hardware.describe()}", *(f"      {line}" for line in self.lines)]
         for (node, gpu), claims in sorted(self.claims.items()):
-            gen = [c for c in claims if not c.training or c.what.startswith("loss server")]
+            gen = [c for c in claims if c.generation]
             train = [c for c in claims if c.training]
             out.append(f"      node {node} GPU {gpu}: generation {_sum(gen)}; training {_sum(train)}")
         out += [f"      note: {note}" for note in self.notes]
@@ -192,6 +206,20 @@ def plan_servers(recipe, hardware: Hardware, size: ModelSize | None, plan: Hardw
     if plan.layout.loss is not None:
         plan.lines.append(f"loss model: {_describe_size(loss_size)}" if loss_size else "loss model: size unknown")
         claim_server(plan, recipe, "loss server", plan.layout.loss, loss_need)
+    check_generation_totals(plan)
+
+
+def check_generation_totals(plan: HardwarePlan) -> None:
+    """The servers' shares on one GPU must fit in it (vLLM takes its whole share at start-up)."""
+    total = plan.hardware.gpu_gib * GIB
+    for (node, gpu), claims in sorted(plan.claims.items()):
+        held = phase_total(claims, "generation")
+        if held > total:
+            plan.problems.append(
+                f"GPU {gpu} of node {node}: the servers' shares add up to {gib(held)} GiB of "
+                f"{plan.hardware.gpu_gib:g} GiB ({_sum([c for c in claims if c.generation])}): lower "
+                "gpu_memory_utilization or loss_gpu_memory_utilization, or move loss_devices"
+            )
 
 
 def check_overlap(recipe, layout: ServerLayout, plan: HardwarePlan) -> None:
@@ -224,7 +252,7 @@ def claim_server(plan: HardwarePlan, recipe, name: str, placement: Placement, ne
     for gpu in placement.gpus:
         plan.claim(0, gpu, Claim(name, budget, training=resident))
         if sleeps:
-            plan.claim(0, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, training=True))
+            plan.claim(0, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, generation=False, training=True))
     if need is not None and need[0] > budget:
         plan.problems.append(_share_problem(name, placement, need, share, plan.hardware.gpu_gib))
 

@@ -118,18 +118,18 @@ def plan_training(recipe, hardware: Hardware, size: ModelSize | None, yamls: lis
 
 
 def _resident(claims) -> bool:
-    return any(c.training and not c.what.endswith("asleep") for c in claims)
+    return any(c.resident for c in claims)
 
 
 def claim_training(plan, nodes, peak: int, strategy: str) -> None:
     """Claim the trainer's peak on its GPUs; a GPU over its memory in the training phase is a problem."""
-    from optima.hardware.plan import Claim
+    from optima.hardware.plan import Claim, phase_total
 
     total = int(plan.hardware.gpu_gib * memory.GIB)
     for node in nodes:
         for gpu in node.gpus:
-            plan.claim(node.machine_rank, gpu, Claim(f"trainer ({strategy})", peak, training=True))
-            held = sum(c.size for c in plan.claims[(node.machine_rank, gpu)] if c.training)
+            plan.claim(node.machine_rank, gpu, Claim(f"trainer ({strategy})", peak, generation=False, training=True))
+            held = phase_total(plan.claims[(node.machine_rank, gpu)], "training")
             if held > total and not plan.problems:
                 plan.problems.append(
                     f"training: ~{gib(peak)} GiB per process ({strategy}, {plan.training.num_processes} processes) "
