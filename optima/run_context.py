@@ -56,7 +56,7 @@ class RunContext:
         save_recipe(recipe, paths.recipe_file)
         attach_driver_log(paths.driver_log)
         holder = ServerHolder(recipe, envs.get("vllm"), loss_model(recipe), paths.driver_log.parent)
-        if hardware is not None and hardware.layout is not None:
+        if hardware is not None:
             holder.layout = hardware.layout
         return cls(
             recipe,

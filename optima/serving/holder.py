@@ -24,6 +24,7 @@ from optima.paths import RunPaths, StagePaths
 from optima.serving.layout import ServerLayout, loss_server_wanted
 from optima.serving.replicas import serve
 from optima.serving.vllm_server import (
+    Placement,
     ServerSpec,
     VLLMServer,
     build_serve_command,
@@ -33,6 +34,7 @@ from optima.serving.vllm_server import (
 )
 
 logger = logging.getLogger(__name__)
+ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: nothing placed here
 
 
 class LossServer:
@@ -115,12 +117,12 @@ class ServerHolder:
 
             hardware = plan_hardware(self.recipe, detect_hardware(), sorted(os.sched_getaffinity(0)))
             hardware.check()
-            self._layout = hardware.layout
+            self._layout = hardware.layout or ENDPOINTS_LAYOUT
         return self._layout
 
     @layout.setter
-    def layout(self, layout: ServerLayout) -> None:
-        self._layout = layout
+    def layout(self, layout: ServerLayout | None) -> None:
+        self._layout = layout or ENDPOINTS_LAYOUT
 
     @property
     def loss(self) -> LossServer | None:
