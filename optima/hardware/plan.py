@@ -262,7 +262,9 @@ def _share_problem(name: str, placement: Placement, need: tuple[int, int], share
     GPU 0: set loss_gpu_memory_utilization >= 0.24 or loss_devices: [a GPU outside devices]``."""
     weights = need[0] - need[1] - memory.SERVER_OVERHEAD
     wanted = loss_share_for(need[0], gpu_gib)
-    if name == "loss server":
+    if wanted > 1:
+        fix = "it does not fit on one GPU: use tensor_parallel_size > 1 (policy) or GPUs with more memory"
+    elif name == "loss server":
         fix = f"set loss_gpu_memory_utilization >= {wanted:.2f} or loss_devices: [a GPU outside devices]"
     else:
         fix = (
