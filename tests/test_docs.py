@@ -19,7 +19,7 @@ SCRIPTS = ("sft_script", "dpo_script", "sft_dpo_script", "inference_script", "mu
 # Spelled in pieces so that this file does not match itself.
 _FILES = "|".join(name + r"\.md" for name in ("SPEC", "ENVIRONMENT", "STYLE"))
 EXTERNAL = re.compile(rf"({_FILES}|\bSPEC(?: section)? \d|\bpitfall \d)")
-DOC_REF = re.compile(r"docs/(method|cpu)\.md#([A-Za-z0-9_-]+)")
+DOC_REF = re.compile(r"docs/(method|cpu|gpu)\.md#([A-Za-z0-9_-]+)")
 DIFF_REF = re.compile(r"docs/method\.md,?\s+((?:D\d+(?:,\s*|\s+and\s+)?)+)")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".txt", ".toml", ".cfg", ".jinja", ".json", ".sh"}
 
