@@ -3,7 +3,8 @@
 The recipe names two hosts (``train_hosts: [127.0.0.1, 127.0.0.1]``); the hardware plan makes them machine ranks 0
 and 1 with one CPU process each (gloo), ``launch_for`` builds the nodes launcher (``optima.training.nodes``) and
 ``run_training`` runs it as a train stage does. ``train_launcher_executable`` points at a shim that takes ssh's
-command line (``ssh -o BatchMode=yes HOST COMMAND``) and runs COMMAND here, recording each call. The checkpoint equals
+command line (``ssh -tt -o BatchMode=yes HOST COMMAND``) and runs COMMAND here in a fresh environment (only what the
+command carries: as on another machine), recording each call. The checkpoint equals
 the one of a 2-process run on one node with the same seed and data.
 """
 
@@ -33,11 +34,12 @@ SHIM = '''#!{python}
 import subprocess, sys
 args = sys.argv[1:]
 while args and args[0].startswith("-"):
-    args = args[2:] if args[0] in ("-o", "-p", "-i", "-l") else args[1:]
+    args = args[2:] if args[0] in ("-o", "-p", "-i", "-l") else args[1:]  # -tt takes no value
 host, command = args[0], " ".join(args[1:])
 with open({calls!r}, "a") as calls:
     calls.write(host + "\\t" + command + "\\n")
-raise SystemExit(subprocess.call(["/bin/sh", "-c", command]))
+# A fresh login, as on another machine: the caller's environment does not come along, only what the command sets.
+raise SystemExit(subprocess.call(["/bin/sh", "-c", command], env={{"PATH": "/usr/bin:/bin", "HOME": {home!r}}}))
 '''
 
 
@@ -50,7 +52,7 @@ def free_port() -> int:
 def write_shim(folder: Path) -> tuple[Path, Path]:
     calls = folder / "ssh_calls.tsv"
     shim = folder / "fake_ssh"
-    shim.write_text(SHIM.format(python=sys.executable, calls=str(calls)))
+    shim.write_text(SHIM.format(python=sys.executable, calls=str(calls), home=str(folder)))
     shim.chmod(0o755)
     return shim, calls
 

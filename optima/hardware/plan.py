@@ -17,6 +17,7 @@ and a fix. ``--dry-run`` prints ``render()``. docs/gpu.md describes the plan and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,8 +140,9 @@ def policy_size(recipe, yamls: list[dict]) -> ModelSize | None:
 def plan_hardware(recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwarePlan:
     """The plan of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs)."""
     plan = HardwarePlan(hardware)
-    check_dev_mode_bind(recipe, hardware, plan)
     yamls = trainer_yamls(recipe)
+    if yamls:  # evaluation serves each model once: no sleep mode, no reload routes
+        check_dev_mode_bind(recipe, hardware, plan)
     size = policy_size(recipe, yamls)
     if size is not None:
         plan.lines.append(f"policy model: {_describe_size(size)}")
@@ -195,6 +197,9 @@ def plan_servers(recipe, hardware: Hardware, size: ModelSize | None, plan: Hardw
     except RecipeError as exc:
         plan.problems.append(str(exc))
         return
+    if not hasattr(recipe, "accelerate_config"):  # evaluation: replicas started per model, never kept asleep
+        policy = tuple(dataclasses.replace(p, carry_over=False) for p in plan.layout.policy)
+        plan.layout = ServerLayout(policy, plan.layout.loss)
     if not gpus:
         plan.lines.append("servers: on the CPU (one policy server" + (" and the loss server)" if beside else ")"))
         return

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from optima.environments import REPO_ROOT
+from optima.serving.processes import sigterm_as_exit, stop_group
 
 NODES_MODULE = "optima.training.nodes"
 RANK = "{machine_rank}"  # placeholder in the per-node command, replaced by each node's rank
@@ -111,9 +112,13 @@ def forwarded_env(environ: Mapping[str, str], gpus: str) -> dict[str, str]:
 
 
 def ssh_command(exe: str, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> list[str]:
-    """``ssh HOST 'cd CWD && env K=V ... ARGV'`` (BatchMode: a password prompt fails instead of hanging)."""
+    """``ssh -tt HOST 'cd CWD && env K=V ... ARGV'``.
+
+    BatchMode: a password prompt fails instead of hanging; ``-tt``: the remote command gets a terminal, so closing
+    the connection (the stage stopped, another node failed) hangs it up instead of leaving it running.
+    """
     remote = f"cd {shlex.quote(cwd)} && " + shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv])
-    return [exe, "-o", "BatchMode=yes", host, remote]
+    return [exe, "-tt", "-o", "BatchMode=yes", host, remote]
 
 
 def srun_command(exe: str, nodes: int, python: str, flags: Sequence[str], argv: Sequence[str]) -> list[str]:
@@ -130,36 +135,43 @@ def slurm_main_host(environ: Mapping[str, str]) -> str:
 
 
 def run_all(commands: Sequence[Sequence[str]]) -> int:
-    """Start every command, wait for all; the first failure stops the others and is returned."""
-    procs = [subprocess.Popen(list(c), stdin=subprocess.DEVNULL) for c in commands]
-    code = 0
-    try:
-        pending = list(procs)
-        while pending:
-            for proc in list(pending):
-                try:
-                    returncode = proc.wait(timeout=0.5)  # poll interval of a wait on several processes
-                except subprocess.TimeoutExpired:
-                    continue
-                pending.remove(proc)
-                if returncode != 0 and code == 0:
-                    code = returncode
-                    stop(pending)
-    finally:
-        stop([p for p in procs if p.poll() is None])
+    """Start every command in its own process group, wait for all; the first failure stops the others' groups.
+
+    SIGTERM (the training guard stopping the stage) unwinds through the same cleanup.
+    """
+    with sigterm_as_exit():
+        procs = []
+        try:
+            for command in commands:
+                procs.append(subprocess.Popen(list(command), stdin=subprocess.DEVNULL, start_new_session=True))
+            return wait_all(procs)
+        finally:
+            stop([p for p in procs if p.poll() is None])
+
+
+def wait_all(procs: Sequence[subprocess.Popen]) -> int:
+    """Wait for every process; on the first failure stop the rest and return its exit code (else 0)."""
+    code, pending = 0, list(procs)
+    while pending:
+        for proc in list(pending):
+            try:
+                returncode = proc.wait(timeout=0.5)  # poll interval of a wait on several processes
+            except subprocess.TimeoutExpired:
+                continue
+            pending.remove(proc)
+            if returncode != 0 and code == 0:
+                code = returncode
+                stop(pending)
     return code
 
 
 def stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM, wait, SIGKILL."""
+    """Stop each launcher's process group (ssh and what it started here: SIGTERM, wait, SIGKILL).
+
+    A remote node stops with its ssh connection: ``-tt`` gives it a terminal, whose hang-up ends its processes.
+    """
     for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_group(proc, STOP_TIMEOUT_S, f"node launcher {proc.pid}")
 
 
 def main(argv: list[str] | None = None) -> int:
