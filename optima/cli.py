@@ -363,9 +363,11 @@ def run_compare_script(argv: list[str] | None) -> int:
         settings = baseline_settings(args, recipe.num_samples, recipe.sc_temperature)
         methods = tuple(dict.fromkeys(m for m in args.methods if m != "none"))
         options = CompareOptions(methods, parse_optima_rows(args.optima), settings)
+        hardware = eval_hardware_plan(recipe, args.hardware)
         if args.dry_run:
-            emit(render_compare_plan(recipe, options))
+            emit(render_compare_plan(recipe, options) + "\n" + "\n".join(hardware.render()))
             return 0
+        hardware.check()
         emit(run_compare(recipe, resolve_envs(args.vllm_env, train=False), options))
         return 0
 

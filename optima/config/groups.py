@@ -243,14 +243,13 @@ class TrainingFields:
         if self.num_processes is not None:
             _positive(self, "num_processes")
         _in("main_process_port", self.main_process_port, 1, 65535)
-        multi_node = [a for a in self.accelerate_extra_args if a.split("=")[0] in MULTI_NODE_FLAGS]
+        planned = [a for a in self.accelerate_extra_args if a.split("=")[0] in MULTI_NODE_FLAGS]
         require(
-            not multi_node,
+            not planned,
             "accelerate_extra_args",
-            f"{multi_node[0]} would start this node alone; name the nodes in train_hosts (or train_hostfile, or "
-            "train_launcher: srun) and every node is started for you"
-            if multi_node
-            else "",
+            f"{planned[0] if planned else ''} is set by the hardware plan (alone it started this node only): use "
+            "num_processes, and train_hosts (or train_hostfile, or train_launcher: srun) for several nodes, each "
+            "of which is then started for you",
         )
         require(
             not (self.train_hosts and self.train_hostfile),

@@ -204,6 +204,8 @@ def plan_servers(recipe, hardware: Hardware, size: ModelSize | None, plan: Hardw
         plan.lines.append("servers: on the CPU (one policy server" + (" and the loss server)" if beside else ")"))
         return
     check_overlap(recipe, plan.layout, plan)
+    if size is None:
+        plan.notes.append(f"the size of {recipe.initial_model_path} is unknown: the servers' memory is not checked")
     for i, placement in enumerate(plan.layout.policy):
         kv = memory.policy_kv_min_bytes(size, recipe, dtype) if size else 0
         need = memory.server_need_bytes(size, kv, len(placement.gpus), dtype) if size else None
