@@ -220,6 +220,8 @@ def test_detect_hardware_reads_nvidia_smi(tmp_path):
     visible = detect_hardware({"PATH": str(tmp_path), "CUDA_VISIBLE_DEVICES": "1"})
     assert visible.gpu_ids == ("1",) and visible.gpu_gib == 79.6
     assert not detect_hardware({"PATH": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}).has_gpu
+    slurm = detect_hardware({"PATH": str(tmp_path), "SLURM_JOB_NUM_NODES": "4"})
+    assert (slurm.nodes, slurm.gpus_per_node) == (4, 2) and slurm.source == "nvidia-smi, 4 Slurm nodes"
 
 
 def test_parameter_count_from_a_config_equals_the_table(tmp_path):

@@ -2,12 +2,14 @@
 
 Given, any machine can be planned from a laptop (``--dry-run --hardware 8x80GB``); detected, it is the GPUs this
 process sees (``optima.serving.gpus``: ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi``) with their memory, on one
-node (a multi-node run names its other nodes in the recipe: ``train_hosts``). Memory is in GiB: ``80GB`` is taken as
+node, or inside a Slurm allocation on ``SLURM_JOB_NUM_NODES`` such nodes (a multi-node run names its nodes in the
+recipe: ``train_hosts``, or ``train_launcher: srun``). Memory is in GiB: ``80GB`` is taken as
 80 GiB, the size printed on the card (an 80 GB card reports 79.6 GiB; the estimates leave more than that spare).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,13 +73,18 @@ def parse_hardware(text: str) -> Hardware:
 
 
 def detect_hardware(environ: Mapping[str, str] | None = None, nvidia_smi: str | None = None) -> Hardware:
-    """This machine: its visible GPUs and the smallest one's memory (one node)."""
+    """This machine: its visible GPUs and the smallest one's memory; inside a Slurm allocation, its node count."""
+    environ = os.environ if environ is None else environ
+    nodes = environ.get("SLURM_JOB_NUM_NODES", "1")
+    nodes = int(nodes) if nodes.isdigit() and int(nodes) > 0 else 1
+    slurm = f", {nodes} Slurm nodes" if "SLURM_JOB_NUM_NODES" in environ else ""
     gpus = visible_gpus(environ, nvidia_smi)
     if not gpus:
-        return Hardware(1, 0, 0.0, source="no GPU visible")
+        return Hardware(nodes, 0, 0.0, source="no GPU visible" + slurm)
     sizes = gpu_memory_mib(environ, nvidia_smi)
     memory = round(min(sizes) / 1024, 1) if sizes else 0.0
-    return Hardware(1, len(gpus), memory, tuple(gpus), source="nvidia-smi" if sizes else "memory unknown")
+    source = ("nvidia-smi" if sizes else "memory unknown") + slurm
+    return Hardware(nodes, len(gpus), memory, tuple(gpus), source=source)
 
 
 def resolve_hardware(given: str | None) -> Hardware:
