@@ -246,6 +246,19 @@ def test_trainer_peak_follows_the_strategy():
     assert dpo > zero3  # a reference model and twice the sequences
 
 
+def test_a_loss_model_of_unknown_size_needs_its_share_named():
+    recipe = recipe_at("train/sft_recipes/arc.yaml", loss_model_path="org/unknown-model")
+    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert plan.problems == [
+        "loss server: the size of org/unknown-model is unknown (no config.json, not a known hub name): set "
+        "loss_gpu_memory_utilization, or loss_devices"
+    ]
+    named = recipe_at(
+        "train/sft_recipes/arc.yaml", loss_model_path="org/unknown-model", loss_gpu_memory_utilization=0.3
+    )
+    assert not plan_hardware(named, parse_hardware("8x80GB"), [0]).problems
+
+
 def test_cpu_plan_trains_on_the_cpu_and_checks_no_gpu():
     plan = plan_hardware(recipe_at("train/sft_recipes/demo_arc.yaml"), Hardware(1, 0, 0.0), [0, 1])
     assert not plan.problems and not plan.claims

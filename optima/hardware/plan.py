@@ -33,6 +33,11 @@ from optima.serving.vllm_server import Placement
 from optima.training.nodes import TrainingPlacement
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+TRAINER_YAML_FIELDS = {
+    "sft": ("origin_yaml_path",),
+    "dpo": ("origin_dpo_yaml_path",),
+    "sft_dpo": ("origin_yaml_path", "origin_dpo_yaml_path"),
+}
 MIN_LOSS_SHARE = 0.05
 
 
@@ -122,12 +127,8 @@ def _read_yaml(path: str | None) -> dict:
 
 def trainer_yamls(recipe) -> list[dict]:
     """The base trainer YAMLs of the recipe's training stages (none for an evaluation recipe)."""
-    paths = [getattr(recipe, "origin_yaml_path", None), getattr(recipe, "origin_dpo_yaml_path", None)]
-    if getattr(recipe, "method", "") == "sft":
-        paths = paths[:1]
-    elif getattr(recipe, "method", "") == "dpo":
-        paths = paths[1:]
-    return [_read_yaml(p) | {"_dpo": i == 1 or recipe.method == "dpo"} for i, p in enumerate(paths) if p]
+    names = TRAINER_YAML_FIELDS.get(recipe.method, ())
+    return [_read_yaml(getattr(recipe, name)) | {"_dpo": "dpo" in name} for name in names]
 
 
 def policy_size(recipe, yamls: list[dict]) -> ModelSize | None:
@@ -192,6 +193,13 @@ def plan_servers(recipe, hardware: Hardware, size: ModelSize | None, plan: Hardw
         loss_need = (memory.server_need_bytes(loss_size, loss_kv, len(recipe.loss_devices or [0]), dtype), loss_kv)
         if recipe.loss_gpu_memory_utilization is None and recipe.loss_devices is None:
             plan.loss_share = loss_share_for(loss_need[0], hardware.gpu_gib)
+    shared = beside and gpus and recipe.loss_devices is None
+    if shared and recipe.loss_gpu_memory_utilization is None and plan.loss_share is None:
+        plan.problems.append(
+            f"loss server: the size of {loss_model(recipe)} is unknown (no config.json, not a known hub name): set "
+            "loss_gpu_memory_utilization, or loss_devices"
+        )
+        return
     try:
         plan.layout = plan_layout(recipe, gpus, cpus, loss_share=plan.loss_share)
     except RecipeError as exc:
