@@ -9,6 +9,10 @@ For a machine with one NVIDIA GPU and the package registries reachable. The stag
 1. ``setup``: ``python3 -m optima setup`` (the CUDA builds of torch and vLLM, DeepSpeed, flash-attn where a
    wheel for the installed torch/CUDA exists, the SmolLM2 folder).
 2. ``trainer-yamls``: the demo trainer YAMLs with the GPU settings, written into ``--output-dir``.
+   ``plan``: the hardware plan of the iSFT stage on this machine (``sft_script.py --dry-run``: servers, training
+   processes, memory per GPU); a plan that cannot run stops the check here, before anything starts. The loss model
+   is served after generation (``loss_placement: after``) so that one GPU is enough: a loss server that stays up
+   would hold the only GPU the trainer has.
 3. ``isft``: one iSFT iteration of the arc demo recipe, trained with ``deepspeed_zero3`` on one process in bf16
    (trainer YAML: the demo's, with ``bf16: true``, ``dtype: bfloat16`` and ``attn_implementation:
    flash_attention_2``; without flash-attn the trainer falls back to ``sdpa`` and says so once), served in bf16.
@@ -34,7 +38,12 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / ".venvs" / "train" / "bin" / "python"
 SMOLLM2 = REPO / "alignment-handbook" / "recipes" / "smollm2-135m"
 GPU_TRAINER = {"bf16": True, "use_cpu": False, "dtype": "bfloat16", "attn_implementation": "flash_attention_2"}
-GPU_RECIPE = {"iteration_times": 1, "accelerate_config": "deepspeed_zero3", "num_processes": 1}
+GPU_RECIPE = {
+    "iteration_times": 1,
+    "accelerate_config": "deepspeed_zero3",
+    "num_processes": 1,
+    "loss_placement": "after",
+}
 SERVE_BF16 = "vllm_extra_args=[--dtype, bfloat16]"
 
 
@@ -53,7 +62,7 @@ def overrides(values: dict) -> list[str]:
     return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
 
 
-def build_stages(out: Path, skip_setup: bool) -> list[tuple[str, list[str]]]:
+def build_stages(out: Path, skip_setup: bool, hardware: str | None = None) -> list[tuple[str, list[str]]]:
     """(name, command) of every stage, in order; pure, shown by ``--dry-run``."""
     sft_out, dpo_out = out / "isft", out / "idpo"
     sft_checkpoint = sft_out / "checkpoints" / "iteration_0"
@@ -66,10 +75,19 @@ def build_stages(out: Path, skip_setup: bool) -> list[tuple[str, list[str]]]:
         "origin_dpo_yaml_path": out / "trainer_dpo_gpu.yaml",
     }
     yamls = [str(TRAIN_PY), str(Path(__file__).resolve()), "--write-trainer-yamls", str(out)]
+    isft = [
+        str(TRAIN_PY),
+        "sft_script.py",
+        "--train_config_path",
+        "train/sft_recipes/demo_arc.yaml",
+        *overrides(sft),
+        "--set",
+        SERVE_BF16,
+    ]
     stages += [
         ("trainer-yamls", yamls),
-        ("isft", [str(TRAIN_PY), "sft_script.py", "--train_config_path", "train/sft_recipes/demo_arc.yaml",
-                  *overrides(sft), "--set", SERVE_BF16]),
+        ("plan", [*isft, "--dry-run", *(["--hardware", hardware] if hardware else [])]),
+        ("isft", isft),
         ("idpo", [str(TRAIN_PY), "dpo_script.py", "--train_config_path", "train/dpo_recipes/demo_arc.yaml",
                   *overrides(dpo), "--set", SERVE_BF16]),
         ("reload", [str(TRAIN_PY), str(Path(__file__).resolve()), "--reload", str(sft_checkpoint),
@@ -104,6 +122,17 @@ def reload_checkpoints(paths: list[str]) -> int:
     return 0
 
 
+def render_plan(hardware: str) -> list[str]:
+    """The hardware plan of the iSFT stage on ``hardware`` (needs the training env's PyYAML: dry runs only)."""
+    sys.path.insert(0, str(REPO))
+    from optima.config import SFTRecipe, load_recipe
+    from optima.hardware.plan import plan_hardware
+    from optima.hardware.spec import parse_hardware
+
+    recipe = load_recipe(SFTRecipe, REPO / "train/sft_recipes/demo_arc.yaml", GPU_RECIPE, check_paths=False)
+    return plan_hardware(recipe, parse_hardware(hardware), [0]).render()
+
+
 def run_stages(stages: list[tuple[str, list[str]]], out: Path) -> tuple[dict[str, float], str | None]:
     """Run the stages in order, each logged to ``<out>/<name>.log``; stop at the first failure."""
     times: dict[str, float] = {}
@@ -125,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, default=REPO / "runs" / "gpu_check", help="logs and checkpoints")
     parser.add_argument("--skip-setup", action="store_true", help="use the environments as they are")
     parser.add_argument("--dry-run", action="store_true", help="print the stages and their commands; start nothing")
+    parser.add_argument("--hardware", help="plan for this hardware (e.g. 1x80GB) instead of the detected GPUs")
     parser.add_argument("--write-trainer-yamls", type=Path, help=argparse.SUPPRESS)  # internal stage
     parser.add_argument("--reload", nargs="+", metavar="CHECKPOINT", help=argparse.SUPPRESS)  # internal stage
     args = parser.parse_args(argv)
@@ -133,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.reload:
         return reload_checkpoints(args.reload)
     out = args.output_dir.resolve()
-    stages = build_stages(out, args.skip_setup)
+    stages = build_stages(out, args.skip_setup, args.hardware)
     if args.dry_run:
         print(f"gpu-check (dry run) | output {out} | trainer YAML settings {GPU_TRAINER} | recipe {GPU_RECIPE}")
         for name, command in stages:
             print(f"{name}: {' '.join(command)}")
+        if args.hardware:
+            print("\n".join(render_plan(args.hardware)))
         return 0
     sys.path.insert(0, str(REPO))
     from optima.serving.gpus import has_gpu  # standard library only: works before setup

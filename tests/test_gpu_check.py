@@ -24,18 +24,32 @@ def test_dry_run_prints_the_stages_and_starts_nothing(tmp_path, capsys):
     out = tmp_path / "gpu_check"
     assert load_gpu_check().main(["--dry-run", "--output-dir", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines[1:]] == ["setup", "trainer-yamls", "isft", "idpo", "reload"]
+    names = ["setup", "trainer-yamls", "plan", "isft", "idpo", "reload"]
+    assert [line.split(":")[0] for line in lines[1:]] == names
     assert "'bf16': True" in lines[0] and "'attn_implementation': 'flash_attention_2'" in lines[0]
-    for stage in lines[3:5]:
-        assert "--set iteration_times=1 --set accelerate_config=deepspeed_zero3 --set num_processes=1" in stage
-    assert f"initial_model_path={out}/isft/checkpoints/iteration_0" in lines[4]
-    assert lines[5].endswith(f"--reload {out}/isft/checkpoints/iteration_0 {out}/idpo/checkpoints/iteration_0")
+    settings = "--set iteration_times=1 --set accelerate_config=deepspeed_zero3 --set num_processes=1"
+    for stage in lines[3:6]:
+        assert settings + " --set loss_placement=after" in stage
+    assert lines[3].endswith("--dry-run") and lines[4] == lines[3].removesuffix(" --dry-run").replace(
+        "plan", "isft", 1
+    )
+    assert f"initial_model_path={out}/isft/checkpoints/iteration_0" in lines[5]
+    assert lines[6].endswith(f"--reload {out}/isft/checkpoints/iteration_0 {out}/idpo/checkpoints/iteration_0")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("hardware", "feasible"), [("1x80GB", True), ("2x80GB", True), ("1x2GB", False)])
+def test_dry_run_on_given_hardware_prints_the_planners_plan(hardware, feasible, tmp_path, capsys):
+    """The plan step is the planner's: one GPU is enough (loss model served after generation, not kept beside)."""
+    assert load_gpu_check().main(["--dry-run", "--hardware", hardware, "--output-dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert f"--dry-run --hardware {hardware}" in out
+    assert ("plan: feasible" in out) is feasible and "training: zero3, 1 process(es)" in out
 
 
 def test_skip_setup_drops_the_setup_stage(tmp_path):
     stages = load_gpu_check().build_stages(tmp_path, skip_setup=True)
-    assert [name for name, _ in stages] == ["trainer-yamls", "isft", "idpo", "reload"]
+    assert [name for name, _ in stages] == ["trainer-yamls", "plan", "isft", "idpo", "reload"]
 
 
 @pytest.mark.parametrize("stage", ["isft", "idpo"])

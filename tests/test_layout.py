@@ -100,12 +100,12 @@ def test_a_loss_share_that_leaves_the_policy_nothing_is_refused(tmp_path):
 
 def test_dry_run_lines_name_both_servers(tmp_path):
     recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
-    lines = describe_layout(recipe, "/models/judge", [], [0, 1])
+    lines = describe_layout(recipe, "/models/judge", plan_layout(recipe, [], [0, 1]))
     assert lines == {
         "policy replica 0": "CPU cores 0",
         "loss server": "/models/judge on CPU cores 1, started once per run",
     }
-    gpu = describe_layout(recipe, "/models/judge", ["0"], [0, 1])
+    gpu = describe_layout(recipe, "/models/judge", plan_layout(recipe, ["0"], [0, 1], loss_share=0.1))
     assert gpu["policy replica 0"] == "GPUs 0 (memory share 0.8, sleeps during training)"
     assert gpu["loss server"] == "/models/judge on GPUs 0 (memory share 0.1), started once per run"
 

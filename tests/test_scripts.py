@@ -183,6 +183,8 @@ def test_readme_recipe_reference_is_current():
 
 def test_dry_run_shows_process_count_and_multi_node_flags(in_repo, envs, capsys):
     path = REPO / "train/sft_recipes/arc.yaml"
-    extra = ["--set", "num_processes=16", "--set", "accelerate_extra_args=[--num_machines, '2', --machine_rank, '0']"]
+    extra = ["--set", "num_processes=16", "--set", "train_hosts=[n1, n2]", "--hardware", "2x8x141GB"]
     assert load_script("sft_script").main(["--train_config_path", str(path), *envs, *extra, "--dry-run"]) == 0
-    assert "--num_processes 16 --num_machines 2 --machine_rank 0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4,5,6,7/0,1,2,3,4,5,6" in out
+    assert "--num_processes 14 --num_machines 2 --machine_rank {machine_rank} --main_process_ip n1" in out

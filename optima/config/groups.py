@@ -15,6 +15,8 @@ from optima.config.devices import parse_devices
 from optima.config.fields import field, require
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# accelerate's multi-node flags: the hardware plan sets them for each node it starts (train_hosts).
+MULTI_NODE_FLAGS = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--num_processes")
 
 # The stages whose output a field decides (``field(redoes=...)``): the stage tables of ``optima.plan`` read them.
 GENERATED = ("generate",)  # iSFT's conversations
@@ -60,6 +62,11 @@ class ServingFields:
     )
     api_key: str | None = field(None, help="API key for the servers (required when host is not loopback)")
     host: str = field("127.0.0.1", help="address the launched servers bind to")
+    private_hosts: list[str] = field(
+        [],
+        help="addresses of private interfaces: a server with vLLM's reload routes (sleep_mode, which its API key "
+        "does not guard) may bind to these besides loopback; never a wildcard",
+    )
     served_model_name: str = field("optima", help="model name the servers answer to", redoes=SAMPLED)
     thread_count: int = field(
         64,
@@ -157,8 +164,10 @@ class RewardFields:
         help="'beside': the loss model has its own vLLM server for the whole run and scores each conversation as "
         "it finishes; 'after': scoring follows generation on a server started then",
     )
-    loss_gpu_memory_utilization: float = field(
-        0.1, help="GPU memory share of the loss server beside the policy (taken from gpu_memory_utilization)"
+    loss_gpu_memory_utilization: float | None = field(
+        None,
+        help="GPU memory share of the loss server beside the policy (taken from gpu_memory_utilization); null = "
+        "computed from the loss model's weights and a minimum KV cache (docs/gpu.md)",
     )
     loss_devices: int | str | list[int] | None = field(
         None, help="GPU ids of the loss server (7 = GPU 7); null = it shares the policy's first GPU by memory share"
@@ -175,7 +184,7 @@ class RewardFields:
         require(self.lambda2 >= 0, "lambda2", f"must be >= 0, got {self.lambda2}")
         _positive(self, "loss_batch_size", "max_total_tokens")
         require(
-            0 < self.loss_gpu_memory_utilization < 1,
+            self.loss_gpu_memory_utilization is None or 0 < self.loss_gpu_memory_utilization < 1,
             "loss_gpu_memory_utilization",
             f"must be in (0, 1), got {self.loss_gpu_memory_utilization!r}",
         )
@@ -193,11 +202,22 @@ class TrainingFields:
         "fsdp) or a YAML path; null = cpu without a GPU, else deepspeed_zero3",
         redoes=TRAINED,
     )
-    num_processes: int | None = field(None, help="training processes (GPUs); null = the accelerate config's value")
-    accelerate_extra_args: list[str] = field(
-        [],
-        help="more 'accelerate launch' flags, e.g. multi-node: --num_machines 2 --machine_rank 0 --main_process_ip H",
+    num_processes: int | None = field(
+        None, help="training processes in all nodes; null = every GPU the hardware plan leaves for training"
     )
+    accelerate_extra_args: list[str] = field([], help="more 'accelerate launch' flags (not the multi-node ones)")
+    train_hosts: list[str] = field(
+        [],
+        help="multi-node training: one host per node, the first is the main one (machine rank 0); [] = this machine",
+    )
+    train_hostfile: str | None = field(None, help="instead of train_hosts: a file with one host per line")
+    train_launcher: Literal["ssh", "srun"] = field(
+        "ssh",
+        help="how each node of a multi-node training starts: ssh to each host, or srun inside a Slurm allocation "
+        "(no hosts needed: the allocation's nodes)",
+    )
+    train_launcher_executable: str | None = field(None, help="the ssh or srun program; null = the one on PATH")
+    main_process_port: int = field(29500, help="rendezvous port of a multi-node training, on the main host")
     from_initial: bool = field(
         False, help="fine-tune the base model every iteration (data from the newest)", redoes=TRAINED
     )
@@ -222,6 +242,20 @@ class TrainingFields:
 
         if self.num_processes is not None:
             _positive(self, "num_processes")
+        _in("main_process_port", self.main_process_port, 1, 65535)
+        planned = [a for a in self.accelerate_extra_args if a.split("=")[0] in MULTI_NODE_FLAGS]
+        require(
+            not planned,
+            "accelerate_extra_args",
+            f"{planned[0] if planned else ''} is set by the hardware plan (alone it started this node only): use "
+            "num_processes, and train_hosts (or train_hostfile, or train_launcher: srun) for several nodes, each "
+            "of which is then started for you",
+        )
+        require(
+            not (self.train_hosts and self.train_hostfile),
+            "train_hostfile",
+            "set train_hosts or train_hostfile, not both",
+        )
         parse_report_to(self.report_to)
         if self.push_to_hub:
             require(

@@ -186,7 +186,7 @@ class SFTRecipe(SFTFields, RewardFields, _BaseRecipe):
         SFTFields.validate(self)
 
     def path_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.path_fields(self), "origin_yaml_path")
+        return (*_BaseRecipe.path_fields(self), "train_hostfile", "origin_yaml_path")
 
     def model_fields(self) -> tuple[str, ...]:
         return (*_BaseRecipe.model_fields(self), "loss_model_path")
@@ -208,7 +208,7 @@ class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
         DPOFields.validate(self)
 
     def path_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.path_fields(self), "origin_dpo_yaml_path")
+        return (*_BaseRecipe.path_fields(self), "train_hostfile", "origin_dpo_yaml_path")
 
     def model_fields(self) -> tuple[str, ...]:
         return (*_BaseRecipe.model_fields(self), "loss_model_path")
@@ -237,7 +237,7 @@ class SFTDPORecipe(DPOFields, SFTFields, RewardFields, _BaseRecipe):
         DPOFields.validate(self)
 
     def path_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.path_fields(self), "origin_yaml_path", "origin_dpo_yaml_path")
+        return (*_BaseRecipe.path_fields(self), "train_hostfile", "origin_yaml_path", "origin_dpo_yaml_path")
 
     def model_fields(self) -> tuple[str, ...]:
         return (*_BaseRecipe.model_fields(self), "loss_model_path")

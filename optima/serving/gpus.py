@@ -36,6 +36,28 @@ def visible_gpus(environ: Mapping[str, str] | None = None, nvidia_smi: str | Non
     return [str(i) for i, _ in enumerate(ln for ln in lines if ln.startswith("GPU "))]
 
 
+def gpu_memory_mib(environ: Mapping[str, str] | None = None, nvidia_smi: str | None = None) -> list[int]:
+    """Total memory (MiB) of each visible GPU, in ``visible_gpus`` order; empty without GPUs or ``nvidia-smi``.
+
+    Numeric ``CUDA_VISIBLE_DEVICES`` entries pick their GPUs from ``nvidia-smi``'s list; other entries (UUIDs)
+    get the smallest GPU's memory.
+    """
+    environ = os.environ if environ is None else environ
+    gpus = visible_gpus(environ, nvidia_smi)
+    exe = nvidia_smi or shutil.which("nvidia-smi", path=environ.get("PATH"))
+    if not gpus or exe is None:
+        return []
+    query = [exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        result = subprocess.run(query, capture_output=True, text=True, check=False, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    sizes = [int(float(v)) for v in result.stdout.split() if v.replace(".", "", 1).isdigit()]
+    if result.returncode != 0 or not sizes:
+        return []
+    return [sizes[int(g)] if g.isdigit() and int(g) < len(sizes) else min(sizes) for g in gpus]
+
+
 def has_gpu(environ: Mapping[str, str] | None = None) -> bool:
     """True when at least one NVIDIA GPU is visible to this process."""
     return bool(visible_gpus(environ))

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
-from optima.serving.gpus import visible_gpus
-from optima.serving.layout import ServerLayout, loss_server_wanted, plan_layout
+from optima.serving.layout import ServerLayout, loss_server_wanted
 from optima.serving.replicas import serve
 from optima.serving.vllm_server import (
+    Placement,
     ServerSpec,
     VLLMServer,
     build_serve_command,
@@ -34,6 +34,7 @@ from optima.serving.vllm_server import (
 )
 
 logger = logging.getLogger(__name__)
+ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: nothing placed here
 
 
 class LossServer:
@@ -109,10 +110,19 @@ class ServerHolder:
 
     @property
     def layout(self) -> ServerLayout:
-        """Placements of the run's servers (computed once: it asks for the visible GPUs)."""
+        """Placements of the run's servers: the hardware plan's (``optima.hardware.plan``), set by the run."""
         if self._layout is None:
-            self._layout = plan_layout(self.recipe, visible_gpus(), sorted(os.sched_getaffinity(0)))
+            from optima.hardware.plan import plan_hardware
+            from optima.hardware.spec import detect_hardware
+
+            hardware = plan_hardware(self.recipe, detect_hardware(), sorted(os.sched_getaffinity(0)))
+            hardware.check()
+            self._layout = hardware.layout or ENDPOINTS_LAYOUT
         return self._layout
+
+    @layout.setter
+    def layout(self, layout: ServerLayout | None) -> None:
+        self._layout = layout or ENDPOINTS_LAYOUT
 
     @property
     def loss(self) -> LossServer | None:

@@ -7,8 +7,10 @@ policy is still generating (``loss_placement: beside``). The two must not fight 
   gets the last quarter of the allowed cores (at least one), the policy the rest. On a 2-core machine: policy on
   core 0, loss server on core 1 (``bench/RESULTS.md`` has the measurement that made this the default).
 * GPU: the loss server runs on ``loss_devices`` when the recipe names them (each keeps the full
-  ``gpu_memory_utilization``), else on the first policy GPU with ``loss_gpu_memory_utilization`` of its memory,
-  taken from that replica's share; the other policy replicas keep theirs.
+  ``gpu_memory_utilization``), else on the first policy GPU with ``loss_gpu_memory_utilization`` of its memory
+  (null: the share the hardware plan computes from the loss model's weights, ``optima.hardware.plan``), taken from
+  that replica's share; the other policy replicas keep theirs. Each server's tensor parallel size is the number of
+  its GPUs (``optima.serving.vllm_server.build_serve_command``).
 
 With ``sleep_mode`` (default on with GPUs, off on CPU) the policy replicas are kept from checkpoint to checkpoint:
 they sleep (GPU) or idle (CPU) during training and then load the new weights (``optima.serving.sleep_mode``).
@@ -49,13 +51,14 @@ def carry_over_on(recipe, gpus: Sequence[str]) -> bool:
     return bool(gpus) if recipe.sleep_mode is None else recipe.sleep_mode
 
 
-def plan_layout(recipe, gpus: Sequence[str], cpus: Sequence[int]) -> ServerLayout:
+def plan_layout(recipe, gpus: Sequence[str], cpus: Sequence[int], loss_share: float | None = None) -> ServerLayout:
     """Placements of every server of an iteration recipe.
 
     Args:
         recipe: Serving fields, ``loss_placement``, ``loss_devices``, ``loss_gpu_memory_utilization``, ``sleep_mode``.
         gpus: Visible GPU ids (empty: CPU machine).
         cpus: CPU ids this process may run on.
+        loss_share: The loss server's memory share when the recipe leaves it null (computed by the hardware plan).
     """
     beside, carry = loss_server_wanted(recipe), carry_over_on(recipe, gpus)
     if gpus:
@@ -67,7 +70,9 @@ def plan_layout(recipe, gpus: Sequence[str], cpus: Sequence[int]) -> ServerLayou
             if bad:
                 raise RecipeError("loss_devices", f"GPU {bad[0]} is not visible (visible: {list(gpus)})")
             return ServerLayout(tuple(policy), Placement(gpus=tuple(gpus[d] for d in recipe.loss_devices)))
-        share = recipe.loss_gpu_memory_utilization
+        share = recipe.loss_gpu_memory_utilization or loss_share
+        if share is None:
+            raise ValueError("loss_gpu_memory_utilization is null: the hardware plan computes the share")
         left = round(recipe.gpu_memory_utilization - share, 4)
         if left <= 0:
             raise RecipeError(
@@ -97,11 +102,10 @@ def describe_placement(placement: Placement, recipe) -> str:
     return f"GPUs {','.join(placement.gpus)} (memory share {share}{sleep})"
 
 
-def describe_layout(recipe, loss_model: str, gpus: Sequence[str], cpus: Sequence[int]) -> dict[str, str]:
-    """The servers of a run as ``--dry-run`` shows them (one line per server)."""
-    if recipe.endpoints:
-        return {"policy": "external endpoints " + ", ".join(recipe.endpoints)}
-    layout = plan_layout(recipe, gpus, cpus)
+def describe_layout(recipe, loss_model: str, layout: ServerLayout | None) -> dict[str, str]:
+    """The servers of a run as ``--dry-run`` shows them (one line per server; ``layout`` None: endpoints)."""
+    if recipe.endpoints or layout is None:
+        return {"policy": "external endpoints " + ", ".join(recipe.endpoints)} if recipe.endpoints else {}
     lines = {f"policy replica {i}": describe_placement(p, recipe) for i, p in enumerate(layout.policy)}
     if layout.loss is not None:
         lines["loss server"] = f"{loss_model} on {describe_placement(layout.loss, recipe)}, started once per run"

@@ -119,7 +119,9 @@ def build_serve_command(recipe, model_path: str, port: int, vllm_env: PythonEnv,
         argv += ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
         argv += ["--max-num-batched-tokens", str(batched)]
     else:
-        argv += ["--tensor-parallel-size", str(recipe.tensor_parallel_size)]
+        # Tensor parallel over this server's own GPUs: the recipe's size is how the policy's GPUs are grouped
+        # into replicas, and a loss server on one GPU must not be asked to split over two.
+        argv += ["--tensor-parallel-size", str(len(placement.gpus))]
         argv += ["--gpu-memory-utilization", str(placement.gpu_memory_utilization or recipe.gpu_memory_utilization)]
         if placement.carry_over:
             argv += ["--enable-sleep-mode"]

@@ -53,6 +53,7 @@ class StageCall:
         gpu: Whether a GPU is visible.
         ctx: The run (None when ``--dry-run`` describes the stage).
         results: The results of the part's earlier stages, by name.
+        training: Where the training processes run (``optima.training.nodes.TrainingPlacement``).
     """
 
     recipe: Any
@@ -65,6 +66,7 @@ class StageCall:
     gpu: bool
     ctx: RunContext | None = None
     results: dict[str, dict] = field(default_factory=dict)
+    training: Any = None  # the hardware plan's TrainingPlacement (None: the accelerate config's process count)
 
     def output(self, name: str) -> Path:
         """A stage output by name: ``checkpoint`` or a ``StagePaths`` attribute (``generations``, ``dataset``...)."""
@@ -178,6 +180,6 @@ def train_checkpoint(
     if check is not None:
         check(config)
     write_trainer_config(config, sp.trainer_yaml)
-    launch = launch_for(recipe, kind, call.envs["train"], sp.trainer_yaml, call.gpu)
+    launch = launch_for(recipe, kind, call.envs["train"], sp.trainer_yaml, call.gpu, call.training)
     run_training(launch, sp.train_log, trainer_env(ctx.report_to, ctx.paths.output_dir, sp.root))
     return read_completion(out) | {"model": start}

@@ -7,8 +7,9 @@ model, dataset and output folder, written into the run directory and handed to
     <train python> -m accelerate.commands.launch --config_file <accelerate yaml> \
         alignment-handbook/scripts/run_sft.py --config <run>/iteration_<i>/trainer.yaml
 
-Multi-node training uses accelerate's own flags (``--num_machines``, ``--machine_rank``,
-``--main_process_ip``), passed through ``extra_launch_args``. ``optima.training.launch`` runs the command.
+The process count, the GPUs and, on several nodes, accelerate's multi-node flags come from the hardware plan's
+``TrainingPlacement`` (``optima.training.nodes``, which also starts every node). ``optima.training.launch`` runs the
+command.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 from optima.environments import REPO_ROOT, PythonEnv
 from optima.store import write_yaml
+from optima.training.nodes import TrainingPlacement
 
 HANDBOOK = REPO_ROOT / "alignment-handbook"
 ACCELERATE_CONFIGS = HANDBOOK / "recipes" / "accelerate_configs"
@@ -72,8 +74,9 @@ class TrainLaunch:
         env: The training environment.
         accelerate_config: Resolved accelerate YAML.
         trainer_yaml: Rendered trainer recipe.
-        num_processes: Overrides the accelerate config's process count (e.g. GPUs available).
-        extra_launch_args: More ``accelerate launch`` flags (multi-node).
+        num_processes: Overrides the accelerate config's process count (without a placement).
+        extra_launch_args: More ``accelerate launch`` flags.
+        placement: The hardware plan's training processes: process count, GPUs, nodes (wins over num_processes).
     """
 
     kind: Literal["sft", "dpo"]
@@ -82,11 +85,14 @@ class TrainLaunch:
     trainer_yaml: Path
     num_processes: int | None = None
     extra_launch_args: tuple[str, ...] = field(default_factory=tuple)
+    placement: TrainingPlacement | None = None
 
     def argv(self) -> list[str]:
-        """The exact command line (starts nothing; shown by ``--dry-run``)."""
+        """The exact command line (starts nothing; shown by ``--dry-run``); on several nodes, the nodes launcher's."""
         launch = ["--config_file", str(self.accelerate_config)]
-        if self.num_processes is not None:
+        if self.placement is not None:
+            launch += self.placement.accelerate_args()
+        elif self.num_processes is not None:
             launch += ["--num_processes", str(self.num_processes)]
         if self.is_multi_cpu():
             # accelerate starts a CPU config's processes with its simple launcher, i.e. ONE process whatever
@@ -94,20 +100,31 @@ class TrainLaunch:
             # ACCELERATE_USE_CPU (env_vars) each one joins a gloo process group on the CPU.
             launch.append("--multi_gpu")
         launch += list(self.extra_launch_args)
-        return self.env.module_argv(
+        argv = self.env.module_argv(
             "accelerate.commands.launch", *launch, str(SCRIPTS[self.kind]), "--config", str(self.trainer_yaml)
         )
+        if self.placement is not None and self.placement.multi_node:
+            return self.placement.wrap(self.env.python_argv, argv)
+        return argv
+
+    def processes(self) -> int:
+        """Processes of the run: the placement's, else ``num_processes``, else the accelerate config's."""
+        if self.placement is not None:
+            return self.placement.num_processes
+        if self.num_processes is not None:
+            return self.num_processes
+        return int(read_accelerate_config(self.accelerate_config).get("num_processes", 1))
 
     def is_multi_cpu(self) -> bool:
         """A CPU-only accelerate config (``use_cpu``, no DeepSpeed/FSDP) asked to run more than one process."""
         config = read_accelerate_config(self.accelerate_config)
-        processes = self.num_processes if self.num_processes is not None else config.get("num_processes", 1)
         cpu_only = config.get("use_cpu") and config.get("distributed_type") in ("NO", "MULTI_CPU", None)
-        return bool(cpu_only) and int(processes) > 1
+        return bool(cpu_only) and self.processes() > 1
 
     def env_vars(self) -> dict[str, str]:
-        """Environment the launch needs on top of the training env's (CPU processes for a multi-CPU run)."""
-        return {"ACCELERATE_USE_CPU": "true"} if self.is_multi_cpu() else {}
+        """Environment the launch needs on top of the training env's: CPU processes for a multi-CPU run, the GPUs."""
+        env = {"ACCELERATE_USE_CPU": "true"} if self.is_multi_cpu() else {}
+        return env | (self.placement.local_env() if self.placement is not None else {})
 
 
 def read_accelerate_config(path: Path) -> dict[str, Any]:
@@ -120,8 +137,15 @@ def read_accelerate_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def launch_for(recipe, kind: Literal["sft", "dpo"], env: PythonEnv, trainer_yaml: Path, gpu: bool) -> TrainLaunch:
-    """The training subprocess of a recipe's stage (accelerate config, process count, extra launch flags)."""
+def launch_for(
+    recipe,
+    kind: Literal["sft", "dpo"],
+    env: PythonEnv,
+    trainer_yaml: Path,
+    gpu: bool,
+    placement: TrainingPlacement | None = None,
+) -> TrainLaunch:
+    """The training subprocess of a recipe's stage (accelerate config, the plan's processes, extra launch flags)."""
     return TrainLaunch(
         kind,
         env,
@@ -129,4 +153,5 @@ def launch_for(recipe, kind: Literal["sft", "dpo"], env: PythonEnv, trainer_yaml
         trainer_yaml,
         recipe.num_processes,
         tuple(recipe.accelerate_extra_args),
+        placement,
     )

@@ -1,0 +1,292 @@
+"""The hardware plan of a run: (recipe, hardware) -> where every process runs and what it holds, checked before start.
+
+One plan places the policy replicas and the loss server (``optima.serving.layout``, whose memory share for the loss
+server is computed here from its weights when the recipe leaves ``loss_gpu_memory_utilization`` null), and the
+training processes (``optima.training.nodes.TrainingPlacement``: GPUs, ``num_processes``, machine ranks per node).
+Each claim on a GPU carries an estimate (``optima.hardware.memory``), in the two phases of an iteration:
+
+* generation: every server's memory share (vLLM takes all of it at start-up) must hold its weights, a minimum KV
+  cache and vLLM's own memory, and the shares on one GPU must add up to at most 1;
+* training: the trainer's peak, beside what the other processes still hold then: a sleeping policy replica its
+  CUDA context, a loss server (which stays up for the whole run) its whole share. Training never runs on a GPU of a
+  server that stays resident.
+
+An impossible plan is refused before anything starts (``check``), with one message naming the GPU, the claims on it
+and a fix. ``--dry-run`` prints ``render()``. docs/gpu.md describes the plan and its estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from optima.config.fields import RecipeError
+from optima.config.groups import LOOPBACK_HOSTS
+from optima.config.rules import loss_model
+from optima.hardware import memory
+from optima.hardware.memory import GIB, ModelSize, gib
+from optima.hardware.spec import Hardware
+from optima.serving.layout import ServerLayout, carry_over_on, loss_server_wanted, plan_layout
+from optima.serving.vllm_server import Placement
+from optima.training.nodes import TrainingPlacement
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+TRAINER_YAML_FIELDS = {
+    "sft": ("origin_yaml_path",),
+    "dpo": ("origin_dpo_yaml_path",),
+    "sft_dpo": ("origin_yaml_path", "origin_dpo_yaml_path"),
+}
+MIN_LOSS_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One process's hold on a GPU: what (``loss server``), how much (bytes), and in which phases it holds it.
+
+    ``generation``: while the policy samples; ``training``: while the trainer runs. A resident server holds its
+    share in both.
+    """
+
+    what: str
+    size: int
+    generation: bool = True
+    training: bool = False
+
+    @property
+    def resident(self) -> bool:
+        """Held through both phases: a server that stays up (no trainer may share its GPU)."""
+        return self.generation and self.training
+
+
+def phase_total(claims: list[Claim], phase: str) -> int:
+    """Bytes held on one GPU in ``phase`` (``generation`` or ``training``)."""
+    return sum(c.size for c in claims if getattr(c, phase))
+
+
+@dataclass
+class HardwarePlan:
+    """Placements and claims of a run on some hardware (see the module docstring).
+
+    Args:
+        hardware: The machine(s).
+        layout: Placements of the servers on node 0 (None: external endpoints).
+        training: The training processes (None: an evaluation recipe).
+        claims: ``(node, gpu id) -> claims`` on that GPU.
+        lines: What ``render`` shows about each process.
+        problems: Why the plan cannot run (empty: it can).
+        notes: Remarks that do not stop the run.
+    """
+
+    hardware: Hardware
+    layout: ServerLayout | None = None
+    training: TrainingPlacement | None = None
+    claims: dict[tuple[int, str], list[Claim]] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    loss_share: float | None = None
+
+    def claim(self, node: int, gpu: str, item: Claim) -> None:
+        self.claims.setdefault((node, gpu), []).append(item)
+
+    def check(self) -> None:
+        """Raise the first problem as a ``RecipeError`` (nothing has started yet)."""
+        if self.problems:
+            more = f" ({len(self.problems) - 1} more: see --dry-run)" if len(self.problems) > 1 else ""
+            raise RecipeError("hardware plan", self.problems[0] + more)
+
+    def render(self) -> list[str]:
+        """The plan as ``--dry-run`` prints it."""
+        out = [f"  hardware: {self.hardware.describe()}", *(f"      {line}" for line in self.lines)]
+        for (node, gpu), claims in sorted(self.claims.items()):
+            gen = [c for c in claims if c.generation]
+            train = [c for c in claims if c.training]
+            out.append(f"      node {node} GPU {gpu}: generation {_sum(gen)}; training {_sum(train)}")
+        out += [f"      note: {note}" for note in self.notes]
+        out += [f"      REFUSED: {problem}" for problem in self.problems] or ["      plan: feasible"]
+        return out
+
+
+def _sum(claims: list[Claim]) -> str:
+    if not claims:
+        return "-"
+    total = sum(c.size for c in claims)
+    return f"{gib(total)} GiB (" + ", ".join(f"{c.what} {gib(c.size)}" for c in claims) + ")"
+
+
+def _read_yaml(path: str | None) -> dict:
+    import yaml
+
+    if not path or not Path(path).is_file():
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return data if isinstance(data, dict) else {}
+
+
+def trainer_yamls(recipe) -> list[dict]:
+    """The base trainer YAMLs of the recipe's training stages (none for an evaluation recipe)."""
+    names = TRAINER_YAML_FIELDS.get(recipe.method, ())
+    return [_read_yaml(getattr(recipe, name)) | {"_dpo": "dpo" in name} for name in names]
+
+
+def policy_size(recipe, yamls: list[dict]) -> ModelSize | None:
+    """The served model's size: the initial model, else (a checkpoint not written yet) the trainer's base model."""
+    base = [y.get("model_name_or_path") for y in yamls]
+    evaluated = [recipe.model_root_path] if hasattr(recipe, "model_root_path") else []  # evaluation recipes
+    return memory.model_size(recipe.initial_model_path, *evaluated, *base, recipe.tokenizer_first_path)
+
+
+def plan_hardware(recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwarePlan:
+    """The plan of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs)."""
+    plan = HardwarePlan(hardware)
+    yamls = trainer_yamls(recipe)
+    if yamls:  # evaluation serves each model once: no sleep mode, no reload routes
+        check_dev_mode_bind(recipe, hardware, plan)
+    size = policy_size(recipe, yamls)
+    if size is not None:
+        plan.lines.append(f"policy model: {_describe_size(size)}")
+    if recipe.endpoints:
+        plan.lines.append("servers: external endpoints " + ", ".join(recipe.endpoints) + " (nothing launched here)")
+    else:
+        plan_servers(recipe, hardware, size, plan, cpus or [0])
+    if yamls:
+        from optima.hardware.training import plan_training
+
+        plan_training(recipe, hardware, size, yamls, plan)
+    return plan
+
+
+def _describe_size(size: ModelSize) -> str:
+    return f"{size.name}: {size.params / 1e9:.2f}e9 parameters ({size.source})"
+
+
+def check_dev_mode_bind(recipe, hardware: Hardware, plan: HardwarePlan) -> None:
+    """Refuse vLLM's development routes (sleep mode's reloads: no API key guards them) on a public address."""
+    if recipe.endpoints or not carry_over_on(recipe, hardware.gpu_ids if hardware.has_gpu else []):
+        return
+    host = recipe.host
+    if host in LOOPBACK_HOSTS or (host in recipe.private_hosts and host not in WILDCARD_HOSTS):
+        return
+    plan.problems.append(
+        f"host {host!r}: sleep_mode opens vLLM's reload routes (VLLM_SERVER_DEV_MODE), which its API key does not "
+        "guard; bind to 127.0.0.1 or to a private interface listed in private_hosts (never a wildcard), or set "
+        "sleep_mode: false"
+    )
+
+
+def loss_share_for(need: int, gpu_gib: float) -> float:
+    """The smallest memory share (2 decimals, at least 0.05) that holds ``need`` bytes on a GPU."""
+    return max(MIN_LOSS_SHARE, math.ceil(need / (gpu_gib * GIB) * 100) / 100)
+
+
+def plan_servers(recipe, hardware: Hardware, size: ModelSize | None, plan: HardwarePlan, cpus: list[int]) -> None:
+    """Place the servers on node 0 and claim their shares (generation), checking each against its need."""
+    gpus = list(hardware.gpu_ids) if hardware.has_gpu else []
+    beside = loss_server_wanted(recipe)
+    dtype = memory.served_dtype_bytes(recipe.vllm_extra_args)
+    loss_size = memory.model_size(loss_model(recipe), recipe.tokenizer_first_path) if beside else None
+    loss_need = None
+    if loss_size is not None and gpus:
+        loss_kv = memory.loss_kv_min_bytes(loss_size, recipe, dtype)
+        loss_need = (memory.server_need_bytes(loss_size, loss_kv, len(recipe.loss_devices or [0]), dtype), loss_kv)
+        if recipe.loss_gpu_memory_utilization is None and recipe.loss_devices is None:
+            plan.loss_share = loss_share_for(loss_need[0], hardware.gpu_gib)
+    shared = beside and gpus and recipe.loss_devices is None
+    if shared and recipe.loss_gpu_memory_utilization is None and plan.loss_share is None:
+        plan.problems.append(
+            f"loss server: the size of {loss_model(recipe)} is unknown (no config.json, not a known hub name): set "
+            "loss_gpu_memory_utilization, or loss_devices"
+        )
+        return
+    try:
+        plan.layout = plan_layout(recipe, gpus, cpus, loss_share=plan.loss_share)
+    except RecipeError as exc:
+        plan.problems.append(str(exc))
+        return
+    if not hasattr(recipe, "accelerate_config"):  # evaluation: replicas started per model, never kept asleep
+        policy = tuple(dataclasses.replace(p, carry_over=False) for p in plan.layout.policy)
+        plan.layout = ServerLayout(policy, plan.layout.loss)
+    if not gpus:
+        plan.lines.append("servers: on the CPU (one policy server" + (" and the loss server)" if beside else ")"))
+        return
+    check_overlap(recipe, plan.layout, plan)
+    if size is None:
+        plan.notes.append(f"the size of {recipe.initial_model_path} is unknown: the servers' memory is not checked")
+    for i, placement in enumerate(plan.layout.policy):
+        kv = memory.policy_kv_min_bytes(size, recipe, dtype) if size else 0
+        need = memory.server_need_bytes(size, kv, len(placement.gpus), dtype) if size else None
+        claim_server(plan, recipe, f"policy replica {i}", placement, (need, kv) if need else None)
+    if plan.layout.loss is not None:
+        plan.lines.append(f"loss model: {_describe_size(loss_size)}" if loss_size else "loss model: size unknown")
+        claim_server(plan, recipe, "loss server", plan.layout.loss, loss_need)
+    check_generation_totals(plan)
+
+
+def check_generation_totals(plan: HardwarePlan) -> None:
+    """The servers' shares on one GPU must fit in it (vLLM takes its whole share at start-up)."""
+    total = plan.hardware.gpu_gib * GIB
+    for (node, gpu), claims in sorted(plan.claims.items()):
+        held = phase_total(claims, "generation")
+        if held > total:
+            plan.problems.append(
+                f"GPU {gpu} of node {node}: the servers' shares add up to {gib(held)} GiB of "
+                f"{plan.hardware.gpu_gib:g} GiB ({_sum([c for c in claims if c.generation])}): lower "
+                "gpu_memory_utilization or loss_gpu_memory_utilization, or move loss_devices"
+            )
+
+
+def check_overlap(recipe, layout: ServerLayout, plan: HardwarePlan) -> None:
+    """``loss_devices`` on GPUs of the policy replicas: both servers would take their full share of one GPU."""
+    if layout.loss is None or recipe.loss_devices is None:
+        return
+    policy = {g for p in layout.policy for g in p.gpus}
+    shared = sorted(set(layout.loss.gpus) & policy)
+    if shared:
+        plan.problems.append(
+            f"loss_devices {recipe.loss_devices} overlap the policy's GPUs on GPU {shared[0]}: name GPUs outside "
+            "devices, or leave loss_devices null to share the first policy GPU by memory share"
+        )
+
+
+def claim_server(plan: HardwarePlan, recipe, name: str, placement: Placement, need: tuple[int, int] | None) -> None:
+    """Claim a server's share on each of its GPUs; a share below its need is a problem (with the share that fits)."""
+    share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
+    budget = int(share * plan.hardware.gpu_gib * GIB)
+    tp = len(placement.gpus)
+    resident = name == "loss server"  # it serves the whole run, training included
+    sleeps = placement.carry_over
+    after = "stays up through training" if resident else "sleeps during training" if sleeps else "stops for training"
+    text = (
+        f"{name}: GPUs {','.join(placement.gpus)} (tensor parallel {tp}), share {share} = {gib(budget)} GiB, {after}"
+    )
+    if need is not None:
+        text += f"; needs ~{gib(need[0])} GiB per GPU ({gib(need[1])} GiB of it minimum KV cache)"
+    plan.lines.append(text)
+    for gpu in placement.gpus:
+        plan.claim(0, gpu, Claim(name, budget, training=resident))
+        if sleeps:
+            plan.claim(0, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, generation=False, training=True))
+    if need is not None and need[0] > budget:
+        plan.problems.append(_share_problem(name, placement, need, share, plan.hardware.gpu_gib))
+
+
+def _share_problem(name: str, placement: Placement, need: tuple[int, int], share: float, gpu_gib: float) -> str:
+    """``loss server: needs ~15.0 GiB of weights + 2.0 GiB KV + 2.0 GiB vLLM per GPU; 0.1 x 80 GiB = 8.0 GiB on
+    GPU 0: set loss_gpu_memory_utilization >= 0.24 or loss_devices: [a GPU outside devices]``."""
+    weights = need[0] - need[1] - memory.SERVER_OVERHEAD
+    wanted = loss_share_for(need[0], gpu_gib)
+    if wanted > 1:
+        fix = "it does not fit on one GPU: use tensor_parallel_size > 1 (policy) or GPUs with more memory"
+    elif name == "loss server":
+        fix = f"set loss_gpu_memory_utilization >= {wanted:.2f} or loss_devices: [a GPU outside devices]"
+    else:
+        fix = (
+            f"raise this replica's share to >= {wanted:.2f} (gpu_memory_utilization, minus the loss server's share "
+            "on the GPU it shares), or use tensor_parallel_size > 1, or more GPU memory"
+        )
+    return (
+        f"{name}: needs ~{gib(weights)} GiB of weights + {gib(need[1])} GiB KV + {gib(memory.SERVER_OVERHEAD)} GiB "
+        f"vLLM per GPU; {share} x {gpu_gib:g} GiB = {round(share * gpu_gib, 1)} GiB on GPU {placement.gpus[0]}: {fix}"
+    )

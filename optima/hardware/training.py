@@ -1,0 +1,139 @@
+"""The training part of the hardware plan: which GPUs of which nodes train, how many processes, at what peak.
+
+Training runs on the GPUs that no resident server holds (the loss server stays up for the whole run; a sleeping
+policy replica only keeps its CUDA context), the same number on every node (torchrun's rule), and ``num_processes``
+is what the plan says (the shipped accelerate configs' 8 never applies). The nodes are the recipe's
+``train_hosts`` (or ``train_hostfile``), started by ``train_launcher``; with ``train_launcher: srun`` and no hosts,
+the nodes of the Slurm allocation (as many as the hardware has). Hardware with more nodes than the recipe names
+trains on node 0 only (a note says so).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from optima.hardware import memory
+from optima.hardware.memory import ModelSize, TrainerShape, gib
+from optima.hardware.spec import Hardware
+from optima.training.launch_config import read_accelerate_config, resolve_accelerate_config
+from optima.training.nodes import NodeRanks, TrainingPlacement
+
+
+def read_hosts(recipe) -> list[str]:
+    """``train_hosts``, or the first word of each line of ``train_hostfile`` (``host slots=8`` as DeepSpeed/MPI)."""
+    if recipe.train_hostfile:
+        lines = Path(recipe.train_hostfile).read_text().splitlines() if Path(recipe.train_hostfile).is_file() else []
+        return [ln.split()[0] for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    return list(recipe.train_hosts)
+
+
+def strategy_of(config: dict) -> str:
+    """``cpu``, ``ddp``, ``fsdp`` or ``zero3`` from an accelerate config (ZeRO stages 1-2 are planned as DDP)."""
+    kind = config.get("distributed_type")
+    if config.get("use_cpu") and kind in ("NO", "MULTI_CPU", None):
+        return "cpu"
+    if kind == "DEEPSPEED":
+        return "zero3" if int((config.get("deepspeed_config") or {}).get("zero_stage", 0)) == 3 else "ddp"
+    return "fsdp" if kind == "FSDP" else "ddp"
+
+
+def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
+    """The estimate's inputs from a trainer YAML."""
+    dtype = memory.DTYPE_BYTES.get(str(yaml.get("dtype") or yaml.get("torch_dtype") or "float32"), 4)
+    checkpointing = bool(yaml.get("activation_checkpointing", yaml.get("gradient_checkpointing", True)))
+    return TrainerShape(
+        strategy,
+        processes,
+        dtype,
+        int(yaml.get("per_device_train_batch_size", 8)),
+        int(yaml.get("max_length") or 1024),
+        checkpointing,
+        dpo=bool(yaml.get("_dpo")),
+        lora_rank=int(yaml.get("lora_r", 16)) if yaml.get("use_peft") else 0,
+        precomputed_reference=bool(yaml.get("precompute_ref_log_probs")),
+    )
+
+
+def node_hosts(recipe, hardware: Hardware, plan) -> list[str]:
+    """The hosts of the training nodes (``""``: a Slurm node found at run time); one entry per node."""
+    hosts = read_hosts(recipe)
+    if hosts:
+        return hosts
+    if recipe.train_launcher == "srun" and hardware.nodes > 1:
+        return [""] * hardware.nodes
+    if hardware.nodes > 1:
+        plan.notes.append(
+            f"the hardware has {hardware.nodes} nodes but the recipe names none (train_hosts, train_hostfile, or "
+            "train_launcher: srun inside a Slurm allocation): training and serving use node 0 only"
+        )
+    return ["localhost"]
+
+
+def plan_training(recipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], plan) -> None:
+    """Place the training processes and claim their peak on each GPU (see the module docstring)."""
+    strategy = strategy_of(
+        read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))
+    )
+    hosts = node_hosts(recipe, hardware, plan)
+    launcher = "local" if len(hosts) == 1 else recipe.train_launcher
+    port, exe = recipe.main_process_port, recipe.train_launcher_executable
+    if strategy == "cpu" or not hardware.has_gpu:
+        per_node = max(1, (recipe.num_processes or 1) // len(hosts))
+        nodes = tuple(NodeRanks(h, r) for r, h in enumerate(hosts))
+        plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port)
+        plan.lines.append(
+            f"training: {strategy}, {plan.training.num_processes} CPU process(es) on {len(hosts)} node(s)"
+        )
+        return
+    resident = {gpu for (node, gpu), claims in plan.claims.items() if node == 0 and _resident(claims)}
+    free = [[g for g in hardware.gpu_ids if g not in resident]] + [list(hardware.gpu_ids)] * (len(hosts) - 1)
+    per_node = min(len(f) for f in free)
+    if recipe.num_processes is not None:
+        per_node = min(per_node, max(1, recipe.num_processes // len(hosts)))
+    if per_node == 0:
+        holders = ", ".join(sorted(resident))
+        plan.problems.append(
+            f"training: no GPU of node 0 is free of a server that stays up through training (GPU {holders}: loss "
+            "server): set loss_placement: after (the loss model is then served after generation and stopped "
+            "before training), or loss_devices on a GPU outside devices with more GPUs"
+        )
+        return
+    nodes = tuple(NodeRanks(h, r, tuple(free[r][:per_node])) for r, h in enumerate(hosts))
+    plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port)
+    if len(hosts) > 1 and not recipe.endpoints:
+        plan.notes.append(
+            f"the servers run on node 0 ({hosts[0] or 'the first Slurm node'}: the driver runs there); the other "
+            "nodes train only. To sample on them too, start vLLM there (e.g. its data parallel mode) and list the "
+            "servers in endpoints"
+        )
+    shapes = [trainer_shape(strategy, plan.training.num_processes, y) for y in yamls]
+    peak = max(memory.trainer_peak_bytes(size, s) for s in shapes) if size else 0
+    where = "; ".join(f"node {n.machine_rank} ({n.host or 'Slurm'}) GPUs {','.join(n.gpus)}" for n in nodes)
+    plan.lines.append(
+        f"training: {strategy}{' + LoRA' if any(s.lora_rank for s in shapes) else ''}, "
+        f"{plan.training.num_processes} process(es) ({per_node} per node, launcher {launcher}): {where}; "
+        f"peak ~{gib(peak)} GiB per GPU"
+    )
+    claim_training(plan, nodes, peak, strategy)
+
+
+def _resident(claims) -> bool:
+    return any(c.resident for c in claims)
+
+
+def claim_training(plan, nodes, peak: int, strategy: str) -> None:
+    """Claim the trainer's peak on its GPUs; a GPU over its memory in the training phase is a problem."""
+    from optima.hardware.plan import Claim, phase_total
+
+    total = int(plan.hardware.gpu_gib * memory.GIB)
+    for node in nodes:
+        for gpu in node.gpus:
+            plan.claim(node.machine_rank, gpu, Claim(f"trainer ({strategy})", peak, generation=False, training=True))
+            held = phase_total(plan.claims[(node.machine_rank, gpu)], "training")
+            if held > total and not plan.problems:
+                plan.problems.append(
+                    f"training: ~{gib(peak)} GiB per process ({strategy}, {plan.training.num_processes} processes) "
+                    f"+ {gib(held - peak)} GiB of sleeping servers = {gib(held)} GiB on GPU {gpu} of node "
+                    f"{node.machine_rank}, which has {plan.hardware.gpu_gib:g} GiB: train on more GPUs (or nodes), "
+                    "use deepspeed_zero3, or LoRA (use_peft: true in the trainer YAML)"
+                )

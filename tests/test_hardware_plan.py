@@ -1,0 +1,279 @@
+"""The hardware plan: every shipped recipe on six machines, one test per GPU defect it fixes, the estimates.
+
+Pure functions only (no process starts): the plan reads the recipes, the trainer YAMLs and model configs.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe, load_recipe
+from optima.config.fields import RecipeError
+from optima.environments import PythonEnv, resolve_env
+from optima.hardware import memory
+from optima.hardware.plan import phase_total, plan_hardware
+from optima.hardware.spec import Hardware, detect_hardware, parse_hardware
+from optima.serving.vllm_server import Placement, build_serve_command
+from optima.training.launch_config import launch_for
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = sorted((REPO / "train").glob("**/*.yaml"))
+CLASSES = {"sft_recipes": SFTRecipe, "dpo_recipes": DPORecipe, "sft_dpo_recipes": SFTDPORecipe}
+MACHINES = ["1x24GB", "1x80GB", "4x80GB", "8x80GB", "8x141GB", "2x8x80GB"]
+VENV = PythonEnv("venv", "venv", ("/venv/bin/python",))
+GIB = 1024**3
+
+
+def load(path: Path, **overrides):
+    return load_recipe(CLASSES[path.parent.name], path, overrides, check_paths=False)
+
+
+def recipe_at(relative: str, **overrides):
+    return load(REPO / relative, **overrides)
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # the recipes' relative paths resolve against the repository
+
+
+def tp_of(argv: list[str]) -> int:
+    return int(argv[argv.index("--tensor-parallel-size") + 1])
+
+
+def assert_feasible(plan, recipe) -> None:
+    """No GPU over its memory in either phase, tp = GPUs of each server, training off resident servers' GPUs."""
+    total = plan.hardware.gpu_gib * GIB
+    for (node, gpu), claims in plan.claims.items():
+        assert phase_total(claims, "generation") <= total, (node, gpu, claims)
+        assert phase_total(claims, "training") <= total, (node, gpu, claims)
+    if plan.layout is not None and plan.hardware.has_gpu:
+        servers = [*plan.layout.policy, *([plan.layout.loss] if plan.layout.loss else [])]
+        for placement in servers:
+            assert tp_of(build_serve_command(recipe, "/m", 8000, VENV, placement)) == len(placement.gpus)
+        policy_gpus = [g for p in plan.layout.policy for g in p.gpus]
+        assert len(policy_gpus) == len(set(policy_gpus))  # no GPU in two replicas
+    resident = {key for key, claims in plan.claims.items() if any(c.resident for c in claims)}
+    if plan.training is not None:
+        trained = {(n.machine_rank, g) for n in plan.training.nodes for g in n.gpus}
+        assert not trained & resident, (trained, resident)
+        assert plan.training.num_processes == plan.training.processes_per_node * len(plan.training.nodes)
+
+
+@pytest.mark.parametrize("variant", [{}, {"devices": None}], ids=["as shipped", "all GPUs"])
+@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO / "train")))
+def test_every_shipped_recipe_is_feasible_or_refused_before_start(path, machine, variant):
+    """Each recipe as shipped (the Llama ones name GPUs 0-7) and with ``devices: null`` (every GPU there is)."""
+    recipe = load(path, **variant)
+    plan = plan_hardware(recipe, parse_hardware(machine), [0, 1])
+    if plan.problems:
+        with pytest.raises(RecipeError, match="hardware plan"):
+            plan.check()
+        return
+    plan.check()
+    assert_feasible(plan, recipe)
+    assert plan.training is not None and plan.training.num_processes >= 1
+    llama = "demo" not in path.name
+    if llama and machine == "8x80GB":  # the shipped Llama-3-8B recipes run on one 8x80 GB machine
+        assert plan.training.num_processes == 7 and plan.layout.loss.gpus == ("0",)
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if "demo" not in p.name], ids=lambda p: p.stem)
+def test_shipped_llama_recipes_are_feasible_on_8x80gb(path):
+    plan = plan_hardware(load(path), parse_hardware("8x80GB"), [0, 1])
+    assert not plan.problems, plan.problems
+    assert "Meta-Llama-3-8B" in "\n".join(plan.lines)
+
+
+def test_defect2_loss_server_share_is_computed_from_the_weights():
+    """Defect 2: the default ``loss_gpu_memory_utilization: 0.1`` gave the loss server 8 GiB of an 80 GiB GPU for
+    ~15 GiB of Llama-3-8B weights; the code as it was started it and vLLM failed. Now the default (null) is computed
+    from the weights and the KV minimum, and an explicit share too small is refused with the fix."""
+    recipe = recipe_at("train/sft_recipes/arc.yaml")
+    assert recipe.loss_gpu_memory_utilization is None
+    for machine, expected in (("8x80GB", 0.24), ("8x141GB", 0.14)):
+        plan = plan_hardware(recipe, parse_hardware(machine), [0])
+        assert plan.loss_share == expected and plan.layout.loss.gpu_memory_utilization == expected
+        assert plan.layout.policy[0].gpu_memory_utilization == round(0.9 - expected, 4)
+    small = plan_hardware(
+        recipe_at("train/sft_recipes/arc.yaml", loss_gpu_memory_utilization=0.1), parse_hardware("8x80GB")
+    )
+    assert len(small.problems) == 1
+    assert re.fullmatch(
+        r"loss server: needs ~15\.0 GiB of weights \+ 2\.0 GiB KV \+ 2\.0 GiB vLLM per GPU; 0\.1 x 80 GiB = 8\.0 GiB "
+        r"on GPU 0: set loss_gpu_memory_utilization >= 0\.24 or loss_devices: \[a GPU outside devices\]",
+        small.problems[0],
+    )
+    with pytest.raises(RecipeError, match="loss_gpu_memory_utilization >= 0.24"):
+        small.check()
+
+
+def test_defect3_tensor_parallel_is_the_gpus_of_each_placement():
+    """Defect 3: ``--tensor-parallel-size`` came from the recipe for every server, so with tensor_parallel_size 2 the
+    loss server on one GPU was asked to split over two. Now each server's tp is the number of its own GPUs."""
+    recipe = recipe_at("train/sft_recipes/arc.yaml", tensor_parallel_size=2)
+    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert [p.gpus for p in plan.layout.policy] == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert tp_of(build_serve_command(recipe, "/m", 8000, VENV, plan.layout.policy[0])) == 2
+    assert plan.layout.loss.gpus == ("0",)
+    assert tp_of(build_serve_command(recipe, "/m", 8001, VENV, plan.layout.loss)) == 1
+    assert not plan.problems
+
+
+def test_defect4_every_node_is_started_by_a_launcher():
+    """Defect 4: ``--num_machines/--machine_rank`` went into ``accelerate_extra_args`` and only this node started
+    (the others waited for a human), with num_processes unset the configs' 8 was split over the nodes. Now those
+    flags are refused, and ``train_hosts`` starts every node through ssh (or srun) with the plan's process count."""
+    with pytest.raises(RecipeError, match="accelerate_extra_args: --num_machines is set by the hardware plan"):
+        recipe_at("train/sft_recipes/arc.yaml", accelerate_extra_args=["--num_machines", "2"])
+    recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "n2"])
+    plan = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0])
+    assert not plan.problems
+    assert [(n.host, n.machine_rank, len(n.gpus)) for n in plan.training.nodes] == [("n1", 0, 7), ("n2", 1, 7)]
+    train_env = resolve_env(sys.executable, "train")
+    launch = launch_for(recipe, "sft", train_env, Path("/run/t.yaml"), True, plan.training)
+    argv = " ".join(launch.argv())
+    assert "-m optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4,5,6,7/0,1,2,3,4,5,6 --" in argv
+    assert "--num_processes 14 --num_machines 2 --machine_rank {machine_rank} --main_process_ip n1" in argv
+    srun = recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun")
+    plan = plan_hardware(srun, parse_hardware("2x8x80GB"), [0])
+    argv = " ".join(launch_for(srun, "sft", train_env, Path("/t.yaml"), True, plan.training).argv())
+    assert "--launcher srun" in argv and "--main_process_ip {main_host}" in argv
+
+
+@pytest.mark.parametrize(("gpus", "loss_placement", "processes"), [(4, "beside", 3), (4, "after", 4), (2, "after", 2)])
+def test_defect5_num_processes_comes_from_the_training_gpus(gpus, loss_placement, processes):
+    """Defect 5: on 1-7 GPUs the shipped accelerate configs (``num_processes: 8``) still asked for 8 processes:
+    nothing passed ``--num_processes``. Now it is always the plan's training GPUs."""
+    recipe = recipe_at("train/sft_recipes/arc.yaml", devices=None, loss_placement=loss_placement)
+    plan = plan_hardware(recipe, parse_hardware(f"{gpus}x141GB"), [0])
+    assert not plan.problems, plan.problems
+    launch = launch_for(recipe, "sft", VENV, Path("/t.yaml"), True, plan.training)
+    argv = launch.argv()
+    assert argv[argv.index("--num_processes") + 1] == str(processes)
+    assert launch.env_vars()["CUDA_VISIBLE_DEVICES"] == ",".join(str(g) for g in range(gpus - processes, gpus))
+
+
+def test_defect6_training_never_shares_a_gpu_with_the_resident_loss_server():
+    """Defect 6: training inherited every GPU, the loss server's included (which keeps its memory through training:
+    an OOM by design), and ``loss_devices`` overlapping the policy's GPUs were accepted. Now training runs on the
+    other GPUs, an overlap is refused, and one GPU with a resident loss server is refused with the fix."""
+    plan = plan_hardware(recipe_at("train/sft_recipes/arc.yaml"), parse_hardware("8x80GB"), [0])
+    assert plan.training.nodes[0].gpus == tuple("1234567")
+    overlap = plan_hardware(recipe_at("train/sft_recipes/arc.yaml", loss_devices=[3]), parse_hardware("8x80GB"))
+    assert any("loss_devices [3] overlap the policy's GPUs on GPU 3" in p for p in overlap.problems)
+    separate = recipe_at("train/sft_recipes/arc.yaml", devices=[0, 1, 2, 3, 4, 5, 6], loss_devices=[7])
+    plan = plan_hardware(separate, parse_hardware("8x80GB"), [0])
+    assert not plan.problems and plan.training.nodes[0].gpus == tuple("0123456")
+    one = plan_hardware(
+        recipe_at("train/sft_recipes/demo_arc.yaml", accelerate_config="multi_gpu"), parse_hardware("1x80GB")
+    )
+    assert any("no GPU of node 0 is free" in p and "loss_placement: after" in p for p in one.problems)
+
+
+@pytest.mark.parametrize(
+    ("host", "extra", "refused"),
+    [
+        ("0.0.0.0", {}, True),
+        ("0.0.0.0", {"private_hosts": ["0.0.0.0"]}, True),  # a wildcard is never private
+        ("10.0.0.5", {}, True),
+        ("10.0.0.5", {"private_hosts": ["10.0.0.5"]}, False),
+        ("0.0.0.0", {"sleep_mode": False}, False),
+        ("127.0.0.1", {}, False),
+    ],
+)
+def test_vllm_reload_routes_never_bind_to_a_public_address(host, extra, refused):
+    recipe = recipe_at("train/sft_recipes/arc.yaml", host=host, api_key="k", **extra)
+    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert any("reload routes" in p for p in plan.problems) is refused
+
+
+@pytest.mark.parametrize(
+    ("text", "nodes", "gpus", "gib"), [("8x80GB", 1, 8, 80), ("2x8x141GB", 2, 8, 141), ("1x24gb", 1, 1, 24)]
+)
+def test_parse_hardware(text, nodes, gpus, gib):
+    hardware = parse_hardware(text)
+    assert (hardware.nodes, hardware.gpus_per_node, hardware.gpu_gib) == (nodes, gpus, gib)
+    assert hardware.gpu_ids == tuple(str(i) for i in range(gpus))
+
+
+@pytest.mark.parametrize("text", ["8", "80GB", "0x80GB", "8x80TB", "axbxc"])
+def test_parse_hardware_refuses_anything_else(text):
+    with pytest.raises(RecipeError, match="--hardware"):
+        parse_hardware(text)
+
+
+def test_detect_hardware_reads_nvidia_smi(tmp_path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\nif [ \"$1\" = -L ]; then printf 'GPU 0: H100 (UUID: a)\\nGPU 1: H100 (UUID: b)\\n'; "
+        "else printf '81559\\n81559\\n'; fi\n"
+    )
+    smi.chmod(0o755)
+    hardware = detect_hardware({"PATH": str(tmp_path)})
+    assert (hardware.nodes, hardware.gpus_per_node, hardware.gpu_gib, hardware.source) == (1, 2, 79.6, "nvidia-smi")
+    visible = detect_hardware({"PATH": str(tmp_path), "CUDA_VISIBLE_DEVICES": "1"})
+    assert visible.gpu_ids == ("1",) and visible.gpu_gib == 79.6
+    assert not detect_hardware({"PATH": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}).has_gpu
+    slurm = detect_hardware({"PATH": str(tmp_path), "SLURM_JOB_NUM_NODES": "4"})
+    assert (slurm.nodes, slurm.gpus_per_node) == (4, 2) and slurm.source == "nvidia-smi, 4 Slurm nodes"
+
+
+def test_parameter_count_from_a_config_equals_the_table(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(memory.KNOWN_MODELS["Meta-Llama-3-8B-Instruct"]))
+    local, table = memory.model_size(tmp_path), memory.model_size("meta-llama/Meta-Llama-3-8B-Instruct")
+    assert local.params == table.params == 8_030_261_248  # Llama-3-8B's published count
+    assert local.source.startswith("config.json") and table.source.startswith("built-in table")
+    assert memory.model_size("org/unknown-model", "./missing/folder") is None
+
+
+def test_trainer_peak_follows_the_strategy():
+    size = memory.model_size("meta-llama/Meta-Llama-3-8B-Instruct")
+    shape = dict(dtype_bytes=2, batch=1, seq=2048, checkpointing=True)
+    zero3 = memory.trainer_peak_bytes(size, memory.TrainerShape("zero3", 8, **shape))
+    ddp = memory.trainer_peak_bytes(size, memory.TrainerShape("ddp", 8, **shape))
+    lora = memory.trainer_peak_bytes(size, memory.TrainerShape("ddp", 8, lora_rank=16, **shape))
+    dpo = memory.trainer_peak_bytes(size, memory.TrainerShape("zero3", 8, dpo=True, **shape))
+    assert lora < zero3 < ddp  # 16 P / 8 + live parameters < 8 P; a frozen base of 2 P is less still
+    assert 60 * GIB < ddp and 20 * GIB < zero3 < 40 * GIB
+    assert dpo > zero3  # a reference model and twice the sequences
+
+
+def test_a_loss_model_of_unknown_size_needs_its_share_named():
+    recipe = recipe_at("train/sft_recipes/arc.yaml", loss_model_path="org/unknown-model")
+    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert plan.problems == [
+        "loss server: the size of org/unknown-model is unknown (no config.json, not a known hub name): set "
+        "loss_gpu_memory_utilization, or loss_devices"
+    ]
+    named = recipe_at(
+        "train/sft_recipes/arc.yaml", loss_model_path="org/unknown-model", loss_gpu_memory_utilization=0.3
+    )
+    assert not plan_hardware(named, parse_hardware("8x80GB"), [0]).problems
+
+
+def test_cpu_plan_trains_on_the_cpu_and_checks_no_gpu():
+    plan = plan_hardware(recipe_at("train/sft_recipes/demo_arc.yaml"), Hardware(1, 0, 0.0), [0, 1])
+    assert not plan.problems and not plan.claims
+    assert plan.training.num_processes == 1 and plan.training.nodes[0].gpus == ()
+    assert plan.layout.policy == (Placement(cpu_bind="0"),)
+
+
+def test_dry_run_prints_the_plan_and_a_refused_run_stops_before_start(tmp_path, capsys):
+    from optima.cli import run_loop_script
+
+    argv = ["--train_config_path", "train/sft_recipes/arc.yaml", "--vllm_env", sys.executable]
+    argv += ["--alignment_env", sys.executable, "--set", f"output_dir={tmp_path / 'run'}"]
+    assert run_loop_script(SFTRecipe, "", [*argv, "--dry-run", "--hardware", "8x80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "hardware: 1 node(s) x 8 GPU(s) x 80 GiB (--hardware 8x80GB)" in out and "plan: feasible" in out
+    assert "--num_processes 7" in out
+    assert run_loop_script(SFTRecipe, "", [*argv, "--hardware", "8x24GB"]) == 2
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
