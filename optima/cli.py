@@ -375,8 +375,8 @@ def run_compare_script(argv: list[str] | None) -> int:
         options = CompareOptions(methods, parse_optima_rows(args.optima), settings, args.optima_sc)
         hardware = [eval_hardware_plan(recipe, args.hardware) for recipe in recipes]
         if args.dry_run:
-            plans = [render_compare_plan(r, options) + "\n" + "\n".join(h.render()) for r, h in zip(recipes, hardware)]
-            emit("\n".join(plans))
+            for recipe, plan in zip(recipes, hardware, strict=True):
+                emit(render_compare_plan(recipe, options) + "\n" + "\n".join(plan.render()))
             return 0
         for plan in hardware:
             plan.check()  # an impossible placement stops here, before any server starts
