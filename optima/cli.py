@@ -365,3 +365,18 @@ def run_report_command(run_dir) -> int:
         return 0
 
     return guarded(body)
+
+
+def run_show_command(folder) -> int:
+    """``python -m optima show DIR``: write ``DIR/conversations.html`` and print its path."""
+    from optima.browser import write_conversations_page
+
+    def body() -> int:
+        try:
+            page = write_conversations_page(folder)
+        except (FileNotFoundError, ValueError) as exc:
+            raise RecipeError("run_dir", str(exc)) from exc
+        emit(str(page))
+        return 0
+
+    return guarded(body)

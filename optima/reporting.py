@@ -18,6 +18,7 @@ import json
 import logging
 from pathlib import Path
 
+from optima.browser import PAGE
 from optima.evaluation.report import _new_figure, render_markdown_table
 from optima.store import atomic_write_text
 
@@ -126,6 +127,8 @@ def _describe_run(run_dir: Path, rows: list[dict]) -> str:
 def render_report(run_dir: Path, rows: list[dict]) -> str:
     """The Markdown text of ``report.md``."""
     lines = [f"# Optima run report: {run_dir.name}", "", _describe_run(run_dir, rows), ""]
+    if (run_dir / PAGE).is_file():
+        lines += [f"Every conversation, kept or dropped and why, and every DPO pair: [{PAGE}]({PAGE})", ""]
     if not rows:
         return "\n".join([*lines, "No iteration has finished yet (no metrics.json found).", ""])
     lines += [
