@@ -39,7 +39,9 @@ def write_conversations_page(folder: Path) -> Path:
     questions = sum(len(s.questions) for s in sections)
     conversations = sum(len(q.conversations) for s in sections for q in s.questions)
     subtitle = f"{len(sections)} stage outputs · {questions} questions · {conversations} conversations"
-    links = {name: name for name in LINKED_FILES if (folder / name).is_file()}
+    # A loop's report is written right after this page (publish_iteration): link it even before it exists.
+    is_run = any(s.iteration is not None for s in sections)
+    links = {name: name for name in LINKED_FILES if (folder / name).is_file() or (is_run and name == "report.md")}
     page = folder / PAGE
     atomic_write_text(page, render_page(f"Optima conversations: {folder.name}", subtitle, sections, links))
     logger.info("conversations | %s (%d questions, %d conversations)", page, questions, conversations)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optima.paths import RunPaths, StagePaths
+from optima.paths import RunPaths, StagePaths, checkpoint_label
 from optima.store import group_by_question, load_records
 
 STAGE_PARTS = ("", "sft", "dpo")  # iSFT / iDPO folders, then the two stages of an iSFT-DPO iteration
@@ -261,19 +261,6 @@ def run_sections(run_dir: Path) -> list[Section]:
 
 def _anchor(*parts: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", "-".join(parts)).strip("-")
-
-
-def checkpoint_label(name: str) -> str:
-    """A checkpoint folder's name for people: ``iteration_k`` is the model after iteration k+1.
-
-    ``sft_iteration_k`` is the SFT stage's model of iSFT-DPO iteration k+1; other names (``base``, a model folder)
-    stay as they are.
-    """
-    prefix, _, number = name.rpartition("_")
-    if not number.isdigit() or prefix not in ("iteration", "sft_iteration", "dpo_iteration"):
-        return name
-    stage = prefix.removesuffix("iteration").rstrip("_")
-    return f"after iteration {int(number) + 1}" + (f" ({stage.upper()} stage)" if stage else "")
 
 
 def method_of_file(path: Path) -> tuple[str, str]:
