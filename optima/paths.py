@@ -160,3 +160,9 @@ def checkpoint_label(name: str) -> str:
         return name
     stage = prefix.removesuffix("iteration").rstrip("_")
     return f"after iteration {int(number) + 1}" + (f" ({stage.upper()} stage)" if stage else "")
+
+
+def models_label(root: Path) -> str:
+    """A folder of checkpoints for a title, without the machine's path: the run's name (``<run>/checkpoints``)."""
+    root = Path(root)
+    return root.parent.name if root.name == "checkpoints" and root.parent.name else root.name

@@ -33,7 +33,7 @@ TENSORBOARD_DIR = "tensorboard"
 ITERATION_LOG = "optima"
 # Report-row keys logged as scalars (tag = optima/<group>/<key>).
 SCALAR_GROUPS = {
-    "conversations": ("answer_rate", "task_score", "mean_tokens", "kept"),
+    "conversations": ("answer_rate", "cut_rate", "task_score", "mean_tokens", "kept"),
     "train": ("train_loss", "train_rows"),
     "dpo": ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs"),
 }

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.paths import RunPaths, StagePaths, checkpoint_label
+from optima.reward import is_cut
 from optima.store import group_by_question, load_records
 
 STAGE_PARTS = ("", "sft", "dpo")  # iSFT / iDPO folders, then the two stages of an iSFT-DPO iteration
@@ -96,11 +97,6 @@ class Section:
     questions: list[QuestionView]
     iteration: int | None = None  # the run's iteration (None for an evaluation file)
     tag: str = ""  # what the stage output is, for trackers: sampled, probe or search (sft/ or dpo/ in iSFT-DPO)
-
-
-def is_cut(record: dict) -> bool:
-    """Whether a conversation was cut for length (``cut`` when recorded, else a ``too_long`` status)."""
-    return bool(record["cut"]) if "cut" in record else record.get("status") == "too_long"
 
 
 def gold_text(record: dict) -> str:

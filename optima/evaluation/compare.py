@@ -9,6 +9,7 @@ model whose files are complete. Then, in the output folder:
     comparison.json          {"task", "metric", "questions", "settings", "rows": [...]}
     comparison.csv / .md     one row per method: task metric, answer rate, tokens per question, failure rates
     comparison.png           task metric and answer rate against tokens per question, one point per method
+    conversations.html       every answer, debate and conversation behind the table (``optima.browser``)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optima.browser import write_conversations_page
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.methods import BASELINES, LABELS, ROW_COLUMNS, BaselineSettings, method_job, method_row
@@ -161,4 +163,6 @@ def run_compare(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> 
         "settings": {"samples": s.samples, "temperature": s.temperature} | dataclasses.asdict(s.debate),
     }
     logger.info("compare | done | %d servers started", session.servers_started)
-    return write_comparison(out_root, recipe.dataset_type, results, header)
+    table = write_comparison(out_root, recipe.dataset_type, results, header)
+    write_conversations_page(out_root)  # every answer, debate and conversation behind the table, browsable
+    return table

@@ -11,6 +11,7 @@ an interrupted one resumes at the first missing question. After each checkpoint 
     <output_root>/summary.csv    one row per model
     <output_root>/summary.png    metric (ours and the original's) and mean tokens per checkpoint
     <output_root>/<model>/logs/vllm_0.log
+    <output_root>/conversations.html   every conversation of every model and method (``python -m optima show``)
     <output_root>/<model>.<method>.jsonl, comparison.md/.csv/.json/.png   (with --baseline cot/mad/autoform)
 
 The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model`` and ``iteration``.
@@ -22,6 +23,7 @@ import logging
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan
+from optima.browser import write_conversations_page
 from optima.environments import PythonEnv
 from optima.evaluation.compare import write_comparison
 from optima.evaluation.methods import LABELS, BaselineSettings, method_job, method_row
@@ -36,6 +38,7 @@ from optima.evaluation.runs import (
     load_tokenize,
     prepare_output,
 )
+from optima.paths import models_label
 from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
@@ -60,6 +63,11 @@ def summarize_checkpoint(recipe, name: str, model_path: Path, verifier: MathVeri
     return row | summarize_records(records, RecordScorer(tokenize, verifier))
 
 
+def sweep_title(recipe) -> str:
+    """The plot's title: the task and the run whose checkpoints were evaluated (its name, not the machine's path)."""
+    return f"{recipe.dataset_type}: checkpoints of {models_label(recipe.model_root_path)}"
+
+
 def write_sweep_report(recipe, rows: list[dict]) -> str:
     """Write summary.json, summary.csv and summary.png; return the table as text."""
     out_root = Path(recipe.output_root_path)
@@ -71,8 +79,7 @@ def write_sweep_report(recipe, rows: list[dict]) -> str:
     columns = list(rows[0]) if rows else ["model"]
     write_csv(out_root / "summary.csv", rows, columns)
     if rows:
-        title = f"{recipe.dataset_type}: {recipe.model_root_path}"
-        plot_sweep(rows, metric, original, out_root / "summary.png", title)
+        plot_sweep(rows, metric, original, out_root / "summary.png", sweep_title(recipe))
     shown = [c.format(metric=metric, original=original) for c in TABLE_COLUMNS]
     return render_table(rows, shown, title=f"Optima evaluation | {recipe.dataset_type} | {out_root}")
 
@@ -123,5 +130,6 @@ def run_sweep(recipe, envs: dict[str, PythonEnv], baselines: tuple[str, ...] = (
         if baselines:
             compared = comparison_rows(recipe, models, baselines, settings, verifier)
             table += "\n\n" + write_comparison(out_root, recipe.dataset_type, compared, {"questions": len(examples)})
+    write_conversations_page(out_root)  # every conversation of every model and method, browsable
     logger.info("eval | done | %d models, %d servers started", len(models), session.servers_started)
     return table
