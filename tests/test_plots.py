@@ -122,6 +122,7 @@ def test_run_report_plot_draws_the_cut_share_when_recorded(tmp_path):
             "cut_rate": cut,
             "mean_tokens": 80.0,
             "train_loss": 1.0,
+            "time_generate": 5.0,
         }  # fmt: skip
         for i, cut in enumerate((0.4, 0.2))
     ]
