@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import html
 import json
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -169,3 +172,46 @@ def test_an_evaluation_folder_gets_the_same_view(tmp_path):
             for utterance in record["utterances"]:
                 assert html.escape(utterance["text"], quote=True) in page
     assert page.count('<div class="conv item') == 6 and "task score 1" in page and "task score 0" in page
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+requires_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (Debian: apt-get install chromium)")
+
+
+def chromium(profile: Path, *args: str) -> str:
+    """Run headless Chromium once (no network, no GPU, its own profile); return its stdout."""
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}"]  # fmt: skip
+    done = subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=180, check=True)
+    return done.stdout
+
+
+def shown_items(dom: str) -> list[str]:
+    """The opening tags of the conversations and pairs the script left visible."""
+    return [tag for tag in re.findall(r'<div class="(?:conv|pair) item[^>]*>', dom) if " hidden" not in tag]
+
+
+@pytest.mark.slow  # ~20 s: three headless Chromium runs
+@requires_chromium
+def test_the_page_renders_and_filters_in_a_real_browser(run, page, tmp_path):
+    url = (run / PAGE).as_uri()
+    total = page.count('<div class="conv item') + page.count('<div class="pair item')
+    dom = chromium(tmp_path / "p1", "--dump-dom", url)
+    assert f'id="count">{total} of {total} conversations and pairs shown<' in dom  # the script ran
+    assert len(shown_items(dom)) == total and "&lt;script&gt;alert" in dom
+    dropped = chromium(tmp_path / "p2", "--dump-dom", url + "?kept=dropped&cut=yes")
+    visible = shown_items(dropped)
+    assert visible and all('data-kept="dropped"' in tag and 'data-cut="yes"' in tag for tag in visible)
+    assert len(visible) == page.count('data-kept="dropped" data-answered="no" data-cut="yes"') + page.count(
+        'data-kept="dropped" data-answered="yes" data-cut="yes"'
+    )
+    shot = tmp_path / "page.png"
+    chromium(tmp_path / "p3", "--window-size=1280,1400", f"--screenshot={shot}", url)
+    from matplotlib import image
+
+    pixels = image.imread(shot)[..., :3]
+    assert pixels.shape[:2] == (1400, 1280)
+    colours = {tuple(p) for p in (pixels[::7, ::7].reshape(-1, 3) * 255).round().astype(int)}
+    assert len(colours) > 50  # text, chips and bubbles: not a blank or single-colour page
+    assert tuple((pixels[5, 5] * 255).round().astype(int)) == (0x1F, 0x3A, 0x5F)  # the header band was painted

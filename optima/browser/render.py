@@ -3,7 +3,8 @@
 The page is static HTML (the CSS and the few lines of filter script are inline, in ``page.html``): no server, no
 network, it opens from disk. Every text from a run (questions, utterances, answers, rules, file names) goes through
 ``html.escape``. Each conversation and pair is an ``.item`` whose ``data-kept`` / ``data-answered`` / ``data-cut``
-attributes the filters read; questions are collapsible, the first of each section open.
+attributes the filters read (also from the address: ``conversations.html?kept=dropped&cut=yes&q=word``);
+questions are collapsible, the first of each section open.
 """
 
 from __future__ import annotations
