@@ -106,7 +106,8 @@ def test_pairs_show_the_prefix_and_both_continuations(run, page):
         # The texts shown are those of the children whose values the pair recorded.
         assert any(n["value"] == pair["chosen_value"] and html.escape(n["text"]) in chosen_side for n in children)
         assert any(n["value"] == pair["rejected_value"] and html.escape(n["text"]) in rejected_side for n in children)
-        assert f"shared prefix: {pair['depth']} utterances" in item
+        prefix = f"shared prefix: {pair['depth']} utterances" if pair["depth"] else "no shared prefix"
+        assert prefix in item
         verdict = "kept" if pair["kept"] else "dropped: outside dpo_keep_fraction"
         assert f'data-kept="{"kept" if pair["kept"] else "dropped"}"' in item and f">{verdict}</span>" in item
 

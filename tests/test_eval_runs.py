@@ -92,6 +92,8 @@ def test_sweep_writes_results_summaries_and_plot(tmp_path, server, capsys):
     csv_lines = (out / "summary.csv").read_text().splitlines()
     assert csv_lines[0].startswith("model,iteration,questions") and len(csv_lines) == 3
     assert (out / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    page = (out / "conversations.html").read_text()
+    assert "<h2>Optima · after iteration 1</h2>" in page and "<h2>Optima · after iteration 2</h2>" in page
     table = capsys.readouterr().out
     assert "accuracy_original" in table and "iteration_1" in table
 

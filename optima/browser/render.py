@@ -104,8 +104,11 @@ def pair_html(pair: PairView) -> str:
             chip(f"rejected value {number(pair.rejected_value)}"),
         ]
     )
-    prefix = f"<details class=prefix><summary>shared prefix: {len(pair.prefix)} utterances</summary>"
-    prefix += turns_html(pair.prefix) + "</details>"
+    if pair.prefix:
+        prefix = f"<details class=prefix><summary>shared prefix: {len(pair.prefix)} utterances</summary>"
+        prefix += turns_html(pair.prefix) + "</details>"
+    else:
+        prefix = "<div class=empty>no shared prefix: the pair is the first utterance</div>"
     sides = (
         f'<div class="sides"><div class="side chosen"><h4>chosen</h4>{turn_html(pair.chosen)}</div>'
         f'<div class="side rejected"><h4>rejected</h4>{turn_html(pair.rejected)}</div></div>'
@@ -138,7 +141,8 @@ def section_stats(section: Section) -> str:
     """One line of counts: questions, conversations, kept, answered, cut, pairs."""
     convs = [c for q in section.questions for c in q.conversations]
     pairs = [p for q in section.questions for p in q.pairs]
-    parts = [f"{len(section.questions)} questions", f"{len(convs)} conversations"]
+    unit = "rollouts" if section.tag.endswith("search") else "conversations"
+    parts = [f"{len(section.questions)} questions", f"{len(convs)} {unit}"]
     if any(c.kept is not None for c in convs):
         parts.append(f"{sum(c.kept is True for c in convs)} kept")
     parts += [f"{sum(c.answered for c in convs)} answered", f"{sum(c.cut for c in convs)} cut for length"]
