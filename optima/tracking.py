@@ -121,7 +121,10 @@ def write_tensorboard_scalars(run_dir: Path, rows: list[dict]) -> Path:
             value=[summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in values.items()]
         )
         writer.add_event(event_pb2.Event(wall_time=time.time(), step=row["iteration"], summary=summary))
-    add_sample_conversations(_TextEvents(writer), run_dir)
+    try:
+        add_sample_conversations(_TextEvents(writer), run_dir)
+    except (OSError, ValueError, KeyError) as exc:  # the scalars are written whatever the conversations hold
+        logger.warning("tensorboard | no sample conversations for %s: %s", run_dir, exc)
     writer.close()
     return folder
 

@@ -216,3 +216,12 @@ def test_the_page_renders_and_filters_in_a_real_browser(run, page, tmp_path):
     colours = {tuple(p) for p in (pixels[::7, ::7].reshape(-1, 3) * 255).round().astype(int)}
     assert len(colours) > 50  # text, chips and bubbles: not a blank or single-colour page
     assert tuple((pixels[5, 5] * 255).round().astype(int)) == (0x1F, 0x3A, 0x5F)  # the header band was painted
+
+
+def test_a_record_the_page_cannot_read_does_not_stop_the_run(tmp_path, caplog):
+    run = tmp_path / "run"
+    (run / "iteration_0").mkdir(parents=True)
+    (run / "iteration_0" / "generations.jsonl").write_text(json.dumps({"task_id": "q0", "sample_index": 0}) + "\n")
+    publish_iteration(run, ["tensorboard"])
+    assert (run / "report.md").is_file() and not (run / PAGE).exists()
+    assert "could not write the conversation browser" in caplog.text
