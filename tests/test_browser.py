@@ -225,3 +225,13 @@ def test_a_record_the_page_cannot_read_does_not_stop_the_run(tmp_path, caplog):
     publish_iteration(run, ["tensorboard"])
     assert (run / "report.md").is_file() and not (run / PAGE).exists()
     assert "could not write the conversation browser" in caplog.text
+
+
+def test_a_stage_still_scoring_shows_its_unscored_questions_too(run, tmp_path):
+    copy = shutil.copytree(run, tmp_path / "run")
+    sp = RunPaths(copy).stage(0, "sft")
+    sp.rewarded.write_text("".join(sp.rewarded.read_text().splitlines(keepends=True)[:2]))  # killed while scoring
+    sp.selection_record.unlink()
+    sampled = section(write_conversations_page(copy).read_text(), "iteration-0-sft-sampled")
+    assert sampled.count('<div class="conv item') == 8 and sampled.count('<details class="question"') == 4
+    assert sampled.count("loss term") == 4 and "dropped" not in sampled  # two scored questions, none selected

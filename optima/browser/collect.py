@@ -159,31 +159,43 @@ def question_verdict(decision: dict | None) -> str:
     return f"best #{decision['sample_index']}: {decision['reason']}{rank}"
 
 
-def sampled_questions(sp: StagePaths) -> list[QuestionView]:
-    """The sampled conversations of an SFT stage, scored and selected as far as the stage got."""
-    rewarded, _ = load_records(sp.rewarded)
-    groups = [line["results"] for line in rewarded] or group_by_question(load_records(sp.generations)[0])
-    decisions = {str(d["task_id"]): d for d in load_records(sp.selection_record)[0]}
+def plain_questions(records: Sequence[dict], score=None) -> list[QuestionView]:
+    """Conversation records grouped by question, nothing kept or dropped (``score``: record -> task score)."""
     questions = []
-    for group in groups:
+    for group in group_by_question(records):
         question = question_view(group[0])
-        decision = decisions.get(question.task_id)
-        question.verdict = question_verdict(decision)
         question.conversations = [
-            conversation_view(r, f"#{r['sample_index']}", sft_verdict(r, decision)) for r in group
+            conversation_view(r, f"#{r['sample_index']}", score=score(r) if score else None) for r in group
         ]
         questions.append(question)
     return questions
 
 
+def sampled_questions(sp: StagePaths) -> list[QuestionView]:
+    """The sampled conversations of an SFT stage, scored and selected as far as the stage got.
+
+    Rewarded questions come with their reward parts and selection's verdicts; questions generated but not yet
+    scored (a stage still running, or killed) follow as generated.
+    """
+    rewarded, _ = load_records(sp.rewarded)
+    decisions = {str(d["task_id"]): d for d in load_records(sp.selection_record)[0]}
+    questions = []
+    for line in rewarded:
+        question = question_view(line["results"][0])
+        decision = decisions.get(question.task_id)
+        question.verdict = question_verdict(decision)
+        question.conversations = [
+            conversation_view(r, f"#{r['sample_index']}", sft_verdict(r, decision)) for r in line["results"]
+        ]
+        questions.append(question)
+    scored = {q.task_id for q in questions}
+    unscored = [r for r in load_records(sp.generations)[0] if str(r["task_id"]) not in scored]
+    return questions + plain_questions(unscored)
+
+
 def probe_questions(sp: StagePaths) -> list[QuestionView]:
     """The token probe's conversations (they set ``T_max``; nothing is kept or dropped)."""
-    questions = []
-    for group in group_by_question(load_records(sp.probe)[0]):
-        question = question_view(group[0])
-        question.conversations = [conversation_view(r, f"#{r['sample_index']}") for r in group]
-        questions.append(question)
-    return questions
+    return plain_questions(load_records(sp.probe)[0])
 
 
 def pair_view(entry: dict, nodes: Sequence[dict]) -> PairView:
@@ -283,13 +295,7 @@ def eval_sections(folder: Path) -> list[Section]:
             if not records or "utterances" not in records[0]:
                 continue
             method, model = method_of_file(path)
-            questions = []
-            for group in group_by_question(records):
-                question = question_view(group[0])
-                question.conversations = [
-                    conversation_view(r, f"#{r['sample_index']}", score=scorer.score(r)) for r in group
-                ]
-                questions.append(question)
+            questions = plain_questions(records, scorer.score)
             sections.append(Section(_anchor(path.stem), f"{method} · {model}", path.name, questions))
     return sections
 
