@@ -67,7 +67,7 @@ def test_every_conversation_is_on_the_page_with_its_verdict_and_rule(run, page):
         for utterance in record["utterances"]:
             assert html.escape(utterance["text"], quote=True) in item
         assert f"answer: {html.escape(record['final_answer'] or 'no answer')}" in item
-        assert f"{record['token_count']} tokens" in item and "gold: B" in item
+        assert f"{record['token_count']} tokens" in item and "gold: B) 4" in item  # the option, label and text
         assert f"reward {record['reward']:.4g}" in item
         assert f"token term {record['reward_parts']['token_term']:.4g}" in item
         assert ('data-cut="yes"' in item) == (record["status"] == "too_long")

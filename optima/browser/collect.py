@@ -100,9 +100,13 @@ class Section:
 
 
 def gold_text(record: dict) -> str:
-    """The gold answer of a record's question (aliases joined)."""
-    answer = (record.get("example") or {}).get("answer", record.get("answer", ""))
-    return " | ".join(answer) if isinstance(answer, list) else str(answer)
+    """The gold answer of a record's question: aliases joined; a multiple-choice answer with its option label."""
+    example = record.get("example") or {}
+    answer = example.get("answer", record.get("answer", ""))
+    if isinstance(answer, list):
+        return " | ".join(answer)
+    options = [(label, text) for label, text in example.get("options") or () if answer in (label, text)]
+    return f"{options[0][0]}) {options[0][1]}" if len(options) == 1 else str(answer)
 
 
 def turns_of(record: dict) -> list[Turn]:
