@@ -14,7 +14,8 @@ an interrupted one resumes at the first missing question. After each checkpoint 
     <output_root>/conversations.html   every conversation of every model and method (``python -m optima show``)
     <output_root>/<model>.<method>.jsonl, comparison.md/.csv/.json/.png   (with --baseline cot/mad/autoform)
 
-The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model`` and ``iteration``.
+The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model``, ``iteration`` and
+``checkpoint`` ("after iteration k" for ``iteration_<k-1>``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,23 @@ from optima.evaluation.runs import (
     load_tokenize,
     prepare_output,
 )
-from optima.paths import models_label
+from optima.paths import checkpoint_label, models_label
 from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 
 logger = logging.getLogger(__name__)
 
-TABLE_COLUMNS = ("model", "questions", "{metric}", "{original}", "mean_tokens", "no_answer_rate", "error_rate")
+TABLE_COLUMNS = (
+    "model",
+    "checkpoint",
+    "questions",
+    "{metric}",
+    "{original}",
+    "mean_tokens",
+    "no_answer_rate",
+    "error_rate",
+)
 
 
 def sweep_job(out_root: Path, name: str) -> GenerationJob:
@@ -60,7 +70,8 @@ def summarize_checkpoint(recipe, name: str, model_path: Path, verifier: MathVeri
     tokenize = load_tokenize(recipe, model_path, get_task(recipe.dataset_type).score_type)
     iteration = checkpoint_iteration(name)
     row = {"model": name, "iteration": iteration if iteration >= 0 else None}  # None: the base or a lone model
-    return row | summarize_records(records, RecordScorer(tokenize, verifier))
+    # "checkpoint": the name for people (iteration_0 is the model after iteration 1), last so the columns stay put.
+    return row | summarize_records(records, RecordScorer(tokenize, verifier)) | {"checkpoint": checkpoint_label(name)}
 
 
 def sweep_title(recipe) -> str:
