@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         "show", help="write conversations.html of a run directory or an evaluation folder (opens from disk)"
     )
     show.add_argument("run_dir", type=Path, help="a loop's run directory, or a sweep/compare output folder")
+    show.add_argument(
+        "--max-questions", type=int, default=None, help="questions shown per stage output (default 300; 0: all)"
+    )
     return parser
 
 
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "show":
         from optima.cli import run_show_command
 
-        return run_show_command(args.run_dir)
+        return run_show_command(args.run_dir, args.max_questions)
     else:
         from optima.models import prepare_model
 

@@ -235,3 +235,10 @@ def test_a_stage_still_scoring_shows_its_unscored_questions_too(run, tmp_path):
     sampled = section(write_conversations_page(copy).read_text(), "iteration-0-sft-sampled")
     assert sampled.count('<div class="conv item') == 8 and sampled.count('<details class="question"') == 4
     assert sampled.count("loss term") == 4 and "dropped" not in sampled  # two scored questions, none selected
+
+
+def test_the_page_keeps_a_size_limit_that_the_command_lifts(run, capfd):
+    sampled = section(write_conversations_page(run, max_questions=1).read_text(), "iteration-0-sft-sampled")
+    assert sampled.count('<details class="question"') == 1 and "3 more questions not shown" in sampled
+    assert optima_main(["show", str(run), "--max-questions", "0"]) == 0
+    assert section((run / PAGE).read_text(), "iteration-0-sft-sampled").count('<details class="question"') == 4

@@ -23,19 +23,27 @@ logger = logging.getLogger(__name__)
 
 PAGE = "conversations.html"
 LINKED_FILES = ("report.md", "report.png", "summary.csv", "comparison.md", "sc_analysis.md")
+# Questions shown per stage output: a paper-scale iteration (2000 questions x 8 conversations) would make a page
+# no browser opens comfortably; ``show --max-questions 0`` writes them all.
+MAX_QUESTIONS = 300
 
 
-def write_conversations_page(folder: Path) -> Path:
+def write_conversations_page(folder: Path, max_questions: int = MAX_QUESTIONS) -> Path:
     """Write (or rewrite) ``<folder>/conversations.html`` from what the run or evaluation wrote; return its path.
 
     Args:
         folder: A loop's run directory or an evaluation output folder.
+        max_questions: Questions shown per stage output, the first ones in file order (0: all).
 
     Raises:
         FileNotFoundError: ``folder`` is not a directory.
     """
     folder = Path(folder)
     sections = collect_sections(folder)
+    for section in sections:
+        if max_questions and len(section.questions) > max_questions:
+            section.left_out = len(section.questions) - max_questions
+            section.questions = section.questions[:max_questions]
     questions = sum(len(s.questions) for s in sections)
     conversations = sum(len(q.conversations) for s in sections for q in s.questions)
     subtitle = f"{len(sections)} stage outputs · {questions} questions · {conversations} conversations"

@@ -97,6 +97,7 @@ class Section:
     questions: list[QuestionView]
     iteration: int | None = None  # the run's iteration (None for an evaluation file)
     tag: str = ""  # what the stage output is, for trackers: sampled, probe or search (sft/ or dpo/ in iSFT-DPO)
+    left_out: int = 0  # questions not shown (the page's size limit)
 
 
 def gold_text(record: dict) -> str:

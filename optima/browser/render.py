@@ -153,6 +153,9 @@ def section_stats(section: Section) -> str:
 
 def section_html(section: Section) -> str:
     questions = "".join(question_html(q, i == 0) for i, q in enumerate(section.questions))
+    if section.left_out:
+        note = f"{section.left_out} more questions not shown: python -m optima show DIR --max-questions 0 shows all"
+        questions += f"<p class=empty>{esc(note)}</p>"
     return (
         f'<section class="stage" id="{esc(section.anchor)}"><h2>{esc(section.title)}</h2>'
         f'<div class="source">{esc(section.source)} · {esc(section_stats(section))}</div>'
