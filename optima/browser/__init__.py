@@ -59,18 +59,12 @@ def write_conversations_page(folder: Path, max_questions: int = MAX_QUESTIONS) -
 def pick_samples(section: Section, count: int) -> list[tuple[QuestionView, ConversationView]]:
     """Up to ``count`` conversations of a section: a kept one, a dropped one, a cut one, then the first others."""
     every = [(q, c) for q in section.questions for c in q.conversations]
-    wanted = (lambda c: c.kept is True, lambda c: c.kept is False, lambda c: c.cut, lambda c: True)
     picks: list[tuple[QuestionView, ConversationView]] = []
-    for want in wanted:
+    for want in (lambda c: c.kept is True, lambda c: c.kept is False, lambda c: c.cut):
         found = next(((q, c) for q, c in every if want(c) and all(c is not p for _, p in picks)), None)
-        if found and len(picks) < count:
-            picks.append(found)
-    for q, c in every:  # fill up with the first ones not taken yet
-        if len(picks) >= count:
-            break
-        if all(c is not p for _, p in picks):
-            picks.append((q, c))
-    return picks
+        picks += [found] if found else []
+    picks += [(q, c) for q, c in every if all(c is not p for _, p in picks)]  # then the first ones not taken
+    return picks[:count]
 
 
 def conversation_markdown(question: QuestionView, conv: ConversationView) -> str:
