@@ -117,10 +117,8 @@ def pair_html(pair: PairView) -> str:
     return f'<div class="pair item {kept}" data-kept="{kept}"><div class="meta">{meta}</div>{prefix}{sides}</div>'
 
 
-def question_html(question: QuestionView, is_open: bool) -> str:
-    counts = [f"{len(question.conversations)} conversations"] + (
-        [f"{len(question.pairs)} pairs"] * bool(question.pairs)
-    )
+def question_html(question: QuestionView, is_open: bool, unit: str = "conversations") -> str:
+    counts = [f"{len(question.conversations)} {unit}"] + ([f"{len(question.pairs)} pairs"] * bool(question.pairs))
     summary = (
         f'<span class="qhead"><span class="qid">{esc(question.task_id)}</span>{esc(_first_line(question.question))}'
         f"</span> {chip(', '.join(counts))}" + (f" {chip(question.verdict)}" if question.verdict else "")
@@ -137,12 +135,16 @@ def _first_line(text: str, width: int = 140) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
+def unit_of(section: Section) -> str:
+    """What a section's conversations are called: the rollouts of a tree search, else conversations."""
+    return "rollouts" if section.tag.endswith("search") else "conversations"
+
+
 def section_stats(section: Section) -> str:
     """One line of counts: questions, conversations, kept, answered, cut, pairs."""
     convs = [c for q in section.questions for c in q.conversations]
     pairs = [p for q in section.questions for p in q.pairs]
-    unit = "rollouts" if section.tag.endswith("search") else "conversations"
-    parts = [f"{len(section.questions)} questions", f"{len(convs)} {unit}"]
+    parts = [f"{len(section.questions)} questions", f"{len(convs)} {unit_of(section)}"]
     if any(c.kept is not None for c in convs):
         parts.append(f"{sum(c.kept is True for c in convs)} kept")
     parts += [f"{sum(c.answered for c in convs)} answered", f"{sum(c.cut for c in convs)} cut for length"]
@@ -152,7 +154,7 @@ def section_stats(section: Section) -> str:
 
 
 def section_html(section: Section) -> str:
-    questions = "".join(question_html(q, i == 0) for i, q in enumerate(section.questions))
+    questions = "".join(question_html(q, i == 0, unit_of(section)) for i, q in enumerate(section.questions))
     if section.left_out:
         note = f"{section.left_out} more questions not shown: python -m optima show DIR --max-questions 0 shows all"
         questions += f"<p class=empty>{esc(note)}</p>"
