@@ -4,6 +4,7 @@ python3 -m optima setup                 # both virtualenvs + the SmolLM2 folder 
 python3 -m optima setup --only train    # one environment
 python -m optima prepare-model smollm2  # convert the embedded model (run inside the training env)
 python -m optima report runs/demo_arc_sft  # redraw report.md and report.png of a loop's run directory
+python -m optima show runs/demo_arc_sft    # write conversations.html: every conversation, kept or dropped and why
 python -m optima compare --model M --dataset_type arc --limit 40 [--methods ...] [--optima NAME=CHECKPOINT]
                                         # baselines and Optima checkpoints on the same questions: one table + plot
 """
@@ -54,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("method", choices=[*sorted(RECIPE_CLASSES), "all"])
     report = sub.add_parser("report", help="redraw report.md and report.png of a loop's run directory (and print it)")
     report.add_argument("run_dir", type=Path, help="the run directory (output_dir of an iSFT/iDPO/iSFT-DPO recipe)")
+    show = sub.add_parser(
+        "show", help="write conversations.html of a run directory or an evaluation folder (opens from disk)"
+    )
+    show.add_argument("run_dir", type=Path, help="a loop's run directory, or a sweep/compare output folder")
+    show.add_argument(
+        "--max-questions", type=int, default=None, help="questions shown per stage output (default 300; 0: all)"
+    )
     return parser
 
 
@@ -111,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         from optima.cli import run_report_command
 
         return run_report_command(args.run_dir)
+    elif args.command == "show":
+        from optima.cli import run_show_command
+
+        return run_show_command(args.run_dir, args.max_questions)
     else:
         from optima.models import prepare_model
 

@@ -438,3 +438,18 @@ def run_report_command(run_dir) -> int:
         return 0
 
     return guarded(body)
+
+
+def run_show_command(folder, max_questions: int | None = None) -> int:
+    """``python -m optima show DIR``: write ``DIR/conversations.html`` and print its path."""
+    from optima.browser import MAX_QUESTIONS, write_conversations_page
+
+    def body() -> int:
+        try:
+            page = write_conversations_page(folder, MAX_QUESTIONS if max_questions is None else max_questions)
+        except (FileNotFoundError, ValueError) as exc:
+            raise RecipeError("run_dir", str(exc)) from exc
+        emit(str(page))
+        return 0
+
+    return guarded(body)

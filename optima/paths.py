@@ -147,3 +147,22 @@ def find_checkpoints(root: Path) -> list[tuple[str, Path]]:
     # Numeric order; within one iteration an intermediate stage (sft_iteration_k) precedes iteration_k.
     found.sort(key=lambda item: (item[1], item[0] == "", item[0]))
     return [(path.name, path) for _, _, path in found]
+
+
+def checkpoint_label(name: str) -> str:
+    """A checkpoint folder's name for people: ``iteration_k`` is the model after iteration k+1.
+
+    ``sft_iteration_k`` is the SFT stage's model of iSFT-DPO iteration k+1; other names (``base``, a model folder)
+    stay as they are.
+    """
+    prefix, _, number = name.rpartition("_")
+    if not number.isdigit() or prefix not in ("iteration", "sft_iteration", "dpo_iteration"):
+        return name
+    stage = prefix.removesuffix("iteration").rstrip("_")
+    return f"after iteration {int(number) + 1}" + (f" ({stage.upper()} stage)" if stage else "")
+
+
+def models_label(root: Path) -> str:
+    """A folder of checkpoints for a title, without the machine's path: the run's name (``<run>/checkpoints``)."""
+    root = Path(root)
+    return root.parent.name if root.name == "checkpoints" and root.parent.name else root.name

@@ -3,10 +3,10 @@
 A run directory holds one ``metrics.json`` per iteration folder (``iteration_<i>/`` in iSFT and iDPO,
 ``iteration_<i>/sft/`` and ``iteration_<i>/dpo/`` in iSFT-DPO). This module reads them back, makes one row per
 stage folder, and writes a Markdown report (headline numbers, mean reward parts, DPO pair and rollout statistics,
-stage times) plus a four-panel figure: task score and answer rate, mean tokens per conversation, train loss, and
-stage times. What the paper tracks across iterations (Fig. 2: performance rises while tokens fall) can be read
-off one page. ``python -m optima report RUN_DIR`` redraws both from the files alone, so a finished, killed or
-copied run can be reported without the recipe or any model.
+stage times) plus a four-panel figure: task score, answer rate and the share cut for length, mean tokens per
+conversation, train loss, and stage times. What the paper tracks across iterations (Fig. 2: performance rises
+while tokens fall) can be read off one page. ``python -m optima report RUN_DIR`` redraws both from the files
+alone, so a finished, killed or copied run can be reported without the recipe or any model.
 
 For an SFT stage the conversation numbers come from the score stage (every sampled conversation); for a DPO stage
 from the tree-search rollouts. "kept" is the conversations kept by selection (SFT) or the pairs kept (DPO).
@@ -18,6 +18,7 @@ import json
 import logging
 from pathlib import Path
 
+from optima.browser import PAGE
 from optima.evaluation.report import _new_figure, render_markdown_table
 from optima.store import atomic_write_text
 
@@ -62,11 +63,12 @@ def build_row(iteration: int, stage: str, metrics: dict) -> dict:
     train = stages.get("train") or {}
     timings = metrics.get("timings_s", {})
     row = {
-        "label": f"{iteration}" + (f" {stage}" if stage else ""),
+        "label": f"{iteration + 1}" + (f" {stage}" if stage else ""),  # counted from 1, as the logs count them
         "iteration": iteration,
         "stage": stage,
         "kind": kind,
         "answer_rate": conversations.get("answer_rate"),
+        "cut_rate": conversations.get("cut_rate"),  # share cut for length (older runs: not recorded)
         "task_score": conversations.get("accuracy"),
         "mean_tokens": conversations.get("mean_tokens"),
         "conversations": conversations.get("conversations", conversations.get("rollouts")),
@@ -126,11 +128,14 @@ def _describe_run(run_dir: Path, rows: list[dict]) -> str:
 def render_report(run_dir: Path, rows: list[dict]) -> str:
     """The Markdown text of ``report.md``."""
     lines = [f"# Optima run report: {run_dir.name}", "", _describe_run(run_dir, rows), ""]
+    if (run_dir / PAGE).is_file():
+        lines += [f"Every conversation, kept or dropped and why, and every DPO pair: [{PAGE}]({PAGE})", ""]
     if not rows:
         return "\n".join([*lines, "No iteration has finished yet (no metrics.json found).", ""])
     lines += [
         "Task score and answer rate are over the sampled conversations (SFT) or the tree-search rollouts (DPO); "
-        "kept = conversations kept by selection (SFT) or preference pairs kept (DPO).",
+        "kept = conversations kept by selection (SFT) or preference pairs kept (DPO). Iteration k is the folder "
+        "`iteration_<k-1>`; its checkpoint `checkpoints/iteration_<k-1>` is the model after iteration k.",
         "",
         "## Per iteration",
         "",
@@ -173,15 +178,20 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_report(rows: list[dict], path: Path, title: str) -> None:
-    """Four panels per stage folder: task score and answer rate, mean tokens, train loss, stacked stage times."""
+def plot_report(rows: list[dict], path: Path, title: str):
+    """Four panels per stage folder: task score, answer rate and share cut, mean tokens, train loss, stacked stage
+    times; returns the figure."""
     figure, axes = _new_figure(2, rows=2)
     (score_axis, token_axis), (loss_axis, time_axis) = axes
     x = list(range(len(rows)))
     labels = [row["label"] for row in rows]
     score_axis.plot(x, [row["task_score"] for row in rows], marker="o", label="task score")
     score_axis.plot(x, [row["answer_rate"] for row in rows], marker="^", linestyle=":", label="answer rate")
+    if any(row.get("cut_rate") is not None for row in rows):
+        cut = [row.get("cut_rate") for row in rows]
+        score_axis.plot(x, cut, marker="v", linestyle="--", color="tab:gray", label="cut for length")
     score_axis.set_ylim(-0.02, 1.02)
+    score_axis.set_ylabel("share of conversations")
     score_axis.legend()
     token_axis.plot(x, [row["mean_tokens"] for row in rows], marker="o", color="tab:red")
     token_axis.set_ylabel("mean tokens per conversation")
@@ -204,6 +214,7 @@ def plot_report(rows: list[dict], path: Path, title: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     figure.savefig(tmp, dpi=110, format="png")
     tmp.replace(path)  # a reader never sees half an image
+    return figure
 
 
 def write_run_report(run_dir: Path) -> tuple[Path, Path]:

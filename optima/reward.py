@@ -30,6 +30,15 @@ from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
 OK = "ok"
 
 
+def is_cut(record: dict) -> bool:
+    """Whether a conversation record was cut for length: its ``cut`` flag when it has one, else a ``too_long`` status.
+
+    Args:
+        record: A generation record, rewarded result or tree-search rollout.
+    """
+    return bool(record["cut"]) if "cut" in record else record.get("status") == "too_long"
+
+
 @dataclass(frozen=True)
 class RewardParts:
     """One conversation's reward and its parts."""

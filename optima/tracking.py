@@ -11,7 +11,9 @@ scalars under ``<run>/tensorboard/optima/``, one step per iteration, so
 
 The driver never imports torch: TensorBoard events are written with tensorboard's own event-file writer and
 protobufs. The scalar file is rewritten from all finished iterations each time, so a resumed run shows every
-iteration once.
+iteration once. A few conversations of every stage output (a kept one, a dropped one, one cut for length) go
+beside the scalars as TensorBoard text (tag ``conversations/<stage output>``, one step per iteration), and after
+every iteration the driver also rewrites ``conversations.html`` (``optima.browser``) before the report that links it.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ TENSORBOARD_DIR = "tensorboard"
 ITERATION_LOG = "optima"
 # Report-row keys logged as scalars (tag = optima/<group>/<key>).
 SCALAR_GROUPS = {
-    "conversations": ("answer_rate", "task_score", "mean_tokens", "kept"),
+    "conversations": ("answer_rate", "cut_rate", "task_score", "mean_tokens", "kept"),
     "train": ("train_loss", "train_rows"),
     "dpo": ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs"),
 }
+SAMPLES_PER_STAGE = 3  # conversations per stage output logged as TensorBoard text
 
 
 def parse_report_to(value: str | list[str] | None) -> list[str] | str:
@@ -118,8 +121,48 @@ def write_tensorboard_scalars(run_dir: Path, rows: list[dict]) -> Path:
             value=[summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in values.items()]
         )
         writer.add_event(event_pb2.Event(wall_time=time.time(), step=row["iteration"], summary=summary))
+    try:
+        add_sample_conversations(_TextEvents(writer), run_dir)
+    except (OSError, ValueError, KeyError) as exc:  # the scalars are written whatever the conversations hold
+        logger.warning("tensorboard | no sample conversations for %s: %s", run_dir, exc)
     writer.close()
     return folder
+
+
+class _TextEvents:
+    """``add_text(tag, text, global_step)`` over tensorboard's event-file writer, as the public writers have it."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def add_text(self, tag: str, text: str, global_step: int) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+        tensor = tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_STRING,
+            string_val=[text.encode()],
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)]),
+        )
+        metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+        value = summary_pb2.Summary.Value(tag=tag, metadata=metadata, tensor=tensor)
+        event = event_pb2.Event(wall_time=time.time(), step=global_step, summary=summary_pb2.Summary(value=[value]))
+        self.writer.add_event(event)
+
+
+def add_sample_conversations(writer, run_dir: Path, count: int = SAMPLES_PER_STAGE) -> int:
+    """Log up to ``count`` conversations of every stage output of ``run_dir`` as text; returns the texts written.
+
+    Args:
+        writer: Anything with ``add_text(tag, text, global_step)`` (tensorboardX's or torch's ``SummaryWriter``).
+        run_dir: The run directory.
+        count: Conversations per stage output (a kept one, a dropped one, one cut for length, then the first).
+    """
+    from optima.browser import sample_conversations
+
+    samples = sample_conversations(run_dir, count)
+    for step, tag, text in samples:
+        writer.add_text(tag, text, global_step=step)
+    return len(samples)
 
 
 def log_wandb(run_dir: Path, rows: list[dict]) -> None:
@@ -136,12 +179,18 @@ def log_wandb(run_dir: Path, rows: list[dict]) -> None:
 
 
 def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
-    """After an iteration: redraw ``report.md``/``report.png`` and send the iteration numbers to the trackers.
+    """After an iteration: rewrite ``conversations.html``, redraw ``report.md``/``report.png`` (which link it) and
+    send the iteration numbers and a few conversations to the trackers.
 
     A failure here is logged and does not stop the run (the metrics stay in ``metrics.json``).
     """
+    from optima.browser import write_conversations_page
     from optima.reporting import collect_rows, write_run_report
 
+    try:
+        write_conversations_page(run_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        logger.warning("conversations | could not write the conversation browser of %s: %s", run_dir, exc)
     try:
         write_run_report(run_dir)
         rows = collect_rows(run_dir)

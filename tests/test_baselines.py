@@ -214,6 +214,9 @@ def test_compare_writes_one_table_plot_and_csv_and_resumes(tmp_path, capsys):
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     for name in ("base.cot", "base.cot_sc", "base.mad", "base.autoform", "Optima-iSFT.optima"):
         assert (out / f"{name}.jsonl").is_file()
+    page = (out / "conversations.html").read_text()  # every answer behind the table, one section per file
+    for title in ("CoT · base", "CoT-SC · base", "MAD · base", "AutoForm · base", "Optima · Optima-iSFT"):
+        assert f"<h2>{title}</h2>" in page
 
 
 def test_compare_rejects_a_bad_optima_row(tmp_path, capsys):

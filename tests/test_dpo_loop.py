@@ -113,7 +113,8 @@ def test_isft_dpo_one_iteration(tiny_model, tmp_path):
     assert "rpo_alpha" not in yaml.safe_load((run / "iteration_0" / "dpo" / "trainer.yaml").read_text())  # plain DPO
     report = (run / "report.md").read_text()  # both stages of the iteration, with the DPO pair statistics
     pairs = json.loads((run / "iteration_0" / "dpo" / "metrics.json").read_text())["stages"]["pairs"]
-    assert "method iSFT-DPO" in report and "| 0 sft |" in report and "## DPO pairs and rollouts" in report
+    assert "(conversations.html)" in report and (run / "conversations.html").is_file()
+    assert "method iSFT-DPO" in report and "| 1 sft |" in report and "## DPO pairs and rollouts" in report
     assert f"| {pairs['pairs_found']} | {pairs['pairs_kept']} | {pairs['questions_with_pairs']} |" in report
 
 

@@ -13,6 +13,8 @@ import pytest
 from optima.agents.prompts import Utterance, build_agent_messages, build_system_prompt
 from optima.selection.dpo import (
     META_COLUMNS,
+    OUTSIDE_KEEP_FRACTION,
+    PAIR_KEPT,
     best_and_worst,
     candidate_pairs,
     keep_best_pairs,
@@ -170,6 +172,7 @@ def test_save_and_load_round_trip(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert [r["task_id"] for r in records] == [f"q{i}" for i in range(9)]
     assert [p["kept"] for p in records[0]["pairs"]] == [True, False] and records[8]["pairs"] == []
+    assert [p["reason"] for p in records[0]["pairs"]] == [PAIR_KEPT, OUTSIDE_KEEP_FRACTION]
     assert records[0]["branching_nodes"] == 2
 
 

@@ -85,6 +85,7 @@ def test_sweep_writes_results_summaries_and_plot(tmp_path, server, capsys):
     assert summary["metric"] == "accuracy" and summary["original_metric"] == "accuracy_original"
     rows = summary["models"]
     assert [r["model"] for r in rows] == ["iteration_0", "iteration_1"] and [r["iteration"] for r in rows] == [0, 1]
+    assert [r["checkpoint"] for r in rows] == ["after iteration 1", "after iteration 2"]
     assert (
         rows[0]["accuracy"] == pytest.approx(2 / 3, abs=1e-4) and rows[0]["accuracy_original"] == 0.0
     )  # "B" is no text
@@ -92,6 +93,8 @@ def test_sweep_writes_results_summaries_and_plot(tmp_path, server, capsys):
     csv_lines = (out / "summary.csv").read_text().splitlines()
     assert csv_lines[0].startswith("model,iteration,questions") and len(csv_lines) == 3
     assert (out / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    page = (out / "conversations.html").read_text()
+    assert "<h2>Optima · after iteration 1</h2>" in page and "<h2>Optima · after iteration 2</h2>" in page
     table = capsys.readouterr().out
     assert "accuracy_original" in table and "iteration_1" in table
 

@@ -72,7 +72,7 @@ def sft_run(tmp_path: Path) -> Path:
 
 def test_report_rows_hold_the_iteration_numbers(sft_run):
     rows = collect_rows(sft_run)
-    assert [row["label"] for row in rows] == ["0", "1"]
+    assert [row["label"] for row in rows] == ["1", "2"]  # counted from 1, as the logs and the README count them
     first, second = rows
     assert first["answer_rate"] == 0.5 and first["task_score"] == 0.5 and first["mean_tokens"] == 150.0
     assert second["answer_rate"] == 0.75 and second["mean_tokens"] == 50.0
@@ -86,8 +86,8 @@ def test_report_files_are_written_and_redrawn_by_the_command(sft_run, capsys):
     markdown, image = write_run_report(sft_run)
     text = markdown.read_text()
     assert "method iSFT, task `arc`" in text
-    assert "| 1 | 0.75 | 0.75 | 50.0 | 4 | 3 | 1.25 | 42.5 |" in text  # per-iteration table, second row
-    assert "| 0 | 0.5 | -0.9 | 0.5 | 0 | 0.1 |" in text  # mean reward parts of iteration 0
+    assert "| 2 | 0.75 | 0.75 | 50.0 | 4 | 3 | 1.25 | 42.5 |" in text  # per-iteration table, second row
+    assert "| 1 | 0.5 | -0.9 | 0.5 | 0 | 0.1 |" in text  # mean reward parts of the first iteration
     assert "## DPO pairs" not in text
     assert image.read_bytes().startswith(b"\x89PNG")
     image.unlink()
@@ -100,12 +100,12 @@ def test_report_of_an_sft_dpo_run_has_pair_and_rollout_stats(tmp_path):
     write_metrics(run / "iteration_0" / "sft", 0, sft_stages([1.0, 0.0], [100, 100], 1, 2.0))
     write_metrics(run / "iteration_0" / "dpo", 0, DPO_STAGES)
     rows = collect_rows(run)
-    assert [(row["label"], row["kind"]) for row in rows] == [("0 sft", "sft"), ("0 dpo", "dpo")]
+    assert [(row["label"], row["kind"]) for row in rows] == [("1 sft", "sft"), ("1 dpo", "dpo")]
     dpo = rows[1]
     assert (dpo["answer_rate"], dpo["conversations"], dpo["kept"], dpo["pairs_found"]) == (0.75, 12, 3, 6)
     text = write_run_report(run)[0].read_text()
     assert "method iSFT-DPO" in text
-    assert "| 0 dpo | 120 | 2 | 12 | 6 | 3 | 1 |" in text  # DPO table: T_max, questions, rollouts, pairs
+    assert "| 1 dpo | 120 | 2 | 12 | 6 | 3 | 1 |" in text  # DPO table: T_max, questions, rollouts, pairs
 
 
 def test_missing_run_directory_is_a_clear_error(tmp_path, capfd):

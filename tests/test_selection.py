@@ -12,6 +12,7 @@ import pytest
 from optima.selection.sft import (
     BELOW_EPSILON,
     KEPT,
+    NOT_BEST,
     NOTHING_USABLE,
     OUTSIDE_SLICE,
     best_conversation,
@@ -103,3 +104,17 @@ def test_split_is_seeded_and_keeps_conversations_together(n, fraction, n_test):
     assert split_rows(kept, fraction, seed=1, iteration=0) == splits
     if n >= 10:
         assert split_rows(kept, fraction, seed=2, iteration=0)["train"] != splits["train"]
+
+
+def test_the_rule_that_drops_every_other_conversation_is_recorded():
+    mixed = line("q0", 0.4, 0.9, 0.7)
+    mixed["results"].append(record("q0", 3, 5.0, status="too_long"))  # a higher reward, but cut for length
+    failed = {"task_id": "q1", "results": [record("q1", 0, 9.0, status="error")]}
+    decisions = {d.task_id: d.to_record() for d in select_questions([mixed, failed], recipe(selection_range=[0, 1]))}
+    assert (decisions["q0"]["sample_index"], decisions["q0"]["reason"]) == (1, KEPT)
+    assert decisions["q0"]["dropped"] == {
+        "0": NOT_BEST,
+        "2": NOT_BEST,
+        "3": "unfinished (status too_long)",
+    }
+    assert decisions["q1"]["dropped"] == {"0": "unfinished (status error)"}

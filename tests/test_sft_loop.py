@@ -117,13 +117,15 @@ def test_sft_loop_resumes_after_kill_and_finishes(tiny_model, tmp_path):
 
 
 def assert_report_and_tensorboard(run: Path, trainer: dict) -> None:
-    """report.md/png hold both iterations; the trainer and the driver wrote TensorBoard events into the run."""
+    """report.md/png and conversations.html hold both iterations; the trainer and the driver wrote TensorBoard
+    events (scalars and sample conversations) into the run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     report = (run / "report.md").read_text()
     metrics = json.loads((run / "iteration_1" / "metrics.json").read_text())
     loss = metrics["stages"]["train"]["train_loss"]
-    assert f"| 1 | {metrics['stages']['score']['answer_rate']:.4g} |" in report and f"{loss:.4g}" in report
+    assert f"| 2 | {metrics['stages']['score']['answer_rate']:.4g} |" in report and f"{loss:.4g}" in report
+    assert "(conversations.html)" in report and "Iteration 2 · sampled" in (run / "conversations.html").read_text()
     assert (run / "report.png").read_bytes().startswith(b"\x89PNG")
     assert trainer["report_to"] == ["tensorboard"] and trainer["run_name"] == "run/iteration_1"
     for folder in ("iteration_0", "iteration_1"):  # the trainer's own curves, one folder per iteration
@@ -132,6 +134,7 @@ def assert_report_and_tensorboard(run: Path, trainer: dict) -> None:
     events.Reload()
     assert [e.step for e in events.Scalars("train/train_loss")] == [0, 1]
     assert events.Scalars("train/train_loss")[1].value == pytest.approx(loss)
+    assert [e.step for e in events.Tensors("conversations/sampled")] == [0, 1]
 
 
 def loss_server_pid(run: Path) -> int:

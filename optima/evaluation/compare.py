@@ -12,6 +12,7 @@ files are complete, and recomputes a file whose producer changed. Then, in the o
     comparison.json          {"task", "metric", "questions", "settings", "rows": [...]}
     comparison.csv / .md     one row per method: task metric, answer rate, tokens per question, failure rates
     comparison.png           task metric and answer rate against tokens per question, one point per method
+    conversations.html       every answer, debate and conversation behind the table (``optima.browser``)
 
 With ``--tasks a,b,...`` each task gets its own folder ``<output>/<task>/`` with those files, and the methods x
 tasks table joins them (``optima.evaluation.task_table``: ``table.md/.csv/.json/.png``).
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optima.browser import write_conversations_page
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.fingerprint import digest, read_producer
@@ -207,7 +209,9 @@ def run_compare(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> 
         options: Methods, Optima rows, sampling settings.
     """
     results, header = compare_rows(recipe, envs, options)
-    return write_comparison(Path(recipe.output_root_path), recipe.dataset_type, results, header)
+    table = write_comparison(Path(recipe.output_root_path), recipe.dataset_type, results, header)
+    write_conversations_page(Path(recipe.output_root_path))  # every answer, debate and conversation behind it
+    return table
 
 
 def run_compare_tasks(recipes: Sequence, envs: dict[str, PythonEnv], options: CompareOptions, out_root: Path) -> str:
@@ -223,6 +227,7 @@ def run_compare_tasks(recipes: Sequence, envs: dict[str, PythonEnv], options: Co
     for recipe in recipes:
         results, header = compare_rows(recipe, envs, options)
         texts.append(write_comparison(Path(recipe.output_root_path), recipe.dataset_type, results, header))
+        write_conversations_page(Path(recipe.output_root_path))
         per_task[recipe.dataset_type] = results
         producers[recipe.dataset_type] = header["producers"]
     from optima.evaluation.task_table import write_task_table

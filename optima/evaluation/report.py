@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from optima import store
+from optima.paths import checkpoint_label
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,14 @@ def _new_figure(panels: int, rows: int = 1):
     return figure, figure.subplots(rows, panels, squeeze=False) if rows > 1 else figure.subplots(1, panels)
 
 
-def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str) -> None:
-    """Task metric (ours and the original's variant), answer rate and mean tokens per question, per checkpoint.
+def cut_share(row: Mapping) -> float | None:
+    """The share of a row's conversations cut for length (``cut_rate``; older summaries: ``too_long_rate``)."""
+    return row.get("cut_rate", row.get("too_long_rate"))
+
+
+def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str):
+    """Task metric (ours and the original's variant), answer rate, share cut for length and mean tokens per question,
+    per checkpoint (named "after iteration k"); returns the figure.
 
     Args:
         rows: Summary rows in checkpoint order (``model`` plus the metric keys and ``mean_tokens``).
@@ -94,13 +101,16 @@ def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path:
     """
     figure, (score_axis, token_axis) = _new_figure(2)
     x = list(range(len(rows)))
-    names = [row["model"] for row in rows]
+    names = [checkpoint_label(row["model"]) for row in rows]
     score_axis.plot(x, [row.get(metric) for row in rows], marker="o", label=metric)
     score_axis.plot(x, [row.get(original_metric) for row in rows], marker="s", linestyle="--", label=original_metric)
     # The share of conversations that end with an answer: the first thing training changes in a small model.
     answered = [None if row.get("no_answer_rate") is None else 1 - row["no_answer_rate"] for row in rows]
     score_axis.plot(x, answered, marker="^", linestyle=":", color="tab:gray", label="answer rate")
-    score_axis.set_ylabel(f"{metric} / answer rate")
+    cut = [cut_share(row) for row in rows]
+    if any(value is not None for value in cut):
+        score_axis.plot(x, cut, marker="v", linestyle="--", color="tab:brown", label="cut for length")
+    score_axis.set_ylabel(f"{metric} / share of conversations")
     score_axis.legend()
     token_axis.plot(x, [row.get("mean_tokens") for row in rows], marker="o", color="tab:red")
     token_axis.set_ylabel("mean tokens per question")
@@ -113,6 +123,7 @@ def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path:
     figure.suptitle(title)
     figure.savefig(path, dpi=120)
     logger.info("plot | %s", path)
+    return figure
 
 
 def plot_self_consistency(
@@ -154,30 +165,78 @@ def plot_self_consistency(
     logger.info("plot | %s", path)
 
 
-def plot_comparison(rows: Sequence[Mapping], metric: str, path: Path, title: str) -> None:
+# Where a point's label may go (offset in points from the point; a negative x puts the label on the left).
+LABEL_OFFSETS = ((6, 5), (6, -13), (-6, 5), (-6, -13), (6, 15), (6, -23), (-6, 15), (-6, -23), (10, -4), (-10, -4))
+
+
+def comparison_labels(rows: Sequence[Mapping]) -> list[str]:
+    """Each row's method, with its checkpoint when the rows come from several models (the sweep's comparison)."""
+    if len({row.get("model") for row in rows}) <= 1:
+        return [row["method"] for row in rows]
+    return [f"{row['method']} ({checkpoint_label(str(row['model']))})" for row in rows]
+
+
+def place_labels(axis, points: Sequence[tuple[float, float]], labels: Sequence[str], marker_px: float = 6.0) -> list:
+    """Label each point at the first offset where its text stays inside the axes and covers no earlier label and
+    no point (a square of ``marker_px`` around each).
+
+    A label with no free place is left out (the legend names every point). Call after the figure's layout is
+    drawn: the boxes are measured with the canvas renderer. Returns the annotations placed.
+    """
+    from matplotlib.transforms import Bbox
+
+    renderer = axis.figure.canvas.get_renderer()
+    frame = axis.get_window_extent(renderer)
+    centres = axis.transData.transform(points) if points else []
+    taken = [Bbox.from_extents(x - marker_px, y - marker_px, x + marker_px, y + marker_px) for x, y in centres]
+    placed = []
+    for (x, y), label in zip(points, labels, strict=True):
+        for dx, dy in LABEL_OFFSETS:
+            note = axis.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy),
+                                 ha="left" if dx > 0 else "right", fontsize="small")  # fmt: skip
+            box = note.get_window_extent(renderer)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.overlaps(other) for other in taken):
+                taken.append(box)
+                placed.append(note)
+                break
+            note.remove()
+    return placed
+
+
+def plot_comparison(rows: Sequence[Mapping], metric: str, path: Path, title: str):
     """Task metric and answer rate against tokens per question, one labelled point per method (paper Fig. 1 style).
 
+    Labels never overlap (``place_labels``); the legend, outside the panels, names every point. Returns the figure.
+
     Args:
-        rows: Comparison rows (``method``, ``metric``, ``answer_rate``, ``mean_tokens``).
+        rows: Comparison rows (``method``, ``model``, ``metric``, ``answer_rate``, ``mean_tokens``).
         metric: The task metric key (``accuracy`` or ``f1``).
         path: PNG to write.
         title: Figure title.
     """
     figure, axes = _new_figure(2)
     shown = [row for row in rows if row.get("mean_tokens") is not None]
-    for axis, key, name in ((axes[0], metric, metric), (axes[1], "answer_rate", "answer rate")):
-        for index, row in enumerate(shown):
-            x, y = row["mean_tokens"], row.get(key) or 0.0
-            axis.scatter([x], [y], color=f"C{index % 10}", s=60, zorder=3, label=row["method"])
-            axis.annotate(row["method"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize="small")
-        if shown and min(row["mean_tokens"] for row in shown) > 0:
-            axis.set_xscale("log")
+    labels = comparison_labels(shown)
+    panels = ((axes[0], metric, metric), (axes[1], "answer_rate", "answer rate"))
+    for axis, key, name in panels:
+        for index, (row, label) in enumerate(zip(shown, labels, strict=True)):
+            marker = "osD^vP*X"[index // 10 % 8]  # colours repeat after ten points, markers tell them apart
+            axis.scatter([row["mean_tokens"]], [row.get(key) or 0.0], color=f"C{index % 10}", marker=marker, s=60,
+                         zorder=3, label=label)  # fmt: skip
+        tokens = [row["mean_tokens"] for row in shown]
+        if tokens and min(tokens) > 0 and max(tokens) >= 10 * min(tokens):
+            axis.set_xscale("log")  # a log axis only across a decade or more: plain tick numbers otherwise
         axis.set_xlabel("tokens per question")
         axis.set_ylabel(name)
         axis.set_ylim(-0.02, 1.02)
         axis.grid(alpha=0.3)
     if shown:
-        axes[0].legend(fontsize="small")
+        figure.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize="small")
     figure.suptitle(title)
+    figure.canvas.draw()  # lay the figure out first: labels are placed in the final axes
+    for axis, key, _ in panels:
+        place_labels(axis, [(row["mean_tokens"], row.get(key) or 0.0) for row in shown], labels)
     figure.savefig(path, dpi=100)
     logger.info("plot | %s", path)
+    return figure

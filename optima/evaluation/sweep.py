@@ -11,10 +11,12 @@ an interrupted one resumes at the first missing question. After each checkpoint 
     <output_root>/summary.csv    one row per model
     <output_root>/summary.png    metric (ours and the original's) and mean tokens per checkpoint
     <output_root>/<model>/logs/vllm_0.log
+    <output_root>/conversations.html   every conversation of every model and method (``python -m optima show``)
     <output_root>/<model>.<method>.jsonl, comparison.md/.csv/.json/.png   (with --baseline cot/mad/autoform)
 
-The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model``, ``iteration`` and ``producer``
-(the hash of the fingerprint recorded beside the model's file: ``optima.evaluation.fingerprint``).
+The rows are those of ``optima.evaluation.metrics.summarize_records`` plus ``model``, ``iteration``, ``producer``
+(the hash of the fingerprint recorded beside the model's file: ``optima.evaluation.fingerprint``) and
+``checkpoint`` ("after iteration k" for ``iteration_<k-1>``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan
+from optima.browser import write_conversations_page
 from optima.environments import PythonEnv
 from optima.evaluation.compare import write_comparison
 from optima.evaluation.fingerprint import digest, read_producer
@@ -38,13 +41,23 @@ from optima.evaluation.runs import (
     load_tokenize,
     prepare_output,
 )
+from optima.paths import checkpoint_label, models_label
 from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 
 logger = logging.getLogger(__name__)
 
-TABLE_COLUMNS = ("model", "questions", "{metric}", "{original}", "mean_tokens", "no_answer_rate", "error_rate")
+TABLE_COLUMNS = (
+    "model",
+    "checkpoint",
+    "questions",
+    "{metric}",
+    "{original}",
+    "mean_tokens",
+    "no_answer_rate",
+    "error_rate",
+)
 
 
 def sweep_job(out_root: Path, name: str) -> GenerationJob:
@@ -60,7 +73,14 @@ def summarize_checkpoint(recipe, name: str, model_path: Path, verifier: MathVeri
     iteration = checkpoint_iteration(name)
     row = {"model": name, "iteration": iteration if iteration >= 0 else None}  # None: the base or a lone model
     producer = {"producer": digest(read_producer(Path(recipe.output_root_path) / f"{name}.jsonl"))}
-    return row | summarize_records(records, RecordScorer(tokenize, verifier)) | producer
+    # "checkpoint": the name for people (iteration_0 is the model after iteration 1), last so the columns stay put.
+    summary = row | summarize_records(records, RecordScorer(tokenize, verifier)) | producer
+    return summary | {"checkpoint": checkpoint_label(name)}
+
+
+def sweep_title(recipe) -> str:
+    """The plot's title: the task and the run whose checkpoints were evaluated (its name, not the machine's path)."""
+    return f"{recipe.dataset_type}: checkpoints of {models_label(recipe.model_root_path)}"
 
 
 def write_sweep_report(recipe, rows: list[dict]) -> str:
@@ -74,8 +94,7 @@ def write_sweep_report(recipe, rows: list[dict]) -> str:
     columns = list(rows[0]) if rows else ["model"]
     write_csv(out_root / "summary.csv", rows, columns)
     if rows:
-        title = f"{recipe.dataset_type}: {recipe.model_root_path}"
-        plot_sweep(rows, metric, original, out_root / "summary.png", title)
+        plot_sweep(rows, metric, original, out_root / "summary.png", sweep_title(recipe))
     shown = [c.format(metric=metric, original=original) for c in TABLE_COLUMNS]
     return render_table(rows, shown, title=f"Optima evaluation | {recipe.dataset_type} | {out_root}")
 
@@ -126,5 +145,6 @@ def run_sweep(recipe, envs: dict[str, PythonEnv], baselines: tuple[str, ...] = (
         if baselines:
             compared = comparison_rows(recipe, models, baselines, settings, verifier)
             table += "\n\n" + write_comparison(out_root, recipe.dataset_type, compared, {"questions": len(examples)})
+    write_conversations_page(out_root)  # every conversation of every model and method, browsable
     logger.info("eval | done | %d models, %d servers started", len(models), session.servers_started)
     return table

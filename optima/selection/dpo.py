@@ -42,6 +42,8 @@ from optima.tasks import Example
 
 logger = logging.getLogger(__name__)
 
+PAIR_KEPT = "kept"
+OUTSIDE_KEEP_FRACTION = "outside dpo_keep_fraction"  # passed the pair rule, not among the question's best pairs
 META_COLUMNS = ("task_id", "node_id", "depth", "speaker", "chosen_value", "rejected_value")
 
 
@@ -194,8 +196,14 @@ def split_pairs(
     }
 
 
+def pair_verdict(pair: dict, kept: bool) -> dict:
+    """A found pair's audit entry: its metadata, whether it was kept, and the rule that decided."""
+    meta = {key: pair[key] for key in META_COLUMNS if key != "task_id"}
+    return meta | {"kept": kept, "reason": PAIR_KEPT if kept else OUTSIDE_KEEP_FRACTION}
+
+
 def pair_record(line: dict, found: Sequence[dict], kept: Sequence[dict]) -> dict:
-    """The audit line of one question: tree size, branching nodes, and every pair found (kept or not).
+    """The audit line of one question: tree size, branching nodes, and every pair found (kept or not, and why).
 
     Args:
         line: The question's search result.
@@ -209,10 +217,7 @@ def pair_record(line: dict, found: Sequence[dict], kept: Sequence[dict]) -> dict
         "nodes": len(line["nodes"]),
         "rollouts": len(line["rollouts"]),
         "branching_nodes": sum(1 for n in line["nodes"] if n.get("minable", True) and len(children[n["id"]]) >= 2),
-        "pairs": [
-            {key: pair[key] for key in META_COLUMNS if key != "task_id"} | {"kept": pair["node_id"] in kept_nodes}
-            for pair in found
-        ],
+        "pairs": [pair_verdict(pair, pair["node_id"] in kept_nodes) for pair in found],
     }
 
 

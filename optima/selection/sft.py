@@ -10,7 +10,8 @@ See docs/method.md#isft-selection; D11, D12, D18.
    generation (``build_agent_messages``) and the base system prompts, never the iteration-0 pool prompts.
 5. Seeded shuffle and train/test split by conversation (both views of one conversation stay together).
 
-Every question gets a line in ``selection.jsonl`` saying whether it was kept and why.
+Every question gets a line in ``selection.jsonl`` saying whether its best conversation was kept and why, and
+by which rule each of its other conversations was dropped (``dropped``: sample index -> rule).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, compat_style
 from optima.config.rules import selection_range
@@ -30,6 +31,8 @@ KEPT = "kept"
 BELOW_EPSILON = "below epsilon"
 OUTSIDE_SLICE = "outside rank slice"
 NOTHING_USABLE = "no usable conversation"
+NOT_BEST = "not the question's best"
+UNFINISHED = "unfinished (status {status})"  # cut for length, failed, or no utterance: never trained on
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Decision:
     best: dict | None
     rank: int | None
     reason: str
+    dropped: dict[str, str] = field(default_factory=dict)  # the other conversations: sample index -> rule
 
     def to_record(self) -> dict:
         best = self.best or {}
@@ -53,6 +57,7 @@ class Decision:
             "reward_parts": best.get("reward_parts"),
             "final_answer": best.get("final_answer"),
             "token_count": best.get("token_count"),
+            "dropped": self.dropped,
         }
 
 
@@ -64,13 +69,26 @@ def best_conversation(line: dict) -> dict | None:
     return max(usable, key=lambda r: (r["reward"], -r["sample_index"]))
 
 
+def other_rules(line: dict, best: dict | None) -> dict[str, str]:
+    """The rule that drops each conversation of a question other than ``best`` (sample index -> rule)."""
+    rules = {}
+    for r in line["results"]:
+        if best is not None and r["sample_index"] == best["sample_index"]:
+            continue
+        usable = r["status"] == "ok" and r["utterances"]
+        rules[str(r["sample_index"])] = NOT_BEST if usable else UNFINISHED.format(status=r["status"])
+    return rules
+
+
 def select_questions(lines: Sequence[dict], recipe) -> list[Decision]:
     """Decide, for every rewarded question, whether its best conversation is trained on."""
     best = [(str(line["task_id"]), best_conversation(line)) for line in lines]
+    others = {task_id: other_rules(line, conv) for line, (task_id, conv) in zip(lines, best, strict=True)}
     ranked = sorted([b for b in best if b[1] is not None], key=lambda b: -b[1]["reward"])
     start, end = selection_range(recipe)
     lo, hi = int(start * len(ranked)), int(end * len(ranked))
-    decisions = {task_id: Decision(task_id, None, None, NOTHING_USABLE) for task_id, conv in best if conv is None}
+    unusable = [task_id for task_id, conv in best if conv is None]
+    decisions = {task_id: Decision(task_id, None, None, NOTHING_USABLE, others[task_id]) for task_id in unusable}
     for rank, (task_id, conv) in enumerate(ranked):
         if not lo <= rank < hi:
             reason = OUTSIDE_SLICE
@@ -78,7 +96,7 @@ def select_questions(lines: Sequence[dict], recipe) -> list[Decision]:
             reason = BELOW_EPSILON
         else:
             reason = KEPT
-        decisions[task_id] = Decision(task_id, conv, rank, reason)
+        decisions[task_id] = Decision(task_id, conv, rank, reason, others[task_id])
     return [decisions[task_id] for task_id, _ in best]
 
 

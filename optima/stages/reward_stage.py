@@ -17,7 +17,7 @@ from pathlib import Path
 
 from optima.agents.prompts import Utterance
 from optima.loss_stream import conversation_texts
-from optima.reward import Conversation, question_t_max, score_conversation
+from optima.reward import Conversation, is_cut, question_t_max, score_conversation
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
 from optima.tasks.scoring import score_example
@@ -36,6 +36,7 @@ class RewardStats:
     questions: int = 0
     conversations: int = 0
     answered: int = 0
+    cut: int = 0  # conversations cut for length
     task_score_sum: float = 0.0
     token_sum: int = 0
     best_rewards: list[float] = field(default_factory=list)
@@ -48,6 +49,7 @@ class RewardStats:
         self.questions += 1
         self.conversations += len(results)
         self.answered += sum(1 for r in results if r.get("final_answer"))
+        self.cut += sum(is_cut(r) for r in results)
         self.task_score_sum += sum(r["reward_parts"]["task_score"] for r in results)
         self.token_sum += sum(r["token_count"] for r in results)
         self.best_rewards.append(max(r["reward"] for r in results))
@@ -59,6 +61,7 @@ class RewardStats:
             "questions": self.questions,
             "conversations": self.conversations,
             "answer_rate": round(self.answered / n, 4),
+            "cut_rate": round(self.cut / n, 4),
             "accuracy": round(self.task_score_sum / n, 4),
             "mean_tokens": round(self.token_sum / n, 2),
             "best_reward_max": round(best[-1], 4) if best else None,
