@@ -72,6 +72,7 @@ def run_plan(plan: Plan) -> str:
     for role, env in plan.envs.items():
         check_env(env, role)
     ctx = RunContext.create(recipe, plan.paths, plan.envs)
+    ctx.progress = plan.progress
     model = recipe.initial_model_path
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
     with sigterm_as_exit(), ctx.servers:

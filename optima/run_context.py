@@ -40,6 +40,7 @@ class RunContext:
     gpu: bool
     _tokenizer: Any = field(default=None, repr=False)
     report_to: list[str] = field(default_factory=list)  # trackers of this run (``auto`` resolved)
+    progress: bool = True  # a training progress bar on the console (``--quiet``: none)
 
     @classmethod
     def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv]) -> RunContext:
