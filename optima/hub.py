@@ -1,16 +1,20 @@
-"""``push_to_hub``: upload the final checkpoint of a loop run (and optionally its training sets) to the Hub.
+"""``push_to_hub``: the model card of every checkpoint, and the upload of a run's final checkpoint and training sets.
 
-Off by default. After the last iteration the final checkpoint folder goes to the model repository
-``hub_model_id`` with its model card (``README.md``, written after each iteration) and the run report under
-``run_report/``. With ``hub_push_datasets`` every iteration's training set (the ``dataset/`` folder that selection
-saved with ``datasets.save_to_disk``; read it back with ``datasets.load_from_disk`` after a download) goes to the
-dataset repository ``<hub_model_id>-data`` under ``iteration_<i>[/<stage>]``.
+Every checkpoint gets a model card (``README.md``) after its iteration, built with ``huggingface_hub``'s
+``ModelCard``/``ModelCardData``: ``base_model`` (a hub id, when the initial model has one), ``library_name``,
+``tags``, ``datasets`` (the task's hub dataset and, when pushed, the run's training sets) and the iteration's
+numbers. It holds no local path, so it can be published as is.
 
-The uploads go through ``huggingface_hub.HfApi`` (``create_repo`` with ``exist_ok``, ``upload_folder``,
-``upload_file``); the token comes from the usual place (``HF_TOKEN`` or ``huggingface-cli login``). ``push_run``
-takes the API object as an argument, so another endpoint (``HfApi(endpoint=...)``) or a stand-in can be used.
-A file ``hub_push.json`` in the run directory records what was pushed: a rerun of a finished run does not upload
-the same checkpoint again.
+Off by default, ``push_to_hub`` uploads after the last iteration: the final checkpoint folder goes to the model
+repository ``hub_model_id`` (its card included) with the run report under ``run_report/``. With
+``hub_push_datasets`` every iteration's training set goes to the dataset repository ``<hub_model_id>-data`` through
+``DatasetDict.push_to_hub(config_name="iteration_<i>[_<stage>]")``: Parquet files and a dataset card listing the
+configs, so ``load_dataset("<hub_model_id>-data", "iteration_0")`` and the Hub's dataset viewer read it.
+
+The uploads go through ``huggingface_hub`` and ``datasets`` with the usual token (``HF_TOKEN`` or ``hf auth
+login``) and endpoint (``HF_ENDPOINT``). ``push_run`` takes the model uploads' API object as an argument
+(``HfApi(endpoint=...)``). A file ``hub_push.json`` in the run directory records what was pushed: a rerun of a
+finished run does not upload the same checkpoint again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,105 @@ from optima.paths import RunPaths
 logger = logging.getLogger(__name__)
 
 PUSH_RECORD = "hub_push.json"
+DATA_REPO_SUFFIX = "-data"
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ title }}
+
+Trained with Optima (iterative training of a two-agent system, Alice and Bob, to solve tasks with fewer and more
+readable tokens): {{ method }} on `{{ task }}`, from `{{ base_label }}`.
+
+- iteration: {{ iteration }} (checkpoint after iteration {{ iteration }})
+- seed: {{ seed }}
+- reward: task score {{ lambda1 }} x tokens / T_max{% if cal_ppl %} + {{ lambda2 }} / LM loss{% endif %}
+{% if data_repo %}- training set of this iteration: `load_dataset("{{ data_repo }}", "{{ config }}")`
+{% endif %}- library versions: {{ versions }}
+
+## This iteration
+
+| metric | value |
+|---|---|
+{% for name, value in numbers %}| {{ name }} | {{ value }} |
+{% endfor %}"""
+# Report-row numbers shown in the card (``optima.reporting.build_row``).
+CARD_NUMBERS = ("answer_rate", "task_score", "mean_tokens", "conversations", "kept", "train_loss", "train_rows")
+
+
+def data_repo_id(recipe) -> str | None:
+    """The dataset repository of the run's training sets (``<hub_model_id>-data``), when they are pushed."""
+    return f"{recipe.hub_model_id}{DATA_REPO_SUFFIX}" if recipe.hub_model_id and recipe.hub_push_datasets else None
+
+
+def config_name(path_in_run: str) -> str:
+    """The dataset config of a training set: ``iteration_1/dpo`` -> ``iteration_1_dpo``."""
+    return path_in_run.replace("/", "_")
+
+
+def base_model_id(model: str) -> str | None:
+    """The hub id of a model: the name itself, else what a local folder's card or config names; None if unknown."""
+    from optima.config.fields import HUB_ID, is_hub_id
+
+    if is_hub_id(model):
+        return model
+    folder = Path(model)
+    candidates = []
+    if (folder / "README.md").is_file():
+        from huggingface_hub import ModelCard
+
+        base = ModelCard.load(folder / "README.md").data.base_model
+        candidates += base if isinstance(base, list) else [base]
+    if (folder / "config.json").is_file():
+        candidates.append(json.loads((folder / "config.json").read_text()).get("_name_or_path"))
+    found = [c for c in candidates if isinstance(c, str) and HUB_ID.match(c) and not Path(c).exists()]
+    return found[0] if found else None
+
+
+def build_model_card(recipe, iteration: int, metrics: dict, versions: dict[str, str]):
+    """The model card of a checkpoint (``huggingface_hub.ModelCard``): metadata and this iteration's numbers.
+
+    Args:
+        recipe: The loop recipe.
+        iteration: The checkpoint's iteration.
+        metrics: The iteration's ``metrics.json``.
+        versions: Library versions of the training environment.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from optima.reporting import build_row
+    from optima.tasks import get_task
+
+    base = base_model_id(str(recipe.initial_model_path))
+    data_repo = data_repo_id(recipe)
+    datasets = [d for d in (get_task(recipe.dataset_type).hub_name, data_repo) if d]
+    tags = ["optima", "trl", "multi-agent", *dict.fromkeys(recipe.method.split("_")), recipe.dataset_type]
+    data = ModelCardData(
+        base_model=base,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+        datasets=datasets or None,
+    )
+    row = build_row(iteration, "", metrics)
+    numbers = [(name, row[name]) for name in CARD_NUMBERS if row.get(name) is not None]
+    return ModelCard.from_template(
+        data,
+        template_str=CARD_TEMPLATE,
+        title=f"Optima {recipe.method} checkpoint: {recipe.dataset_type}, after iteration {iteration}",
+        method=recipe.method,
+        task=recipe.dataset_type,
+        base_label=base or Path(str(recipe.initial_model_path)).name,  # a folder's name, never its path
+        iteration=iteration,
+        seed=recipe.seed,
+        lambda1=recipe.lambda1,
+        lambda2=recipe.lambda2,
+        cal_ppl=recipe.cal_ppl,
+        data_repo=data_repo,
+        config=f"iteration_{iteration}",
+        versions=json.dumps(versions),
+        numbers=numbers,
+    )
 
 
 def dataset_folders(paths: RunPaths) -> list[tuple[str, Path]]:
@@ -73,16 +176,23 @@ def push_run(recipe, paths: RunPaths, final_model: str, api: Any = None) -> dict
             )
     logger.info("push_to_hub | %s -> model repo %s", checkpoint, repo)
     if recipe.hub_push_datasets:
-        data_repo = f"{repo}-data"
-        api.create_repo(data_repo, repo_type="dataset", private=recipe.hub_private, exist_ok=True)
-        for path_in_repo, folder in dataset_folders(paths):
-            api.upload_folder(
-                repo_id=data_repo,
-                folder_path=str(folder),
-                path_in_repo=path_in_repo,
-                repo_type="dataset",
-                commit_message=f"training set of {path_in_repo}",
-            )
-            logger.info("push_to_hub | %s -> dataset repo %s/%s", folder, data_repo, path_in_repo)
+        push_datasets(recipe, paths, api.token)
     record_file.write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def push_datasets(recipe, paths: RunPaths, token: str | None = None) -> None:
+    """Push every training set of the run to ``<hub_model_id>-data``, one dataset config per iteration folder."""
+    from datasets import load_from_disk
+
+    data_repo = data_repo_id(recipe)
+    for path_in_run, folder in dataset_folders(paths):
+        name = config_name(path_in_run)
+        load_from_disk(str(folder)).push_to_hub(
+            data_repo,
+            config_name=name,
+            private=recipe.hub_private,
+            token=token,
+            commit_message=f"training set of {path_in_run}",
+        )
+        logger.info("push_to_hub | %s -> dataset repo %s, config %s", folder, data_repo, name)

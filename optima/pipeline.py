@@ -79,6 +79,7 @@ def run_plan(plan: Plan) -> str:
     if plan.hardware is not None:
         plan.hardware.check()  # an impossible placement stops here, before any server or trainer starts
     ctx = RunContext.create(recipe, plan.paths, plan.envs, plan.hardware)
+    ctx.progress = plan.progress
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
     with sigterm_as_exit(), ctx.servers:

@@ -17,12 +17,18 @@ from typing import Any
 
 from optima.config import DPORecipe, SFTRecipe
 from optima.config.fields import stage_fields
-from optima.config.rules import generation_temperature, loss_model, selection_range, train_start
+from optima.config.rules import (
+    generation_temperature,
+    loss_model,
+    selection_range,
+    train_start,
+    trainer_overrides_for,
+)
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
 from optima.stages import dpo, sft
 from optima.stages.common import CHECKPOINT, StageCall
-from optima.training.launch_config import launch_for
+from optima.training.launch_config import describe_trainer_overrides, launch_for
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,14 @@ def _describe_train(call: StageCall, kind: str) -> dict:
     else:
         method = {"model": start, "reference": start, "rpo_alpha": recipe.rpo_alpha}
     base = recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
-    return {"base recipe": base, **method, "output": call.out, "command": launch.argv()}
+    overrides = describe_trainer_overrides(Path(base), trainer_overrides_for(recipe, kind))
+    return {
+        "base recipe": base,
+        "trainer overrides": overrides,
+        **method,
+        "output": call.out,
+        "command": launch.argv(),
+    }
 
 
 def _describe_probe(call: StageCall) -> dict:
@@ -236,6 +249,7 @@ class Plan:
     gpu: bool = False
     skip_iteration: int = 0
     hardware: Any = None  # optima.hardware.plan.HardwarePlan: where every process runs, checked before start
+    progress: bool = True  # training progress bars on the console (``--quiet``: none)
 
     def stage_names(self) -> list[tuple[int, str | None, str]]:
         """``(iteration, part, stage)`` of every stage in run order (``skip`` for a skipped iteration)."""

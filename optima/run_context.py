@@ -7,7 +7,6 @@ beside it for the whole run.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ class RunContext:
     gpu: bool
     _tokenizer: Any = field(default=None, repr=False)
     report_to: list[str] = field(default_factory=list)  # trackers of this run (``auto`` resolved)
+    progress: bool = True  # a training progress bar on the console (``--quiet``: none)
 
     @classmethod
     def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv], hardware=None) -> RunContext:
@@ -164,22 +164,7 @@ def _versions() -> dict[str, str]:
 
 
 def render_model_card(ctx: RunContext, iteration: int, metrics: dict) -> str:
-    """A short model card: what produced this checkpoint and how it did."""
-    recipe = ctx.recipe
-    lines = [
-        f"# Optima {recipe.method} checkpoint: {recipe.dataset_type}, iteration {iteration}",
-        "",
-        f"- base model: `{recipe.initial_model_path}`",
-        f"- seed: {recipe.seed}",
-        f"- reward: lambda1 (tokens) {recipe.lambda1}, lambda2 (LM loss) {recipe.lambda2}, cal_ppl {recipe.cal_ppl}",
-        f"- run directory: `{ctx.paths.output_dir}`",
-        f"- library versions: {json.dumps(_versions())}",
-        "",
-        "## Metrics of this iteration",
-        "",
-        "```json",
-        json.dumps(metrics["stages"], indent=2, default=str),
-        "```",
-        "",
-    ]
-    return "\n".join(lines)
+    """The checkpoint's model card (``optima.hub.build_model_card``): metadata, numbers, no local path."""
+    from optima.hub import build_model_card
+
+    return str(build_model_card(ctx.recipe, iteration, metrics, _versions()))

@@ -7,20 +7,19 @@ YAML with a ``run_name`` per iteration (``<run>/iteration_<i>[/<stage>]``); its 
 ``optima.reporting`` (answer rate, task score, mean tokens, reward parts, kept, train loss, stage times) as
 scalars under ``<run>/tensorboard/optima/``, one step per iteration, so
 ``tensorboard --logdir <run>/tensorboard`` shows the trainer curves and the iteration curves side by side. With
-``wandb`` the same rows go to a W&B run named after the run directory (the trainer runs are named per iteration).
+``wandb`` the same rows go to W&B, the trainers' runs in the same project and group (``optima.wandb_tracking``).
 
-The driver never imports torch: TensorBoard events are written with tensorboard's own event-file writer and
-protobufs. The scalar file is rewritten from all finished iterations each time, so a resumed run shows every
-iteration once. A few conversations of every stage output (a kept one, a dropped one, one cut for length) go
-beside the scalars as TensorBoard text (tag ``conversations/<stage output>``, one step per iteration), and after
-every iteration the driver also rewrites ``conversations.html`` (``optima.browser``) before the report that links it.
+The driver never imports torch: TensorBoard events are written with ``tensorboardX``'s ``SummaryWriter``. The
+scalar file is rewritten from all finished iterations each time, so a resumed run shows every iteration once. A
+few conversations of every stage output (a kept one, a dropped one, one cut for length) go beside the scalars as
+TensorBoard text (tag ``conversations/<stage output>``, one step per iteration), and after every iteration the
+driver also rewrites ``conversations.html`` (``optima.browser``) before the report that links it.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +87,16 @@ def trainer_overrides(report_to: list[str], run_dir: Path, stage_root: Path) -> 
 
 
 def trainer_env(report_to: list[str], run_dir: Path, stage_root: Path) -> dict[str, str]:
-    """Environment of the trainer process: where its TensorBoard events go (inside the run directory)."""
-    if "tensorboard" not in report_to:
-        return {}
-    folder = Path(run_dir) / TENSORBOARD_DIR / Path(stage_root).relative_to(run_dir)
-    return {"TENSORBOARD_LOGGING_DIR": str(folder)}
+    """Environment of the trainer process: where its TensorBoard events go, its W&B project, group and run id."""
+    env = {}
+    if "tensorboard" in report_to:
+        folder = Path(run_dir) / TENSORBOARD_DIR / Path(stage_root).relative_to(run_dir)
+        env["TENSORBOARD_LOGGING_DIR"] = str(folder)
+    if "wandb" in report_to:
+        from optima import wandb_tracking
+
+        env |= wandb_tracking.trainer_env(run_dir, stage_root)
+    return env
 
 
 def scalars_of(row: dict) -> dict[str, float]:
@@ -108,45 +112,20 @@ def scalars_of(row: dict) -> dict[str, float]:
 
 def write_tensorboard_scalars(run_dir: Path, rows: list[dict]) -> Path:
     """(Re)write the iteration scalars of ``rows`` as one TensorBoard event file; returns its folder."""
-    from tensorboard.compat.proto import event_pb2, summary_pb2
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    from tensorboardX import SummaryWriter
 
     folder = Path(run_dir) / TENSORBOARD_DIR / ITERATION_LOG
     if folder.exists():
         shutil.rmtree(folder)  # every finished iteration is written again below: no duplicates after a resume
-    writer = EventFileWriter(str(folder))
-    for row in rows:
-        values = scalars_of(row)
-        summary = summary_pb2.Summary(
-            value=[summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in values.items()]
-        )
-        writer.add_event(event_pb2.Event(wall_time=time.time(), step=row["iteration"], summary=summary))
-    try:
-        add_sample_conversations(_TextEvents(writer), run_dir)
-    except (OSError, ValueError, KeyError) as exc:  # the scalars are written whatever the conversations hold
-        logger.warning("tensorboard | no sample conversations for %s: %s", run_dir, exc)
-    writer.close()
+    with SummaryWriter(str(folder)) as writer:
+        for row in rows:
+            for tag, value in scalars_of(row).items():
+                writer.add_scalar(tag, value, global_step=row["iteration"])
+        try:
+            add_sample_conversations(writer, run_dir)
+        except (OSError, ValueError, KeyError) as exc:  # the scalars are written whatever the conversations hold
+            logger.warning("tensorboard | no sample conversations for %s: %s", run_dir, exc)
     return folder
-
-
-class _TextEvents:
-    """``add_text(tag, text, global_step)`` over tensorboard's event-file writer, as the public writers have it."""
-
-    def __init__(self, writer):
-        self.writer = writer
-
-    def add_text(self, tag: str, text: str, global_step: int) -> None:
-        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
-
-        tensor = tensor_pb2.TensorProto(
-            dtype=types_pb2.DT_STRING,
-            string_val=[text.encode()],
-            tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)]),
-        )
-        metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
-        value = summary_pb2.Summary.Value(tag=tag, metadata=metadata, tensor=tensor)
-        event = event_pb2.Event(wall_time=time.time(), step=global_step, summary=summary_pb2.Summary(value=[value]))
-        self.writer.add_event(event)
 
 
 def add_sample_conversations(writer, run_dir: Path, count: int = SAMPLES_PER_STAGE) -> int:
@@ -163,19 +142,6 @@ def add_sample_conversations(writer, run_dir: Path, count: int = SAMPLES_PER_STA
     for step, tag, text in samples:
         writer.add_text(tag, text, global_step=step)
     return len(samples)
-
-
-def log_wandb(run_dir: Path, rows: list[dict]) -> None:
-    """Log the newest iteration's scalars to a W&B run named after the run directory (resumed by its id)."""
-    try:
-        import wandb
-    except ImportError:
-        logger.warning("report_to: wandb, but the driver's Python has no wandb; iteration metrics not sent")
-        return
-    run = wandb.init(name=Path(run_dir).name, id=Path(run_dir).name, resume="allow", dir=str(run_dir))
-    latest = rows[-1]
-    run.log(scalars_of(latest) | {"iteration": latest["iteration"]})
-    run.finish()
 
 
 def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
@@ -197,6 +163,8 @@ def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
         if rows and "tensorboard" in report_to:
             write_tensorboard_scalars(run_dir, rows)
         if rows and "wandb" in report_to:
-            log_wandb(run_dir, rows)
+            from optima.wandb_tracking import log_rows
+
+            log_rows(run_dir, rows, scalars_of)  # every finished row not sent yet (backfills after a resume)
     except (OSError, ValueError, ImportError) as exc:
         logger.warning("report | could not write the run report or tracker logs of %s: %s", run_dir, exc)

@@ -149,8 +149,9 @@ def test_tensorboard_gets_a_few_conversations_per_stage_output(run):
     folder = write_tensorboard_scalars(run, [])
     events = EventAccumulator(str(folder))
     events.Reload()
-    assert sorted(events.Tags()["tensors"]) == sorted(tag for _, tag, _ in samples)
-    (event,) = events.Tensors("conversations/sft/sampled")
+    # tensorboardX's add_text files each text under "<tag>/text_summary"
+    assert sorted(events.Tags()["tensors"]) == sorted(f"{tag}/text_summary" for _, tag, _ in samples)
+    (event,) = events.Tensors("conversations/sft/sampled/text_summary")
     assert event.step == 0 and event.tensor_proto.string_val[0].decode() == sampled
 
 

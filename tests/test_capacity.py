@@ -144,6 +144,57 @@ def test_parse_prometheus_reads_counters_and_info_labels():
     assert (counters.queries, counters.hits, counters.preemptions, counters.hit_rate) == (1000, 800, 3, 0.8)
 
 
+def _hand_parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """The hand-written parser ``parse_prometheus`` used before ``prometheus_client``: the reference here."""
+    import re
+
+    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+    label = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+    samples = []
+    for line in text.splitlines():
+        match = sample.match(line.strip())
+        if not match:
+            continue
+        name, _, labels, value = match.groups()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        samples.append((name, dict(label.findall(labels or "")), number))
+    return samples
+
+
+def _exposition() -> str:
+    """A vLLM-like ``/metrics`` page written by ``prometheus_client`` itself: counters, gauges, info, a histogram."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    labels = {"engine": "0", "model_name": "optima"}
+    queries = Counter("vllm:prefix_cache_queries", "queried tokens", list(labels), registry=registry)
+    queries.labels(**labels).inc(1234)
+    Counter("vllm:prefix_cache_hits", "hit tokens", list(labels), registry=registry).labels(**labels).inc(987)
+    Counter("vllm:num_preemptions", "preemptions", list(labels), registry=registry).labels(**labels).inc(2)
+    Gauge("vllm:kv_cache_usage_perc", "usage", list(labels), registry=registry).labels(**labels).set(0.125)
+    info = Gauge("vllm:cache_config_info", "cache", ["block_size", "num_gpu_blocks"], registry=registry)
+    info.labels(block_size="16", num_gpu_blocks="2912").set(1)
+    latency = Histogram("vllm:e2e_request_latency_seconds", "latency", ["model_name"], registry=registry)
+    for seconds in (0.2, 1.5, 30.0):
+        latency.labels(model_name="optima").observe(seconds)
+    return generate_latest(registry).decode()
+
+
+@pytest.mark.parametrize("text", [METRICS.replace("garbage line\n", ""), _exposition()])
+def test_parse_prometheus_gives_what_the_hand_parser_gave(text):
+    # Same samples, same order; _created timestamps differ run to run but are the same text for both parsers.
+    assert parse_prometheus(text) == _hand_parse_prometheus(text)
+    assert kv_capacity_tokens(parse_prometheus(text)) == 2912 * 16
+
+
+def test_parse_prometheus_skips_a_bad_line_and_keeps_the_rest():
+    assert parse_prometheus(METRICS) == _hand_parse_prometheus(METRICS)
+    assert len(parse_prometheus(METRICS)) == 5
+
+
 def test_kv_capacity_prefers_the_group_aware_size():
     info = 'vllm:cache_config_info{block_size="16",kv_cache_size_tokens="500",num_gpu_blocks="9"} 1'
     samples = parse_prometheus(info)

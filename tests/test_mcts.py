@@ -75,6 +75,7 @@ def chain(tree: SearchTree, parent, *texts):
 
 
 def _dp_levenshtein(a: str, b: str) -> int:
+    """The textbook dynamic programme: the reference distance."""
     previous = list(range(len(b) + 1))
     for i, ca in enumerate(a, 1):
         current = [i] + [0] * len(b)
@@ -92,6 +93,49 @@ def test_levenshtein_matches_the_textbook_dynamic_programme():
         assert levenshtein(a, b) == _dp_levenshtein(a, b) == levenshtein(b, a)
     assert levenshtein("kitten", "sitting") == 3
     assert levenshtein("", "abc") == 3
+
+
+def _bit_parallel_levenshtein(a: str, b: str) -> int:
+    """The bit-parallel distance (Myers/Hyyro) ``levenshtein`` computed before ``rapidfuzz``: the reference here."""
+    if a == b:
+        return 0
+    if len(a) < len(b):
+        a, b = b, a
+    m = len(b)
+    if m == 0:
+        return len(a)
+    peq: dict[str, int] = {}
+    for i, char in enumerate(b):
+        peq[char] = peq.get(char, 0) | (1 << i)
+    full, top = (1 << m) - 1, 1 << (m - 1)
+    plus, minus, score = full, 0, m
+    for char in a:
+        eq = peq.get(char, 0)
+        xv = eq | minus
+        xh = (((eq & plus) + plus) ^ plus) | eq
+        hplus = minus | ~(xh | plus)
+        hminus = plus & xh
+        if hplus & top:
+            score += 1
+        elif hminus & top:
+            score -= 1
+        hplus = (hplus << 1) | 1
+        hminus <<= 1
+        plus = (hminus | ~(xv | hplus)) & full
+        minus = hplus & xv & full
+    return score
+
+
+def test_levenshtein_gives_what_the_bit_parallel_implementation_gave():
+    rng = random.Random(5)
+    alphabet = "ab cdé漢🙂\n"  # accents, CJK, an emoji (outside the BMP) and a newline: characters, not bytes
+    for _ in range(300):
+        a = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 120)))
+        b = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
+        assert levenshtein(a, b) == _bit_parallel_levenshtein(a, b)
+    long_a = "".join(rng.choice("abcdefgh ") for _ in range(3000))
+    long_b = long_a[500:] + "tail" + long_a[:700]
+    assert levenshtein(long_a, long_b) == _bit_parallel_levenshtein(long_a, long_b)
 
 
 def test_normalised_distances_use_the_originals_denominators():

@@ -33,7 +33,7 @@ SFT_BEFORE = {
     "score": {"lambda1", "lambda2", "cal_ppl", "loss_backend", "loss_model_path", "min_tokens", "max_total_tokens",
               "overlong_penalty", "compat", "impersonation_penalty"},
     "select": {"initial_epsilon", "selection_range", "sft_train_fraction"},
-    "train": {"from_initial", "accelerate_config", "origin_yaml_path"},
+    "train": {"from_initial", "accelerate_config", "origin_yaml_path", "trainer_overrides"},
 }  # fmt: skip
 DPO_BEFORE = {
     "probe": {"dataset_type", "data_dir", "seed", "temperature", "max_turns", "max_tokens", "served_model_name",
@@ -42,7 +42,7 @@ DPO_BEFORE = {
                "overlong_penalty", "compat", "monte_sample_count", "mcts_selections", "mcts_rollouts", "mcts_top_k",
                "diversity_threshold", "merge_threshold"},
     "pairs": {"initial_dpo_min_value", "initial_dpo_epsilon", "dpo_keep_fraction", "dpo_train_fraction"},
-    "train": {"from_initial", "accelerate_config", "origin_dpo_yaml_path", "rpo_alpha"},
+    "train": {"from_initial", "accelerate_config", "origin_dpo_yaml_path", "rpo_alpha", "trainer_overrides"},
 }  # fmt: skip
 
 

@@ -6,6 +6,7 @@ read as plain parameter lists, the way TRL's configs do. Nothing here knows abou
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import logging
@@ -13,6 +14,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -46,7 +48,7 @@ class RecipeError(ValueError):
 
 
 def field(default: Any = dataclasses.MISSING, help: str = "", redoes: tuple[str, ...] = (), **kwargs: Any) -> Any:  # noqa: A002
-    """A dataclass field with ``metadata={"help": ..., "redoes": ...}``; list defaults are copied per instance.
+    """A dataclass field with ``metadata={"help": ..., "redoes": ...}``; list and dict defaults are copied each time.
 
     Args:
         default: The default value (the original's, where the original had one).
@@ -56,9 +58,9 @@ def field(default: Any = dataclasses.MISSING, help: str = "", redoes: tuple[str,
             sizes) name none.
     """
     metadata = {"help": help, "redoes": tuple(redoes)}
-    if isinstance(default, list):
-        value = list(default)
-        return dataclasses.field(default_factory=lambda: list(value), metadata=metadata, **kwargs)
+    if isinstance(default, list | dict):
+        value = copy.deepcopy(default)
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(value), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
@@ -198,3 +200,25 @@ def parse_override(item: str) -> tuple[str, Any]:
         return key.strip(), yaml.safe_load(raw)
     except yaml.YAMLError as exc:
         raise RecipeError(key.strip(), f"--set value {raw!r} is not valid YAML: {exc}") from exc
+
+
+def apply_overrides(raw: dict[str, Any], items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """``raw`` with ``--set`` items on top; a dotted key ``a.b=v`` sets key ``b`` inside the mapping ``a``.
+
+    So ``--set trainer_overrides.learning_rate=1e-5`` adds one trainer key and keeps the recipe's others.
+
+    Raises:
+        RecipeError: a dotted key goes through a value that is not a mapping.
+    """
+    out = copy.deepcopy(raw)
+    for key, value in items:
+        *parents, leaf = key.split(".")
+        target = out
+        for depth, name in enumerate(parents):
+            inner = target.setdefault(name, {})
+            if not isinstance(inner, dict):
+                where = ".".join(parents[: depth + 1])
+                raise RecipeError(key, f"--set {key}: {where} is {inner!r}, not a mapping")
+            target = inner
+        target[leaf] = value
+    return out

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+import re
+from typing import Any, Literal
 
 from optima.config.devices import parse_devices
 from optima.config.fields import field, require
@@ -28,6 +29,55 @@ REWARDED = SCORED + SEARCHED  # both apply the reward formula
 SELECTED = ("select",)  # iSFT's training set
 PAIRED = ("pairs",)  # DPO's preference pairs
 TRAINED = ("train",)  # the checkpoint (of whichever method's train stage reads the group)
+
+
+# The trainers each loop runs, and the trainer keys the orchestrator sets itself (with the recipe field to use).
+TRAINER_KINDS = {"sft": ("sft",), "dpo": ("dpo",), "sft_dpo": ("sft", "dpo")}
+MANAGED_TRAINER_KEYS = {
+    "model_name_or_path": "initial_model_path (each iteration starts from the previous checkpoint)",
+    "dataset_name": "the iteration's training set",
+    "output_dir": "output_dir / check_point_root_path",
+    "seed": "seed (the trainer gets seed + iteration)",
+    "report_to": "report_to",
+    "run_name": "the run directory's name (one run name per iteration)",
+    "rpo_alpha": "rpo_alpha",
+}
+
+
+# Scientific notation PyYAML (YAML 1.1) reads as a string: 2e-5, 1E3 (it wants 2.0e-5).
+YAML11_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def yaml_numbers(overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` with ``2e-5``-style strings read as the floats a user means (``learning_rate=2e-5``)."""
+    fixed = {}
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            value = yaml_numbers(value)
+        elif isinstance(value, str) and YAML11_FLOAT.match(value):
+            value = float(value)
+        fixed[key] = value
+    return fixed
+
+
+def check_trainer_overrides(overrides: dict[str, Any], kinds: tuple[str, ...]) -> None:
+    """Validate ``trainer_overrides``: trainer keys, or ``sft:``/``dpo:`` mappings of the trainers the loop runs.
+
+    Raises:
+        RecipeError: a key the orchestrator sets (naming the recipe field to use), or a sub-mapping of a trainer
+            the loop does not run.
+    """
+    for key, value in overrides.items():
+        if key in ("sft", "dpo"):
+            require(key in kinds, "trainer_overrides", f"{key}: this loop runs no {key} trainer (only {kinds})")
+            require(isinstance(value, dict), "trainer_overrides", f"{key}: must be a mapping, got {value!r}")
+            check_trainer_overrides(value, ())
+            continue
+        require(
+            isinstance(key, str) and key not in MANAGED_TRAINER_KEYS,
+            "trainer_overrides",
+            f"{key!r} is set by the orchestrator; use {MANAGED_TRAINER_KEYS.get(key, 'a trainer key')}",
+        )
 
 
 def _in(name: str, value: float, low: float, high: float) -> None:
@@ -198,7 +248,7 @@ class TrainingFields:
 
     accelerate_config: str | None = field(
         None,
-        help="name under alignment-handbook/recipes/accelerate_configs (cpu, multi_gpu, deepspeed_zero3, "
+        help="name under alignment-handbook/recipes/accelerate_configs (cpu, single_gpu, multi_gpu, deepspeed_zero3, "
         "fsdp) or a YAML path; null = cpu without a GPU, else deepspeed_zero3",
         redoes=TRAINED,
     )
@@ -229,6 +279,12 @@ class TrainingFields:
         help="trainer and iteration logging: auto (tensorboard if the training env has it), none, tensorboard, "
         "wandb, or a list; events under <output_dir>/tensorboard",
     )
+    trainer_overrides: dict[str, Any] = field(
+        {},
+        help="trainer YAML keys set over the base YAML of every train stage (e.g. learning_rate, use_peft); "
+        "'sft:'/'dpo:' sub-mappings apply to one trainer only; --trainer_set key=value adds one",
+        redoes=TRAINED,
+    )
     push_to_hub: bool = field(False, help="after the last iteration, upload the final checkpoint to hub_model_id")
     hub_model_id: str | None = field(None, help="hub repository (org/name) of push_to_hub")
     hub_private: bool = field(True, help="create the hub repositories as private")
@@ -257,6 +313,8 @@ class TrainingFields:
             "set train_hosts or train_hostfile, not both",
         )
         parse_report_to(self.report_to)
+        self.trainer_overrides = yaml_numbers(self.trainer_overrides)
+        check_trainer_overrides(self.trainer_overrides, TRAINER_KINDS.get(self.method, ()))
         if self.push_to_hub:
             require(
                 bool(self.hub_model_id) and self.hub_model_id.count("/") == 1,

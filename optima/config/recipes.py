@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from optima.config.fields import (
     RecipeError,
+    apply_overrides,
     build,
     check_keys,
     field,
@@ -361,7 +362,7 @@ def load_recipe(
             raise RecipeError(None, f"must be a mapping of key: value, got {type(raw).__name__}", path)
     try:
         items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
-        raw = {**raw, **dict(items)}
+        raw = apply_overrides(raw, items)
         for key in LEGACY_OUTPUT_KEYS:
             if key in raw:
                 logger.warning(

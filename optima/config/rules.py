@@ -68,6 +68,12 @@ def train_start(recipe, model: str, stage: str | None = None) -> str:
     return str(model)
 
 
+def trainer_overrides_for(recipe, kind: str) -> dict:
+    """The ``trainer_overrides`` of one trainer (``sft`` or ``dpo``): the shared keys, then its own sub-mapping."""
+    shared = {k: v for k, v in recipe.trainer_overrides.items() if k not in ("sft", "dpo")}
+    return shared | recipe.trainer_overrides.get(kind, {})
+
+
 def workers(recipe, jobs: int | None = None) -> int:
     """Threads for ``jobs`` pieces of concurrent work: ``thread_count`` (requests in flight), at most one per job."""
     if jobs is None:

@@ -18,16 +18,15 @@ hit rate; with room for them, ~50 tokens/s. So generation is sized to the cache:
 * **In-flight bound** (``fit_in_flight``): ``min(thread_count, KV tokens of all replicas // footprint)``; at least 1.
   The KV capacity is what the servers report (vLLM's ``cache_config_info``: blocks x block size), which on a GPU is
   what ``gpu_memory_utilization`` left after the weights; on a CPU it is the budget above.
-* **Prefix-cache statistics** (``parse_prometheus``, ``CacheCounters``): vLLM's ``/metrics`` counters
-  ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (prompt tokens looked up / found in the cache) and
-  ``vllm:num_preemptions``, read before and after a stage.
+* **Prefix-cache statistics** (``parse_prometheus``: ``prometheus_client``'s parser; ``CacheCounters``): vLLM's
+  ``/metrics`` counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (prompt tokens looked up /
+  found in the cache) and ``vllm:num_preemptions``, read before and after a stage.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,24 +184,30 @@ def quantile(values: Iterable[int], q: float) -> int:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """The samples of a Prometheus text exposition: (name, labels, value); comments and bad lines skipped."""
-    samples = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if not match:
-            continue
-        name, _, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        samples.append((name, dict(_LABEL.findall(labels or "")), number))
-    return samples
+    """The samples of a Prometheus text exposition: (name, labels, value), read by ``prometheus_client``.
+
+    A malformed exposition (the parser raises ``ValueError``) is read line by line instead, skipping the lines
+    the parser rejects, so one bad line does not hide the counters around it.
+    """
+    try:
+        return _samples(text)
+    except ValueError:
+        samples = []
+        for line in text.splitlines():
+            try:
+                samples += _samples(line + "\n")
+            except ValueError:
+                continue  # not a sample line (garbage, or a line cut by a dropped connection)
+        return samples
+
+
+def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        (s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples
+    ]
 
 
 def metric_total(samples: Iterable[tuple[str, dict, float]], name: str) -> float | None:

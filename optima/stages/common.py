@@ -7,7 +7,8 @@ JSON-able result that the iteration's manifest records.
 ``train_checkpoint`` is the whole train stage of either method: a finished checkpoint is reused, a partial one (a
 killed run) is deleted except the trainer's resumable ``checkpoint-N`` states, the servers are stopped (training
 needs the cores or the GPU memory), the trainer YAML is rendered from the recipe's base YAML and written, TRL runs
-under accelerate, and the result is what the trainer wrote with its completion marker.
+under accelerate (a progress bar on the console unless ``--quiet``), and the result is what the trainer wrote
+with its completion marker.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from optima.config.rules import loss_model
+from optima.config.rules import loss_model, trainer_overrides_for
 from optima.environments import PythonEnv
 from optima.paths import StagePaths
 from optima.run_context import RunContext
@@ -30,6 +31,7 @@ from optima.training.checkpoint import clear_partial_output
 from optima.training.common import is_complete, read_completion
 from optima.training.launch import run_training
 from optima.training.launch_config import launch_for, render_trainer_config, write_trainer_config
+from optima.training.progress import console_stream
 
 logger = logging.getLogger(__name__)
 
@@ -176,10 +178,12 @@ def train_checkpoint(
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}
     # The run's trackers and a run name per iteration (optima.tracking), then this method's own values.
     values |= {"seed": recipe.seed + call.iteration} | trainer_overrides(ctx.report_to, ctx.paths.output_dir, sp.root)
-    config = render_trainer_config(Path(base), values | (overrides or {}))
+    config = render_trainer_config(Path(base), values | (overrides or {}), trainer_overrides_for(recipe, kind))
     if check is not None:
         check(config)
     write_trainer_config(config, sp.trainer_yaml)
     launch = launch_for(recipe, kind, call.envs["train"], sp.trainer_yaml, call.gpu, call.training)
-    run_training(launch, sp.train_log, trainer_env(ctx.report_to, ctx.paths.output_dir, sp.root))
+    label = f"train iteration {call.iteration + 1}" + (f" {call.part}" if call.part else "")
+    env = trainer_env(ctx.report_to, ctx.paths.output_dir, sp.root)
+    run_training(launch, sp.train_log, env, console_stream(ctx.progress), label)
     return read_completion(out) | {"model": start}

@@ -76,9 +76,16 @@ def describe_sharding(trainer: Any) -> str:
 
 
 def train_or_resume(trainer: Any, training_args: Any) -> Any:
-    """``trainer.train()``, continuing from the newest saved trainer state when the YAML asks to resume."""
-    from optima.training.checkpoint import resume_checkpoint
+    """``trainer.train()``, continuing from the newest saved trainer state when the YAML asks to resume.
 
+    The trainer state also goes to ``$OPTIMA_TRAINER_STATE`` after every step (``optima.training.progress``).
+    """
+    from optima.training.checkpoint import resume_checkpoint
+    from optima.training.progress import state_callback
+
+    callback = state_callback()  # the driver's progress bar reads the state it writes
+    if callback is not None:
+        trainer.add_callback(callback)
     resume = resume_checkpoint(training_args)
     logger.info(
         "train | process %d of %d | %s",

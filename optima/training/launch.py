@@ -13,6 +13,7 @@ checkpoint folder that the resumed run is about to redo.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -20,14 +21,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from optima.environments import REPO_ROOT
 from optima.serving.processes import PARENT_ENV, die_with_parent, group_members, stop_group
 from optima.training.launch_config import TrainLaunch
+from optima.training.progress import STATE_ENV, TrainingProgress
 
 logger = logging.getLogger(__name__)
 
 GUARD_MODULE = "optima.training.launch"
+STATE_FILE = "trainer_state.json"  # the trainer's state, beside its log, while it runs
 STOP_TIMEOUT_S = 30.0  # grace period between SIGTERM and SIGKILL of the trainer's process group
 
 
@@ -35,11 +39,25 @@ class TrainingError(RuntimeError):
     """A fine-tuning subprocess failed; the message names its log file and ends with its tail."""
 
 
-def run_training(launch: TrainLaunch, log_path: Path, extra_env: dict[str, str] | None = None) -> None:
+def run_training(
+    launch: TrainLaunch,
+    log_path: Path,
+    extra_env: dict[str, str] | None = None,
+    progress: IO[str] | None = None,
+    desc: str = "train",
+) -> None:
     """Run one fine-tuning subprocess to completion, its output in ``log_path``.
 
     The trainer runs under the guard, in its own process group; if this call is interrupted (``SystemExit`` from
-    SIGTERM, ``KeyboardInterrupt``, any error) the whole group is stopped before the exception goes on.
+    SIGTERM, ``KeyboardInterrupt``, any error) the whole group is stopped before the exception goes on. It writes
+    its state to ``trainer_state.json`` beside the log (``optima.training.progress``).
+
+    Args:
+        launch: The command.
+        log_path: The trainer's output.
+        extra_env: More environment (trackers).
+        progress: Where to draw a progress bar (step, loss, ETA) while it runs; None: no bar.
+        desc: The bar's label.
 
     Raises:
         TrainingError: on a non-zero exit, naming the log and quoting its tail.
@@ -47,7 +65,13 @@ def run_training(launch: TrainLaunch, log_path: Path, extra_env: dict[str, str] 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = launch.argv()
     logger.info("train | %s | log %s", " ".join(argv), log_path)
-    env = launch.env.process_env(launch.env_vars() | (extra_env or {})) | {PARENT_ENV: str(os.getpid())}
+    state_file = log_path.parent / STATE_FILE
+    state_file.unlink(missing_ok=True)  # a killed attempt's state is not this one's
+    env = launch.env.process_env(launch.env_vars() | (extra_env or {})) | {
+        PARENT_ENV: str(os.getpid()),
+        STATE_ENV: str(state_file),
+    }
+    bar = TrainingProgress(state_file, progress, desc) if progress is not None else contextlib.nullcontext()
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", GUARD_MODULE, *argv],
@@ -59,7 +83,8 @@ def run_training(launch: TrainLaunch, log_path: Path, extra_env: dict[str, str] 
             start_new_session=True,
         )
         try:
-            returncode = proc.wait()
+            with bar:
+                returncode = proc.wait()
         finally:
             if proc.returncode is None:
                 stop_trainer(proc)

@@ -14,6 +14,7 @@ command.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,13 +23,15 @@ from optima.environments import REPO_ROOT, PythonEnv
 from optima.store import write_yaml
 from optima.training.nodes import TrainingPlacement
 
+logger = logging.getLogger(__name__)
+
 HANDBOOK = REPO_ROOT / "alignment-handbook"
 ACCELERATE_CONFIGS = HANDBOOK / "recipes" / "accelerate_configs"
 SCRIPTS = {"sft": HANDBOOK / "scripts" / "run_sft.py", "dpo": HANDBOOK / "scripts" / "run_dpo.py"}
 
 
 def resolve_accelerate_config(name: str | None, gpu: bool) -> Path:
-    """A config name (``cpu``, ``multi_gpu``, ``deepspeed_zero3``, ``fsdp``) or YAML path -> absolute path.
+    """A config name (``cpu``, ``single_gpu``, ``multi_gpu``, ``deepspeed_zero3``, ``fsdp``) or YAML path -> path.
 
     Args:
         name: From the recipe; ``None`` picks ``cpu`` without a GPU and ``deepspeed_zero3`` with one.
@@ -45,19 +48,50 @@ def resolve_accelerate_config(name: str | None, gpu: bool) -> Path:
     return path
 
 
-def render_trainer_config(base_yaml: Path, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The base handbook YAML with this iteration's values on top (``None`` values delete a key)."""
+def read_trainer_base(base_yaml: Path) -> dict[str, Any]:
+    """The handbook base YAML of a trainer as a mapping."""
     import yaml
 
     config = yaml.safe_load(Path(base_yaml).read_text()) or {}
     if not isinstance(config, dict):
         raise ValueError(f"{base_yaml}: a trainer recipe must be a mapping, got {type(config).__name__}")
+    return config
+
+
+def render_trainer_config(
+    base_yaml: Path, overrides: dict[str, Any], user: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The base handbook YAML, the recipe's ``trainer_overrides``, then this iteration's values on top.
+
+    Args:
+        base_yaml: The handbook base YAML.
+        overrides: The orchestrator's values (model, dataset, output, seed, trackers; ``None`` deletes a key).
+        user: The recipe's ``trainer_overrides`` of this trainer (``--trainer_set``); a base key they change is
+            logged as a warning.
+    """
+    config = read_trainer_base(base_yaml)
+    for key, value in (user or {}).items():
+        if key in config and config[key] != value:
+            logger.warning(
+                "%s: trainer_overrides %s=%r replaces the base value %r", base_yaml, key, value, config[key]
+            )
+        config[key] = value
     for key, value in overrides.items():
         if value is None:
             config.pop(key, None)
         else:
             config[key] = value
     return config
+
+
+def describe_trainer_overrides(base_yaml: Path, user: dict[str, Any]) -> str:
+    """``key=value (base: old)`` for each override, ``(new)`` for keys the base YAML lacks (``--dry-run``)."""
+    try:
+        base = read_trainer_base(base_yaml)
+    except (OSError, ValueError):
+        base = {}  # a missing base YAML is reported by the plan's inputs
+    parts = [f"{k}={v!r} ({f'base: {base[k]!r}' if k in base else 'new'})" for k, v in user.items()]
+    return ", ".join(parts) or "none"
 
 
 def write_trainer_config(config: dict[str, Any], path: Path) -> Path:
