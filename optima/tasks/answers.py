@@ -88,8 +88,11 @@ _REMOVED_PATTERNS = tuple(
 _ARTICLE_PATTERNS = tuple(re.compile(_WORD_GUARD + re.escape(article)) for article in _ARTICLES)
 # Wrappers whose content is kept; `[^{}]*` keeps the scan linear on adversarial input.
 _UNWRAP = re.compile(r"\\(?:text|textbf|overline|boxed)\{([^{}]*)\}")
-_FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
-_SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
+# Shorthand arguments (docs/method.md#scoring): one command (`\\pi`) or one character; `{` opens a braced one.
+_FRAC_SHORTHAND = re.compile(r"frac(\\[A-Za-z]+|[^{}\\])(\\[A-Za-z]+|.)", re.DOTALL)
+_SQRT_SHORTHAND = re.compile(r"sqrt(\\[A-Za-z]+|[^{}\[\\])", re.DOTALL)
+# A comma-grouped number ("1,000", "12,345,678"): the only commas dropped from a number.
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def parse_tag(text: str | None) -> str | None:
@@ -176,12 +179,39 @@ def normalize_final_answer(answer: str) -> str:
         final = pattern.sub("", final)
     final = _keep_between_dollars(final)
     final = _UNWRAP.sub(r"\1", final)
-    final = _FRAC_SHORTHAND.sub(r"frac{\1}{\2}", final)
-    final = _SQRT_SHORTHAND.sub(r"sqrt{\1}", final)
+    final = expand_shorthand(final)
     final = final.replace("$", "")
-    if final.replace(",", "").isdigit():
-        final = final.replace(",", "")
-    return final
+    return drop_thousands_commas(final)
+
+
+def drop_thousands_commas(text: str) -> str:
+    """`"1,000"` -> `"1000"`; any other comma stays, so the list `"1,2"` never becomes the number 12.
+
+    Minerva dropped the commas of every digit string ("1,2" -> "12"); only thousands groups are separators.
+
+    Args:
+        text: a normalised answer.
+    """
+    return text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
+
+
+def expand_shorthand(text: str) -> str:
+    """Brace the arguments of `\\frac` and `\\sqrt` shorthand: `\\frac12`, `\\frac9{19}`, `\\sqrt2`, `\\sqrt\\pi`.
+
+    Minerva's rewrite took one character per argument whatever it was, so `\\frac9{19}` became `\\frac{9}{{}19}`
+    and `\\sqrt[4]{8}` became `\\sqrt{[}4]{8}`. Here an argument is one character or one command (`\\pi`); a
+    denominator that is already braced is kept, and `\\sqrt[n]{x}` (an n-th root) is left as written.
+
+    Args:
+        text: a normalised answer.
+    """
+    return _SQRT_SHORTHAND.sub(r"sqrt{\1}", _FRAC_SHORTHAND.sub(_brace_frac, text))
+
+
+def _brace_frac(match: re.Match) -> str:
+    numerator, denominator = match.groups()
+    # An opening brace starts a denominator that is braced already: keep it (its content follows unchanged).
+    return f"frac{{{numerator}}}" + ("{" if denominator == "{" else f"{{{denominator}}}")
 
 
 def parse_math_answer(text: str | None) -> str | None:
