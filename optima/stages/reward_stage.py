@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.prompts import Utterance
-from optima.loss_stream import conversation_texts
+from optima.loss_stream import conversation_texts, needs_losses, to_json_losses
 from optima.reward import Conversation, question_t_max, score_conversation
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
@@ -90,7 +90,9 @@ def reward_question(
     t_max = question_t_max(conversations)
     parts = [score_conversation(c, t_max, recipe) for c in conversations]
     results = [
-        record | {"losses": list(loss) if loss is not None else None, "reward_parts": p.to_dict(), "reward": p.reward}
+        record
+        | {"losses": to_json_losses(loss) if loss is not None else None, "reward_parts": p.to_dict()}
+        | {"reward": p.reward}
         for record, loss, p in zip(records, losses, parts, strict=True)
     ]
     return {"task_id": records[0]["task_id"], "t_max": t_max, "results": results}
@@ -100,13 +102,16 @@ def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None,
     """LM losses of every utterance of every conversation in ``chunk``: stored ones, the rest in one batched call."""
     if score_texts is None:
         return [[None] * len(group) for group in chunk]
-    stored = [[known(record) if known else None for record in group] for group in chunk]
-    pairs = [list(zip(group, have, strict=True)) for group, have in zip(chunk, stored, strict=True)]
-    texts = [text for group in pairs for record, h in group if h is None for text in conversation_texts(record)]
+    records = [record for group in chunk for record in group]
+    losses = [known(record) if known else None for record in records]
+    # Only finished conversations' losses are read by the reward (a cut or failed one gets the loss penalty).
+    missing = [i for i, record in enumerate(records) if losses[i] is None and needs_losses(record)]
+    texts = [text for i in missing for text in conversation_texts(records[i])]
     flat = iter(score_texts(texts) if texts else [])
-    return [
-        [h if h is not None else [next(flat) for _ in record["utterances"]] for record, h in group] for group in pairs
-    ]
+    for i in missing:
+        losses[i] = [next(flat) for _ in records[i]["utterances"]]
+    ordered = iter(losses)
+    return [[next(ordered) for _ in group] for group in chunk]
 
 
 def reward_generations(
