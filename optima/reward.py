@@ -13,6 +13,10 @@ more when it is correct, short, and every utterance stays readable. The override
 * ``impersonation_penalty`` (−10) for each utterance that speaks for both agents, scanning stops at
   the first one that names both.
 
+The task score reads a conversation's answer only when it finished (``scored_answer``): a conversation cut at
+``max_tokens`` or failed has no answer, here as in evaluation (docs/method.md#cut-replies; ``compat: original``
+scores the last answer it stated, as the original's reward did).
+
 ``T_max`` is the largest token count among a question's conversations that did not run too long
 (``question_t_max``); the tree search passes a global quantile of a probe's token counts instead
 (``search_t_max``, docs/method.md#rollout-reward). Both count the same conversations (``counted_tokens``). Every part
@@ -64,6 +68,28 @@ class Conversation:
     task_score: float
     status: str = OK
     losses: Sequence[float] | None = None
+
+
+def scored_answer(final_answer: str | None, status: str, compat: str = "default") -> str | None:
+    """The answer a conversation is scored on: its final answer when it finished (``ok``), else none.
+
+    One rule for the reward, the tree search and evaluation (docs/method.md#cut-replies): a conversation cut at
+    ``max_tokens`` did not end, so an answer stated before the cut was never confirmed, and the tokens it spent
+    count in full; rewarding it would teach what evaluation scores 0.
+
+    Args:
+        final_answer: The last answer the conversation stated ("" or None when none).
+        status: ``ok``, ``too_long`` or ``error``.
+        compat: ``original`` scores the last stated answer whatever the status (the original's reward).
+    """
+    if status != OK and compat != "original":
+        return None
+    return final_answer or None
+
+
+def is_cut(record: dict) -> bool:
+    """Whether a conversation record holds a reply cut at ``max_tokens`` (older records: status ``too_long``)."""
+    return record.get("cut_replies", int(record.get("status") == "too_long")) > 0
 
 
 def counted_tokens(conversations: Iterable[Conversation | dict]) -> list[int]:

@@ -42,7 +42,9 @@ from optima.tasks.math_equiv import MathVerifier
 
 logger = logging.getLogger(__name__)
 
-TABLE_COLUMNS = ("model", "questions", "{metric}", "{original}", "mean_tokens", "no_answer_rate", "error_rate")
+TABLE_COLUMNS = (
+    "model", "questions", "{metric}", "{original}", "mean_tokens", "cut_rate", "no_answer_rate", "error_rate",
+)  # fmt: skip
 
 
 def sweep_job(out_root: Path, name: str) -> GenerationJob:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from optima.agents.prompts import Utterance
 from optima.loss_stream import conversation_texts, needs_losses, to_json_losses
-from optima.reward import Conversation, question_t_max, score_conversation
+from optima.reward import Conversation, is_cut, question_t_max, score_conversation, scored_answer
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
 from optima.tasks.scoring import score_example
@@ -38,6 +38,7 @@ class RewardStats:
     answered: int = 0
     task_score_sum: float = 0.0
     token_sum: int = 0
+    cut: int = 0
     best_rewards: list[float] = field(default_factory=list)
     parts_sum: Counter = field(default_factory=Counter)
 
@@ -50,6 +51,7 @@ class RewardStats:
         self.answered += sum(1 for r in results if r.get("final_answer"))
         self.task_score_sum += sum(r["reward_parts"]["task_score"] for r in results)
         self.token_sum += sum(r["token_count"] for r in results)
+        self.cut += sum(is_cut(r) for r in results)
         self.best_rewards.append(max(r["reward"] for r in results))
 
     def to_dict(self) -> dict:
@@ -61,6 +63,7 @@ class RewardStats:
             "answer_rate": round(self.answered / n, 4),
             "accuracy": round(self.task_score_sum / n, 4),
             "mean_tokens": round(self.token_sum / n, 2),
+            "cut_rate": round(self.cut / n, 4),
             "best_reward_max": round(best[-1], 4) if best else None,
             "best_reward_median": round(best[len(best) // 2], 4) if best else None,
             "mean_reward_parts": mean_parts(self.parts_sum, self.conversations),
@@ -83,7 +86,8 @@ def reward_question(
     conversations = []
     for record, record_losses in zip(records, losses, strict=True):
         example = Example.from_dict(record["example"])
-        task_score = score_example(example, record.get("final_answer"), recipe.compat, tokenize, verifier=verifier)
+        answer = scored_answer(record.get("final_answer"), record["status"], recipe.compat)
+        task_score = score_example(example, answer, recipe.compat, tokenize, verifier=verifier)
         conversations.append(
             Conversation(_utterances(record), record["token_count"], task_score, record["status"], record_losses)
         )
