@@ -142,3 +142,10 @@ def test_information_exchange_prefills_answers_only_after_both_agents_shared():
     assert [u.text for u in result.utterances][2:] == ["<A>Khartoum</A>", "<A>Khartoum</A> agreed"]
     assert [messages[-1]["role"] for _, messages in generate.seen] == ["user", "user", "assistant", "assistant"]
     assert result.final_answer == "Khartoum" and result.stop_reason == "same_answer"
+
+
+def test_a_copied_placeholder_is_no_answer_and_does_not_stop_the_conversation():
+    generate = Scripted("Alice: <A>{your answer}</A>", "Bob: <A>{your answer}</A>", "Alice: <A>Khartoum</A>",
+                        "Bob: <A>Khartoum</A>")  # fmt: skip
+    result = run(HOTPOT, generate)
+    assert result.final_answer == "Khartoum" and len(result.utterances) == 4 and result.stop_reason == "same_answer"

@@ -155,7 +155,7 @@ def test_cot_prompt_gives_one_agent_all_of_the_context():
     example = Example("h1", "hotpot_qa", "Where?", "Paris", "f1", ("Alice knows A.",), ("Bob knows B.",))
     system, user = build_cot_messages(example)
     assert system["role"] == "system" and "<A>" in system["content"]
-    assert "Alice knows A.\nBob knows B." in user["content"] and user["content"].endswith("<A>answer</A>.")
+    assert "Alice knows A.\nBob knows B." in user["content"] and user["content"].endswith("<A>{your answer}</A>.")
 
 
 def test_dry_run_mentions_the_baseline(tmp_path, capsys):

@@ -9,6 +9,10 @@ Decisions (documented here because the original left them implicit):
   the tag are allowed (the original regex had no DOTALL, so `<A>\\nParis\\n</A>` was lost). The tag is
   case-sensitive, as in the original protocol. `<A></A>` gives "" (the caller treats "" as "no answer").
 * Boxed: the content of the last `\\boxed{`, matched brace by brace; an unbalanced box gives None.
+* Placeholders: the prompts show the answer slot as a placeholder that no task would answer (`ANSWER_PLACEHOLDERS`,
+  per prompt set: `{your answer}`, `{letter}) {option text}`, `{number}`); an answer equal to its task's placeholder
+  (with or without the braces, case and spaces aside) is no answer (`is_placeholder`): a model that copies the
+  format line states nothing (docs/method.md#roles-and-prompts).
 * `normalize_final_answer` follows Minerva's (Lewkowycz et al. 2022, App. D) steps, written
   from that description, with one deliberate change: unit/filler words and the article substitutions only match
   where they do not continue a longer word, so `\\left` keeps its "ft" and "mean" keeps its "an ".
@@ -21,6 +25,14 @@ import re
 TAG_OPEN = "<A>"
 TAG_CLOSE = "</A>"
 BOXED_OPEN = "\\boxed{"
+
+# prompt set -> the placeholders its prompts show in the answer slot (the first is the one the format lines use).
+ANSWER_PLACEHOLDERS: dict[str, tuple[str, ...]] = {
+    "qa": ("{your answer}",),
+    "choice": ("{letter}) {option text}", "{letter}", "{option text}"),
+    "gsm8k": ("{number}",),
+    "math": ("{your answer}",),
+}
 
 # Minerva substitutions, applied in order. The first two are article removals.
 _ARTICLES = ("an ", "a ")
@@ -228,6 +240,30 @@ def parse_math_answer(text: str | None) -> str | None:
 
 # answer_style -> parser; tasks pick their parser here (no if/elif on task names).
 ANSWER_PARSERS = {"tag": parse_tag, "boxed": parse_math_answer}
+
+
+def _placeholder_key(text: str) -> str:
+    # Case, spaces and braces aside: "{Your Answer}", "your answer" and the maths normaliser's "{youranswer}" agree.
+    return "".join(char for char in text.casefold() if char not in "{} \t\n").rstrip(".")
+
+
+_PLACEHOLDER_KEYS = {name: {_placeholder_key(p) for p in texts} for name, texts in ANSWER_PLACEHOLDERS.items()}
+# In a tag answer, one braced phrase is a placeholder whatever its words (`{year}`, `{title}` in the format pool).
+_BRACED_PHRASE = re.compile(r"\{[A-Za-z ]+\}")
+
+
+def is_placeholder(answer: str | None, prompt_set: str) -> bool:
+    """Whether `answer` is the placeholder of a prompt set's answer slot (copied from the prompt, not an answer).
+
+    Args:
+        answer: a parsed answer.
+        prompt_set: the task's prompt set (`qa`, `choice`, `gsm8k`, `math`).
+    """
+    if not answer:
+        return False
+    if prompt_set in ("qa", "choice") and _BRACED_PHRASE.fullmatch(answer.strip()):
+        return True
+    return _placeholder_key(answer) in _PLACEHOLDER_KEYS.get(prompt_set, ())
 
 
 def render_answer(answer: str, answer_style: str) -> str:
