@@ -48,7 +48,7 @@ class RewardStats:
             self.parts_sum.update(r["reward_parts"])
         self.questions += 1
         self.conversations += len(results)
-        self.answered += sum(1 for r in results if r.get("final_answer"))
+        self.answered += sum(scored_answer(r.get("final_answer"), r.get("status", "ok")) is not None for r in results)
         self.task_score_sum += sum(r["reward_parts"]["task_score"] for r in results)
         self.token_sum += sum(r["token_count"] for r in results)
         self.cut += sum(is_cut(r) for r in results)
