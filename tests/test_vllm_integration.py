@@ -60,7 +60,10 @@ def check_records(path: Path, count: int, max_tokens: int) -> list[dict]:
     assert len({(r["task_id"], r["sample_index"]) for r in records}) == count
     for record in records:
         assert record["status"] in ("ok", "too_long"), record
-        assert record["token_count"] == sum(u["tokens"] for u in record["utterances"])
+        # One token rule: a cut reply (not stored) counts its max_tokens tokens too.
+        cut = max_tokens if record["status"] == "too_long" else 0
+        assert record["token_count"] == sum(u["tokens"] for u in record["utterances"]) + cut
+        assert record["cut_replies"] == int(record["status"] == "too_long")
         assert all(0 < u["tokens"] < max_tokens for u in record["utterances"])
         assert record["status"] == "too_long" or len(record["utterances"]) >= 1
     return records
