@@ -309,6 +309,7 @@ def test_no_prompt_states_an_answer(task):
         ("hotpot_qa", "<A>{your answer}</A>", None),  # the placeholder, copied
         ("hotpot_qa", "<A> Your Answer </A>", None),  # ... without its braces
         ("hotpot_qa", "<A>{year}</A>", None),  # any braced phrase (the format pool's slots)
+        ("hotpot_qa", "<A>{you're chosen}</A>", None),  # ... or a small model's variation of the placeholder
         ("hotpot_qa", "<A>Ridley Scott</A>", "Ridley Scott"),
         ("hotpot_qa", "<A>answer</A>", "answer"),  # a word that might be an answer is one
         ("cbt", "<A>{your answer}</A>", None),

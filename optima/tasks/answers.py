@@ -248,8 +248,9 @@ def _placeholder_key(text: str) -> str:
 
 
 _PLACEHOLDER_KEYS = {name: {_placeholder_key(p) for p in texts} for name, texts in ANSWER_PLACEHOLDERS.items()}
-# In a tag answer, one braced phrase is a placeholder whatever its words (`{year}`, `{title}` in the format pool).
-_BRACED_PHRASE = re.compile(r"\{[A-Za-z ]+\}")
+# In a tag answer, one braced phrase is a placeholder whatever its words (`{year}` of the format pool, or a model's
+# variation `{my answer}`, `{you're chosen}`): no information-exchange or multiple-choice answer is wrapped in braces.
+_BRACED_PHRASE = re.compile(r"\{[^{}]*\}")
 
 
 def is_placeholder(answer: str | None, prompt_set: str) -> bool:
