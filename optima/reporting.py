@@ -9,18 +9,24 @@ while tokens fall) can be read off one page. ``python -m optima report RUN_DIR``
 alone, so a finished, killed or copied run can be reported without the recipe or any model.
 
 For an SFT stage the conversation numbers come from the score stage (every sampled conversation); for a DPO stage
-from the tree-search rollouts. "kept" is the conversations kept by selection (SFT) or the pairs kept (DPO).
+from the tree-search rollouts. "kept" is the conversations kept by selection (SFT) or the pairs kept (DPO). Mean
+tokens count every generated token, cut replies included, and sit beside the share of conversations with a cut
+reply (docs/method.md#token-count). The ten most frequent final answers of each stage folder (read from its
+conversations) are listed with their counts, so that a model copying an answer (from a prompt, from its own
+training data) shows at a glance.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 from optima.browser import PAGE
 from optima.evaluation.report import _new_figure, render_markdown_table
-from optima.store import atomic_write_text
+from optima.paths import StagePaths
+from optima.store import atomic_write_text, load_records
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +34,7 @@ REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
 PART_NAMES = ("task_score", "token_term", "loss_term", "penalty", "reward")
 STAGE_ORDER = ("generate", "score", "select", "probe", "search", "pairs", "train")
+TOP_ANSWERS = 10
 
 
 def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
@@ -68,9 +75,9 @@ def build_row(iteration: int, stage: str, metrics: dict) -> dict:
         "stage": stage,
         "kind": kind,
         "answer_rate": conversations.get("answer_rate"),
-        "cut_rate": conversations.get("cut_rate"),  # share cut for length (older runs: not recorded)
         "task_score": conversations.get("accuracy"),
         "mean_tokens": conversations.get("mean_tokens"),
+        "cut_rate": conversations.get("cut_rate"),  # share cut for length (older runs: not recorded)
         "conversations": conversations.get("conversations", conversations.get("rollouts")),
         "train_loss": train.get("train_loss"),
         "train_rows": train.get("train_rows"),
@@ -102,8 +109,33 @@ def collect_rows(run_dir: Path) -> list[dict]:
             metrics = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-        rows.append(build_row(iteration, stage, metrics))
+        rows.append(build_row(iteration, stage, metrics) | {"answers": final_answers(path.parent)})
     return rows
+
+
+def final_answers(folder: Path) -> list[str]:
+    """Final answers ("" for none) of a stage folder's conversations: generated ones (SFT), else the rollouts (DPO)."""
+    paths = StagePaths(folder)
+    if paths.generations.is_file():
+        records = load_records(paths.generations)[0]
+    elif paths.rollouts.is_file():
+        records = [r for line in load_records(paths.rollouts)[0] for r in line.get("rollouts", [])]
+    else:
+        return []
+    return [(record.get("final_answer") or "").strip() for record in records]
+
+
+def answer_rows(rows: list[dict], top: int = TOP_ANSWERS) -> list[dict]:
+    """The ``top`` most frequent final answers of each report row, with counts and shares of its conversations."""
+    table = []
+    for row in rows:
+        answers = row.get("answers") or []
+        for rank, (answer, count) in enumerate(Counter(a for a in answers if a).most_common(top), start=1):
+            shown = " ".join(answer.split()).replace("|", "\\|")
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            table.append({"label": row["label"], "rank": rank, "answer": f"`{shown}`", "count": count,
+                          "share": round(count / len(answers), 3)})  # fmt: skip
+    return table
 
 
 METHODS = {("sft",): "iSFT", ("dpo",): "iDPO", ("dpo", "sft"): "iSFT-DPO"}
@@ -141,12 +173,23 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
         "",
         render_markdown_table(
             rows,
-            ("label", "answer_rate", "task_score", "mean_tokens", "conversations", "kept", "train_loss", "total_s"),
+            (
+                "label",
+                "answer_rate",
+                "task_score",
+                "mean_tokens",
+                "cut_rate",
+                "conversations",
+                "kept",
+                "train_loss",
+                "total_s",
+            ),
             (
                 "iteration",
                 "answer rate",
                 "task score",
                 "mean tokens",
+                "cut share",
                 "conversations",
                 "kept",
                 "train loss",
@@ -166,6 +209,20 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
         headers = ("iteration", "T_max", "questions searched", "rollouts", "pairs found", "pairs kept",
                    "questions with pairs")  # fmt: skip
         lines += ["## DPO pairs and rollouts", "", render_markdown_table(dpo, columns, headers), ""]
+    answers = answer_rows(rows)
+    if answers:
+        lines += [
+            f"## Most frequent final answers (top {TOP_ANSWERS} per iteration)",
+            "",
+            "Share: of all the iteration's conversations (or rollouts). An answer far above the others may be copied.",
+            "",
+            render_markdown_table(
+                answers,
+                ("label", "rank", "answer", "count", "share"),
+                ("iteration", "rank", "final answer", "count", "share"),
+            ),  # fmt: skip
+            "",
+        ]
     used = [name for name in STAGE_ORDER if any(row.get(f"time_{name}") is not None for row in rows)]
     lines += [
         "## Stage times (s)",

@@ -13,6 +13,10 @@ more when it is correct, short, and every utterance stays readable. The override
 * ``impersonation_penalty`` (−10) for each utterance that speaks for both agents, scanning stops at
   the first one that names both.
 
+The task score reads a conversation's answer only when it finished (``scored_answer``): a conversation cut at
+``max_tokens`` or failed has no answer, here as in evaluation (docs/method.md#cut-replies; ``compat: original``
+scores the last answer it stated, as the original's reward did).
+
 ``T_max`` is the largest token count among a question's conversations that did not run too long
 (``question_t_max``); the tree search passes a global quantile of a probe's token counts instead
 (``search_t_max``, docs/method.md#rollout-reward). Both count the same conversations (``counted_tokens``). Every part
@@ -28,15 +32,6 @@ from dataclasses import asdict, dataclass
 from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
 
 OK = "ok"
-
-
-def is_cut(record: dict) -> bool:
-    """Whether a conversation record was cut for length: its ``cut`` flag when it has one, else a ``too_long`` status.
-
-    Args:
-        record: A generation record, rewarded result or tree-search rollout.
-    """
-    return bool(record["cut"]) if "cut" in record else record.get("status") == "too_long"
 
 
 @dataclass(frozen=True)
@@ -73,6 +68,35 @@ class Conversation:
     task_score: float
     status: str = OK
     losses: Sequence[float] | None = None
+
+
+def scored_answer(final_answer: str | None, status: str, compat: str = "default") -> str | None:
+    """The answer a conversation is scored on: its final answer when it finished (``ok``), else none.
+
+    One rule for the reward, the tree search and evaluation (docs/method.md#cut-replies): a conversation cut at
+    ``max_tokens`` did not end, so an answer stated before the cut was never confirmed, and the tokens it spent
+    count in full; rewarding it would teach what evaluation scores 0.
+
+    Args:
+        final_answer: The last answer the conversation stated ("" or None when none).
+        status: ``ok``, ``too_long`` or ``error``.
+        compat: ``original`` scores the last stated answer whatever the status (the original's reward).
+    """
+    if status != OK and compat != "original":
+        return None
+    return final_answer or None
+
+
+def is_cut(record: dict) -> bool:
+    """Whether a conversation record holds a reply cut at ``max_tokens``.
+
+    Args:
+        record: A generation record, rewarded result or tree-search rollout: its ``cut_replies`` count, else a
+            ``cut`` flag, else (records written before either existed) a ``too_long`` status.
+    """
+    if "cut_replies" in record:
+        return record["cut_replies"] > 0
+    return bool(record["cut"]) if "cut" in record else record.get("status") == "too_long"
 
 
 def counted_tokens(conversations: Iterable[Conversation | dict]) -> list[int]:

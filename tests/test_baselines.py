@@ -91,6 +91,15 @@ def test_debate_without_a_last_answer_because_of_length_is_too_long():
     generate = ScriptedDebaters(script)
     result = run_debate(ARC, generate, DebateSettings(2, 1), max_tokens=5, matcher=AnswerMatcher(ARC))
     assert result.status == "too_long" and result.final_answer == "" and result.token_count == 22
+    assert result.cut_replies == 4  # 5 and 6 tokens: every reply reached max_tokens=5, and all of them count
+
+
+def test_a_debate_with_a_cut_reply_still_answers_and_says_it_was_cut():
+    script = [["<A>B) 4</A>", "<A>B) 4</A>"], ["<A>B) 4</A>", "cut off"]]
+    # Agent 1 writes 6 tokens per reply: cut at max_tokens=6 in both rounds; agent 0 (5 tokens) is not.
+    result = run_debate(ARC, ScriptedDebaters(script), DebateSettings(2, 1), 6, AnswerMatcher(ARC))
+    assert result.status == "ok" and result.final_answer == "B) 4"
+    assert result.cut_replies == 2 and result.token_count == 22
 
 
 def test_debate_request_failure_is_an_error_record():
@@ -272,3 +281,31 @@ def test_compare_with_methods_none_runs_only_the_optima_rows(tmp_path, capsys):
     plan = capsys.readouterr().out
     assert "[Optima-iSFT-DPO] serve" in plan
     assert not [label for label in ("[CoT]", "[CoT-SC]", "[MAD]", "[AutoForm]") if label in plan]
+
+
+def cut_reply(body: dict) -> FakeReply:
+    """Every reply runs into max_tokens: CoT and MAD replies are cut, two-agent conversations end at once."""
+    return FakeReply("a long derivation that never ends", finish_reason="length", completion_tokens=7)
+
+
+def test_cut_replies_cost_their_tokens_in_every_method_and_table(tmp_path):
+    """One token rule (docs/method.md#token-count): a cut reply counts; the tables show the cut share beside it."""
+    out = tmp_path / "cmp"
+    (tmp_path / "base").mkdir()
+    with FakeOpenAIServer(respond=cut_reply) as server:
+        data = write_arc_data(tmp_path / "data")
+        argv = ["compare", "--model", str(tmp_path / "base"), "--dataset_type", "arc", "--limit", "2"]
+        argv += ["--data_dir", str(data), "--output_path", str(out), "--samples", "2"]
+        argv += ["--set", f"endpoints=[{server.base_url}]"]
+        assert optima_main(argv) == 0
+    rows = {row["method"]: row for row in csv.DictReader((out / "comparison.csv").open())}
+    # CoT: one cut reply (7 tokens); CoT-SC: two; MAD: 3 agents x 3 rounds (the paper default), all cut;
+    # AutoForm: Alice's first reply.
+    expected = {"CoT": 7, "CoT-SC": 14, "MAD": 63, "AutoForm": 7}
+    assert {method: float(row["mean_tokens"]) for method, row in rows.items()} == expected
+    assert {float(row["cut_rate"]) for row in rows.values()} == {1.0}
+    assert {float(row["answer_rate"]) for row in rows.values()} == {0.0}
+    assert "cut_rate" in (out / "comparison.md").read_text().splitlines()[0]
+    for name in ("base.cot", "base.cot_sc", "base.mad", "base.autoform"):
+        for record in load_records(out / f"{name}.jsonl")[0]:
+            assert record["cut_replies"] >= 1 and record["token_count"] == 7 * record["cut_replies"]

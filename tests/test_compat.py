@@ -160,9 +160,18 @@ def test_search_settings_read_compat_from_the_recipe():
 
 def test_the_compat_help_lists_exactly_what_it_switches():
     help_text = next(f for f in SFTRecipe.__dataclass_fields__.values() if f.name == "compat").metadata["help"]
-    for switch in ("F1", "multiple choice", "gsm8k", "list repr", "MATH", "max_turns", "stop rule"):
+    for switch in (
+        "F1",
+        "multiple choice",
+        "gsm8k",
+        "list repr",
+        "MATH",
+        "max_turns",
+        "stop rule",
+        "cut at max_tokens",
+    ):
         assert switch in help_text, switch
     method = (REPO / "docs/method.md").read_text()
     table = method[method.index("**`compat: original` switches exactly these**") :]
     table = table[: table.index("\n\n", table.index("|"))]
-    assert len([line for line in table.splitlines() if line.startswith("| ") and "default" not in line]) == 7
+    assert len([line for line in table.splitlines() if line.startswith("| ") and "default" not in line]) == 8

@@ -74,7 +74,14 @@ def test_overlong_utterance_ends_as_too_long_without_a_fake_utterance(overlong):
     result = run(ARC, Scripted("Alice: <A>A</A>", overlong))
     assert (result.status, result.stop_reason, result.final_answer) == ("too_long", "too_long", "A")
     assert [u.text for u in result.utterances] == ["<A>A</A>"]
-    assert result.token_count == 2 and result.generated_tokens == 22
+    # One token rule: the cut reply's 20 tokens count (they were generated), in the total and for its agent.
+    assert result.token_count == result.generated_tokens == 22 and result.cut_replies == 1
+    assert result.agent_tokens() == {"Alice": 2, "Bob": 20}
+
+
+def test_a_finished_conversation_has_no_cut_reply():
+    result = run(ARC, Scripted("Alice: <A>A</A>", "Bob: <A>A</A>"))
+    assert result.status == "ok" and result.cut_replies == 0 and result.token_count == sum(result.tokens)
 
 
 def test_failed_request_ends_as_error_without_a_fake_utterance():
@@ -135,3 +142,10 @@ def test_information_exchange_prefills_answers_only_after_both_agents_shared():
     assert [u.text for u in result.utterances][2:] == ["<A>Khartoum</A>", "<A>Khartoum</A> agreed"]
     assert [messages[-1]["role"] for _, messages in generate.seen] == ["user", "user", "assistant", "assistant"]
     assert result.final_answer == "Khartoum" and result.stop_reason == "same_answer"
+
+
+def test_a_copied_placeholder_is_no_answer_and_does_not_stop_the_conversation():
+    generate = Scripted("Alice: <A>{your answer}</A>", "Bob: <A>{your answer}</A>", "Alice: <A>Khartoum</A>",
+                        "Bob: <A>Khartoum</A>")  # fmt: skip
+    result = run(HOTPOT, generate)
+    assert result.final_answer == "Khartoum" and len(result.utterances) == 4 and result.stop_reason == "same_answer"

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from optima.agents.prompts import Utterance
 from optima.evaluation.metrics import RecordScorer, has_answer, metric_names, summarize_records
 from optima.evaluation.voting import AnswerMatcher, analyze_self_consistency, cluster_answers, majority_score
+from optima.selection.mcts import Rollout
+from optima.selection.rollout_reward import build_rollout_scorer
+from optima.stages.reward_stage import reward_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
 from tests._task_fixtures import echo_check
+from tests.test_layout import sft_recipe
 
 ARC = Example(
     "arc-1", "arc", "2 + 2?\nOptions:\nA) 3\nB) 4\nC) 5", "4", "choice", options=(("A", "3"), ("B", "4"), ("C", "5"))
@@ -47,7 +52,7 @@ SCORER = RecordScorer(tokenize=str.split)
     ("example", "answer", "status", "ours", "original"),
     [
         (ARC, "B", "ok", 1.0, 0.0),  # the original compared option text only
-        (ARC, "B) 4", "ok", 1.0, 1.0),
+        (ARC, "B) 4", "ok", 1.0, 0.0),  # ... exactly: a label in the answer is not removed
         (ARC, "4", "ok", 1.0, 1.0),
         (ARC, "A", "ok", 0.0, 0.0),
         (ARC, "", "ok", 0.0, 0.0),  # no answer
@@ -111,6 +116,7 @@ def test_summary_of_a_greedy_file():
         "accuracy_original": 0.0,
         "mean_tokens": 20.0,
         "mean_tokens_original": 12.0,  # too long / failed: 0 tokens, still counted
+        "cut_rate": 0.2,
         "no_answer_rate": 0.6,
         "too_long_rate": 0.2,
         "error_rate": 0.2,
@@ -182,3 +188,19 @@ def test_self_consistency_caps_k_and_handles_nothing():
     rows = analyze_self_consistency(samples(ARC, ["B", "B"]), max_k=8, scorer=SCORER)
     assert [r["k"] for r in rows] == [1, 2]
     assert analyze_self_consistency([], max_k=3, scorer=SCORER) == []
+
+
+@pytest.mark.parametrize("status", ["ok", "too_long", "error"])
+@pytest.mark.parametrize("compat", ["default", "original"])
+def test_the_reward_and_the_evaluation_score_a_cut_conversation_alike(tmp_path, status, compat):
+    """One rule (docs/method.md#cut-replies): a conversation that did not finish has no answer, in both places."""
+    recipe = sft_recipe(tmp_path, compat=compat, cal_ppl=False)
+    record = rec(ARC, "4", status) | {"utterances": [{"speaker": "Alice", "text": "<A>4</A>"}]}
+    line = reward_question([record], [None], recipe, tokenize=str.split)
+    task_score = line["results"][0]["reward_parts"]["task_score"]
+    assert task_score == (1.0 if status == "ok" or compat == "original" else 0.0)  # original: the original's reward
+    if compat == "default":
+        assert task_score == SCORER.score(record)  # the evaluation's score
+    # The tree search's rollout scorer follows the same rule.
+    rollout = Rollout((Utterance("Alice", "<A>4</A>"),), (10,), "4", status, status)
+    assert build_rollout_scorer(ARC, recipe, t_max=100)(rollout).task_score == task_score

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import threading
 from pathlib import Path
 
 import pytest
 
 from optima.agents.generation import GenerationPlan, generate_conversations
-from optima.loss_stream import StreamingLosses, load_known_losses
+from optima.loss_stream import StreamingLosses, conversation_texts, load_known_losses, texts_sha1
 from optima.stages.reward_stage import reward_generations
 from optima.store import load_records
 from tests.fake_openai import FakeOpenAIServer
@@ -124,14 +126,87 @@ def test_a_torn_losses_file_resumes_and_stored_losses_are_not_sent_again(tmp_pat
     assert len(load_records(losses)[0]) == len(records)
 
 
-def test_a_failed_request_fails_the_stage(tmp_path):
-    recipe = sft_recipe(tmp_path)
-    records = load_records(generate(tmp_path, recipe))[0]
+def loss_line(record: dict, losses, model: str = "/models/base", sha1: str | None = None) -> str:
+    texts = conversation_texts(record)
+    line = {"task_id": record["task_id"], "sample_index": record["sample_index"], "loss_model": model}
+    return json.dumps(line | {"texts_sha1": sha1 or texts_sha1(texts), "losses": losses}) + "\n"
 
-    def broken(texts):
-        raise ConnectionError("loss server gone")
 
-    stream = StreamingLosses(broken, tmp_path / "losses.jsonl", "/models/base")
-    with pytest.raises(ConnectionError, match="loss server gone"), stream:
-        stream.submit(records[0])
+def test_the_last_valid_line_wins_at_load_and_at_resume(tmp_path):
+    record = load_records(generate(tmp_path, sft_recipe(tmp_path)))[0][0]
+    n = len(record["utterances"])
+    losses = tmp_path / "losses.jsonl"
+    losses.write_text(
+        loss_line(record, [1.0] * n)  # superseded by the next line
+        + loss_line(record, [2.0] * n)
+        + loss_line(record, "broken")  # invalid: never wins
+        + loss_line(record, [9.0] * n, model="/models/other")  # another loss model: its own line
+    )
+    assert load_known_losses(losses, "/models/base")(record) == [2.0] * n  # load
+    loss = FakeLoss()
+    with StreamingLosses(loss, losses, "/models/base") as stream:  # resume
+        stream.submit(record)
+        summary = stream.finish()
+    assert summary["reused"] == 1 and not loss.texts
+    lines = [json.loads(line) for line in losses.read_text().splitlines()]
+    assert [(line["loss_model"], line["losses"]) for line in lines] == [("/models/base", [2.0] * n),
+                                                                       ("/models/other", [9.0] * n)]  # fmt: skip
+
+
+def test_only_finished_conversations_are_streamed(tmp_path):
+    records = load_records(generate(tmp_path, sft_recipe(tmp_path)))[0]
+    failed, cut = records[0] | {"status": "error"}, records[1] | {"status": "too_long"}
+    loss = FakeLoss()
+    losses = tmp_path / "losses.jsonl"
+    with StreamingLosses(loss, losses, "/models/base") as stream:
+        for record in (failed, cut, records[2]):
+            stream.submit(record)
+        summary = stream.finish()
+    assert summary == summary | {"scored": 1, "skipped": 2, "failed": 0}
+    assert [json.loads(line)["task_id"] for line in losses.read_text().splitlines()] == [records[2]["task_id"]]
+    assert loss.texts == conversation_texts(records[2])
+
+
+def test_a_nan_loss_is_stored_as_json_null(tmp_path):
+    record = load_records(generate(tmp_path, sft_recipe(tmp_path)))[0][0]
+    n = len(record["utterances"])
+    losses = tmp_path / "losses.jsonl"
+    with StreamingLosses(lambda texts: [math.nan] + [1.5] * (len(texts) - 1), losses, "/models/base") as stream:
+        stream.submit(record)
         stream.finish()
+
+    def refuse_constant(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    line = json.loads(losses.read_text(), parse_constant=refuse_constant)
+    assert line["losses"] == [None] + [1.5] * (n - 1)
+    read = load_known_losses(losses, "/models/base")(record)
+    assert math.isnan(read[0]) and read[1:] == [1.5] * (n - 1)
+
+
+def test_a_failed_request_is_logged_and_left_to_the_score_stage(tmp_path, caplog):
+    recipe = sft_recipe(tmp_path)
+    generations = generate(tmp_path, recipe)
+    records = load_records(generations)[0]
+    calls = []
+
+    def flaky(texts):
+        calls.append(texts)
+        if len(calls) == 1:
+            raise ConnectionError("loss server gone")
+        return FakeLoss()(texts)
+
+    losses = tmp_path / "losses.jsonl"
+    with StreamingLosses(flaky, losses, "/models/base", workers=1) as stream:
+        for record in records[:2]:
+            stream.submit(record)
+        summary = stream.finish()  # does not raise: generation is done and kept
+    assert summary["failed"] == 1 and summary["scored"] == 1
+    assert "loss server gone" in caplog.text
+    assert len(losses.read_text().splitlines()) == 1  # the failure is not written
+    known = load_known_losses(losses, "/models/base")
+    after = FakeLoss()
+    reward_generations(recipe, generations, tmp_path / "rewarded.jsonl", after, known=known)
+    scored_later = [r for r in records if r["status"] == "ok" and known(r) is None]
+    assert len(after.texts) == sum(len(r["utterances"]) for r in scored_later)
+    assert records[0] in scored_later or records[1] in scored_later

@@ -191,6 +191,10 @@ def test_a_failed_reply_ends_the_rollout_without_a_node(status):
     record = tree.run_rollout(tree.root, script, lambda rollout: seen.append(rollout) or -1.0)
     assert (record["status"], record["stop_reason"], len(record["utterances"])) == (status, status, 1)
     assert seen[0].status == status and seen[0].final_answer == "C"
+    # One token rule: the cut reply's tokens count although the reply is not added to the tree.
+    cut_tokens = 2000 if status == "too_long" else 0
+    assert record["token_count"] == seen[0].tokens[0] + cut_tokens
+    assert record["cut_replies"] == int(status == "too_long")
     assert len(tree.nodes) == 2 and tree.nodes[1].visits == 1 and tree.root.value == -1.0
 
 

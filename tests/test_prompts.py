@@ -24,10 +24,11 @@ from optima.agents.prompts import (
     pool_name,
     render_information,
     render_task_turn,
+    role_prompt,
     strip_speaker_prefix,
 )
 from optima.tasks import TASKS, Example, get_task
-from optima.tasks.answers import parse_boxed, parse_tag
+from optima.tasks.answers import ANSWER_PARSERS, parse_boxed, parse_tag
 from tests._task_fixtures import SMOLLM2_DIR, build_llama3_tokenizer
 
 QA_EXAMPLE = Example(
@@ -101,11 +102,11 @@ def test_debate_view_has_no_information_and_custom_system_prompt():
 @pytest.mark.parametrize(
     ("task", "speaker", "fragment"),
     [
-        ("arc", "Alice", "<A>letter) option</A>"),
-        ("gsm8k", "Alice", "\\boxed{number}"),
-        ("math", "Alice", "\\boxed{answer}"),
+        ("arc", "Alice", "<A>{letter}) {option text}</A>"),
+        ("gsm8k", "Alice", "\\boxed{{number}}"),
+        ("math", "Alice", "\\boxed{{your answer}}"),
         ("arc", "Bob", "never give the answer"),
-        ("hotpot_qa", "Bob", "<A>answer</A>"),
+        ("hotpot_qa", "Bob", "<A>{your answer}</A>"),
     ],
 )
 def test_first_user_turn_ends_with_the_answer_format(task, speaker, fragment):
@@ -178,7 +179,9 @@ def test_every_task_has_both_prompts_with_the_answer_protocol(name):
     assert marker in alice and "You are Alice" in alice and "You are Bob" in bob
     assert "${" not in alice + bob
     solver_example = alice.rsplit("\n", 1)[-1]
-    assert solver_example.startswith("Alice: ") and task.parse_answer(solver_example)
+    # The example shows the answer format with its placeholder: the format is there, the answer is not.
+    assert solver_example.startswith("Alice: ") and ANSWER_PARSERS[task.answer_style](solver_example)
+    assert task.parse_answer(solver_example) is None
     if task.family == "debate":
         assert bob == CRITIC_PROMPT.render("Bob", "Alice") and "Never state the final answer" in bob
         critic_example = bob.rsplit("\n", 1)[-1]
@@ -273,3 +276,53 @@ def test_views_render_with_llama3_template():
         assert prompt.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n")
         assert re.findall(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>", prompt) == expected_roles
         assert prompt.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+# ---------------------------------------------------------------- no answer in the prompts
+
+
+def every_prompt_text(task: str) -> list[str]:
+    """Every text the agents of ``task`` can be shown: role prompts (with each pool rule), reminders, CoT, AutoForm."""
+    from optima.evaluation.autoform import autoform_prompts
+    from optima.evaluation.cot import COT_PROMPTS
+
+    resolved = get_task(task)
+    texts = [build_system_prompt(resolved, name, rule) for name in AGENT_NAMES
+             for rule in (None, *load_prompt_pool(pool_name(resolved)))]  # fmt: skip
+    texts += [role_prompt(resolved, name).reminder for name in AGENT_NAMES]
+    cot = COT_PROMPTS[resolved.prompt_set]
+    return [*texts, cot.system, cot.reminder, *autoform_prompts(resolved)]
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_no_prompt_states_an_answer(task):
+    """A prompt shows the answer format with a placeholder, which the task's parser reads as no answer."""
+    for text in every_prompt_text(task):
+        assert get_task(task).parse_answer(text) is None, text
+        for worked in ("Khartoum", "Nile", "adding heat", "\\boxed{7}", "Ridley Scott", "1937", '"pick": "B"'):
+            assert worked not in text
+
+
+@pytest.mark.parametrize(
+    ("task", "text", "expected"),
+    [
+        ("hotpot_qa", "<A>{your answer}</A>", None),  # the placeholder, copied
+        ("hotpot_qa", "<A> Your Answer </A>", None),  # ... without its braces
+        ("hotpot_qa", "<A>{year}</A>", None),  # any braced phrase (the format pool's slots)
+        ("hotpot_qa", "<A>{you're chosen}</A>", None),  # ... or a small model's variation of the placeholder
+        ("hotpot_qa", "<A>Ridley Scott</A>", "Ridley Scott"),
+        ("hotpot_qa", "<A>answer</A>", "answer"),  # a word that might be an answer is one
+        ("cbt", "<A>{your answer}</A>", None),
+        ("arc", "<A>{letter}) {option text}</A>", None),
+        ("arc", "<A>letter) option text</A>", None),
+        ("arc", "<A>{letter}</A>", None),
+        ("arc", "<A>B) adding heat</A>", "B) adding heat"),
+        ("gsm8k", "so \\boxed{{number}}", None),
+        ("gsm8k", "so \\boxed{number}", None),
+        ("gsm8k", "so \\boxed{70}", "70"),
+        ("math", "\\boxed{{your answer}}", None),
+        ("math", "\\boxed{\\{1,2\\}}", "\\{1,2\\}"),  # braces of a real answer stay
+    ],
+)
+def test_an_answer_equal_to_a_placeholder_is_no_answer(task, text, expected):
+    assert get_task(task).parse_answer(text) == expected

@@ -86,13 +86,42 @@ def test_report_files_are_written_and_redrawn_by_the_command(sft_run, capsys):
     markdown, image = write_run_report(sft_run)
     text = markdown.read_text()
     assert "method iSFT, task `arc`" in text
-    assert "| 2 | 0.75 | 0.75 | 50.0 | 4 | 3 | 1.25 | 42.5 |" in text  # per-iteration table, second row
+    assert "| 2 | 0.75 | 0.75 | 50.0 | 0 | 4 | 3 | 1.25 | 42.5 |" in text  # per-iteration table, second row
     assert "| 1 | 0.5 | -0.9 | 0.5 | 0 | 0.1 |" in text  # mean reward parts of the first iteration
     assert "## DPO pairs" not in text
     assert image.read_bytes().startswith(b"\x89PNG")
     image.unlink()
     assert optima_main(["report", str(sft_run)]) == 0
     assert image.exists() and "## Stage times (s)" in capsys.readouterr().out
+
+
+def write_generations(folder: Path, answers: list[str], cut: int = 0) -> None:
+    """generations.jsonl with one conversation per answer ("" states none); the first ``cut`` ones were cut."""
+    records = [{"task_id": f"q{i}", "sample_index": 0, "final_answer": answer, "status": "too_long" if i < cut
+                else "ok", "cut_replies": int(i < cut)} for i, answer in enumerate(answers)]  # fmt: skip
+    (folder / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_report_lists_the_most_frequent_final_answers_per_iteration(sft_run):
+    write_generations(sft_run / "iteration_0", ["B) adding heat"] * 14 + ["answer"] * 2 + ["C) 4"] + [""] * 3)
+    many = [f"answer {i}" for i in range(12) for _ in range(12 - i)]  # 12 distinct answers, 12 down to 1 times
+    write_generations(sft_run / "iteration_1", many + ["Wide | answer\nwith a newline"])
+    markdown, _ = write_run_report(sft_run)
+    text = markdown.read_text()
+    section = text.split("## Most frequent final answers")[1].split("\n## ")[0]
+    assert "| 0 | 1 | `B) adding heat` | 14 | 0.7 |" in section  # 14 of the 20 conversations
+    assert "| 0 | 2 | `answer` | 2 | 0.1 |" in section and "| 0 | 3 | `C) 4` | 1 | 0.05 |" in section
+    assert "| 0 | 4 |" not in section  # conversations without an answer are not an answer
+    assert "| 1 | 10 | `answer 9` | 3 |" in section and "| 1 | 11 |" not in section  # ten per iteration
+    assert "`Wide" not in section  # (one occurrence: below the top ten)
+
+
+def test_a_report_answer_cannot_break_its_table(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run / "iteration_0", 0, sft_stages([1.0], [10], 1, 1.0))
+    write_generations(run / "iteration_0", ["a | b\nc"])
+    text = write_run_report(run)[0].read_text()
+    assert "| 0 | 1 | `a \\| b c` | 1 | 1 |" in text
 
 
 def test_report_of_an_sft_dpo_run_has_pair_and_rollout_stats(tmp_path):

@@ -101,7 +101,8 @@ def test_parse_boxed(text, expected):
         ("5", "5"),
         ("x = 5", "5"),
         ("1,000", "1000"),
-        ("1,2", "12"),
+        ("1,2", "1,2"),  # a list, not twelve (Minerva dropped every comma of a digit string)
+        ("12,345,678", "12345678"),
         ("\\$18", "18"),
         ("18 dollars", "18"),
         ("5 square feet", "5"),
@@ -120,6 +121,32 @@ def test_parse_boxed(text, expected):
 )
 def test_normalize_final_answer(raw, expected):
     assert normalize_final_answer(raw) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("\\frac9{19}", "\\frac{9}{19}"),  # Minerva's rewrite made it \\frac{9}{{}19}
+        ("\\sqrt[4]{8}", "\\sqrt[4]{8}"),  # Minerva's rewrite made it \\sqrt{[}4]{8}
+        ("\\frac92", "\\frac{9}{2}"),
+        ("\\dfrac\\pi2", "\\dfrac{\\pi}{2}"),
+        ("\\frac1{\\sqrt3}", "\\frac{1}{\\sqrt{3}}"),
+        ("\\sqrt\\pi", "\\sqrt{\\pi}"),
+        ("\\frac{3}{4}", "\\frac{3}{4}"),
+        ("2\\sqrt{2}", "2\\sqrt{2}"),
+        ("\\frac", "\\frac"),
+    ],
+)
+def test_normalize_final_answer_expands_shorthand_without_breaking_it(raw, expected):
+    assert normalize_final_answer(raw) == expected
+
+
+@pytest.mark.parametrize(
+    ("prediction", "gold"),
+    [("\\frac9{19}", "\\frac{9}{19}"), ("\\sqrt[4]{8}", "\\sqrt[4]{8}"), ("\\frac{9}{19}", "\\frac9{19}")],
+)
+def test_right_shorthand_answers_score(prediction, gold):
+    assert score_answer("math", parse_math_answer(f"\\boxed{{{prediction}}}"), normalize_final_answer(gold)) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -284,9 +311,16 @@ def test_score_choice(prediction, options, gold, expected):
 
 @pytest.mark.parametrize(
     ("prediction", "expected"),
-    [("made safer", 1.0), ("B) made safer", 1.0), ("B", 0.0), ("Made Safer", 1.0)],
+    [
+        ("made safer", 1.0),
+        ("Made Safer ", 1.0),
+        ("made safer\\", 1.0),  # the original strips backslashes from the prediction
+        ("B) made safer", 0.0),  # no label is removed: the original's questions had none
+        ("made safer.", 0.0),  # no trailing period forgiven
+        ("B", 0.0),
+    ],
 )
-def test_score_choice_original_mode_compares_text(prediction, expected):
+def test_score_choice_original_mode_is_the_originals_exact_match(prediction, expected):
     context = ScoreContext(mode="original", options=ARC_OPTIONS)
     assert score_by_type("choice", prediction, "made safer", context) == expected
 
@@ -312,6 +346,12 @@ def test_resolve_choice_prefers_text_over_label():
         ("abc", "1", 0.0),
         ("9" * 5000, "1", 0.0),
         ("1e400", "1", 0.0),
+        ("70%", "70", 1.0),  # a percentage question: GSM8K's gold has no sign
+        ("70\\%", "70", 1.0),
+        ("70%", "7", 0.0),
+        ("-1, 2", "-12", 0.0),  # two numbers are not one
+        ("1,2", "12", 0.0),
+        ("-1,000", "-1000", 1.0),
     ],
 )
 def test_score_number(prediction, gold, expected):
@@ -336,6 +376,10 @@ def test_score_number_original_mode_is_string_equality(prediction, gold, expecte
         ("-\\frac{1}{2}", -0.5),
         ("x", None),
         ("1/0", None),
+        ("1,000", 1000),
+        ("-12,345.5", -12345.5),
+        ("-1,2", None),  # a list: the comma does not group thousands
+        ("1,23", None),
     ],
 )
 def test_numeric_value(text, expected):
@@ -352,6 +396,11 @@ def test_numeric_value(text, expected):
         ("2", "3", False),
         ("90^\\circ", "90", True),
         ("x+1", "1+x", None),
+        ("-1, 2", "-12", None),  # never equal as numbers: left to the symbolic check
+        ("1, 2", "12", None),
+        ("\\frac9{19}", "\\frac{9}{19}", True),
+        ("\\sqrt[4]{8}", "\\sqrt[4]{8}", True),
+        ("\\frac12", "0.5", True),
     ],
 )
 def test_fast_equivalence(prediction, gold, expected):

@@ -60,7 +60,10 @@ def check_records(path: Path, count: int, max_tokens: int) -> list[dict]:
     assert len({(r["task_id"], r["sample_index"]) for r in records}) == count
     for record in records:
         assert record["status"] in ("ok", "too_long"), record
-        assert record["token_count"] == sum(u["tokens"] for u in record["utterances"])
+        # One token rule: a cut reply (not stored) counts its max_tokens tokens too.
+        cut = max_tokens if record["status"] == "too_long" else 0
+        assert record["token_count"] == sum(u["tokens"] for u in record["utterances"]) + cut
+        assert record["cut_replies"] == int(record["status"] == "too_long")
         assert all(0 < u["tokens"] < max_tokens for u in record["utterances"])
         assert record["status"] == "too_long" or len(record["utterances"]) >= 1
     return records
@@ -146,7 +149,9 @@ def test_scoring_while_generating_on_a_real_loss_server_matches_scoring_after(ti
     out, losses = tmp_path / "gen.jsonl", tmp_path / "losses.jsonl"
     with StreamingLosses(scorer.score, losses, str(tiny_model)) as stream:
         generate_conversations(recipe, arc_examples(4), [servers[0].spec.api_url], out, PLAN, on_record=stream.submit)
-        assert stream.finish()["scored"] == 8
+        summary = stream.finish()
+    finished = sum(r["status"] == "ok" for r in load_records(out)[0])
+    assert summary["scored"] == finished and summary["skipped"] == 8 - finished  # cut ones need no losses
     reward = sft_recipe(tmp_path)
     known = load_known_losses(losses, str(tiny_model))
     reward_generations(reward, out, tmp_path / "streamed.jsonl", refuse, known=known)

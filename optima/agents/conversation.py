@@ -10,7 +10,8 @@ instead:
 
 * ``ok``: stopped by the same-answer rule or the turn cap;
 * ``too_long``: an utterance hit ``max_tokens`` (finish reason ``length``, or as many tokens as allowed); the
-  truncated utterance is not stored, its tokens are counted in ``generated_tokens`` only;
+  truncated utterance is not stored (the conversation has no answer: docs/method.md#cut-replies), but its tokens
+  count;
 * ``error``: a request failed for good (``RequestFailed``); the message is kept in ``error``.
 
 Answer pre-fill (``answer_openings``, format bootstrapping for small models at iteration 0): the agent's reply is
@@ -18,9 +19,10 @@ started with its role's answer opening (``<A>`` for a multiple-choice solver, an
 agents from turn ``answer_from_turn`` = 2 on, once each has shared its information) as a final assistant message
 that the server continues; the stored utterance is the opening plus the continuation.
 
-Token accounting (docs/method.md#token-count): each utterance counts the server's ``usage.completion_tokens`` (the
-model's own tokenizer, the name prefix the model wrote included), or ``count_tokens(text)`` when the server sent no
-usage. System prompts and task turns are not counted.
+Token accounting (docs/method.md#token-count): every generated token counts, a cut reply's included. Each reply
+counts the server's ``usage.completion_tokens`` (the model's own tokenizer, the name prefix the model wrote
+included), or ``count_tokens(text)`` when the server sent no usage. System prompts and task turns are not counted.
+``cut_replies`` says how many replies hit ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -45,33 +47,41 @@ class ConversationResult:
     Args:
         utterances: Stored utterances (speaker + text without the name prefix).
         tokens: Tokens of each stored utterance.
+        unstored: (speaker, tokens) of each generated reply that was not stored (a reply cut at ``max_tokens``).
+        cut_replies: Replies that hit ``max_tokens``, stored or not.
         final_answer: Last answer parsed ("" if none).
         status: ``ok``, ``too_long`` or ``error``.
         stop_reason: ``same_answer``, ``max_turns``, ``too_long`` or ``error``.
         error: The failure message when ``status == "error"``.
-        generated_tokens: Every token generated, discarded (too long) utterances included (for throughput).
         replica: Replica that served the last request (None when none answered).
     """
 
     utterances: list[Utterance] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    unstored: list[tuple[str, int]] = field(default_factory=list)
+    cut_replies: int = 0
     final_answer: str = ""
     status: str = "ok"
     stop_reason: str = "max_turns"
     error: str | None = None
-    generated_tokens: int = 0
     replica: int | None = None
 
     @property
     def token_count(self) -> int:
-        """The paper's #Tok of this conversation: tokens of all stored utterances."""
-        return sum(self.tokens)
+        """The paper's #Tok of this conversation: every token generated, cut replies included."""
+        return sum(self.tokens) + sum(count for _, count in self.unstored)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Every token generated (the same number as ``token_count``: one token rule)."""
+        return self.token_count
 
     def agent_tokens(self) -> dict[str, int]:
-        """Tokens per agent."""
+        """Tokens per agent (cut replies included)."""
         totals = dict.fromkeys(AGENT_NAMES, 0)
-        for utterance, count in zip(self.utterances, self.tokens, strict=True):
-            totals[utterance.speaker] = totals.get(utterance.speaker, 0) + count  # debates name N agents
+        pairs = [*((u.speaker, n) for u, n in zip(self.utterances, self.tokens, strict=True)), *self.unstored]
+        for speaker, count in pairs:
+            totals[speaker] = totals.get(speaker, 0) + count  # debates name N agents
         return totals
 
 
@@ -121,8 +131,9 @@ def run_conversation(
         tokens = reply.completion_tokens
         if tokens is None:
             tokens = count_tokens(reply.text, speaker) if count_tokens else 0
-        result.generated_tokens += tokens
         if reply.finish_reason == "length" or tokens >= limits.max_tokens:
+            result.unstored.append((speaker, tokens))
+            result.cut_replies += 1
             return _finish(result, tracker, "too_long")
         text = (opening + reply.text).strip() if opening else strip_speaker_prefix(reply.text, speaker).strip()
         result.utterances.append(Utterance(speaker, text))

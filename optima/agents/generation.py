@@ -236,7 +236,8 @@ class ConversationRunner:
                 {"speaker": u.speaker, "text": u.text, "tokens": n}
                 for u, n in zip(result.utterances, result.tokens, strict=True)
             ],
-            "token_count": result.token_count,
+            "token_count": result.token_count,  # every generated token, cut replies included
+            "cut_replies": result.cut_replies,
             "agent_tokens": result.agent_tokens(),
             "final_answer": result.final_answer,
             "status": result.status,

@@ -3,11 +3,14 @@
 Roles and protocol follow the original (docs/method.md#roles-and-prompts), the wording is our own (the original has no
 licence):
 * information exchange ("qa"): both agents get the same role prompt; each holds private paragraphs, shares what
-  matters concisely and finishes with `<A>answer</A>`;
+  matters concisely and finishes with `<A>{your answer}</A>`;
 * debate: Alice solves (answer in `<A>..</A>` for arc/mmlu, `\\boxed{}` for gsm8k, a MATH-specific solver for math,
   docs/method.md D12) and Bob critiques without ever giving the answer.
-Each prompt ends with a one-line worked example of a message with its answer, because small models (SmolLM2-135M)
-rarely write the answer tag unless they see it.
+Each prompt ends with a one-line example of a message in the answer format, because small models (SmolLM2-135M)
+rarely write the answer tag unless they see it. The example and the format lines show the answer slot as a
+placeholder that no task would answer (`ANSWER_PLACEHOLDERS`: `{your answer}`, `{letter}) {option text}`,
+`{number}`), never a worked answer: with the answer pre-fill a small model copies what it sees, and training would
+teach the copy. A copied placeholder is no answer (`Task.parse_answer`).
 
 Every agent's view is an ordinary chat (`build_agent_messages`), unlike the original where all turns were
 `assistant` (docs/method.md D22): the system prompt holds the role instructions; the first user turn holds the task and
@@ -31,6 +34,7 @@ from pathlib import Path
 from string import Template
 
 from optima.tasks import Example, Task, get_task
+from optima.tasks.answers import ANSWER_PLACEHOLDERS, render_answer
 
 AGENT_NAMES = ("Alice", "Bob")
 POOL_DIR = Path(__file__).with_name("prompt_pools")
@@ -72,6 +76,11 @@ class RolePrompt:
 
 
 _PREFIX_RULE = 'Begin each message with "${name}:".'
+# The answer slot of each prompt set's examples and format lines: a placeholder, never a worked answer.
+QA_SLOT = render_answer(ANSWER_PLACEHOLDERS["qa"][0], "tag")  # <A>{your answer}</A>
+CHOICE_SLOT = render_answer(ANSWER_PLACEHOLDERS["choice"][0], "tag")  # <A>{letter}) {option text}</A>
+GSM8K_SLOT = render_answer(ANSWER_PLACEHOLDERS["gsm8k"][0], "boxed")  # \boxed{{number}}
+MATH_SLOT = render_answer(ANSWER_PLACEHOLDERS["math"][0], "boxed")  # \boxed{{your answer}}
 
 QA_PROMPT = RolePrompt(
     intro=(
@@ -86,8 +95,8 @@ QA_PROMPT = RolePrompt(
         "you both give the same answer.",
         _PREFIX_RULE,
     ),
-    example="${name}: Lake Tana -> source of Blue Nile; Blue Nile joins White Nile at Khartoum. <A>Khartoum</A>",
-    reminder="Share what helps, briefly. Once you know the answer, write it as <A>answer</A>.",
+    example=f"${{name}}: {{the facts ${{partner}} needs, briefly}} {QA_SLOT}",
+    reminder=f"Share what helps, briefly. Once you know the answer, write it as {QA_SLOT}.",
     answer_opening="<A>",
     answer_from_turn=2,
 )
@@ -100,8 +109,8 @@ CHOICE_SOLVER_PROMPT = RolePrompt(
         "End every message with the chosen option between <A> and </A>: its letter and its text.",
         _PREFIX_RULE,
     ),
-    example="${name}: Ice melts when it takes in heat, so heating is the cause. <A>B) adding heat</A>",
-    reminder="Reply as: <A>letter) option</A> then one short reason.",
+    example=f"${{name}}: {{one short reason}} {CHOICE_SLOT}",
+    reminder=f"Reply as: {CHOICE_SLOT} then one short reason.",
     answer_opening="<A>",
 )
 
@@ -113,8 +122,8 @@ GSM8K_SOLVER_PROMPT = RolePrompt(
         "End every message with the final answer in \\boxed{}; put only the number inside the box.",
         _PREFIX_RULE,
     ),
-    example="${name}: 3 boxes * 4 apples = 12 apples; 12 - 5 eaten = 7. \\boxed{7}",
-    reminder="Calculate briefly, then write the final number as \\boxed{number}.",
+    example=f"${{name}}: {{one short line per calculation}} {GSM8K_SLOT}",
+    reminder=f"Calculate briefly, then write the final number as {GSM8K_SLOT}.",
 )
 
 MATH_SOLVER_PROMPT = RolePrompt(
@@ -126,8 +135,8 @@ MATH_SOLVER_PROMPT = RolePrompt(
         "(a number, a fraction, an expression, an interval, ...).",
         _PREFIX_RULE,
     ),
-    example="${name}: x^2 = 9/16 and x > 0, so x = 3/4. \\boxed{\\frac{3}{4}}",
-    reminder="Solve briefly, then write the final answer as \\boxed{answer}.",
+    example=f"${{name}}: {{the key steps}} {MATH_SLOT}",
+    reminder=f"Solve briefly, then write the final answer as {MATH_SLOT}.",
 )
 
 CRITIC_PROMPT = RolePrompt(

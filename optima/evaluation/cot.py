@@ -27,7 +27,7 @@ from optima.agents.generation import (
     Job,
     generate_conversations,
 )
-from optima.agents.prompts import render_information
+from optima.agents.prompts import CHOICE_SLOT, GSM8K_SLOT, MATH_SLOT, QA_SLOT, render_information
 from optima.serving.client import Sampling
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
@@ -46,23 +46,23 @@ class CoTPrompt:
 COT_PROMPTS: dict[str, CoTPrompt] = {
     "qa": CoTPrompt(
         "You answer questions from the information you are given. Think it through step by step, briefly, and "
-        "finish with the answer between <A> and </A>, for example: ... so the river is the Nile. <A>Nile</A>",
-        "Think step by step, briefly, then write the answer as <A>answer</A>.",
+        f"finish with the answer between <A> and </A>, like this: {{your reasoning}} {QA_SLOT}",
+        f"Think step by step, briefly, then write the answer as {QA_SLOT}.",
     ),
     "choice": CoTPrompt(
         "You answer multiple-choice questions. Think it through step by step, briefly, and finish with the "
-        "chosen option between <A> and </A>, its letter and its text, for example: <A>B) adding heat</A>",
-        "Think step by step, briefly, then write the chosen option as <A>letter) option</A>.",
+        f"chosen option between <A> and </A>, its letter and its text, like this: {CHOICE_SLOT}",
+        f"Think step by step, briefly, then write the chosen option as {CHOICE_SLOT}.",
     ),
     "gsm8k": CoTPrompt(
         "You solve math word problems. Work step by step, one short line per calculation, and finish with the "
-        "final number in \\boxed{}, for example: 12 - 5 = 7. \\boxed{7}",
-        "Calculate step by step, then write the final number as \\boxed{number}.",
+        f"final number in \\boxed{{}}, like this: {{your calculation}} {GSM8K_SLOT}",
+        f"Calculate step by step, then write the final number as {GSM8K_SLOT}.",
     ),
     "math": CoTPrompt(
         "You solve competition mathematics problems. Work step by step, concisely, and finish with the final "
-        "answer in \\boxed{}, simplified and in LaTeX, for example: \\boxed{\\frac{3}{4}}",
-        "Solve step by step, then write the final answer as \\boxed{answer}.",
+        f"answer in \\boxed{{}}, simplified and in LaTeX, like this: {{your steps}} {MATH_SLOT}",
+        f"Solve step by step, then write the final answer as {MATH_SLOT}.",
     ),
 }
 

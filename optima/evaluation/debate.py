@@ -14,8 +14,9 @@ Answer parsing, scoring and token counting are the conversations': each reply is
 record is the same JSONL line (``status``, ``token_count``, ``final_answer``, ``utterances``), scored by the same
 scorer, and ``token_count`` sums the server's ``completion_tokens`` of every reply of every agent and round (the
 prompts are not counted). A reply cut at ``max_tokens`` stays in the debate (the others read it) and counts its
-tokens, but states no answer that round. Status: ``error`` when a request failed for good, ``too_long`` when no
-last-round answer was parsed and a last-round reply was cut, else ``ok``. Agents sample at the plan's temperature
+tokens (``cut_replies`` counts such replies), but states no answer that round (docs/method.md#cut-replies).
+Status: ``error`` when a request failed for good, ``too_long`` when no last-round answer was parsed and a
+last-round reply was cut, else ``ok``. Agents sample at the plan's temperature
 (identical greedy agents would agree from the start), seeded per (question, sample, agent, round).
 """
 
@@ -149,12 +150,12 @@ def run_debate(
             if tokens is None:
                 tokens = count_tokens(reply.text) if count_tokens else 0
             cut[agent] = reply.finish_reason == "length" or tokens >= max_tokens
+            result.cut_replies += cut[agent]
             latest[agent] = reply.text.strip()
             answers[agent] = None if cut[agent] else task.parse_answer(latest[agent])
             chats[agent].append({"role": "assistant", "content": latest[agent]})
             result.utterances.append(Utterance(agent_name(agent), latest[agent]))
             result.tokens.append(tokens)
-            result.generated_tokens += tokens
     result.final_answer = majority_answer(answers, matcher)
     if not result.final_answer and any(cut):
         result.status, result.stop_reason = "too_long", "too_long"

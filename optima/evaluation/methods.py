@@ -11,7 +11,8 @@
 Each method fills ``<output>/<model>.<method>.jsonl`` (resumable, one record per conversation, debate or answer;
 its producer's fingerprint beside it: ``optima.evaluation.fingerprint``) and is summarised by the same scorer: the
 task metric (majority vote over the samples for sampled methods), the answer rate, and the tokens per question (all
-samples, agents and rounds of a question summed).
+samples, agents and rounds of a question summed, cut replies included) beside the share of records with a cut reply
+(``cut_rate``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ LABELS = {
     "autoform": "AutoForm",
     "autoform_sc": "AutoForm SC",
 }
-ROW_COLUMNS = ("method", "model", "questions", "{metric}", "answer_rate", "mean_tokens", "too_long_rate", "error_rate")
+# Tokens and the share of records with a cut reply side by side (docs/method.md#token-count).
+ROW_COLUMNS = ("method", "model", "questions", "{metric}", "answer_rate", "mean_tokens", "cut_rate",
+               "too_long_rate", "error_rate")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def method_job(
 
 
 def method_row(records: list[dict], samples: int, scorer: RecordScorer, cluster_f1: float = 0.9) -> dict:
-    """One comparison row: questions, the task metric, answer rate, tokens per question, failure rates.
+    """One comparison row: questions, the task metric, answer rate, tokens per question and cut share, failure rates.
 
     A method with several samples per question scores the majority vote of all of them and costs their summed
     tokens; the answer rate is the share of records (answers, conversations, debates) that state an answer.
@@ -110,6 +113,7 @@ def method_row(records: list[dict], samples: int, scorer: RecordScorer, cluster_
         return {"questions": 0}
     metric, _ = metric_names(record_example(records[0]).score_type)
     row = {"questions": summary["questions"], metric: summary[metric], "mean_tokens": summary["mean_tokens"]}
+    row["cut_rate"] = summary["cut_rate"]
     if samples > 1:
         voted = analyze_self_consistency(records, samples, scorer, cluster_f1)[-1]
         row |= {metric: voted["majority_vote"], "mean_tokens": voted["tokens"]}

@@ -8,9 +8,11 @@ For one result file (one JSONL record per conversation, as ``generate_conversati
   - ``accuracy`` and ``accuracy_original`` for the four debate tasks. ``accuracy_original`` is the original's
     eval scoring: option-text equality for arc/mmlu, the *first number* of the final answer for gsm8k (its eval-only
     ``gsm8k`` score type), and symbolic equivalence for math (as ours);
-* ``mean_tokens``: the paper's #Tok, the mean ``token_count`` per question (every conversation counted as
-  recorded), and ``mean_tokens_original``: the original's figure, where too-long and failed conversations add 0
-  tokens but still count in the denominator;
+* ``mean_tokens``: the paper's #Tok, the mean ``token_count`` per question (every generated token, cut replies
+  included: docs/method.md#token-count), and ``mean_tokens_original``: the original's figure, where too-long and
+  failed conversations add 0 tokens but still count in the denominator;
+* ``cut_rate``: the share of records with a reply cut at ``max_tokens`` (a cut MAD debate may still answer), shown
+  beside the tokens in every table;
 * ``no_answer_rate`` (too long, failed, or no parsed answer), ``too_long_rate`` and ``error_rate``.
 
 As in the original, a conversation that was cut for length (``too_long``) or failed (``error``) scores 0 even if an
@@ -24,6 +26,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from optima.reward import is_cut, scored_answer
 from optima.store import group_by_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
@@ -44,8 +47,11 @@ def metric_names(score_type: str) -> tuple[str, str]:
 
 
 def has_answer(record: dict) -> bool:
-    """Whether a conversation ended normally with a parsed answer (too long and failed ones have none)."""
-    return record.get("status") == "ok" and bool(record.get("final_answer"))
+    """Whether a conversation ended normally with a parsed answer (too long and failed ones have none).
+
+    The reward's rule (``optima.reward.scored_answer``, docs/method.md#cut-replies).
+    """
+    return scored_answer(record.get("final_answer"), record.get("status", "")) is not None
 
 
 def record_example(record: dict) -> Example:
@@ -93,7 +99,7 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
 
     Returns:
         ``{"questions", "conversations", <metric>, <metric>_original..., "mean_tokens", "mean_tokens_original",
-        "no_answer_rate", "too_long_rate", "error_rate"}``; the metric keys follow ``metric_names``.
+        "cut_rate", "no_answer_rate", "too_long_rate", "error_rate"}``; the metric keys follow ``metric_names``.
     """
     groups = group_by_question(records)
     if not groups:
@@ -112,6 +118,7 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
         original_name: round(_mean(theirs), 4),
         "mean_tokens": round(_mean(tokens), 2),
         "mean_tokens_original": round(_mean(tokens_original), 2),
+        "cut_rate": round(sum(is_cut(r) for r in records) / count, 4),
         "no_answer_rate": round(sum(not has_answer(r) for r in records) / count, 4),
         "too_long_rate": round(sum(r["status"] == "too_long" for r in records) / count, 4),
         "error_rate": round(sum(r["status"] == "error" for r in records) / count, 4),

@@ -18,7 +18,7 @@ Then, for k = 1..K, majority vote, coverage and tokens (``optima.evaluation.voti
     <output_root>/<base>.mad.jsonl         debates              (with --baseline mad)
     <output_root>/<base>.autoform_sc.jsonl AutoForm samples     (with --baseline autoform)
     <output_root>/sc_analysis.json         {"task", "metric", ..., "models": {model: {method: rows or summary}}}
-    <output_root>/sc_analysis.csv          model, method, k, majority_vote, coverage, tokens, questions
+    <output_root>/sc_analysis.csv          model, method, k, majority_vote, coverage, tokens, cut_rate, questions
     <output_root>/sc_analysis.png          score vs k (vote and coverage), vote vs tokens (paper Fig. 3)
 """
 
@@ -56,7 +56,7 @@ from optima.tasks.math_equiv import MathVerifier
 logger = logging.getLogger(__name__)
 
 SC_BASELINES = ("cot", "mad", "autoform")
-CSV_COLUMNS = ("model", "method", "k", "majority_vote", "coverage", "tokens", "questions")
+CSV_COLUMNS = ("model", "method", "k", "majority_vote", "coverage", "tokens", "cut_rate", "questions")
 # --baseline -> the files it adds: CoT brings its greedy answer and its sampled answers (CoT-SC).
 BASELINE_METHODS = {"cot": ("cot", "cot_sc"), "mad": ("mad",), "autoform": ("autoform_sc",)}
 
@@ -151,7 +151,8 @@ def flat_rows(results: dict[str, dict], metric: str) -> list[dict]:
         for method, value in methods.items():
             if isinstance(value, dict):
                 score, tokens, questions = value.get(metric), value.get("mean_tokens"), value.get("questions")
-                point = {"k": 1, "majority_vote": score, "coverage": score, "tokens": tokens, "questions": questions}
+                point = {"k": 1, "majority_vote": score, "coverage": score, "tokens": tokens}
+                point |= {"cut_rate": value.get("cut_rate"), "questions": questions}
                 rows.append({"model": model, "method": method} | point)
             else:
                 rows.extend({"model": model, "method": method} | row for row in value)

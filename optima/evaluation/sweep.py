@@ -55,6 +55,7 @@ TABLE_COLUMNS = (
     "{metric}",
     "{original}",
     "mean_tokens",
+    "cut_rate",
     "no_answer_rate",
     "error_rate",
 )

@@ -10,7 +10,8 @@ over questions:
   cluster opened first) and scores the mean task score of its members. Samples without an answer (too long,
   failed, nothing parsed) do not vote; a question where no sample answered scores 0.
 * ``coverage``: the best task score among the k samples (oracle, pass@k).
-* ``tokens``: the summed ``token_count`` of the k samples (the cost of the k conversations).
+* ``tokens``: the summed ``token_count`` of the k samples (the cost of the k conversations, cut replies included);
+* ``cut_rate``: the share of the k samples with a reply cut at ``max_tokens``.
 
 Two answers match when they are the same string up to case and surrounding spaces, or when the task's scorer
 says so with one answer taking the place of the gold: word F1 >= ``cluster_f1`` (0.9) for F1 tasks, the same
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from optima.evaluation.metrics import RecordScorer, has_answer, record_example
+from optima.reward import is_cut
 from optima.store import group_by_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
@@ -93,15 +95,16 @@ def majority_score(clusters: Sequence[Sequence[int]], scores: Sequence[float]) -
 
 
 def question_curves(group: Sequence[dict], max_k: int, scorer: RecordScorer, cluster_f1: float) -> list[tuple]:
-    """(majority_vote, coverage, tokens) of one question for k = 1..min(max_k, samples)."""
+    """(majority_vote, coverage, tokens, cut share) of one question for k = 1..min(max_k, samples)."""
     samples = list(group[:max_k])
     scores = [scorer.score(r) for r in samples]
     answers = [r["final_answer"] if has_answer(r) else None for r in samples]
     matcher = AnswerMatcher(record_example(samples[0]), cluster_f1, scorer.verifier)
-    curves, tokens = [], 0
+    curves, tokens, cut = [], 0, 0
     for k, clusters in enumerate(cluster_answers(answers, matcher), start=1):
         tokens += samples[k - 1]["token_count"]
-        curves.append((majority_score(clusters, scores), max(scores[:k]), tokens))
+        cut += is_cut(samples[k - 1])
+        curves.append((majority_score(clusters, scores), max(scores[:k]), tokens, cut / k))
     return curves
 
 
@@ -120,8 +123,8 @@ def analyze_self_consistency(
         cluster_f1: F1 at or above which two answers of an F1 task vote together.
 
     Returns:
-        One row per k: ``{"k", "majority_vote", "coverage", "tokens", "questions"}`` (tokens: mean per question of
-        the summed tokens of its k samples).
+        One row per k: ``{"k", "majority_vote", "coverage", "tokens", "cut_rate", "questions"}`` (tokens: mean per
+        question of the summed tokens of its k samples; cut_rate: mean per question of its cut share).
     """
     per_question = [question_curves(group, max_k, scorer, cluster_f1) for group in group_by_question(records)]
     if not per_question:
@@ -132,9 +135,10 @@ def analyze_self_consistency(
         rows.append(
             {
                 "k": k,
-                "majority_vote": round(sum(v for v, _, _ in at_k) / len(at_k), 4),
-                "coverage": round(sum(c for _, c, _ in at_k) / len(at_k), 4),
-                "tokens": round(sum(t for _, _, t in at_k) / len(at_k), 2),
+                "majority_vote": round(sum(v for v, _, _, _ in at_k) / len(at_k), 4),
+                "coverage": round(sum(c for _, c, _, _ in at_k) / len(at_k), 4),
+                "tokens": round(sum(t for _, _, t, _ in at_k) / len(at_k), 2),
+                "cut_rate": round(sum(x for _, _, _, x in at_k) / len(at_k), 4),
                 "questions": len(at_k),
             }
         )

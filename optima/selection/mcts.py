@@ -89,6 +89,7 @@ class Rollout:
         final_answer: Last stated answer ("" if none).
         status: ``ok``, ``too_long`` or ``error``.
         stop_reason: ``same_answer``, ``max_turns``, ``too_long`` or ``error``.
+        cut_tokens: Tokens of the reply that hit ``max_tokens`` and was not added (0 when none was cut).
     """
 
     utterances: tuple[Utterance, ...]
@@ -96,17 +97,19 @@ class Rollout:
     final_answer: str
     status: str
     stop_reason: str
+    cut_tokens: int = 0
 
     @property
     def token_count(self) -> int:
-        """Tokens of all utterances (system prompts excluded, docs/method.md#token-count)."""
-        return sum(self.tokens)
+        """Every generated token of the conversation, a cut reply's included (docs/method.md#token-count)."""
+        return sum(self.tokens) + self.cut_tokens
 
     def to_dict(self) -> dict:
         return {
             "utterances": [{"speaker": u.speaker, "text": u.text} for u in self.utterances],
             "tokens": list(self.tokens),
             "token_count": self.token_count,
+            "cut_replies": int(self.status == "too_long"),
             "final_answer": self.final_answer,
             "status": self.status,
             "stop_reason": self.stop_reason,
@@ -309,13 +312,14 @@ class SearchTree:
         # Answers already stated on the path count for the stop rule; the original only knew the last one (D26).
         for utterance in utterances[-1:] if original else utterances:
             tracker.update(self.task.parse_answer(utterance.text))
-        node, status, stop_reason = start, "ok", "max_turns"
+        node, status, stop_reason, cut_tokens = start, "ok", "max_turns", 0
         while len(utterances) < self.settings.max_turns:
             speaker = AGENT_NAMES[node.next_speaker]
             messages = build_agent_messages(self.example, speaker, utterances, task=self.task, style=style)
             reply = generate(messages, speaker)
             if reply.status != "ok":
                 status = stop_reason = reply.status
+                cut_tokens = reply.tokens if reply.status == "too_long" else 0
                 break
             utterance = Utterance(speaker, strip_speaker_prefix(reply.text, speaker).strip())
             node = self.attach(node, utterance, reply.tokens)
@@ -327,7 +331,7 @@ class SearchTree:
         final_answer = tracker.final_answer
         if original and stop_reason == "max_turns":
             final_answer = ""  # the original scored it with the answer "error": task score 0 (D25)
-        rollout = Rollout(tuple(utterances), tuple(tokens), final_answer, status, stop_reason)
+        rollout = Rollout(tuple(utterances), tuple(tokens), final_answer, status, stop_reason, cut_tokens)
         outcome = score(rollout)
         reward = outcome.reward if isinstance(outcome, RewardParts) else float(outcome)
         self.backpropagate(node, reward)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from optima.agents.prompts import Utterance, is_impersonation, render_utterance
-from optima.reward import Conversation, RewardParts, loss_term, token_term
+from optima.reward import Conversation, RewardParts, loss_term, scored_answer, token_term
 from optima.tasks import Example
 from optima.tasks.scoring import score_example
 
@@ -93,7 +93,8 @@ def build_rollout_scorer(
         losses = None
         if recipe.cal_ppl:
             losses = score_texts([render_utterance(u) for u in scored]) if scored else []
-        task_score = score_example(example, rollout.final_answer or None, recipe.compat, tokenize, verifier=verifier)
+        answer = scored_answer(rollout.final_answer, rollout.status, recipe.compat)
+        task_score = score_example(example, answer, recipe.compat, tokenize, verifier=verifier)
         conversation = Conversation(utterances, rollout.token_count, task_score, rollout.status, losses)
         return score_rollout_parts(conversation, t_max, recipe)
 

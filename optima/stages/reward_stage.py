@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.prompts import Utterance
-from optima.loss_stream import conversation_texts
-from optima.reward import Conversation, is_cut, question_t_max, score_conversation
+from optima.loss_stream import conversation_texts, needs_losses, to_json_losses
+from optima.reward import Conversation, is_cut, question_t_max, score_conversation, scored_answer
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
 from optima.tasks.scoring import score_example
@@ -36,9 +36,9 @@ class RewardStats:
     questions: int = 0
     conversations: int = 0
     answered: int = 0
-    cut: int = 0  # conversations cut for length
     task_score_sum: float = 0.0
     token_sum: int = 0
+    cut: int = 0  # conversations cut for length
     best_rewards: list[float] = field(default_factory=list)
     parts_sum: Counter = field(default_factory=Counter)
 
@@ -48,10 +48,10 @@ class RewardStats:
             self.parts_sum.update(r["reward_parts"])
         self.questions += 1
         self.conversations += len(results)
-        self.answered += sum(1 for r in results if r.get("final_answer"))
-        self.cut += sum(is_cut(r) for r in results)
+        self.answered += sum(scored_answer(r.get("final_answer"), r.get("status", "ok")) is not None for r in results)
         self.task_score_sum += sum(r["reward_parts"]["task_score"] for r in results)
         self.token_sum += sum(r["token_count"] for r in results)
+        self.cut += sum(is_cut(r) for r in results)
         self.best_rewards.append(max(r["reward"] for r in results))
 
     def to_dict(self) -> dict:
@@ -61,9 +61,9 @@ class RewardStats:
             "questions": self.questions,
             "conversations": self.conversations,
             "answer_rate": round(self.answered / n, 4),
-            "cut_rate": round(self.cut / n, 4),
             "accuracy": round(self.task_score_sum / n, 4),
             "mean_tokens": round(self.token_sum / n, 2),
+            "cut_rate": round(self.cut / n, 4),
             "best_reward_max": round(best[-1], 4) if best else None,
             "best_reward_median": round(best[len(best) // 2], 4) if best else None,
             "mean_reward_parts": mean_parts(self.parts_sum, self.conversations),
@@ -86,14 +86,17 @@ def reward_question(
     conversations = []
     for record, record_losses in zip(records, losses, strict=True):
         example = Example.from_dict(record["example"])
-        task_score = score_example(example, record.get("final_answer"), recipe.compat, tokenize, verifier=verifier)
+        answer = scored_answer(record.get("final_answer"), record["status"], recipe.compat)
+        task_score = score_example(example, answer, recipe.compat, tokenize, verifier=verifier)
         conversations.append(
             Conversation(_utterances(record), record["token_count"], task_score, record["status"], record_losses)
         )
     t_max = question_t_max(conversations)
     parts = [score_conversation(c, t_max, recipe) for c in conversations]
     results = [
-        record | {"losses": list(loss) if loss is not None else None, "reward_parts": p.to_dict(), "reward": p.reward}
+        record
+        | {"losses": to_json_losses(loss) if loss is not None else None, "reward_parts": p.to_dict()}
+        | {"reward": p.reward}
         for record, loss, p in zip(records, losses, parts, strict=True)
     ]
     return {"task_id": records[0]["task_id"], "t_max": t_max, "results": results}
@@ -103,13 +106,16 @@ def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None,
     """LM losses of every utterance of every conversation in ``chunk``: stored ones, the rest in one batched call."""
     if score_texts is None:
         return [[None] * len(group) for group in chunk]
-    stored = [[known(record) if known else None for record in group] for group in chunk]
-    pairs = [list(zip(group, have, strict=True)) for group, have in zip(chunk, stored, strict=True)]
-    texts = [text for group in pairs for record, h in group if h is None for text in conversation_texts(record)]
+    records = [record for group in chunk for record in group]
+    losses = [known(record) if known else None for record in records]
+    # Only finished conversations' losses are read by the reward (a cut or failed one gets the loss penalty).
+    missing = [i for i, record in enumerate(records) if losses[i] is None and needs_losses(record)]
+    texts = [text for i in missing for text in conversation_texts(records[i])]
     flat = iter(score_texts(texts) if texts else [])
-    return [
-        [h if h is not None else [next(flat) for _ in record["utterances"]] for record, h in group] for group in pairs
-    ]
+    for i in missing:
+        losses[i] = [next(flat) for _ in records[i]["utterances"]]
+    ordered = iter(losses)
+    return [[next(ordered) for _ in group] for group in chunk]
 
 
 def reward_generations(

@@ -9,6 +9,10 @@ Decisions (documented here because the original left them implicit):
   the tag are allowed (the original regex had no DOTALL, so `<A>\\nParis\\n</A>` was lost). The tag is
   case-sensitive, as in the original protocol. `<A></A>` gives "" (the caller treats "" as "no answer").
 * Boxed: the content of the last `\\boxed{`, matched brace by brace; an unbalanced box gives None.
+* Placeholders: the prompts show the answer slot as a placeholder that no task would answer (`ANSWER_PLACEHOLDERS`,
+  per prompt set: `{your answer}`, `{letter}) {option text}`, `{number}`); an answer equal to its task's placeholder
+  (with or without the braces, case and spaces aside) is no answer (`is_placeholder`): a model that copies the
+  format line states nothing (docs/method.md#roles-and-prompts).
 * `normalize_final_answer` follows Minerva's (Lewkowycz et al. 2022, App. D) steps, written
   from that description, with one deliberate change: unit/filler words and the article substitutions only match
   where they do not continue a longer word, so `\\left` keeps its "ft" and "mean" keeps its "an ".
@@ -21,6 +25,14 @@ import re
 TAG_OPEN = "<A>"
 TAG_CLOSE = "</A>"
 BOXED_OPEN = "\\boxed{"
+
+# prompt set -> the placeholders its prompts show in the answer slot (the first is the one the format lines use).
+ANSWER_PLACEHOLDERS: dict[str, tuple[str, ...]] = {
+    "qa": ("{your answer}",),
+    "choice": ("{letter}) {option text}", "{letter}", "{option text}"),
+    "gsm8k": ("{number}",),
+    "math": ("{your answer}",),
+}
 
 # Minerva substitutions, applied in order. The first two are article removals.
 _ARTICLES = ("an ", "a ")
@@ -88,8 +100,11 @@ _REMOVED_PATTERNS = tuple(
 _ARTICLE_PATTERNS = tuple(re.compile(_WORD_GUARD + re.escape(article)) for article in _ARTICLES)
 # Wrappers whose content is kept; `[^{}]*` keeps the scan linear on adversarial input.
 _UNWRAP = re.compile(r"\\(?:text|textbf|overline|boxed)\{([^{}]*)\}")
-_FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
-_SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
+# Shorthand arguments (docs/method.md#scoring): one command (`\\pi`) or one character; `{` opens a braced one.
+_FRAC_SHORTHAND = re.compile(r"frac(\\[A-Za-z]+|[^{}\\])(\\[A-Za-z]+|.)", re.DOTALL)
+_SQRT_SHORTHAND = re.compile(r"sqrt(\\[A-Za-z]+|[^{}\[\\])", re.DOTALL)
+# A comma-grouped number ("1,000", "12,345,678"): the only commas dropped from a number.
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def parse_tag(text: str | None) -> str | None:
@@ -176,12 +191,39 @@ def normalize_final_answer(answer: str) -> str:
         final = pattern.sub("", final)
     final = _keep_between_dollars(final)
     final = _UNWRAP.sub(r"\1", final)
-    final = _FRAC_SHORTHAND.sub(r"frac{\1}{\2}", final)
-    final = _SQRT_SHORTHAND.sub(r"sqrt{\1}", final)
+    final = expand_shorthand(final)
     final = final.replace("$", "")
-    if final.replace(",", "").isdigit():
-        final = final.replace(",", "")
-    return final
+    return drop_thousands_commas(final)
+
+
+def drop_thousands_commas(text: str) -> str:
+    """`"1,000"` -> `"1000"`; any other comma stays, so the list `"1,2"` never becomes the number 12.
+
+    Minerva dropped the commas of every digit string ("1,2" -> "12"); only thousands groups are separators.
+
+    Args:
+        text: a normalised answer.
+    """
+    return text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
+
+
+def expand_shorthand(text: str) -> str:
+    """Brace the arguments of `\\frac` and `\\sqrt` shorthand: `\\frac12`, `\\frac9{19}`, `\\sqrt2`, `\\sqrt\\pi`.
+
+    Minerva's rewrite took one character per argument whatever it was, so `\\frac9{19}` became `\\frac{9}{{}19}`
+    and `\\sqrt[4]{8}` became `\\sqrt{[}4]{8}`. Here an argument is one character or one command (`\\pi`); a
+    denominator that is already braced is kept, and `\\sqrt[n]{x}` (an n-th root) is left as written.
+
+    Args:
+        text: a normalised answer.
+    """
+    return _SQRT_SHORTHAND.sub(r"sqrt{\1}", _FRAC_SHORTHAND.sub(_brace_frac, text))
+
+
+def _brace_frac(match: re.Match) -> str:
+    numerator, denominator = match.groups()
+    # An opening brace starts a denominator that is braced already: keep it (its content follows unchanged).
+    return f"frac{{{numerator}}}" + ("{" if denominator == "{" else f"{{{denominator}}}")
 
 
 def parse_math_answer(text: str | None) -> str | None:
@@ -198,6 +240,31 @@ def parse_math_answer(text: str | None) -> str | None:
 
 # answer_style -> parser; tasks pick their parser here (no if/elif on task names).
 ANSWER_PARSERS = {"tag": parse_tag, "boxed": parse_math_answer}
+
+
+def _placeholder_key(text: str) -> str:
+    # Case, spaces and braces aside: "{Your Answer}", "your answer" and the maths normaliser's "{youranswer}" agree.
+    return "".join(char for char in text.casefold() if char not in "{} \t\n").rstrip(".")
+
+
+_PLACEHOLDER_KEYS = {name: {_placeholder_key(p) for p in texts} for name, texts in ANSWER_PLACEHOLDERS.items()}
+# In a tag answer, one braced phrase is a placeholder whatever its words (`{year}` of the format pool, or a model's
+# variation `{my answer}`, `{you're chosen}`): no information-exchange or multiple-choice answer is wrapped in braces.
+_BRACED_PHRASE = re.compile(r"\{[^{}]*\}")
+
+
+def is_placeholder(answer: str | None, prompt_set: str) -> bool:
+    """Whether `answer` is the placeholder of a prompt set's answer slot (copied from the prompt, not an answer).
+
+    Args:
+        answer: a parsed answer.
+        prompt_set: the task's prompt set (`qa`, `choice`, `gsm8k`, `math`).
+    """
+    if not answer:
+        return False
+    if prompt_set in ("qa", "choice") and _BRACED_PHRASE.fullmatch(answer.strip()):
+        return True
+    return _placeholder_key(answer) in _PLACEHOLDER_KEYS.get(prompt_set, ())
 
 
 def render_answer(answer: str, answer_style: str) -> str:

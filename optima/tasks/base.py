@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from optima.tasks.answers import ANSWER_PARSERS, render_answer
+from optima.tasks.answers import ANSWER_PARSERS, is_placeholder, render_answer
 from optima.tasks.sources import DataError, read_hub_rows, read_split, resolve_data_dir
 
 logger = logging.getLogger(__name__)
@@ -241,10 +241,13 @@ class Task:
     def parse_answer(self, text: str | None) -> str | None:
         """Extract the answer an utterance states, in this task's answer style (None when it states none).
 
+        The placeholder of the prompts' answer slot (`{your answer}`, ...) is no answer: None.
+
         Args:
             text: the utterance.
         """
-        return ANSWER_PARSERS[self.answer_style](text)
+        answer = ANSWER_PARSERS[self.answer_style](text)
+        return None if is_placeholder(answer, self.prompt_set) else answer
 
     def render_answer(self, answer: str) -> str:
         """Write `answer` in this task's answer style (`<A>..</A>` or `\\boxed{..}`).

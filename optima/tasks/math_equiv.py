@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from fractions import Fraction
 
-from optima.tasks.answers import normalize_final_answer
+from optima.tasks.answers import drop_thousands_commas, normalize_final_answer
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,15 @@ def canonical_answer(answer: str) -> str:
 
 
 def numeric_value(text: str) -> Fraction | None:
-    """Parse an integer, a decimal, `a/b` or `\\frac{a}{b}` (commas and spaces ignored) into a Fraction.
+    """Parse an integer, a decimal, `a/b` or `\\frac{a}{b}` (spaces and thousands commas ignored) into a Fraction.
+
+    A comma that does not group thousands makes it no number: the list `-1, 2` is not -12.
 
     Args:
         text: a candidate number; anything else gives None.
     """
-    text = "".join(text.split()).replace(",", "")
-    if not text or len(text) > _MAX_NUMBER_CHARS:
+    text = drop_thousands_commas("".join(text.split()))
+    if not text or "," in text or len(text) > _MAX_NUMBER_CHARS:
         return None
     try:
         if _NUMBER.fullmatch(text):

@@ -5,12 +5,13 @@ One scorer per score type, chosen through `SCORERS[score_type]` (no branching on
 | type | tasks | `mode="default"` | `mode="original"` (`compat: original`, docs/method.md D15, D16, D28) |
 | --- | --- | --- | --- |
 | "f1" | hotpot_qa, mwh_qa, trival_qa, cbt | SQuAD word F1 | subword F1 with the model tokenizer (see below) |
-| "choice" | arc, mmlu | option label ("B", "(B)", "B) text") or text | option text equality |
-| "number" | gsm8k | numeric ("1,000" == "1000" == "1000.0") | lower-cased string equality |
+| "choice" | arc, mmlu | option label ("B", "(B)", "B) text") or text | the original's exact match |
+| "number" | gsm8k | numeric ("1,000" == "1000" == "1000.0", "70%" == "70") | the original's exact match |
 | "math" | math | fast string/number path, then symbolic | same as default |
 
-Original F1 keeps the original's character-set strip of "m=" and its lack of SQuAD normalisation; original
-choice matching removes a leading option label first (our questions list labelled options, the original's did not).
+Original F1 keeps the original's character-set strip of "m=" and its lack of SQuAD normalisation; the original's
+exact match (`original_exact_match`) is `gold.strip().lower() == prediction.strip().strip("\\").lower()` and
+nothing more: an answer "B) text" does not match the gold text (the original's questions had no option labels).
 For several gold aliases (TriviaQA) the maximum is taken. A missing prediction (None or "") scores 0. No scorer
 raises on model output, whatever it contains. The same-answer-twice stop rule lives in `answers.py` and is
 re-exported here (`AnswerTracker`, `should_stop`).
@@ -158,21 +159,37 @@ def resolve_choice(prediction: str, options: Sequence[tuple[str, str]]) -> str |
 def score_choice(prediction: str, gold: str, context: ScoreContext) -> float:
     """Score type "choice": 1 if the prediction names the gold option (label or text), else 0."""
     if context.mode == "original":
-        labelled = _LABELLED_TEXT.fullmatch(_normalize_option(prediction))
-        text = labelled.group(3) if labelled else prediction
-        return float(_normalize_option(text) == _normalize_option(gold))
+        return original_exact_match(prediction, gold)
     if not context.options:
         return float(_normalize_option(prediction) == _normalize_option(gold))
     gold_label = resolve_choice(gold, context.options)
     return float(gold_label is not None and resolve_choice(prediction, context.options) == gold_label)
 
 
+def original_exact_match(prediction: str, gold: str) -> float:
+    """The original's exact match, exactly: `gold.strip().lower() == prediction.strip().strip("\\\\").lower()`.
+
+    Nothing else is forgiven: no option label is removed (from either side) and no trailing period.
+
+    Args:
+        prediction: the parsed final answer.
+        gold: the gold answer.
+    """
+    return float(gold.strip().lower() == prediction.strip().strip("\\").lower())
+
+
+def _without_percent(text: str) -> str:
+    # "70%" answers a percentage question whose gold is 70 (GSM8K states percentages without the sign).
+    return text.removesuffix("\\%").removesuffix("%")
+
+
 def score_number(prediction: str, gold: str, context: ScoreContext) -> float:
-    """Score type "number": numeric equality after `normalize_final_answer`; string equality as a fallback."""
+    """Score type "number": numeric equality after `normalize_final_answer` (a trailing `%` ignored); string equality
+    as a fallback."""
     if context.mode == "original":
-        return float(gold.strip().lower() == prediction.strip().strip("\\").lower())
-    pred_value = numeric_value(normalize_final_answer(prediction))
-    gold_value = numeric_value(normalize_final_answer(gold))
+        return original_exact_match(prediction, gold)
+    pred_value = numeric_value(_without_percent(normalize_final_answer(prediction)))
+    gold_value = numeric_value(_without_percent(normalize_final_answer(gold)))
     if pred_value is not None and gold_value is not None:
         return float(pred_value == gold_value)
     return float(prediction.strip() == gold.strip())
