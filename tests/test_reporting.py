@@ -109,10 +109,10 @@ def test_report_lists_the_most_frequent_final_answers_per_iteration(sft_run):
     markdown, _ = write_run_report(sft_run)
     text = markdown.read_text()
     section = text.split("## Most frequent final answers")[1].split("\n## ")[0]
-    assert "| 0 | 1 | `B) adding heat` | 14 | 0.7 |" in section  # 14 of the 20 conversations
-    assert "| 0 | 2 | `answer` | 2 | 0.1 |" in section and "| 0 | 3 | `C) 4` | 1 | 0.05 |" in section
-    assert "| 0 | 4 |" not in section  # conversations without an answer are not an answer
-    assert "| 1 | 10 | `answer 9` | 3 |" in section and "| 1 | 11 |" not in section  # ten per iteration
+    assert "| 1 | 1 | `B) adding heat` | 14 | 0.7 |" in section  # 14 of the 20 conversations
+    assert "| 1 | 2 | `answer` | 2 | 0.1 |" in section and "| 1 | 3 | `C) 4` | 1 | 0.05 |" in section
+    assert "| 1 | 4 |" not in section  # conversations without an answer are not an answer
+    assert "| 2 | 10 | `answer 9` | 3 |" in section and "| 2 | 11 |" not in section  # ten per iteration
     assert "`Wide" not in section  # (one occurrence: below the top ten)
 
 
@@ -121,7 +121,7 @@ def test_a_report_answer_cannot_break_its_table(tmp_path):
     write_metrics(run / "iteration_0", 0, sft_stages([1.0], [10], 1, 1.0))
     write_generations(run / "iteration_0", ["a | b\nc"])
     text = write_run_report(run)[0].read_text()
-    assert "| 0 | 1 | `a \\| b c` | 1 | 1 |" in text
+    assert "| 1 | 1 | `a \\| b c` | 1 | 1 |" in text
 
 
 def test_report_of_an_sft_dpo_run_has_pair_and_rollout_stats(tmp_path):
