@@ -139,7 +139,7 @@ def assert_report_and_tensorboard(run: Path, trainer: dict) -> None:
     events.Reload()
     assert [e.step for e in events.Scalars("train/train_loss")] == [0, 1]
     assert events.Scalars("train/train_loss")[1].value == pytest.approx(loss)
-    assert [e.step for e in events.Tensors("conversations/sampled")] == [0, 1]
+    assert [e.step for e in events.Tensors("conversations/sampled/text_summary")] == [0, 1]
 
 
 def loss_server_pid(run: Path) -> int:
