@@ -33,6 +33,7 @@ ZERO3 = {
     "gradient_accumulation_steps": 1,
     "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
     "bf16": {"enabled": False},
+    "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; the reference does not clip
 }
 
 
