@@ -162,3 +162,20 @@ def test_rank0_checks_and_merges_outside_zero3(monkeypatch, tiny_model):
     assert set(merged.state_dict()) == set(expected)
     for name, tensor in merged.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_shipped_fsdp_config_is_fsdp2_as_accelerate_reads_it(monkeypatch):
+    """``fsdp.yaml`` through accelerate's own launcher code (config -> environment -> plugin): FSDP2, sharded state."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from optima.training.launch_config import ACCELERATE_CONFIGS
+
+    args = launch_command_parser().parse_args(["--config_file", str(ACCELERATE_CONFIGS / "fsdp.yaml"), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    for name, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(name, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"  # resumable trainer checkpoints; the final save gathers
