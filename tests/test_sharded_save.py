@@ -90,10 +90,11 @@ def assert_equals_reference(out: Path, model: Path, lora: bool) -> None:
     assert moved if not lora else moved and all(".q_proj." in n or ".v_proj." in n for n in moved)
 
 
-def test_fsdp2_on_two_cpu_processes_saves_the_full_weights(tiny_model, tmp_path):
-    out = tmp_path / "fsdp2"
-    run_ranks("fsdp2", tiny_model, out)
-    assert_equals_reference(out, tiny_model, lora=False)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_on_two_cpu_processes_saves_the_full_weights(tiny_model, tmp_path, lora):
+    out = tmp_path / f"fsdp2_{'lora' if lora else 'full'}"
+    run_ranks("fsdp2", tiny_model, out, lora=lora)
+    assert_equals_reference(out, tiny_model, lora=lora)
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (it is in requirements-cuda.txt only)")
