@@ -26,7 +26,7 @@ import pytest
 
 from optima.serving.vllm_server import find_free_port
 from optima.training.common import is_complete, read_completion
-from optima.weights_probe import PROBE_KEY, TOLERANCES, Probe, compare_probe, score_ids
+from optima.weights_probe import TOLERANCES, compare_probe, read_probe, score_ids
 from tests.sharded_save_driver import train_reference
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def assert_equals_reference(out: Path, model: Path, lora: bool) -> None:
     saved, start = load_file(out / "model.safetensors"), load_file(model / "model.safetensors")
     trained = train_reference(str(model), world_size=2, lora=lora)
     # The weights probe that the sharded model recorded (its forwards gather shards) is what the unsharded one says.
-    probe = Probe.from_json(marker[PROBE_KEY])
+    probe = read_probe(out)
     assert compare_probe(probe, *score_ids(trained, probe.input_ids), TOLERANCES["float32"]) is None
     reference = trained.state_dict()
     assert set(saved) == set(start) and marker["tensors"] == len(start)

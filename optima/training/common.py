@@ -150,5 +150,8 @@ def is_complete(checkpoint: Path) -> bool:
 
 
 def read_completion(checkpoint: Path) -> dict[str, Any]:
-    """The metrics a trainer script wrote with its completion marker."""
-    return json.loads((Path(checkpoint) / COMPLETE_MARKER).read_text())
+    """The metrics a trainer script wrote with its completion marker (its weights probe left out: not a metric)."""
+    from optima.weights_probe import PROBE_KEY
+
+    marker = json.loads((Path(checkpoint) / COMPLETE_MARKER).read_text())
+    return {key: value for key, value in marker.items() if key != PROBE_KEY}
