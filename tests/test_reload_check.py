@@ -162,3 +162,12 @@ def test_the_served_dtype_is_float32_only_on_our_cpu_servers(make_recipe):
     assert served_dtype(make_recipe(), on_cpu=True) == "float32"
     assert served_dtype(make_recipe(), on_cpu=False) is None
     assert served_dtype(make_recipe(vllm_extra_args=["--dtype", "bfloat16"]), on_cpu=True) is None
+
+
+def test_a_server_that_cannot_score_the_probe_stops_the_run(make_recipe, checkpoint):
+    from tests.fake_openai import FakeReply
+
+    path, _ = checkpoint
+    with FakeOpenAIServer(respond=lambda body: FakeReply(status=400)) as server:
+        with pytest.raises(WeightsMismatch, match="did not answer the probe request .*BadRequestError"):
+            wake_with_weights([server.base_url], path, make_recipe(max_retries=0), gpu=False)

@@ -60,7 +60,12 @@ def probe_server(url: str, probe: Probe, recipe) -> tuple[list, list]:
 
 def probe_mismatch(url: str, probe: Probe, recipe, served_dtype: str | None) -> str | None:
     """What differs between ``url``'s answer to the probe and the recorded one (None: it holds those weights)."""
-    served, top = probe_server(url, probe, recipe)
+    import openai
+
+    try:
+        served, top = probe_server(url, probe, recipe)
+    except (openai.OpenAIError, AttributeError, TypeError, ValueError) as exc:  # no answer, or not vLLM's shape
+        return f"it did not answer the probe request ({type(exc).__name__}: {str(exc)[:300]})"
     return compare_probe(probe, served, top, tolerance_for(probe, served_dtype))
 
 
