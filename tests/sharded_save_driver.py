@@ -111,7 +111,7 @@ def build_sharded(strategy: str, model_path: str, lora: bool):
         model = with_lora(model) if lora else model
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ZERO3)
-        engine.hf_config = keep
+        engine.hf_config = keep  # transformers holds it by weak reference only: keep it alive with the engine
         return model, engine, None
     from torch.distributed.fsdp import fully_shard
 
