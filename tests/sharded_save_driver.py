@@ -1,16 +1,17 @@
 """One rank of a really sharded training on CPU processes (gloo), saved through Optima's own save path.
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
-        python -m tests.sharded_save_driver --strategy fsdp2 --model M --out O [--lora]
+        python -m tests.sharded_save_driver --strategy fsdp2 --model M --out O
 
 accelerate 1.15 builds FSDP and DeepSpeed only for accelerator devices, so on CPU ranks it would train the model
 whole on every process. This driver shards for real, without accelerate's process count: ``fsdp2`` wraps every
 decoder layer and then the model with ``torch.distributed.fsdp.fully_shard``; ``zero3`` sets the HF DeepSpeed
 config first (as accelerate does, so transformers builds the model inside ``deepspeed.zero.Init``) and trains
 through ``deepspeed.initialize`` with DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``). Both train
-``STEPS`` steps, rank r on its own batches (``batches``), then call ``optima.training.common.save_checkpoint``
-with a trainer whose accelerator is accelerate's own ``Accelerator.get_state_dict`` on the sharded model: the
-save, the rank-0 check of the files and the LoRA merge are the trainer scripts' code.
+``STEPS`` steps, rank r on its own batches (``batches``), once fully and once with LoRA, each time calling
+``optima.training.common.save_checkpoint`` with a trainer whose accelerator is accelerate's own
+``Accelerator.get_state_dict`` on the sharded model: the save, the rank-0 check of the files and the LoRA merge
+are the trainer scripts' code.
 
 ``train_reference`` trains the same model unsharded in one process on both ranks' batches at once: equal token
 counts per rank make the mean of the ranks' losses equal that batch's loss, so the weights must agree.
@@ -24,6 +25,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 STEPS = 2
+VARIANTS = ("full", "lora")  # full fine-tuning, then a LoRA adapter (gathered and merged on rank 0)
 TIMEOUT_S = 60  # of every collective: a rank left alone in one fails the run instead of hanging it
 ROWS, LENGTH = 2, 12
 LEARNING_RATE = 1.0e-2
@@ -124,18 +126,13 @@ def build_sharded(strategy: str, model_path: str, lora: bool):
     return model, model, optimizer
 
 
-def run_rank(strategy: str, model_path: str, out: str, lora: bool) -> None:
+def train_and_save(strategy: str, model_path: str, out: str, lora: bool) -> None:
+    """Shard, train ``STEPS`` steps on this rank's batches, save through ``save_checkpoint`` (all ranks call it)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from optima.training.common import save_checkpoint
 
-    if strategy == "zero3":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
     module, wrapped, optimizer = build_sharded(strategy, model_path, lora)
     for ids in batches(rank, module.config.vocab_size):
@@ -152,18 +149,26 @@ def run_rank(strategy: str, model_path: str, out: str, lora: bool) -> None:
     sharded = getattr(local, "ds_numel", None) is not None or type(local).__name__ == "DTensor"
     trainer = SimpleNamespace(model=module, model_wrapped=wrapped, accelerator=DriverAccelerator(strategy))
     save_checkpoint(trainer, AutoTokenizer.from_pretrained(model_path), out, {"sharded": sharded, "rank": rank})
-    dist.destroy_process_group()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["fsdp2", "zero3"], required=True)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--out", required=True, help="checkpoints go to OUT/full and OUT/lora")
     args = parser.parse_args()
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    run_rank(args.strategy, args.model, args.out, args.lora)
+    import torch.distributed as dist
+
+    if args.strategy == "zero3":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    for variant in VARIANTS:  # one process group for both: the imports are most of the time
+        train_and_save(args.strategy, args.model, os.path.join(args.out, variant), lora=variant == "lora")
+    dist.destroy_process_group()
     return 0
 
 

@@ -8,7 +8,7 @@ ZeRO-3 on rank 0 alone: ``verify_saved_weights`` and ``merge_lora`` build models
 config is set. Built inside ``deepspeed.zero.Init``, such a model enters a broadcast the other ranks never join (the
 save hung until the collective timeout and wrote no completion marker). The default suite proves without DeepSpeed
 that neither enters ``zero.Init`` or a collective; with DeepSpeed importable, a real 2-process ZeRO-3 run (full and
-LoRA, about 10 s each once DeepSpeed has built its CPU communication op) saves, checks and merges.
+LoRA in one process group, about 10 s once DeepSpeed has built its CPU communication op) saves, checks and merges.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ import pytest
 from optima.serving.vllm_server import find_free_port
 from optima.training.common import is_complete, read_completion
 from optima.weights_probe import TOLERANCES, compare_probe, read_probe, score_ids
-from tests.sharded_save_driver import train_reference
+from tests.sharded_save_driver import VARIANTS, train_reference
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 RUN_TIMEOUT_S = 240  # both ranks together; a rank left alone in a collective fails after the driver's TIMEOUT_S
 
 
-def run_ranks(strategy: str, model: Path, out: Path, lora: bool = False, world_size: int = 2) -> None:
+def run_ranks(strategy: str, model: Path, out: Path, world_size: int = 2) -> None:
     """Run every rank of the driver; fail with the logs when one fails or the run outlives its deadline."""
     port = find_free_port("127.0.0.1", 29500 + os.getpid() % 3000)
     argv = [sys.executable, "-m", "tests.sharded_save_driver", "--strategy", strategy, "--model", str(model)]
-    argv += ["--out", str(out)] + (["--lora"] if lora else [])
+    argv += ["--out", str(out)]
     base = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     base |= {"WORLD_SIZE": str(world_size), "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     logs = [out.parent / f"{out.name}.rank{rank}.log" for rank in range(world_size)]
@@ -90,19 +90,17 @@ def assert_equals_reference(out: Path, model: Path, lora: bool) -> None:
     assert moved if not lora else moved and all(".q_proj." in n or ".v_proj." in n for n in moved)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_fsdp2_on_two_cpu_processes_saves_the_full_weights(tiny_model, tmp_path, lora):
-    out = tmp_path / f"fsdp2_{'lora' if lora else 'full'}"
-    run_ranks("fsdp2", tiny_model, out, lora=lora)
-    assert_equals_reference(out, tiny_model, lora=lora)
+def test_fsdp2_on_two_cpu_processes_saves_the_full_weights(tiny_model, tmp_path):
+    run_ranks("fsdp2", tiny_model, tmp_path / "fsdp2")
+    for variant in VARIANTS:
+        assert_equals_reference(tmp_path / "fsdp2" / variant, tiny_model, lora=variant == "lora")
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (it is in requirements-cuda.txt only)")
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_zero3_on_two_cpu_processes_saves_verifies_and_merges_without_hanging(tiny_model, tmp_path, lora):
-    out = tmp_path / f"zero3_{'lora' if lora else 'full'}"
-    run_ranks("zero3", tiny_model, out, lora=lora)
-    assert_equals_reference(out, tiny_model, lora=lora)
+def test_zero3_on_two_cpu_processes_saves_verifies_and_merges_without_hanging(tiny_model, tmp_path):
+    run_ranks("zero3", tiny_model, tmp_path / "zero3")
+    for variant in VARIANTS:
+        assert_equals_reference(tmp_path / "zero3" / variant, tiny_model, lora=variant == "lora")
 
 
 class ZeroThreeConfig:
