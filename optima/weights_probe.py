@@ -125,8 +125,11 @@ def compare_probe(
     mean = sum(d for d, _ in diffs) / len(diffs)
     worst, at = max(diffs)
     start = len(probe.prompt_ids)
-    gaps = [(top - s, i) for i, (s, top) in enumerate(zip(served, served_top, strict=True)) if i >= start]
-    gaps = [(gap if math.isfinite(gap) else math.inf, i) for gap, i in gaps if gap is not None]
+    gaps = [  # a missing or NaN answer is already counted above as an infinite difference
+        (top - s if math.isfinite(top - s) else math.inf, i)
+        for i, (s, top) in enumerate(zip(served, served_top, strict=True))
+        if i >= start and s is not None and top is not None
+    ]
     gap, gap_at = max(gaps, default=(0.0, start))
     found = []
     if mean > tolerance.mean or worst > tolerance.max:

@@ -89,6 +89,8 @@ def test_the_recorded_probe_is_greedy_and_scores_itself(checkpoint):
         ({"better": 5, "by": 0.3}, "recorded greedy token (id 7) is 0.3000 nats below"),
         ({"drop": 1}, "the server scored 5 tokens, the probe has 6"),
         ({"nan": 3}, "by inf at token 3"),
+        ({"nan": 5}, "by inf at token 5"),  # in the continuation too
+        ({"none": 4}, "by inf at token 4"),
     ],
 )
 def test_compare_probe(change, words):
@@ -105,6 +107,8 @@ def test_compare_probe(change, words):
         served, best = served[:-1], best[:-1]
     if "nan" in change:
         served[change["nan"]] = math.nan
+    if "none" in change:
+        served[change["none"]] = None
     problem = compare_probe(probe, served, best, TOLERANCES["float32"])
     assert problem is None if words is None else words in problem
 
