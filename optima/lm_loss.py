@@ -64,6 +64,25 @@ def mean_nll(logprobs: Sequence[float | None], scored: Sequence[int]) -> float:
     return sum(values) / len(values)
 
 
+def prompt_logprobs(client: Any, model: str, prompts: Sequence[Sequence[int]], top: int = 0) -> list[Any]:
+    """The served log-probabilities of each prompt's tokens, nothing generated (one choice per prompt, in order).
+
+    ``/v1/completions`` with the token ids as prompts, ``echo`` and ``max_tokens: 0``: each choice's
+    ``logprobs.token_logprobs`` holds the log-probability of every prompt token given the ones before it (the first
+    is None), and with ``top`` > 0 ``logprobs.top_logprobs`` the ``top`` most likely tokens at each position.
+
+    Args:
+        client: An ``openai.OpenAI`` client of the server.
+        model: Its served model name.
+        prompts: Token ids of each prompt.
+        top: Alternatives per position.
+    """
+    response = client.completions.create(
+        model=model, prompt=[list(p) for p in prompts], max_tokens=0, echo=True, logprobs=top, temperature=0.0
+    )
+    return sorted(response.choices, key=lambda c: c.index)
+
+
 class VLLMLossScorer:
     """LM losses from a vLLM server's prompt log-probabilities.
 
@@ -97,15 +116,7 @@ class VLLMLossScorer:
     def _score_batch(self, numbered: tuple[int, Sequence[LossInput]]) -> list[float]:
         number, inputs = numbered
         client = self.clients[number % len(self.clients)]
-        response = client.completions.create(
-            model=self.model,
-            prompt=[x.input_ids for x in inputs],
-            max_tokens=0,
-            echo=True,
-            logprobs=0,
-            temperature=0.0,
-        )
-        choices = sorted(response.choices, key=lambda c: c.index)
+        choices = prompt_logprobs(client, self.model, [x.input_ids for x in inputs])
         return [mean_nll(c.logprobs.token_logprobs, x.scored) for c, x in zip(choices, inputs, strict=True)]
 
     def score(self, texts: Sequence[str]) -> list[float]:

@@ -9,6 +9,10 @@ default, vLLM's ``VLLM_SERVER_DEV_MODE=1``) it has the development routes that r
 ``/resume``, ``/collective_rpc`` (``reload_weights``), ``/reset_prefix_cache``, ``/update_weight_version`` and
 ``GET /weight_info``. Those requests go to ``dev_requests`` (reloads also to ``reloads``), not to ``requests``.
 
+With a ``scorer`` it also answers ``POST /v1/completions`` with ``echo`` (the prompt scored, nothing generated) as
+vLLM does: ``scorer(token_ids) -> (log-probability of each token, highest log-probability at each position)``,
+the first of each None. The weights probe and the LM-loss scorer send that request.
+
     with FakeOpenAIServer() as server:            # server.base_url == "http://127.0.0.1:<port>/v1"
         ...
 """
@@ -82,6 +86,7 @@ class FakeOpenAIServer:
         root: The model it reports as loaded (vLLM's ``root``); None: not reported.
         dev_mode: Whether it has vLLM's development routes (weights can be reloaded).
         metrics: Produces the Prometheus text of ``GET /metrics`` (None: 404, as a server that is not vLLM).
+        scorer: Scores the token ids of an ``echo`` completion request (None: such requests go to ``respond``).
     """
 
     def __init__(
@@ -92,8 +97,10 @@ class FakeOpenAIServer:
         root: str | None = None,
         dev_mode: bool = True,
         metrics: Callable[[], str] | None = None,
+        scorer: Callable[[list[int]], tuple[list, list]] | None = None,
     ):
         self.respond, self.model, self.root, self.dev_mode = respond, model, root, dev_mode
+        self.scorer = scorer
         self.metrics = metrics
         self.weight_version = "default"
         self.reloads: list[str] = []
@@ -167,6 +174,9 @@ class FakeOpenAIServer:
                     self._send(status, payload)
                     return
                 server._record(body, {k.lower(): v for k, v in self.headers.items()})
+                if self.path == "/v1/completions" and body.get("echo") and server.scorer is not None:
+                    self._send(200, scored_completion(body, server.scorer))
+                    return
                 reply = server.respond(body)
                 if reply.delay_s:
                     time.sleep(reply.delay_s)  # a slow "model"
@@ -231,3 +241,34 @@ def completion(body: dict, reply: FakeReply) -> dict:
         ],
         "usage": usage,
     }
+
+
+def scored_completion(body: dict, scorer: Callable[[list[int]], tuple[list, list]]) -> dict:
+    """The text_completion JSON of an ``echo`` request with token-id prompts: each prompt scored, nothing generated.
+
+    ``top_logprobs`` maps token text to log-probability, as vLLM's: here ``"<id>"`` of the scored token, plus
+    ``"best"`` with the highest log-probability when another token is more likely.
+    """
+    choices = []
+    for index, ids in enumerate(body["prompt"]):
+        logprobs, best = scorer(list(ids))
+        tops = [
+            None if lp is None else {str(token): lp} | ({"best": top} if top > lp else {})
+            for token, lp, top in zip(ids, logprobs, best, strict=True)
+        ]
+        choices.append(
+            {
+                "index": index,
+                "text": "",
+                "finish_reason": "length",
+                "logprobs": {
+                    "tokens": [str(token) for token in ids],
+                    "token_logprobs": logprobs,
+                    "top_logprobs": tops,
+                    "text_offset": list(range(len(ids))),
+                },
+            }
+        )
+    usage = {"prompt_tokens": sum(len(p) for p in body["prompt"]), "completion_tokens": 0}
+    return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": body.get("model"),
+            "choices": choices, "usage": usage | {"total_tokens": usage["prompt_tokens"]}}  # fmt: skip

@@ -5,6 +5,7 @@ The real multi-process runs (FSDP, ZeRO-3, a killed run resumed) are in ``tests/
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -20,8 +21,15 @@ from optima.training.checkpoint import (
     resume_checkpoint,
     trainer_checkpoints,
 )
-from optima.training.common import COMPLETE_MARKER, is_complete, resolve_attn_implementation, save_checkpoint
+from optima.training.common import (
+    COMPLETE_MARKER,
+    is_complete,
+    read_completion,
+    resolve_attn_implementation,
+    save_checkpoint,
+)
 from optima.training.launch_config import ACCELERATE_CONFIGS, TrainLaunch
+from optima.weights_probe import PROBE_KEY, record_probe
 
 
 @pytest.mark.parametrize(
@@ -106,6 +114,9 @@ def test_a_gathered_save_is_verified_then_marked(tiny_model, tmp_path):
     save_checkpoint(fake_trainer(model, model.state_dict()), tokenizer, str(tmp_path / "ok"), {"train_rows": 4})
     assert is_complete(tmp_path / "ok")
     assert '"tensors": ' + str(len(list(model.parameters()))) in (tmp_path / "ok" / COMPLETE_MARKER).read_text()
+    marker = json.loads((tmp_path / "ok" / COMPLETE_MARKER).read_text())
+    assert marker[PROBE_KEY] == record_probe(model, tokenizer).to_json()  # the trained model's probe, recorded
+    assert PROBE_KEY not in read_completion(tmp_path / "ok")  # the stage's metrics do not carry it
 
 
 def test_a_save_of_unsharded_placeholders_is_never_marked_complete(tiny_model, tmp_path):

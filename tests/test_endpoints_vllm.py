@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from optima.environments import resolve_env
+from optima.identity import model_identity
 from optima.paths import RunPaths
 from optima.serving import start_replicas
 from optima.serving.endpoints import EndpointMismatch, server_root, sync_endpoints
@@ -84,11 +85,13 @@ def test_real_endpoints_pass_are_caught_and_reloaded(two_servers):
     # Reload B into the dev server: it now answers as B does, and is recorded as holding B.
     assert sync_endpoints([dev, plain], recipe, model_b) == [dev, plain]
     assert same_reply(greedy(dev), reply_b)
-    assert weight_version(dev) == f"optima:{model_b}"
+    assert weight_version(dev) == f"optima:{model_b}#{model_identity(model_b)}"
     models = requests.get(f"{dev}/models", timeout=10).json()["data"]
     assert models[0]["root"] == model_a  # what vLLM still reports: the reason for the record
-    with pytest.raises(EndpointMismatch, match=f"holds {model_b} \\(reloaded in place; started with {model_a}\\)"):
+    with pytest.raises(
+        EndpointMismatch, match=f"holds {model_b} \\(reloaded in place, weights .*; started with {model_a}\\)"
+    ):
         sync_endpoints([dev], dataclasses.replace(recipe, endpoint_sync="check"), model_a)
     # And back: the same prompt (cached under B's weights) gives A's reply again.
     sync_endpoints([dev], recipe, model_a)
-    assert same_reply(greedy(dev), reply_a) and weight_version(dev) == f"optima:{model_a}"
+    assert same_reply(greedy(dev), reply_a) and weight_version(dev) == f"optima:{model_a}#{model_identity(model_a)}"

@@ -76,8 +76,8 @@ def cpu_accelerate_config(folder: Path, name: str) -> Path:
     source = {"ddp": "cpu", "fsdp": "fsdp", "zero3": "deepspeed_zero3"}[name]
     config = yaml.safe_load((ACCELERATE_CONFIGS / f"{source}.yaml").read_text())
     config |= {"use_cpu": name != "zero3", "mixed_precision": "no", "num_processes": 2}
-    if name == "fsdp":  # both options move parameters to an accelerator device, which the CPU has none of
-        config["fsdp_config"] |= {"fsdp_sync_module_states": False, "fsdp_cpu_ram_efficient_loading": False}
+    if name == "fsdp":  # it moves parameters to an accelerator device, which the CPU has none of
+        config["fsdp_config"] |= {"fsdp_cpu_ram_efficient_loading": False}
     path = folder / f"accelerate_{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

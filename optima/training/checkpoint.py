@@ -10,6 +10,14 @@ there, so the same path serves DDP, FSDP and ZeRO-3.
 Before the completion marker is written, the saved files are read back and checked against the architecture
 in ``config.json`` (``verify_saved_weights``): every parameter present with its expected shape, no empty tensor
 (ZeRO-3's placeholders) and no weight matrix that is all zeros. A checkpoint that fails is never marked complete.
+The tensors are read one at a time (``safe_open``): rank 0 of a 70B run cannot hold the checkpoint twice.
+
+ZeRO-3: accelerate sets an HF DeepSpeed config on every process, and while it is set transformers builds every
+model inside ``deepspeed.zero.Init``, whose parameter set-up is a collective (a broadcast from rank 0). The check
+and the LoRA merge run on the main process alone, so a model built there would wait for ranks that are already
+in the final barrier: the stage hangs until the NCCL timeout. Both therefore build their models under
+``outside_zero3`` (that config unset for the moment), on the meta device, and the merge fills its model with the
+gathered tensors themselves (``assign``), so nothing is loaded from disk a second time.
 
 Resuming: a trainer YAML with ``save_strategy: steps`` writes ``checkpoint-<step>`` folders into ``output_dir``
 while it trains. With ``resume_from_checkpoint: true`` a rerun continues from the newest of them (weights,
@@ -21,9 +29,11 @@ This module imports torch only inside the functions that need it; the orchestrat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,17 +114,44 @@ def save_servable(trainer: Any, tokenizer: Any, output_dir: str) -> None:
     tokenizer.save_pretrained(output_dir)
 
 
+@contextlib.contextmanager
+def outside_zero3() -> Iterator[None]:
+    """Inside, transformers builds models whole on this process: its ZeRO-3 hook (``zero.Init``) is off.
+
+    accelerate keeps an HF DeepSpeed config set for the whole run; with ZeRO-3 it makes ``from_config`` and
+    ``from_pretrained`` partition the new model over all processes (collectives). A model that only the main
+    process builds must not do that. The config object is kept alive by the trainer's arguments and set back.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers keeps only this module-level weakref
+    config = reference() if reference is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_deepspeed.set_hf_deepspeed_config(config)
+
+
 def merge_lora(peft_model: Any, state_dict: dict) -> Any:
-    """A plain model with the gathered LoRA weights merged, built on the main process from a fresh base copy."""
+    """A plain model with the gathered LoRA weights merged, built on the main process alone.
+
+    The model is built on the meta device outside ZeRO-3 (no collective) and takes the gathered tensors as its
+    own (``assign=True``): the base weights are in memory once, and nothing is read from disk again.
+    """
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     base_config = peft_model.get_base_model().config
     dtype = next(iter(state_dict.values())).dtype if state_dict else torch.float32
-    base = AutoModelForCausalLM.from_pretrained(base_config._name_or_path, dtype=dtype)
-    fresh = get_peft_model(base, peft_model.peft_config[peft_model.active_adapter])
-    missing, unexpected = fresh.load_state_dict(state_dict, strict=False)
+    with outside_zero3(), torch.device("meta"):
+        fresh = get_peft_model(
+            AutoModelForCausalLM.from_config(base_config, dtype=dtype),
+            peft_model.peft_config[peft_model.active_adapter],
+        )
+    missing, unexpected = fresh.load_state_dict(state_dict, strict=False, assign=True)
     if missing or unexpected:
         raise CheckpointError(f"LoRA state dict does not fit its base model: missing {missing}, extra {unexpected}")
     return fresh.merge_and_unload()
@@ -126,43 +163,50 @@ def expected_parameters(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(checkpoint)
-    with torch.device("meta"):
+    with outside_zero3(), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
-def read_saved_weights(checkpoint: Path) -> dict[str, Any]:
-    """Every tensor in the checkpoint's safetensors files (one file or an indexed set of shards)."""
-    from safetensors.torch import load_file
+def iter_saved_weights(checkpoint: Path) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of every tensor in the checkpoint's safetensors files, read one at a time."""
+    from safetensors import safe_open
 
     files = sorted(Path(checkpoint).glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{checkpoint}: no *.safetensors weights were written")
-    tensors: dict[str, Any] = {}
     for path in files:
-        tensors |= load_file(path)
-    return tensors
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                yield name, handle.get_tensor(name)
 
 
-def find_weight_problems(expected: dict[str, tuple[int, ...]], saved: dict[str, Any]) -> list[str]:
+def tensor_problem(name: str, tensor: Any, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with one saved tensor against its expected shape (None: nothing)."""
+    if tuple(tensor.shape) != shape:
+        return f"{name}: shape {tuple(tensor.shape)}, expected {shape}"
+    if tensor.numel() == 0:
+        return f"{name}: empty"
+    if tensor.dim() >= 2 and not tensor.any():
+        return f"{name}: all zeros"
+    return None
+
+
+def find_weight_problems(expected: dict[str, tuple[int, ...]], saved: Any) -> list[str]:
     """What is wrong with ``saved`` against the expected names and shapes (empty list: nothing).
 
     Args:
         expected: Parameter name -> shape (``expected_parameters``).
-        saved: Tensor name -> tensor, as read from the files.
+        saved: (name, tensor) pairs (an iterator: each tensor is dropped once checked) or a name -> tensor dict.
     """
-    problems = []
-    for name, shape in expected.items():
-        tensor = saved.get(name)
-        if tensor is None:
-            problems.append(f"{name}: missing")
-        elif tuple(tensor.shape) != shape:
-            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
-        elif tensor.numel() == 0:
-            problems.append(f"{name}: empty")
-        elif tensor.dim() >= 2 and not tensor.any():
-            problems.append(f"{name}: all zeros")
-    return problems
+    pairs = saved.items() if isinstance(saved, dict) else saved
+    problems, seen = [], set()
+    for name, tensor in pairs:
+        if name in expected:
+            seen.add(name)
+            problem = tensor_problem(name, tensor, expected[name])
+            problems += [problem] if problem else []
+    return [f"{name}: missing" for name in expected if name not in seen] + problems
 
 
 def verify_saved_weights(checkpoint: Path) -> int:
@@ -172,7 +216,7 @@ def verify_saved_weights(checkpoint: Path) -> int:
         CheckpointError: naming the folder and up to ten bad tensors.
     """
     expected = expected_parameters(checkpoint)
-    problems = find_weight_problems(expected, read_saved_weights(checkpoint))
+    problems = find_weight_problems(expected, iter_saved_weights(checkpoint))
     if problems:
         shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
         raise CheckpointError(f"{checkpoint}: the saved weights are incomplete ({len(problems)} problems): {shown}")

@@ -132,16 +132,20 @@ def evaluation_split(splits: Any, training_args: Any, split: str) -> Any:
 def save_checkpoint(trainer: Any, tokenizer: Any, output_dir: str, metrics: dict[str, Any]) -> None:
     """Save a servable checkpoint (shards gathered, LoRA merged), check it, then write the completion marker.
 
-    Every process calls this (gathering sharded weights is collective); only the main process writes. The
-    marker is written after ``verify_saved_weights`` passed, so a broken save is never taken for a finished one.
+    Every process calls this (gathering sharded weights and the probe's forward passes are collective); only the
+    main process writes. The marker is written after ``verify_saved_weights`` passed, so a broken save is never
+    taken for a finished one. It carries a fresh ``weights_id`` and the weights probe of the trained model
+    (``optima.weights_probe``), against which every later reload of this checkpoint into a server is checked.
     """
     from optima.training.checkpoint import remove_trainer_checkpoints, save_servable, verify_saved_weights
+    from optima.weights_probe import PROBE_KEY, record_probe
 
+    probe = record_probe(trainer.model, tokenizer)
     save_servable(trainer, tokenizer, output_dir)
     if trainer.accelerator.is_main_process:
         tensors = verify_saved_weights(Path(output_dir))
         logger.info("checkpoint | %d tensors verified in %s", tensors, output_dir)
-        marker = metrics | {"tensors": tensors, WEIGHTS_ID_KEY: new_weights_id()}
+        marker = metrics | {"tensors": tensors, WEIGHTS_ID_KEY: new_weights_id(), PROBE_KEY: probe.to_json()}
         Path(output_dir, COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         remove_trainer_checkpoints(Path(output_dir))
     trainer.accelerator.wait_for_everyone()
@@ -153,5 +157,8 @@ def is_complete(checkpoint: Path) -> bool:
 
 
 def read_completion(checkpoint: Path) -> dict[str, Any]:
-    """The metrics a trainer script wrote with its completion marker."""
-    return json.loads((Path(checkpoint) / COMPLETE_MARKER).read_text())
+    """The metrics a trainer script wrote with its completion marker (its weights probe left out: not a metric)."""
+    from optima.weights_probe import PROBE_KEY
+
+    marker = json.loads((Path(checkpoint) / COMPLETE_MARKER).read_text())
+    return {key: value for key, value in marker.items() if key != PROBE_KEY}
