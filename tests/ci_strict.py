@@ -4,7 +4,7 @@
 repository (data/), so on a CI machine a skip for a missing venv, model, package or data means that the set-up
 is broken, not that the test does not apply. Such skips are recognised by their reason (they all point at
 `make setup`, `.venvs`, the data folder or a package that cannot be imported); skips for what a machine may
-lack by design (a GPU, DeepSpeed, flash-attn) stay skips. CI counts as set when the variable `CI` is non-empty
+lack by design (a GPU, flash-attn) stay skips. CI counts as set when the variable `CI` is non-empty
 and not `0`, `false` or `no`. tests/conftest.py imports the two hooks.
 """
 
@@ -19,7 +19,7 @@ MISSING = re.compile(
     r"make setup|optima setup|\.venvs|OPTIMA_DATA_DIR|data samples|data under|could not import|is not installed",
     re.IGNORECASE,
 )
-OPTIONAL = re.compile(r"GPU|CUDA|deepspeed|flash-attn", re.IGNORECASE)
+OPTIONAL = re.compile(r"GPU|CUDA|flash-attn", re.IGNORECASE)
 
 
 def ci_is_strict() -> bool:

@@ -29,8 +29,8 @@ def test_needs_data():
 def test_needs_a_gpu():
     pass
 
-@pytest.mark.skipif(True, reason="deepspeed is not installed")
-def test_needs_deepspeed():
+@pytest.mark.skipif(True, reason="flash-attn is not installed")
+def test_needs_flash_attn():
     pass
 
 @pytest.mark.xfail(reason="run `make setup` first", strict=True)
@@ -60,7 +60,7 @@ def test_with_ci_set_skips_for_missing_set_up_fail(tmp_path, ci):
     assert "ERROR test_sample.py::test_needs_the_vllm_env" in out and "FAILED test_sample.py::test_needs_data" in out
     assert "ERROR test_module_skip.py" in out and "optima_no_such_module" in out
     assert "a skip for a missing part of the set-up fails the run" in out
-    assert "needs a visible NVIDIA GPU" in out and "deepspeed is not installed" in out  # still skipped
+    assert "needs a visible NVIDIA GPU" in out and "flash-attn is not installed" in out  # still skipped
     assert "XFAIL test_sample.py::test_expected_failure" in out and "1 passed" in out
     assert "1 failed, 1 passed, 2 skipped, 1 xfailed, 2 errors" in out
 

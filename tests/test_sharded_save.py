@@ -96,7 +96,7 @@ def test_fsdp2_on_two_cpu_processes_saves_the_full_weights(tiny_model, tmp_path)
         assert_equals_reference(tmp_path / "fsdp2" / variant, tiny_model, lora=variant == "lora")
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (it is in requirements-cuda.txt only)")
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (run `make setup`)")
 def test_zero3_on_two_cpu_processes_saves_verifies_and_merges_without_hanging(tiny_model, tmp_path):
     run_ranks("zero3", tiny_model, tmp_path / "zero3")
     for variant in VARIANTS:
