@@ -24,6 +24,7 @@ from optima.selection.dpo import build_pair_row
 from optima.selection.io import save_splits
 from optima.training.common import is_complete, read_completion
 from optima.training.dpo_train import apply_rpo, truncate_pair, validate_lengths
+from optima.weights_probe import PROBE_KEY
 from tests.conftest import SMOLLM2, requires_smollm2
 from tests.helpers import arc_examples, tiny_trainer_yaml
 
@@ -284,4 +285,5 @@ def test_dpo_training_lowers_the_dpo_loss(rpo_alpha, extra, tiny_model, pair_dat
     assert metrics["losses"][0] == pytest.approx(expected_first, abs=2e-3)
     assert metrics["losses"][1] < metrics["losses"][0]
     assert dpo_loss(policy, reference, tokenizer, PAIRS) < math.log(2) - 0.01
-    assert json.loads((out / "optima_complete.json").read_text()) == metrics
+    marker = json.loads((out / "optima_complete.json").read_text())
+    assert marker.pop(PROBE_KEY)["continuation_ids"] and marker == metrics  # the metrics and the weights probe
