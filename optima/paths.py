@@ -1,6 +1,6 @@
 """Every file of a run, derived from the run directory, an iteration and a stage.
 
-One run directory per recipe (``output_dir``) replaces the original's five root paths (docs/method.md,
+One run directory per recipe (``output_dir``) replaces five separate root paths (docs/method.md,
 D3). Nothing is written into the source tree, and no other module builds run paths by hand::
 
     <output_dir>/

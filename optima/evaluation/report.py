@@ -89,8 +89,8 @@ def cut_share(row: Mapping) -> float | None:
 
 
 def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str):
-    """Task metric (ours and the original's variant), answer rate, share cut for length and mean tokens per question,
-    per checkpoint (named "after iteration k"); returns the figure.
+    """Task metric (ours and its ``_original`` variant), answer rate, share cut for length and mean tokens per
+    question, per checkpoint (named "after iteration k"); returns the figure.
 
     Args:
         rows: Summary rows in checkpoint order (``model`` plus the metric keys and ``mean_tokens``).
