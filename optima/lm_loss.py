@@ -3,8 +3,8 @@
 See docs/method.md#readability.
 
 ``L(u)`` is the mean negative log-likelihood of utterance ``u``'s tokens plus its end-of-turn token, with ``u``
-rendered alone as one assistant message of the model's chat template (the original's
-``apply_chat_template([{"role": "assistant", "content": u}])``); the template's own tokens are context, never
+rendered alone as one assistant message of the model's chat template
+(``apply_chat_template([{"role": "assistant", "content": u}])``); the template's own tokens are context, never
 scored. Two backends compute the same number on the same token ids:
 
 * ``vllm`` (default): ``/v1/completions`` of a vLLM server of the initial model with the token ids as the prompt,

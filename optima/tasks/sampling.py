@@ -10,7 +10,7 @@ of (seed, stage, iteration, count):
 * Iteration `i` takes stream positions `[i * count, (i + 1) * count)`.
 
 So consecutive iterations of a stage get disjoint, fresh questions until the split is used up, then the stream
-wraps into a new permutation (small splits repeat questions, as in the original). Different stages ("sft",
+wraps into a new permutation (small splits repeat questions). Different stages ("sft",
 "mcts", "probe") draw from independent streams. Resuming at iteration `i` needs no replay of earlier stages.
 """
 
