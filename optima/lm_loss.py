@@ -13,8 +13,7 @@ scored. Two backends compute the same number on the same token ids:
   of its own (docs/method.md D1, D6).
 * ``hf``: a padding-aware batched forward pass with transformers in the calling process.
 
-The original scored one conversation per request with a separate Ray Serve deployment; ``bench/scoring.py``
-compares.
+``bench/scoring.py`` compares both backends with a per-conversation HF forward pass.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class RunPaths:
 def find_checkpoints(root: Path) -> list[tuple[str, Path]]:
     """Checkpoints under ``root`` in iteration order: ``iteration_<k>`` folders by k, else ``root`` itself.
 
-    The original listed the folder in ``os.listdir`` order; numeric order keeps curves straight.
+    Numeric order, not ``os.listdir`` order, keeps curves straight (docs/method.md, D29).
     A folder that is itself a model (holds ``config.json``) is one checkpoint named after the folder.
     """
     root = Path(root)

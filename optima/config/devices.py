@@ -1,9 +1,10 @@
 """Which GPUs the vLLM replicas use: the recipe's ``devices`` and the evaluation scripts' ``--device`` (pure).
 
-The original's meanings are kept, so its recipes and command lines pick the same GPUs here:
+The meanings of the released recipes and command lines are kept, so they pick the same GPUs here
+(docs/method.md, D1):
 
-* recipe ``devices: N`` (an integer): GPUs ``0..N``. The original served on GPU ``devices`` (7) and on GPUs
-  0..6 beside it, so ``devices: 7`` means eight GPUs, 0 to 7.
+* recipe ``devices: N`` (an integer): GPUs ``0..N``: GPU ``N`` and GPUs ``0..N-1`` beside it, so
+  ``devices: 7`` means eight GPUs, 0 to 7.
 * recipe ``devices: [0, 3]`` or ``"0,3"``: exactly those GPUs (``[3]`` or ``"3"`` for GPU 3 alone).
 * ``inference_script.py --device d``: GPUs ``d..d+3`` (four servers from GPU d).
 * ``multi_sc_data_generate_script.py --device d``: GPUs ``d..d+7`` (eight servers from GPU d).

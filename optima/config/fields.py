@@ -117,7 +117,7 @@ def _describe(tp: Any) -> str:
 def coerce(name: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against ``tp``, with the few coercions YAML recipes need.
 
-    The original recipes write booleans as ``0``/``1`` (``cal_ppl: 1``) and floats as ints (``lambda2: 1``);
+    The released recipes write booleans as ``0``/``1`` (``cal_ppl: 1``) and floats as ints (``lambda2: 1``);
     both are accepted. Anything else of the wrong type raises ``RecipeError``.
     """
     if tp is bool or (typing.get_origin(tp) in (Union, types.UnionType) and bool in typing.get_args(tp)):

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RecipeError", "SFTRecipe", "DPORecipe", "SFTDPORecipe", "InferenceRecipe", "MultiSCRecipe"]
 
-# The original's spellings and names, read as ours (warns once per key and load).
+# Legacy spellings and names of the released recipes, read as ours (warns once per key and load).
 ALIASES = {
     "initial_episilon": "initial_epsilon",
     "initial_dpo_episilon": "initial_dpo_epsilon",
@@ -66,7 +66,7 @@ LEGACY_OUTPUT_KEYS = (
     "initial_dataset_path",
 )
 DATA_DIR_ENV = "OPTIMA_DATA_DIR"
-# The original's prompt-pool files; a recipe naming one that is not on disk gets our built-in pool instead.
+# The released prompt-pool files (not shipped here); a recipe naming one that is not on disk gets our built-in pool.
 ORIGINAL_POOLS = (
     "prompts_diverse.jsonl",
     "prompts_arc_first.jsonl",
@@ -199,7 +199,7 @@ class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
     """iDPO (docs/method.md#idpo): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat."""
 
     method = "dpo"
-    # The original iDPO recipes carry SFT keys that iDPO never reads.
+    # The released iDPO recipes carry SFT keys that iDPO never reads.
     unused_keys = ("initial_epsilon",)
 
     def __post_init__(self) -> None:

@@ -108,7 +108,7 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
     ours = [_mean([scorer.score(r) for r in group]) for group in groups]
     theirs = [_mean([scorer.score(r, original=True) for r in group]) for group in groups]
     tokens = [_mean([r["token_count"] for r in group]) for group in groups]
-    # The original left too long and failed results out of the token sum but not out of the count.
+    # The ``_original`` variant leaves too long and failed results out of the token sum but not out of the count.
     tokens_original = [_mean([r["token_count"] if r["status"] == "ok" else 0 for r in group]) for group in groups]
     count = len(records)
     return {

@@ -95,7 +95,7 @@ def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path:
     Args:
         rows: Summary rows in checkpoint order (``model`` plus the metric keys and ``mean_tokens``).
         metric: Our metric key (``f1`` or ``accuracy``).
-        original_metric: The original's variant key.
+        original_metric: The key of its ``_original`` variant.
         path: PNG to write.
         title: Figure title (task and model root).
     """

@@ -6,8 +6,8 @@ Pure tree logic: the model call and the reward are injected callables, randomnes
 ``random.Random``, and nothing is shared between questions, so the pipeline may search many questions at once in a
 ``ThreadPoolExecutor`` (one ``search_question`` call, one tree, one RNG per question).
 
-* **Tree.** A node is one utterance (speaker + text). The root is the empty conversation. ``next_speaker`` (the
-  original's ``nodeType``) is the index of the agent who speaks next from a node: 0 at the root, alternating down.
+* **Tree.** A node is one utterance (speaker + text). The root is the empty conversation. ``next_speaker`` is the
+  index of the agent who speaks next from a node: 0 at the root, alternating down.
 * **Selection** (``SearchTree.select``). Candidates are the root and every node whose first child has children.
   A candidate whose content is within ``selection_distance < diversity_threshold`` of an already selected node is
   skipped and leaves the candidate pool for good (so a node is selected at most once and its near-duplicates are

@@ -110,7 +110,7 @@ def _original_f1_text(text: str) -> str:
 
 
 def subword_f1(prediction: str, gold: str, tokenize: Tokenize) -> float:
-    """The original reward F1: bag-of-subwords F1 with the model tokenizer, no SQuAD normalisation.
+    """The reward F1 of ``compat: original``: bag-of-subwords F1 with the model tokenizer, no SQuAD normalisation.
 
     Args:
         prediction: the predicted answer.
@@ -167,7 +167,7 @@ def score_choice(prediction: str, gold: str, context: ScoreContext) -> float:
 
 
 def original_exact_match(prediction: str, gold: str) -> float:
-    """The original's exact match, exactly: `gold.strip().lower() == prediction.strip().strip("\\\\").lower()`.
+    """The exact match of `compat: original`: `gold.strip().lower() == prediction.strip().strip("\\\\").lower()`.
 
     Nothing else is forgiven: no option label is removed (from either side) and no trailing period.
 
