@@ -1,7 +1,7 @@
 """Command-line plumbing shared by the five top-level scripts.
 
-The scripts keep the original flags (``--train_config_path``, ``--vllm_env``, ``--alignment_env``,
-``--skip_iteration``, ``--model_root_path``, ``--dataset_type``, ...) so the original README's commands work
+The scripts take the flags of the released Optima commands (``--train_config_path``, ``--vllm_env``,
+``--alignment_env``, ``--skip_iteration``, ``--model_root_path``, ``--dataset_type``, ...), so those commands work
 unchanged, and add ``--set key=value`` (recipe overrides, YAML-typed) and ``--dry-run`` (validate and print
 the plan; start nothing). Errors in the recipe or the environments end the script with exit code 2 and one
 message naming the file, the field and the value.
@@ -185,14 +185,15 @@ EVAL_FLAGS = {
 def add_eval_args(parser: argparse.ArgumentParser, device_span: int) -> None:
     """Flags shared by the two evaluation scripts and ``python -m optima compare``.
 
-    ``device_span``: GPUs that ``--device d`` names from d on (the original's 4 for the sweep, 8 for self-consistency).
+    ``device_span``: GPUs that ``--device d`` names from d on (4 for the sweep, 8 for self-consistency:
+    docs/method.md, D1).
     """
     parser.add_argument("--config", help="optional recipe YAML with the same keys as the flags")
     parser.add_argument("--dataset_type", help="hotpot_qa, mwh_qa, trival_qa, cbt, math, gsm8k, arc or mmlu")
     parser.add_argument("--tokenizer_path", help="tokenizer for token counts (default: each model's own)")
     parser.add_argument(
         "--device",
-        help=f"first GPU: d = GPUs d..d+{device_span - 1}, one vLLM replica each, as in the original; a list 0,3 = "
+        help=f"first GPU: d = GPUs d..d+{device_span - 1}, one vLLM replica each; a list 0,3 = "
         "exactly those GPUs (default: all visible; ignored on CPU)",
     )
     parser.add_argument("--port", type=int, help="first port tried (default 8000)")
@@ -252,7 +253,7 @@ def build_eval_parser(description: str, multi_sc: bool) -> argparse.ArgumentPars
 def eval_recipe_from_args(recipe_cls: type, args: argparse.Namespace, flags: dict[str, str], defaults=None):
     """The evaluation recipe from ``defaults``, the flags (``flags``: flag -> recipe key), ``--config``, ``--set``."""
     values = dict(defaults or {}) | overrides_from_flags(args, EVAL_FLAGS | flags)
-    if "devices" in values:  # the original's --device d: four (sweep) or eight (self-consistency) GPUs from d
+    if "devices" in values:  # --device d: four (sweep) or eight (self-consistency) GPUs from d (D1)
         span = SC_DEVICE_SPAN if recipe_cls.method == "multi_sc" else SWEEP_DEVICE_SPAN
         values["devices"] = expand_device_flag(values["devices"], span)
     if "tokenizer_first_path" in values:

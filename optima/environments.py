@@ -1,7 +1,6 @@
 """Resolve ``--vllm_env`` / ``--alignment_env`` into a Python command line.
 
-The original activated conda envs inside ``shell=True`` strings sourced from ``~/.bashrc`` (docs/method.md D2).
-Here an environment is whatever runs Python, as an argument list:
+No shell and no conda activation (docs/method.md D2): an environment is whatever runs Python, as an argument list:
 
 * a python executable (``/opt/py/bin/python3``),
 * a virtualenv directory (``.venvs/train``: its ``bin/python``),

@@ -1,6 +1,6 @@
 """Create the project's two virtual environments and the embedded default model.
 
-Optima keeps the original's split between a vLLM environment and a training environment, because vLLM pins
+Optima keeps two environments, one for vLLM and one for training (docs/method.md D2), because vLLM pins
 its own torch. This module builds both as plain virtualenvs under ``.venvs/`` (no conda needed):
 
 * ``.venvs/train``: torch, transformers, TRL, peft, accelerate, datasets, DeepSpeed (+ on an NVIDIA machine,

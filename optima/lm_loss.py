@@ -3,8 +3,8 @@
 See docs/method.md#readability.
 
 ``L(u)`` is the mean negative log-likelihood of utterance ``u``'s tokens plus its end-of-turn token, with ``u``
-rendered alone as one assistant message of the model's chat template (the original's
-``apply_chat_template([{"role": "assistant", "content": u}])``); the template's own tokens are context, never
+rendered alone as one assistant message of the model's chat template
+(``apply_chat_template([{"role": "assistant", "content": u}])``); the template's own tokens are context, never
 scored. Two backends compute the same number on the same token ids:
 
 * ``vllm`` (default): ``/v1/completions`` of a vLLM server of the initial model with the token ids as the prompt,
@@ -13,8 +13,7 @@ scored. Two backends compute the same number on the same token ids:
   of its own (docs/method.md D1, D6).
 * ``hf``: a padding-aware batched forward pass with transformers in the calling process.
 
-The original scored one conversation per request with a separate Ray Serve deployment; ``bench/scoring.py``
-compares.
+``bench/scoring.py`` compares both backends with a per-conversation HF forward pass.
 """
 
 from __future__ import annotations

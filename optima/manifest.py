@@ -1,6 +1,6 @@
 """Per-iteration stage manifest: resume at the first unfinished stage (docs/method.md D4, #resume).
 
-The original treated "the trainer YAML exists" as "trained", even after a crash. Here each stage appends an entry
+A stage counts as done only when it succeeded, never because its files exist: each stage appends an entry
 to ``manifest.json`` only after it succeeded: its name, its key (a hash of the recipe fields it depends on, those
 fields' values, and the identities of what it reads: the models, the files, the stage before it), its counts and
 metrics, and its wall time. A rerun skips finished stages (and reuses their results); a finished run is a no-op;

@@ -1,6 +1,6 @@
 """Every file of a run, derived from the run directory, an iteration and a stage.
 
-One run directory per recipe (``output_dir``) replaces the original's five root paths (docs/method.md,
+One run directory per recipe (``output_dir``) replaces five separate root paths (docs/method.md,
 D3). Nothing is written into the source tree, and no other module builds run paths by hand::
 
     <output_dir>/
@@ -133,7 +133,7 @@ class RunPaths:
 def find_checkpoints(root: Path) -> list[tuple[str, Path]]:
     """Checkpoints under ``root`` in iteration order: ``iteration_<k>`` folders by k, else ``root`` itself.
 
-    The original listed the folder in ``os.listdir`` order; numeric order keeps curves straight.
+    Numeric order, not ``os.listdir`` order, keeps curves straight (docs/method.md, D29).
     A folder that is itself a model (holds ``config.json``) is one checkpoint named after the folder.
     """
     root = Path(root)

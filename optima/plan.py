@@ -351,7 +351,7 @@ def build_plan(
     Args:
         recipe: A validated `SFTRecipe`, `DPORecipe` or `SFTDPORecipe`.
         envs: ``{"vllm": ..., "train": ...}``.
-        skip_iteration: Iterations taken as done (their checkpoints are reused), as the original's flag.
+        skip_iteration: Iterations taken as done (their checkpoints are reused): ``--skip_iteration``.
         gpu: False plans for this machine without its GPUs (tests); default: the hardware's.
         hardware: The machine(s) (``optima.hardware.spec.Hardware``; default: detected).
     """

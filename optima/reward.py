@@ -2,20 +2,20 @@
 
     R = R_task − λ_token · tokens / T_max + λ_loss / max_i L_i
 
-with the original's signs: ``lambda1`` (< 0) multiplies ``tokens / T_max`` and ``lambda2`` divides the largest
+with the recipes' signs: ``lambda1`` (< 0) multiplies ``tokens / T_max`` and ``lambda2`` divides the largest
 per-utterance LM loss ``L_i`` (mean NLL of utterance i under the fixed initial model), so a conversation earns
-more when it is correct, short, and every utterance stays readable. The overrides of the original:
+more when it is correct, short, and every utterance stays readable. The overrides:
 
 * token term = ``overlong_penalty`` (−1) when the conversation is too long / failed, or has ≤ ``min_tokens``;
 * loss term = ``overlong_penalty`` when it has more than ``max_total_tokens`` tokens or no utterance, and 0
-  when an utterance repeats an earlier one (compared without the name prefix, case-insensitively; the original
-  used a character-set ``strip``, docs/method.md D15);
+  when an utterance repeats an earlier one (compared without the name prefix, case-insensitively, not with a
+  character-set ``strip``: docs/method.md D15);
 * ``impersonation_penalty`` (−10) for each utterance that speaks for both agents, scanning stops at
   the first one that names both.
 
 The task score reads a conversation's answer only when it finished (``scored_answer``): a conversation cut at
 ``max_tokens`` or failed has no answer, here as in evaluation (docs/method.md#cut-replies; ``compat: original``
-scores the last answer it stated, as the original's reward did).
+scores the last answer it stated: docs/method.md D32).
 
 ``T_max`` is the largest token count among a question's conversations that did not run too long
 (``question_t_max``); the tree search passes a global quantile of a probe's token counts instead
@@ -80,7 +80,7 @@ def scored_answer(final_answer: str | None, status: str, compat: str = "default"
     Args:
         final_answer: The last answer the conversation stated ("" or None when none).
         status: ``ok``, ``too_long`` or ``error``.
-        compat: ``original`` scores the last stated answer whatever the status (the original's reward).
+        compat: ``original`` scores the last stated answer whatever the status (docs/method.md D32).
     """
     if status != OK and compat != "original":
         return None
@@ -164,7 +164,7 @@ def has_repeat(utterances: Sequence[Utterance]) -> bool:
 
 
 def loss_term(conversation: Conversation, recipe) -> float:
-    """``lambda2 / max_i L_i`` with the original's overrides; 0 when ``cal_ppl`` is off."""
+    """``lambda2 / max_i L_i`` with the overrides above; 0 when ``cal_ppl`` is off."""
     if not recipe.cal_ppl:
         return 0.0
     if conversation.token_count > recipe.max_total_tokens or not conversation.utterances:

@@ -5,8 +5,8 @@ Every layer writes through this module (it imports only the standard library, pl
 
 Append-only JSONL of conversations, resumed without loss or duplicates:
 
-The open-r1 pattern (generation resumes by skipping ids already written), hardened for what the original got
-wrong (docs/method.md D4, D5): one line per conversation keyed by ``(task_id, sample_index)``, written and flushed
+The open-r1 pattern (generation resumes by skipping ids already written), hardened for resume and loud
+failures (docs/method.md D4, D5): one line per conversation keyed by ``(task_id, sample_index)``, written and flushed
 line by line by one writer under a lock. On reopening:
 
 * a torn last line (the process was killed mid-write) is cut off;

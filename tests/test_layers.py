@@ -1,4 +1,5 @@
-"""The layers say what they are: pure modules start no process, and only the process layer imports subprocess."""
+"""The layers say what they are: pure modules start no process, only the process layer imports subprocess, and
+every import follows the layer map of docs/layers.md."""
 
 from __future__ import annotations
 
@@ -110,3 +111,109 @@ def test_visible_gpus_finds_nvidia_smi_on_path(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert visible_gpus({"PATH": str(empty)}) == []  # no nvidia-smi: a CPU machine
+
+
+# The layer map of docs/layers.md, once, as data: each layer's modules (a module belongs to the layer of its longest
+# matching prefix) and the layers it may import (its own layer always). Checked against every import in optima/.
+LAYERS = {
+    "tasks": ("optima.tasks",),
+    "base": (
+        "optima",
+        "optima.paths",
+        "optima.store",
+        "optima.identity",
+        "optima.manifest",
+        "optima.logging_utils",
+        "optima.weights_probe",
+    ),
+    "config": ("optima.config",),
+    "clients": ("optima.serving.client", "optima.serving.kv_monitor", "optima.serving.capacity"),
+    "agents": ("optima.agents", "optima.reward", "optima.loss_stream"),
+    "selection": ("optima.selection",),
+    "process": (
+        "optima.serving",
+        "optima.hardware",
+        "optima.training",
+        "optima.lm_loss",
+        "optima.environments",
+        "optima.install",
+        "optima.models",
+    ),
+    "reports": (
+        "optima.evaluation",
+        "optima.browser",
+        "optima.reporting",
+        "optima.tracking",
+        "optima.wandb_tracking",
+        "optima.hub",
+        "optima.run_context",
+    ),
+    "stages": ("optima.stages", "optima.stage_identity", "optima.plan", "optima.pipeline"),
+    "entry": ("optima.cli", "optima.__main__"),
+}
+_BELOW_AGENTS = {"tasks", "base", "config", "clients"}
+ALLOWED = {
+    "tasks": set(),
+    "base": set(),
+    "config": {"tasks", "base"},
+    "clients": {"base", "config"},
+    "agents": _BELOW_AGENTS,
+    "selection": _BELOW_AGENTS | {"agents"},
+    "process": _BELOW_AGENTS,
+    "reports": _BELOW_AGENTS | {"agents", "selection", "process"},
+    "stages": _BELOW_AGENTS | {"agents", "selection", "process", "reports"},
+    "entry": set(LAYERS),
+}
+# Known exceptions (importer, imported module), each with its reason in docs/layers.md.
+EXCEPTIONS = {("optima.config.groups", "optima.tracking")}
+
+
+def layer_of(module: str) -> str:
+    best = max(
+        (p for members in LAYERS.values() for p in members if module == p or module.startswith(p + ".")), key=len
+    )
+    return next(name for name, members in LAYERS.items() if best in members)
+
+
+def is_module(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
+def optima_imports(path: Path) -> set[str]:
+    """Every ``optima`` module the file imports, at the top or inside a function (relative imports resolved)."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            base = ".".join([*parts, *filter(None, [node.module])])
+            # `from optima import store` imports the module optima.store; `from optima.store import x` imports store.
+            found |= {f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names}
+    return {m for m in found if m == "optima" or m.startswith("optima.")}
+
+
+def layer_violations() -> list[str]:
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = module_name(path)
+        source = layer_of(importer)
+        for imported in sorted(optima_imports(path)):
+            target = layer_of(imported)
+            if target != source and target not in ALLOWED[source] and (importer, imported) not in EXCEPTIONS:
+                bad.append(f"{importer} ({source}) imports {imported} ({target})")
+    return bad
+
+
+def test_imports_follow_the_layer_map():
+    assert layer_violations() == []
+
+
+def test_the_layer_map_covers_every_module_and_names_only_real_exceptions():
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    assert {layer_of(m) for m in modules} == set(LAYERS)  # every layer holds a module
+    assert all(any(m == p or m.startswith(p + ".") for m in modules) for ps in LAYERS.values() for p in ps)
+    for importer, imported in EXCEPTIONS:  # an exception that no longer happens is removed from the map
+        assert imported in optima_imports(PACKAGE.parent.joinpath(*importer.split(".")).with_suffix(".py"))

@@ -5,8 +5,7 @@ of the conversation (``optima.agents.prompts.build_agent_messages``). After ever
 reads the answer it states; the conversation stops when the same answer is stated twice in a row (utterances
 without an answer are skipped over: ``AnswerTracker``).
 
-Where the original stored fake utterances ``"large"``/``"error"`` (docs/method.md, D5) this loop ends with a status
-instead:
+This loop ends a conversation with a status, never a fake utterance such as ``"large"`` (docs/method.md, D5):
 
 * ``ok``: stopped by the same-answer rule or the turn cap;
 * ``too_long``: an utterance hit ``max_tokens`` (finish reason ``length``, or as many tokens as allowed); the

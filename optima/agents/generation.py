@@ -3,8 +3,7 @@
 See docs/method.md#isft.
 
 ``generate_conversations(recipe, examples, endpoints, out_path, plan)`` runs ``plan.samples`` conversations per
-question. Compared with the original (one thread per question, its samples in sequence, a random port per
-question, lost futures):
+question (docs/method.md, D5 and D6: not one thread per question with its samples in sequence, nor lost futures):
 
 * ``thread_count`` conversations are in flight at once (``ThreadPoolExecutor`` + ``as_completed``), fewer when
   the servers' KV caches cannot hold that many (``optima.serving.capacity``); the stage's KV figures and prefix-cache

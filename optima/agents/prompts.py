@@ -1,7 +1,7 @@
 """Agent prompts and the single chat renderer used by generation, training data, tree search and evaluation.
 
-Roles and protocol follow the original (docs/method.md#roles-and-prompts), the wording is our own (the original has no
-licence):
+Roles and protocol follow the paper (docs/method.md#roles-and-prompts); the wording is our own (docs/method.md,
+D23):
 * information exchange ("qa"): both agents get the same role prompt; each holds private paragraphs, shares what
   matters concisely and finishes with `<A>{your answer}</A>`;
 * debate: Alice solves (answer in `<A>..</A>` for arc/mmlu, `\\boxed{}` for gsm8k, a MATH-specific solver for math,
@@ -12,9 +12,9 @@ placeholder that no task would answer (`ANSWER_PLACEHOLDERS`: `{your answer}`, `
 `{number}`), never a worked answer: with the answer pre-fill a small model copies what it sees, and training would
 teach the copy. A copied placeholder is no answer (`Task.parse_answer`).
 
-Every agent's view is an ordinary chat (`build_agent_messages`), unlike the original where all turns were
-`assistant` (docs/method.md D22): the system prompt holds the role instructions; the first user turn holds the task and
-the agent's private information (joined text, not the original's Python list repr: docs/method.md D11); the agent's own
+Every agent's view is an ordinary chat (`build_agent_messages`), not a transcript of `assistant` turns
+(docs/method.md D22): the system prompt holds the role instructions; the first user turn holds the task and
+the agent's private information (joined text, not a Python list repr: docs/method.md D11); the agent's own
 utterances are `assistant` turns and the partner's are `user` turns (consecutive turns of one role are merged).
 Utterances are stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`.
 
@@ -213,9 +213,9 @@ class RenderStyle:
     """How a training row or a tree-search request renders an agent's view; ``compat: original`` changes it.
 
     Parameters:
-        list_repr_context (`bool`): private information as the Python list repr of its pieces, as the original
-            rendered it in training rows and tree-search prompts (docs/method.md, D11); else joined text.
-        prompt_set (`str`, *optional*): role prompts to use instead of the task's own (the original trained MATH
+        list_repr_context (`bool`): private information as the Python list repr of its pieces, the rendering of
+            training rows and tree-search prompts under ``compat: original`` (docs/method.md, D11); else joined text.
+        prompt_set (`str`, *optional*): role prompts to use instead of the task's own (``compat: original`` trains MATH
             conversations under the GSM8K solver prompt: D12).
     """
 
@@ -229,7 +229,7 @@ DEFAULT_STYLE = RenderStyle()
 def compat_style(compat: str, task: Task | str, sft_rows: bool = False) -> RenderStyle:
     """The rendering of training rows (``sft_rows``: iSFT rows) and tree-search views under recipe ``compat``.
 
-    Generation and evaluation always use the default rendering: the original generated with joined text.
+    Generation and evaluation always use the default rendering (joined text), whatever ``compat`` says.
     """
     if compat != "original":
         return DEFAULT_STYLE
@@ -366,7 +366,7 @@ def is_impersonation(utterance: Utterance | str) -> bool:
     See docs/method.md#impersonation.
 
     Args:
-        utterance: an `Utterance` (checked with its name prefix, as the original stored it) or prefixed text.
+        utterance: an `Utterance` (checked with its name prefix, as it is rendered) or prefixed text.
     """
     text = render_utterance(utterance) if isinstance(utterance, Utterance) else utterance
     counts = [text.count(f"{name}:") for name in AGENT_NAMES]

@@ -7,7 +7,8 @@
   ``load_recipe``;
 * ``groups``: the field groups they are built from (serving, generation, reward, SFT, DPO, training);
 * ``fields``: the generic machinery (typed fields, type checks, ``RecipeError``);
-* ``rules``: the values derived from a recipe (loss model, T_max, training start, ...), one function each.
+* ``rules``: the values derived from a recipe (loss model, temperature, selection range, training start, ...), one
+  function each; the reward's ``T_max`` lives with the formula (``optima.reward``).
 """
 
 from optima.config.fields import RecipeError, parse_override, resolve_path

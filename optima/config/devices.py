@@ -1,14 +1,15 @@
 """Which GPUs the vLLM replicas use: the recipe's ``devices`` and the evaluation scripts' ``--device`` (pure).
 
-The original's meanings are kept, so its recipes and command lines pick the same GPUs here:
+The meanings of the released recipes and command lines are kept, so they pick the same GPUs here
+(docs/method.md, D1):
 
-* recipe ``devices: N`` (an integer): GPUs ``0..N``. The original served on GPU ``devices`` (7) and on GPUs
-  0..6 beside it, so ``devices: 7`` means eight GPUs, 0 to 7.
+* recipe ``devices: N`` (an integer): GPUs ``0..N``: GPU ``N`` and GPUs ``0..N-1`` beside it, so
+  ``devices: 7`` means eight GPUs, 0 to 7.
 * recipe ``devices: [0, 3]`` or ``"0,3"``: exactly those GPUs (``[3]`` or ``"3"`` for GPU 3 alone).
-* ``inference_script.py --device d``: GPUs ``d..d+3`` (the original started four servers from GPU d).
+* ``inference_script.py --device d``: GPUs ``d..d+3`` (four servers from GPU d).
 * ``multi_sc_data_generate_script.py --device d``: GPUs ``d..d+7`` (eight servers from GPU d).
 * ``--device 0,3`` (a comma list, our addition): exactly those GPUs.
-* not given: every visible GPU (the original's defaults, ``--device 7`` and ``--device 0``, assumed 8 GPUs).
+* not given: every visible GPU (the released commands' defaults, ``--device 7`` and ``--device 0``, assumed 8 GPUs).
 
 GPU numbers count the GPUs this process sees, in ``CUDA_VISIBLE_DEVICES`` order (as CUDA numbers them); without
 that variable they are the machine's GPU ids. Each GPU (or ``tensor_parallel_size`` GPUs) runs one replica.
@@ -43,8 +44,8 @@ def _check(field_name: str, devices: list[int], value: object) -> list[int]:
 def parse_devices(value: int | str | list[int] | None, name: str = "devices") -> list[int] | None:
     """A recipe's GPU field as a list of GPU numbers (``None``: every visible GPU, or the field's default).
 
-    ``devices``: ``7`` -> [0, 1, ..., 7] (the original's meaning); any other field (``loss_devices``, which the
-    original did not have): ``7`` -> [7]. Both: ``[3]`` or ``"3"`` -> [3], ``"0,1"`` -> [0, 1].
+    ``devices``: ``7`` -> [0, 1, ..., 7] (docs/method.md, D1); any other field (``loss_devices``, which is ours):
+    ``7`` -> [7]. Both: ``[3]`` or ``"3"`` -> [3], ``"0,1"`` -> [0, 1].
 
     Raises:
         RecipeError: not GPU numbers, a negative one, or one listed twice.
@@ -65,7 +66,7 @@ def expand_device_flag(value: str, span: int) -> list[int]:
 
     Args:
         value: The flag as given on the command line.
-        span: GPUs the original script used from ``d`` on (``SWEEP_DEVICE_SPAN`` or ``SC_DEVICE_SPAN``).
+        span: GPUs that the script's ``--device d`` names from ``d`` on (``SWEEP_DEVICE_SPAN`` or ``SC_DEVICE_SPAN``).
 
     Raises:
         RecipeError: (field ``--device``) not a GPU number or a comma list of them.

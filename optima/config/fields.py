@@ -51,7 +51,7 @@ def field(default: Any = dataclasses.MISSING, help: str = "", redoes: tuple[str,
     """A dataclass field with ``metadata={"help": ..., "redoes": ...}``; list and dict defaults are copied each time.
 
     Args:
-        default: The default value (the original's, where the original had one).
+        default: The default value (the released recipes' value where they had one: docs/method.md D10).
         help: One line for ``--help`` and the docs.
         redoes: The stages whose output this field decides: changing it on a finished run redoes them (and the
             stages after them). Fields that only change how fast or where a run goes (ports, threads, batch
@@ -117,7 +117,7 @@ def _describe(tp: Any) -> str:
 def coerce(name: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against ``tp``, with the few coercions YAML recipes need.
 
-    The original recipes write booleans as ``0``/``1`` (``cal_ppl: 1``) and floats as ints (``lambda2: 1``);
+    The released recipes write booleans as ``0``/``1`` (``cal_ppl: 1``) and floats as ints (``lambda2: 1``);
     both are accepted. Anything else of the wrong type raises ``RecipeError``.
     """
     if tp is bool or (typing.get_origin(tp) in (Union, types.UnionType) and bool in typing.get_args(tp)):
@@ -141,7 +141,7 @@ def check_keys(
             raise RecipeError(None, f"keys must be strings, got {key!r}")
         if key in aliases:
             target = aliases[key]
-            logger.warning("recipe key %r is the original's spelling; read as %r", key, target)
+            logger.warning("recipe key %r is a legacy spelling; read as %r", key, target)
             if target in raw:
                 raise RecipeError(key, f"both {key!r} and its new name {target!r} are set; keep {target!r}")
             key = target

@@ -1,8 +1,8 @@
 """Field groups shared by several recipes: serving, generation, reward, SFT, DPO and training.
 
 Each group is a keyword-only dataclass mixin with its own ``validate``; ``optima.config.recipes`` composes them into
-the method recipes. Keys stay flat in YAML, as in the original recipes (``port``, ``lambda1``, ...).
-Defaults are the original's values (its released recipes and the magic numbers of its code: docs/method.md D10).
+the method recipes. Keys stay flat in YAML, as in the released Optima recipes (``port``, ``lambda1``, ...).
+Defaults are the values of those recipes and the method's hard-coded numbers (docs/method.md D10).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class ServingFields:
     port: int = field(8000, help="first port tried; each replica takes the next free port from here")
     devices: int | str | list[int] | None = field(
         None,
-        help="GPUs of the vLLM replicas: an integer N = GPUs 0..N (the original's 'devices: 7' = 8 GPUs), "
+        help="GPUs of the vLLM replicas: an integer N = GPUs 0..N ('devices: 7' = 8 GPUs), "
         "a list [0, 3] or '0,3' = exactly those; null = all visible; ignored on CPU",
     )
     tensor_parallel_size: int = field(1, help="GPUs per replica for models too big for one GPU")
@@ -170,7 +170,7 @@ class GenerationFields:
     temperature: float = field(0.7, help="sampling temperature from iteration 1 on", redoes=SAMPLED)
     temperature_iteration0: float | None = field(
         None,
-        help="temperature at iteration 0; null = 0.3, or 0.7 for gsm8k/math (the original's schedule)",
+        help="temperature at iteration 0; null = 0.3, or 0.7 for gsm8k/math (docs/method.md#sampling-schedule)",
         redoes=GENERATED,
     )
     use_prompt_pool: bool = field(

@@ -5,9 +5,9 @@ vLLM ``validate_parsed_serve_args`` principle): unknown keys (with a "did you me
 out-of-range values, unknown dataset types and missing input paths all raise one ``RecipeError`` naming the
 file, the field and the value. Precedence is dataclass default < YAML < ``--set key=value``.
 
-Every key of the original's released recipes is accepted. Its misspellings (``initial_episilon``) are read
-through ``ALIASES``, which warns; our own names are spelled right. Every magic number of the original (docs/method.md
-D10) is a field whose default is the original value. ``seed`` drives every random choice.
+Every key of the released Optima recipes is accepted. Their misspellings (``initial_episilon``) are read
+through ``ALIASES``, which warns; our own names are spelled right. Every hard-coded number of the method
+(docs/method.md D10) is a field with that number as its default. ``seed`` drives every random choice.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RecipeError", "SFTRecipe", "DPORecipe", "SFTDPORecipe", "InferenceRecipe", "MultiSCRecipe"]
 
-# The original's spellings and names, read as ours (warns once per key and load).
+# Legacy spellings and names of the released recipes, read as ours (warns once per key and load).
 ALIASES = {
     "initial_episilon": "initial_epsilon",
     "initial_dpo_episilon": "initial_dpo_epsilon",
@@ -66,7 +66,7 @@ LEGACY_OUTPUT_KEYS = (
     "initial_dataset_path",
 )
 DATA_DIR_ENV = "OPTIMA_DATA_DIR"
-# The original's prompt-pool files; a recipe naming one that is not on disk gets our built-in pool instead.
+# The released prompt-pool files (not shipped here); a recipe naming one that is not on disk gets our built-in pool.
 ORIGINAL_POOLS = (
     "prompts_diverse.jsonl",
     "prompts_arc_first.jsonl",
@@ -142,7 +142,7 @@ class _BaseRecipe(ServingFields, GenerationFields):
             self.output_dir = default_output_dir(self)
         pool = self.prompt_pool_path
         if pool and Path(pool).name in ORIGINAL_POOLS and not Path(pool).exists():
-            logger.warning("prompt_pool_path %s is the original's pool; using Optima's built-in pool", pool)
+            logger.warning("prompt_pool_path %s is the released Optima pool (not here); using the built-in pool", pool)
             self.prompt_pool_path = None
         for name in ("data_dir", "output_dir", "check_point_root_path", *self.path_fields()):
             setattr(self, name, resolve_path(getattr(self, name), name))
@@ -199,7 +199,7 @@ class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
     """iDPO (docs/method.md#idpo): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat."""
 
     method = "dpo"
-    # The original iDPO recipes carry SFT keys that iDPO never reads.
+    # The released iDPO recipes carry SFT keys that iDPO never reads.
     unused_keys = ("initial_epsilon",)
 
     def __post_init__(self) -> None:
@@ -312,7 +312,7 @@ class MultiSCRecipe(InferenceRecipe):
 
 
 def drop_empty_mix_dataset(raw: dict[str, Any]) -> None:
-    """Accept the original recipes' ``mix_dataset: []`` (the sub-tasks of its ``mix`` loader, empty everywhere).
+    """Accept the released recipes' ``mix_dataset: []`` (the sub-tasks of its ``mix`` loader, empty everywhere).
 
     Optima's ``dataset_type: mix`` always mixes the four information-exchange tasks, so a non-empty list would be
     silently ignored: it is rejected instead.
@@ -367,7 +367,7 @@ def load_recipe(
         for key in LEGACY_OUTPUT_KEYS:
             if key in raw:
                 logger.warning(
-                    "%s: %s=%r is the original's output location; outputs go under output_dir",
+                    "%s: %s=%r is a legacy output location; outputs go under output_dir",
                     where,
                     key,
                     raw.pop(key),

@@ -6,7 +6,7 @@ Pure: no process, no file. The reward's own rule, ``T_max``, lives with the form
 from __future__ import annotations
 
 MATH_TASKS = ("gsm8k", "math")
-# The original's hard-coded number of node selections per question (its ``explore_time``).
+# Node selections per question of a tree search whose recipe sets no ``mcts_selections`` (docs/method.md D20).
 ORIGINAL_MCTS_SELECTIONS = 8
 # Texts per request to a vLLM server scoring LM loss, per text of an HF forward pass (``loss_batch_size``):
 # a request is cheap to batch on the server, so it carries several forward passes' worth.
@@ -41,8 +41,8 @@ def selection_range(recipe) -> list[float]:
 def default_mcts_selections(method: str, explore_count: int) -> int:
     """Node selections per question when ``mcts_selections`` is null.
 
-    iDPO reads ``explore_count`` (the original ignored it and used 8); in iSFT-DPO ``explore_count`` belongs to the
-    SFT stage, so the search keeps the original's 8.
+    iDPO reads ``explore_count`` (docs/method.md, D20); in iSFT-DPO ``explore_count`` belongs to the SFT stage, so
+    the search keeps 8 (``ORIGINAL_MCTS_SELECTIONS``).
     """
     return explore_count if method == "dpo" else ORIGINAL_MCTS_SELECTIONS
 

@@ -3,19 +3,19 @@
 For one result file (one JSONL record per conversation, as ``generate_conversations`` writes it) this computes:
 
 * the task metric, in two variants named after what they compute:
-  - ``f1`` (SQuAD word F1) and ``f1_original_subword`` (the original's bag-of-subword F1 with the model tokenizer)
-    for the four information-exchange tasks;
-  - ``accuracy`` and ``accuracy_original`` for the four debate tasks. ``accuracy_original`` is the original's
-    eval scoring: option-text equality for arc/mmlu, the *first number* of the final answer for gsm8k (its eval-only
-    ``gsm8k`` score type), and symbolic equivalence for math (as ours);
+  - ``f1`` (SQuAD word F1) and ``f1_original_subword`` (a bag-of-subword F1 with the model tokenizer,
+    docs/method.md D16) for the four information-exchange tasks;
+  - ``accuracy`` and ``accuracy_original`` for the four debate tasks. ``accuracy_original`` (docs/method.md#metrics)
+    is option-text equality for arc/mmlu, the *first number* of the final answer for gsm8k (its eval-only ``gsm8k``
+    score type), and symbolic equivalence for math (as ours);
 * ``mean_tokens``: the paper's #Tok, the mean ``token_count`` per question (every generated token, cut replies
-  included: docs/method.md#token-count), and ``mean_tokens_original``: the original's figure, where too-long and
+  included: docs/method.md#token-count), and ``mean_tokens_original``: the same mean where too-long and
   failed conversations add 0 tokens but still count in the denominator;
 * ``cut_rate``: the share of records with a reply cut at ``max_tokens`` (a cut MAD debate may still answer), shown
   beside the tokens in every table;
 * ``no_answer_rate`` (too long, failed, or no parsed answer), ``too_long_rate`` and ``error_rate``.
 
-As in the original, a conversation that was cut for length (``too_long``) or failed (``error``) scores 0 even if an
+A conversation that was cut for length (``too_long``) or failed (``error``) scores 0 even if an
 earlier utterance stated an answer; a question's score is the mean over its conversations, and the metric is the
 mean over questions.
 """
@@ -33,12 +33,12 @@ from optima.tasks.math_equiv import MathVerifier
 from optima.tasks.scoring import score_example
 
 Tokenize = Callable[[str], list[str]]
-# First number of a final answer: the original's eval-only gsm8k scoring.
+# First number of a final answer: the eval-only ``gsm8k`` score type of ``accuracy_original``.
 _FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def metric_names(score_type: str) -> tuple[str, str]:
-    """(our metric, the original's variant) for a score type: F1 for ``f1`` tasks, accuracy for the others.
+    """(our metric, its ``_original`` variant) for a score type: F1 for ``f1`` tasks, accuracy for the others.
 
     Args:
         score_type: ``f1``, ``choice``, ``number`` or ``math``.
@@ -72,7 +72,7 @@ class RecordScorer:
     verifier: MathVerifier | None = None
 
     def score(self, record: dict, original: bool = False) -> float:
-        """Our score (``original=False``) or the original's eval score of ``record``."""
+        """Our score (``original=False``) or the ``_original`` variant's score of ``record``."""
         if not has_answer(record):
             return 0.0
         example, prediction = record_example(record), record["final_answer"]
@@ -95,7 +95,7 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
 
     Args:
         records: Conversation records (any number per question).
-        scorer: Scores a record (ours and the original's variant).
+        scorer: Scores a record (ours and its ``_original`` variant).
 
     Returns:
         ``{"questions", "conversations", <metric>, <metric>_original..., "mean_tokens", "mean_tokens_original",
@@ -108,7 +108,7 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
     ours = [_mean([scorer.score(r) for r in group]) for group in groups]
     theirs = [_mean([scorer.score(r, original=True) for r in group]) for group in groups]
     tokens = [_mean([r["token_count"] for r in group]) for group in groups]
-    # The original left too long and failed results out of the token sum but not out of the count.
+    # The ``_original`` variant leaves too long and failed results out of the token sum but not out of the count.
     tokens_original = [_mean([r["token_count"] if r["status"] == "ok" else 0 for r in group]) for group in groups]
     count = len(records)
     return {

@@ -89,13 +89,13 @@ def cut_share(row: Mapping) -> float | None:
 
 
 def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str):
-    """Task metric (ours and the original's variant), answer rate, share cut for length and mean tokens per question,
-    per checkpoint (named "after iteration k"); returns the figure.
+    """Task metric (ours and its ``_original`` variant), answer rate, share cut for length and mean tokens per
+    question, per checkpoint (named "after iteration k"); returns the figure.
 
     Args:
         rows: Summary rows in checkpoint order (``model`` plus the metric keys and ``mean_tokens``).
         metric: Our metric key (``f1`` or ``accuracy``).
-        original_metric: The original's variant key.
+        original_metric: The key of its ``_original`` variant.
         path: PNG to write.
         title: Figure title (task and model root).
     """

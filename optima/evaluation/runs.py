@@ -119,7 +119,7 @@ class EvalSession:
 
 
 def load_tokenize(recipe, model_path: Path, score_type: str):
-    """The model tokenizer's ``tokenize`` for the original's subword F1 (F1 tasks only; None otherwise)."""
+    """The model tokenizer's ``tokenize`` for ``f1_original_subword`` (F1 tasks only; None otherwise)."""
     if score_type != "f1":
         return None
     from transformers import AutoTokenizer

@@ -9,7 +9,7 @@ an interrupted one resumes at the first missing question. After each checkpoint 
 
     <output_root>/summary.json   {"task", "metric", "original_metric", "models": [row, ...]}
     <output_root>/summary.csv    one row per model
-    <output_root>/summary.png    metric (ours and the original's) and mean tokens per checkpoint
+    <output_root>/summary.png    metric (ours and its ``_original`` variant) and mean tokens per checkpoint
     <output_root>/<model>/logs/vllm_0.log
     <output_root>/conversations.html   every conversation of every model and method (``python -m optima show``)
     <output_root>/<model>.<method>.jsonl, comparison.md/.csv/.json/.png   (with --baseline cot/mad/autoform)

@@ -16,8 +16,8 @@ over questions:
 Two answers match when they are the same string up to case and surrounding spaces, or when the task's scorer
 says so with one answer taking the place of the gold: word F1 >= ``cluster_f1`` (0.9) for F1 tasks, the same
 option for multiple choice (label or text), the same number for gsm8k, and symbolic equivalence
-(``MathVerifier``) for math. The original compared math answers as strings; equivalent forms such as
-``\\frac{1}{2}`` and ``0.5`` now vote together.
+(``MathVerifier``) for math, so equivalent forms such as ``\\frac{1}{2}`` and ``0.5`` vote together
+(docs/method.md, D29).
 
 Greedy clustering in sample order is incremental (the clusters of k + 1 samples are those of k plus one answer),
 so every k is computed in one pass per question.

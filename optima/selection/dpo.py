@@ -17,9 +17,8 @@ Each pair is one row **from the speaking agent's view**, in TRL's conversational
 * ``chosen`` / ``rejected``: one ``assistant`` turn each, the next utterance rendered ``"Name: text"``;
 * metadata: ``task_id``, ``node_id``, ``depth``, ``speaker``, ``chosen_value``, ``rejected_value``.
 
-The original kept the whole history in ``assistant`` turns under one system prompt and had no ``prompt`` column
-(docs/method.md D22); the preference is the same (one next utterance given the shared history), rendered the way our
-agents actually see a conversation. The train/test split is seeded and by question (the original took the file tail).
+The preference is one next utterance given the shared history, rendered the way our agents actually see a
+conversation (docs/method.md D22). The train/test split is seeded and by question (docs/method.md D20).
 """
 
 from __future__ import annotations
@@ -156,7 +155,7 @@ def keep_best_pairs(pairs: Sequence[dict], keep_fraction: float) -> list[dict]:
 
     Args:
         pairs: The question's candidate pairs.
-        keep_fraction: Recipe ``dpo_keep_fraction`` (0.5 in the original).
+        keep_fraction: Recipe ``dpo_keep_fraction`` (0.5 by default: docs/method.md D10).
     """
     if not pairs:
         return []
@@ -181,7 +180,7 @@ def split_pairs(
 
     Args:
         pairs_by_question: The kept pairs, one list per question.
-        train_fraction: Recipe ``dpo_train_fraction`` (0.9 in the original).
+        train_fraction: Recipe ``dpo_train_fraction`` (0.9 by default: docs/method.md D10).
         seed: Recipe ``seed``.
         iteration: The iteration (a different shuffle each iteration).
     """

@@ -2,11 +2,11 @@
 
 See docs/method.md#node-selection, #rollouts.
 
-The original used the ``editdistance`` package; we use ``rapidfuzz`` (``rapidfuzz.distance.Levenshtein``), the
-same distance (insertions, deletions and substitutions of single characters, each costing 1) computed by a
-bit-parallel C++ implementation: two 8,000-character utterances take well under a millisecond.
+The distance (insertions, deletions and substitutions of single characters, each costing 1) comes from
+``rapidfuzz`` (``rapidfuzz.distance.Levenshtein``), a bit-parallel C++
+implementation: two 8,000-character utterances take well under a millisecond.
 
-The two normalisations are the original's, kept distinct on purpose:
+The two normalisations are the method's (docs/method.md#node-selection), kept distinct on purpose:
 
 * ``selection_distance(a, b) = ed(a, b) / (max(len a, len b) + 1)``: diversity filter (symmetric);
 * ``merge_distance(existing, reply) = ed(existing, reply) / (len(reply) + 1)``: merging a new reply into a child.

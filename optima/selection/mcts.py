@@ -6,8 +6,8 @@ Pure tree logic: the model call and the reward are injected callables, randomnes
 ``random.Random``, and nothing is shared between questions, so the pipeline may search many questions at once in a
 ``ThreadPoolExecutor`` (one ``search_question`` call, one tree, one RNG per question).
 
-* **Tree.** A node is one utterance (speaker + text). The root is the empty conversation. ``next_speaker`` (the
-  original's ``nodeType``) is the index of the agent who speaks next from a node: 0 at the root, alternating down.
+* **Tree.** A node is one utterance (speaker + text). The root is the empty conversation. ``next_speaker`` is the
+  index of the agent who speaks next from a node: 0 at the root, alternating down.
 * **Selection** (``SearchTree.select``). Candidates are the root and every node whose first child has children.
   A candidate whose content is within ``selection_distance < diversity_threshold`` of an already selected node is
   skipped and leaves the candidate pool for good (so a node is selected at most once and its near-duplicates are
@@ -19,16 +19,16 @@ Pure tree logic: the model call and the reward are injected callables, randomnes
   stops when the same answer is stated twice in a row (answers on the path count), after ``max_turns`` utterances,
   or on a failed / too long reply (that reply is not added). Each new utterance merges into an existing child when
   ``merge_distance(child, reply) < merge_threshold``, else becomes a new child; the rollout itself keeps the text
-  that was actually generated (as the original did).
+  that was actually generated.
 * **Backpropagation.** The rollout's reward (``score(rollout)``) updates the running mean value and the visit count
   of every node from the last one reached up to the root. Pair mining (``optima.selection.dpo``) reads the
   children's *current* values, so there are no stale best/worst pointers (docs/method.md D14).
 
 Deliberate differences (docs/method.md D25, D26; ``compat: original`` restores both): a rollout that reaches
-``max_turns`` keeps its last stated answer (``stop_reason "max_turns"``), as in generation, where the original scored
-it with the answer ``"error"`` (task score 0); and the stop rule sees every answer stated on the path, where the
-original's rollout only knew the answer of the selected node's own utterance. ``compat: original`` also renders the
-agents' private information as the original's list repr (``compat_style``, D11).
+``max_turns`` keeps its last stated answer (``stop_reason "max_turns"``), as in generation, instead of
+scoring no answer (task score 0); and the stop rule sees every answer stated on the path, not only the answer of
+the selected node's own utterance. ``compat: original`` also renders the agents' private information as a Python
+list repr (``compat_style``, D11).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class TreeNode:
 
     @property
     def next_speaker(self) -> int:
-        """Index of the agent who speaks after this node (the original's ``nodeType``)."""
+        """Index of the agent who speaks after this node (``depth % 2``: 0 Alice, 1 Bob)."""
         return self.depth % 2
 
     @property
@@ -241,7 +241,7 @@ class SearchTree:
         self.task = task or get_task(example.task)
         self.root = TreeNode(0, None, None, 0)
         self.nodes: list[TreeNode] = [self.root]  # every node, in creation order
-        self.pool: list[TreeNode] = [self.root]  # the original's all_nodes: nodes that may still be candidates
+        self.pool: list[TreeNode] = [self.root]  # nodes that may still be candidates
         self.selected: list[TreeNode] = []
         self.selections: list[int] = []
         self.rollouts: list[dict] = []
@@ -309,7 +309,7 @@ class SearchTree:
         original = self.settings.compat == "original"
         style = compat_style(self.settings.compat, self.task)
         tracker = AnswerTracker()
-        # Answers already stated on the path count for the stop rule; the original only knew the last one (D26).
+        # Answers already stated on the path count for the stop rule; compat mode knows only the last one (D26).
         for utterance in utterances[-1:] if original else utterances:
             tracker.update(self.task.parse_answer(utterance.text))
         node, status, stop_reason, cut_tokens = start, "ok", "max_turns", 0
@@ -330,7 +330,7 @@ class SearchTree:
                 break
         final_answer = tracker.final_answer
         if original and stop_reason == "max_turns":
-            final_answer = ""  # the original scored it with the answer "error": task score 0 (D25)
+            final_answer = ""  # compat mode scores it with no answer: task score 0 (D25)
         rollout = Rollout(tuple(utterances), tuple(tokens), final_answer, status, stop_reason, cut_tokens)
         outcome = score(rollout)
         reward = outcome.reward if isinstance(outcome, RewardParts) else float(outcome)
@@ -346,7 +346,7 @@ class SearchTree:
         return record
 
     def minable(self) -> list[TreeNode]:
-        """Nodes pair mining may use: still pooled or selected (the original's ``all_nodes`` ∪ selected)."""
+        """Nodes pair mining may use: still pooled or selected (``pool`` ∪ ``selected``)."""
         keep = {id(n) for n in self.pool} | {id(n) for n in self.selected}
         return [n for n in self.nodes if id(n) in keep]
 

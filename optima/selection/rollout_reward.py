@@ -1,7 +1,7 @@
 """The reward of one tree-search rollout: the reward formula with the search's global ``T_max`` and its format rule.
 
 During the tree search (docs/method.md#rollout-reward) every rollout is scored on its own, as it ends, with the same
-formula as the SFT reward (``optima.reward``) and two differences taken from the original:
+formula as the SFT reward (``optima.reward``) and two differences (docs/method.md#rollout-reward):
 
 * ``T_max`` is not the question's longest conversation but a global quantile of the token-count probe
   (``optima.selection.mcts.token_quantile``, the probe stage);

@@ -4,7 +4,7 @@ See docs/method.md#isft-selection; D11, D12, D18.
 
 1. Per question, the top-1 conversation by reward (ties: the lower sample index).
 2. Questions ranked by that reward, best first; the ``[start, end)`` slice of the ranking is kept (default top
-   70%, MATH ranks 10-80%: the original drops MATH's top 10%, kept as its default and configurable).
+   70%, MATH ranks 10-80%, dropping MATH's top 10%: docs/method.md D18; recipe ``selection_range``).
 3. Only conversations with reward >= epsilon.
 4. Each kept conversation gives two rows, Alice's view and Bob's view, rendered with the one renderer used by
    generation (``build_agent_messages``) and the base system prompts, never the iteration-0 pool prompts.
@@ -103,7 +103,7 @@ def select_questions(lines: Sequence[dict], recipe) -> list[Decision]:
 def conversation_rows(record: dict, compat: str = "default") -> list[dict]:
     """Alice's and Bob's training rows of one conversation (base system prompts, docs/method.md#prompt-pool).
 
-    ``compat="original"`` renders them as the original did (``compat_style``: list-repr information, MATH rows
+    ``compat="original"`` renders them in compat style (``compat_style``: list-repr information, MATH rows
     under the GSM8K solver prompt).
     """
     example = Example.from_dict(record["example"])

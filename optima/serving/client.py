@@ -1,8 +1,7 @@
 """Chat clients for the served replicas: capped retries with backoff, and failover when a replica dies.
 
-The original sent bare ``requests`` with no timeout and no retry; a failed call silently lost its question
-(docs/method.md D5). Here each endpoint gets one ``openai.OpenAI`` client (SDK retries off, our own policy
-on top), shared by all threads:
+A failed call never silently loses its question (docs/method.md D5). Each endpoint gets one ``openai.OpenAI``
+client (SDK retries off, our own policy on top), shared by all threads:
 
 * transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried ``max_retries`` times with
   exponential backoff;

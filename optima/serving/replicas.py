@@ -1,6 +1,6 @@
 """``serve(...)``: the OpenAI endpoints of the current model, launched as vLLM replicas or given by the recipe.
 
-The original hard-wired 8 GPUs on ports 8000-8007 (docs/method.md D1). Here:
+GPUs, ports and replica counts come from the recipe (docs/method.md D1):
 
 * GPU machine: one replica per ``tensor_parallel_size`` GPUs of ``devices`` (default: every visible GPU), each
   with its own ``CUDA_VISIBLE_DEVICES``;

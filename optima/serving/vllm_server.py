@@ -1,6 +1,6 @@
 """vLLM OpenAI-compatible servers as context managers: command line, start-up, readiness, teardown.
 
-Fixes the original's server handling (docs/method.md D1): every replica runs in its own
+Server handling (docs/method.md D1): every replica runs in its own
 process group bound to loopback, readiness is ``GET /health`` polled with a deadline and backoff, a server
 that dies during start-up fails at once with the tail of its log (``ServerStartupError``), and teardown is
 SIGTERM to the group -> wait -> SIGKILL, never ``pkill`` (``optima.serving.processes``). The pattern is vLLM's
@@ -108,7 +108,7 @@ def build_serve_command(recipe, model_path: str, port: int, vllm_env: PythonEnv,
     argv = vllm_env.module_argv(LAUNCHER_MODULE, "serve", str(model_path))
     argv += ["--host", recipe.host, "--port", str(port), "--served-model-name", recipe.served_model_name]
     # --generation-config vllm: sampling is exactly what each request sends (no defaults from the model
-    # folder's generation_config.json), as in the original's vLLM 0.5.
+    # folder's generation_config.json), the behaviour of vLLM 0.5.
     argv += ["--enable-prefix-caching", "--seed", str(recipe.seed), "--generation-config", "vllm"]
     if recipe.max_model_len is not None:
         argv += ["--max-model-len", str(recipe.max_model_len)]

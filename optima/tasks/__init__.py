@@ -1,7 +1,7 @@
 """The task layer: datasets, examples, question slices, answer parsing and scoring (docs/method.md#tasks, #scoring).
 
 `TASKS` maps each task name to a `Task` instance (a plain dict, not a plugin system); `get_task` also resolves
-the alias table `TASK_ALIASES` (e.g. the correctly spelled `trivia_qa` for the original's `trival_qa`).
+the alias table `TASK_ALIASES` (e.g. the correctly spelled `trivia_qa` for the task's recipe name `trival_qa`).
 Importing this package needs only the standard library: `datasets` is imported on the hub path only and
 `math-verify` only inside the math verifier's worker processes.
 """

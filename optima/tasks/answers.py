@@ -4,10 +4,10 @@ These parsers turn an agent's utterance into its stated answer (docs/method.md#s
 loop's stop rule, by the reward and by evaluation, so they must be fast and total: any string, including 100k
 characters of garbage, gives a string or None in linear time and never raises.
 
-Decisions (documented here because the original left them implicit):
+Decisions (the protocol leaves them implicit, so they are written down here):
 * Tag: the answer is the text between the LAST `</A>` and the nearest `<A>` before it, stripped. Newlines inside
-  the tag are allowed (the original regex had no DOTALL, so `<A>\\nParis\\n</A>` was lost). The tag is
-  case-sensitive, as in the original protocol. `<A></A>` gives "" (the caller treats "" as "no answer").
+  the tag are allowed (`<A>\\nParis\\n</A>` gives "Paris"). The tag is case-sensitive, as the protocol
+  writes it. `<A></A>` gives "" (the caller treats "" as "no answer").
 * Boxed: the content of the last `\\boxed{`, matched brace by brace; an unbalanced box gives None.
 * Placeholders: the prompts show the answer slot as a placeholder that no task would answer (`ANSWER_PLACEHOLDERS`,
   per prompt set: `{your answer}`, `{letter}) {option text}`, `{number}`); an answer equal to its task's placeholder
@@ -46,7 +46,7 @@ _SUBSTITUTIONS = (
     ("\\text{and}", ","),
     ("\\text{m}", "\\text{}"),
 )
-# Unit and filler expressions that Minerva deletes, in the original order.
+# Unit and filler expressions that Minerva deletes, in Minerva's order.
 _REMOVED_EXPRESSIONS = (
     "square",
     "ways",
@@ -227,7 +227,7 @@ def _brace_frac(match: re.Match) -> str:
 
 
 def parse_math_answer(text: str | None) -> str | None:
-    """Return the normalised content of the last `\\boxed{}` in `text` (the original `math_parser`), or None.
+    """Return the normalised content of the last `\\boxed{}` in `text` (the answer of a MATH solution), or None.
 
     Args:
         text: an utterance.

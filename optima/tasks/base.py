@@ -6,7 +6,7 @@ A `Task` describes one dataset: its family ("qa" = information exchange, each ag
 `Task.load` turns the dataset's own rows into frozen `Example`s. Subclasses only convert one row
 (`build_example`); everything else (data root resolution, errors, id uniqueness, eval caps) lives here.
 
-Score types (our names, with the original's in brackets): "f1" [f1-score], "choice" [exact-match on arc/mmlu],
+Score types (our names, with the released recipes' in brackets): "f1" [f1-score], "choice" [exact-match on arc/mmlu],
 "number" [exact-match on gsm8k], "math" [math]. See `optima.tasks.scoring`.
 """
 
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 FAMILIES = ("qa", "debate")
 SCORE_TYPES = ("f1", "choice", "number", "math")
-# Eval size rule (the original's): qa eval sets use the first 1000 examples in dataset order; debate uses the full
+# Eval size rule: qa eval sets use the first 1000 examples in dataset order; debate uses the full
 # split.
 QA_EVAL_LIMIT = 1000
 

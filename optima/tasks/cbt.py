@@ -1,11 +1,11 @@
 """Children's Book Test (Hill et al. 2016): information exchange over a 20-sentence story excerpt.
 
-Two tasks: `cbt` (common nouns, config CN, the one the original used) and `cbt_ne` (named entities, config NE).
+Two tasks: `cbt` (common nouns, config CN, the one the paper uses) and `cbt_ne` (named entities, config NE).
 Hub: `cam-cbt/cbt`; local folder `cbt/CN/` or `cbt/NE/` with `train.jsonl`, `validation.jsonl`, `test.jsonl` in the
 HF schema `{"sentences": [20], "question": "... XXXXX ...", "answer", "options": [10]}`. Eval: first 1000 test rows.
-Context split (as in the original, and deterministic by construction): Alice gets the first half of the sentences,
+Context split (deterministic by construction): Alice gets the first half of the sentences,
 Bob the second half; sentences are kept as they are (a story may repeat a short sentence such as "said he .").
-The question asks for the word that fills XXXXX and lists the ten candidates; the score is F1 as in the original.
+The question asks for the word that fills XXXXX and lists the ten candidates; the score is F1.
 """
 
 from __future__ import annotations

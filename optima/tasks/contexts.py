@@ -1,9 +1,8 @@
 """Deterministic splitting of a question's context between the two agents (information-exchange tasks,
 docs/method.md#tasks).
 
-The original dealt paragraphs to Alice and Bob with the unseeded global RNG, so even the evaluation contexts changed
-on every run (docs/method.md D8), HotpotQA kept only each paragraph's first sentence and duplicate supporting titles
-could hand the same paragraph out twice (docs/method.md D19). Here:
+Splits are seeded, so the evaluation contexts are the same on every run (docs/method.md D8); paragraphs are whole
+and de-duplicated (docs/method.md D19):
 * the RNG is `random.Random` seeded from a SHA-256 of `"{seed}:{task}:{example id}"` (never Python's `hash()`, which
   is salted per process), so a split depends only on (seed, task, id);
 * paragraphs are whole (`"Title: all sentences"`), de-duplicated by title and by text;

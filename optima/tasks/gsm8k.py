@@ -1,6 +1,6 @@
 """GSM8K (Cobbe et al. 2021): grade-school math word problems, a debate task.
 
-Hub: `openai/gsm8k`, config `main`; local folder `gsm8k/` with `train.jsonl` and `test.jsonl` in the original
+Hub: `openai/gsm8k`, config `main`; local folder `gsm8k/` with `train.jsonl` and `test.jsonl` in the release
 schema `{"question", "answer"}`, where the answer ends with `#### <number>`. Gold = the text after the last `####`.
 Answers are written as `\\boxed{number}` and compared as numbers ("1,000" == "1000" == "1000.0"). No context.
 Eval: the full test split.

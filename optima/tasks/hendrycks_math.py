@@ -3,7 +3,8 @@
 Hub: `EleutherAI/hendrycks_math` (one config per subject, concatenated); local folder `math/` with `train.jsonl`
 and `test.jsonl` rows in the release's per-problem schema `{"problem", "level", "type", "solution"}`, or the
 release's own folders `math/train/<subject>/<n>.json` and `math/test/...` (one problem per file).
-Gold = the last `\\boxed{}` of the solution, normalised with `normalize_final_answer` (as the original).
+Gold = the last `\\boxed{}` of the solution, normalised with `normalize_final_answer`
+(Minerva's normaliser, docs/method.md D30).
 Rows whose solution has no parsable box are skipped and counted in the log. Scored by symbolic equivalence.
 Eval: the full test split. (Module named `hendrycks_math` so it does not shadow the standard `math` module.)
 """

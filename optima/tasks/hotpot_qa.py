@@ -1,7 +1,7 @@
 """HotpotQA, distractor setting (Yang et al. 2018): information exchange over ten Wikipedia paragraphs.
 
 Hub: `hotpotqa/hotpot_qa`, config `distractor`; local folder `hotpotqa/` with `train.jsonl` and `validation.jsonl`
-in the original HotpotQA schema. Eval: first 1000 validation questions.
+in HotpotQA's release schema. Eval: first 1000 validation questions.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Equivalence of MATH final answers: a fast string/number path, then a symbolic check in worker processes.
 
-The original compared answers with sympy's `parse_latex` + `simplify(a - b) == 0` under a 10 s `signal.alarm`,
-which only works in the main thread: called from worker threads it silently scored 0 (docs/method.md D7).
-Here:
+The symbolic check runs in worker processes with a per-item timeout, since a `signal.alarm` timeout only works in
+the main thread (docs/method.md D7):
 1. Fast path (no sympy): equal after `normalize_final_answer` plus a few LaTeX spellings that never change the
    value (`\\left`, `\\right`, `\\dfrac`, thin spaces, ...), or equal as numbers (integers, decimals, `a/b`,
    `\\frac{a}{b}`).

@@ -1,8 +1,8 @@
-"""A round-robin mixture of several tasks (the original's loader `mix`; not used by any original recipe).
+"""A round-robin mixture of several tasks (recipe `dataset_type: mix`; no released recipe uses it).
 
 `MixTask(tasks)` loads each sub-task's split and interleaves the examples round-robin (first example of each
-task, then the second of each, ...; a task that runs out is skipped, so nothing is dropped or repeated). This
-replaces the original's cursor arithmetic (which had an off-by-one). Each example keeps its sub-task's name in
+task, then the second of each, ...; a task that runs out is skipped, so nothing is dropped or repeated). Counts
+are exact (docs/method.md, D19). Each example keeps its sub-task's name in
 `Example.task` and its own score type, so per-example behaviour (prompts, parsing, scoring) comes from
 `TASKS[example.task]`. Ids become `"<task>:<id>"` so they stay unique across sub-tasks.
 Split names: "train" and "eval" map to each sub-task's own train and eval sets; any other name is passed through.

@@ -3,10 +3,10 @@
 Hub: `cais/mmlu`, config `all`; train = `auxiliary_train`, eval = `test`. Local folder `mmlu/` with
 `auxiliary_train.jsonl` and `test.jsonl` in the HF schema `{"question", "subject", "choices": [4], "answer": int}`.
 The question lists options A-D; gold = the text of the correct option. Eval: the full test split.
-As in the original, training questions that also occur in ARC-Challenge's train split are dropped (compared
+Training questions that also occur in ARC-Challenge's train split are dropped (compared
 case- and space-insensitively; ARC is read from the same source; if it cannot be read, nothing is dropped and a
-warning says so). The original's extra `Random(42)` shuffle is not applied: question slices are drawn by
-`select_questions` anyway. Ids are `"<split>-<row index>"` of the source file, so they survive the filter.
+warning says so). No extra shuffle is applied: question slices are drawn by `select_questions`.
+Ids are `"<split>-<row index>"` of the source file, so they survive the filter.
 """
 
 from __future__ import annotations

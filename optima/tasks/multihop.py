@@ -1,7 +1,7 @@
 """Shared loader for the multi-hop information-exchange datasets (HotpotQA distractor, 2WikiMultiHopQA).
 
 Both datasets give a question, a short answer, about ten (title, sentences) paragraphs and supporting facts
-(title, sentence index). The local files keep the original schema (`context: [[title, [sentences]]]`,
+(title, sentence index). The local files keep the release schema (`context: [[title, [sentences]]]`,
 `supporting_facts: [[title, sent_id]]`); the hub copies use columns (`context: {title: [...], sentences: [...]}`).
 Both are accepted. Contexts are split between the agents by `optima.tasks.contexts.split_supporting`.
 """

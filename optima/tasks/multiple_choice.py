@@ -1,8 +1,7 @@
 """Multiple-choice helpers shared by ARC-Challenge and MMLU (debate tasks).
 
-The original showed the options as a Python list ("Please choose your answer from [...]") and compared the
-answer text. Here the question lists labelled options, one per line, and the scorer accepts the label or the
-option text (`optima.tasks.scoring.score_choice`).
+The question lists labelled options, one per line (not a Python list of option texts: docs/method.md, D28), and
+the scorer accepts the label or the option text (`optima.tasks.scoring.score_choice`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """2WikiMultiHopQA (Ho et al. 2020): information exchange over Wikipedia paragraphs (task `mwh_qa`).
 
-The original read the release's local JSON files (`train.json`, `dev.json`); there is no canonical hub copy, so
-this task only loads from a local folder `2wikimultihopqa/` with `train.jsonl` and `dev.jsonl`, or the release's
-own `train.json` / `dev.json` arrays, in the release's schema. Eval: first 1000 dev questions.
+There is no canonical hub copy, so this task only loads from a local folder `2wikimultihopqa/` with `train.jsonl`
+and `dev.jsonl`, or the release's own `train.json` / `dev.json` arrays, in the release's schema.
+Eval: first 1000 dev questions.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """Deterministic question slices per iteration and stage (replaces the shared loader cursor;
 docs/method.md#question-slices).
 
-The original consumed questions from one stateful cursor shared by every stage and iteration, so which questions
-a stage saw depended on what ran before it (and a resumed run re-read chunk 0). Here a slice is a pure function
-of (seed, stage, iteration, count):
+A slice is a pure function of (seed, stage, iteration, count), so the questions a stage sees do not depend on what
+ran before it, and a resumed run sees the same ones (docs/method.md, D9):
 
 * For each (seed, stage) there is an endless stream of question indices made of "epochs"; epoch `e` is a
   permutation of all indices drawn by `random.Random` seeded from SHA-256 of `"{seed}:{stage}:{e}"`.
 * Iteration `i` takes stream positions `[i * count, (i + 1) * count)`.
 
 So consecutive iterations of a stage get disjoint, fresh questions until the split is used up, then the stream
-wraps into a new permutation (small splits repeat questions, as in the original). Different stages ("sft",
+wraps into a new permutation (small splits repeat questions). Different stages ("sft",
 "mcts", "probe") draw from independent streams. Resuming at iteration `i` needs no replay of earlier stages.
 """
 

@@ -5,13 +5,13 @@ One scorer per score type, chosen through `SCORERS[score_type]` (no branching on
 | type | tasks | `mode="default"` | `mode="original"` (`compat: original`, docs/method.md D15, D16, D28) |
 | --- | --- | --- | --- |
 | "f1" | hotpot_qa, mwh_qa, trival_qa, cbt | SQuAD word F1 | subword F1 with the model tokenizer (see below) |
-| "choice" | arc, mmlu | option label ("B", "(B)", "B) text") or text | the original's exact match |
-| "number" | gsm8k | numeric ("1,000" == "1000" == "1000.0", "70%" == "70") | the original's exact match |
+| "choice" | arc, mmlu | option label ("B", "(B)", "B) text") or text | exact match (below) |
+| "number" | gsm8k | numeric ("1,000" == "1000" == "1000.0", "70%" == "70") | exact match (below) |
 | "math" | math | fast string/number path, then symbolic | same as default |
 
-Original F1 keeps the original's character-set strip of "m=" and its lack of SQuAD normalisation; the original's
+Original F1 strips "m=" as a character set (D15) and applies no SQuAD normalisation (D16); the `mode="original"`
 exact match (`original_exact_match`) is `gold.strip().lower() == prediction.strip().strip("\\").lower()` and
-nothing more: an answer "B) text" does not match the gold text (the original's questions had no option labels).
+nothing more: an answer "B) text" does not match the gold text (no option label is removed: D28).
 For several gold aliases (TriviaQA) the maximum is taken. A missing prediction (None or "") scores 0. No scorer
 raises on model output, whatever it contains. The same-answer-twice stop rule lives in `answers.py` and is
 re-exported here (`AnswerTracker`, `should_stop`).
@@ -104,13 +104,13 @@ def squad_f1(prediction: str, gold: str) -> float:
 
 
 def _original_f1_text(text: str) -> str:
-    # Deliberately the original's character-set strips (docs/method.md D15): they also eat leading/trailing
+    # Deliberately character-set strips (``compat: original``, docs/method.md D15): they also eat leading/trailing
     # "m", "=" and " " characters. Only used in compat mode, to reproduce the paper's reward.
     return text.lower().strip().strip("m=").strip("m = ")  # noqa: B005
 
 
 def subword_f1(prediction: str, gold: str, tokenize: Tokenize) -> float:
-    """The original reward F1: bag-of-subwords F1 with the model tokenizer, no SQuAD normalisation.
+    """The reward F1 of ``compat: original``: bag-of-subwords F1 with the model tokenizer, no SQuAD normalisation.
 
     Args:
         prediction: the predicted answer.
@@ -167,7 +167,7 @@ def score_choice(prediction: str, gold: str, context: ScoreContext) -> float:
 
 
 def original_exact_match(prediction: str, gold: str) -> float:
-    """The original's exact match, exactly: `gold.strip().lower() == prediction.strip().strip("\\\\").lower()`.
+    """The exact match of `compat: original`: `gold.strip().lower() == prediction.strip().strip("\\\\").lower()`.
 
     Nothing else is forgiven: no option label is removed (from either side) and no trailing period.
 

@@ -1,6 +1,6 @@
 """Where dataset rows come from: a local folder, or the Hugging Face hub.
 
-The original read every dataset from the hub (or a hard-coded local path). Here the data root is resolved as:
+The data root is resolved as:
 the `data_dir` argument, else the environment variable `OPTIMA_DATA_DIR`, else the hub. A local root holds one
 folder per dataset (`gsm8k/`, `math/`, `mmlu/`, `arc_challenge/`, `hotpotqa/`, `2wikimultihopqa/`, `triviaqa/`,
 `cbt/CN/`, ...). A split is read from the first of these layouts that the folder has:

@@ -1,9 +1,9 @@
 """TriviaQA, reading-comprehension config (Joshi et al. 2017): information exchange over web snippets.
 
-The task keeps the original's spelling `trival_qa` (`trivia_qa` is accepted through `TASK_ALIASES`).
+The task keeps the released recipes' spelling `trival_qa` (`trivia_qa` is accepted through `TASK_ALIASES`).
 Hub: `mandarjoshi/trivia_qa`, config `rc`, splits train/validation. Local folder `triviaqa/` with `<split>.jsonl`
-or `<split>.*.jsonl` (e.g. `validation.rc.wikipedia.nocontext.jsonl`) rows in the HF schema; rows in the original
-TriviaQA JSON schema (`Question`, `QuestionId`, `Answer`, `SearchResults`) are accepted too.
+or `<split>.*.jsonl` (e.g. `validation.rc.wikipedia.nocontext.jsonl`) rows in the HF schema; rows in TriviaQA's release
+JSON schema (`Question`, `QuestionId`, `Answer`, `SearchResults`) are accepted too.
 Contexts: the search-result descriptions, de-duplicated, shuffled and dealt alternately (Alice first).
 Rows without any evidence run closed-book (both agents get no context); `load` logs how many, once per load.
 Gold answer: a tuple of aliases (the answer value first); the score is the maximum over aliases.

@@ -1,6 +1,6 @@
 """Optima's own trainer arguments, parsed beside TRL's by ``TrlParser`` from the handbook-style YAML.
 
-TRL 1.x dropped two DPO settings the original relied on (docs/method.md#dpo-and-rpo): ``max_prompt_length`` (prompt
+TRL 1.x dropped two DPO settings the method relies on (docs/method.md#dpo-and-rpo): ``max_prompt_length`` (prompt
 truncation before the completion) and ``rpo_alpha`` (the NLL term on chosen that makes iDPO an RPO). They live here and
 the DPO script maps them onto what the installed TRL supports. Pure dataclasses: no torch import.
 """

@@ -12,14 +12,14 @@ columns are dropped here). TRL renders them with the chat template: the prompt (
 the generation prompt, then prompt + the one ``assistant`` turn; the completion is what follows the common prefix,
 so for ChatML (SmolLM2) the completion is ``"Alice: text<|im_end|>\\n"``.
 
-Two settings of the original that TRL 1.16 no longer has are mapped here:
+Two settings of the method's trainer recipes that TRL 1.16 no longer has are mapped here (docs/method.md#dpo-and-rpo):
 
 * **RPO** (iDPO: ``rpo_alpha: 1.0``; iSFT-DPO: ``rpo_alpha: null``, plain sigmoid DPO). TRL 0.10 added
   ``rpo_alpha`` × the mean token NLL of the chosen completions to the sigmoid DPO loss. TRL 1.16 combines losses by
   lists instead (``DPOConfig.loss_type`` + ``loss_weights``, summed as ``Σ weight_i · mean(loss_i)``) and its
   ``"sft"`` loss is exactly that NLL (``-mean`` of the chosen completion tokens' log-probs over the batch). So
   ``rpo_alpha = a`` becomes ``loss_type = [..., "sft"]``, ``loss_weights = [..., a]`` (``apply_rpo``). With the
-  original's only value, 1.0, this equals TRL 0.10's loss (some TRL 0.9/0.10 releases wrote the RPO loss as
+  only value the recipes use, 1.0, this equals TRL 0.10's loss (some TRL 0.9/0.10 releases wrote the RPO loss as
   ``alpha · dpo + nll``; the two forms agree at 1.0).
 * **max_prompt_length** (``truncate_pair``), TRL 0.10's rule: when prompt + longer completion exceed
   ``max_length``, the prompt keeps its last ``max_prompt_length`` tokens (the most recent turns; the old
@@ -46,8 +46,8 @@ PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
 
 def validate_lengths(max_length: int | None, max_prompt_length: int | None) -> None:
-    """Fail early on prompt/sequence lengths TRL would handle degenerately (the original had max_length 512 <
-    max_prompt_length 1024 in four recipes).
+    """Fail early on prompt/sequence lengths TRL would handle degenerately (such as max_length 512 <
+    max_prompt_length 1024, docs/method.md#dpo-and-rpo).
 
     Args:
         max_length: ``DPOConfig.max_length`` (prompt + completion tokens).

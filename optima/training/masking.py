@@ -5,8 +5,8 @@ own utterances as ``assistant`` turns and the partner's as ``user`` turns. Only 
 trained, each with its end-of-turn token; the system prompt, the task, the partner's turns and the chat
 template's role headers are masked with -100.
 
-The original matched Llama-3 token patterns (``<|start_header_id|>assistant<|end_header_id|>\\n\\nAlice:``),
-which silently fails on other templates and on utterances that do not start with exactly ``Name:``. Here the
+Matching Llama-3 token patterns (``<|start_header_id|>assistant<|end_header_id|>\\n\\nAlice:``) would silently
+fail on other templates and on utterances that do not start with exactly ``Name:`` (docs/method.md, D17). The
 trained spans come from the rendered text itself, with any chat template: the content of assistant message k
 starts where a sentinel put in its place appears, and ends after the end-of-turn token that follows. Tokens
 whose character span lies inside a trained span are trained. This needs only that rendering a prefix of the
