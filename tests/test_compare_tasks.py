@@ -18,6 +18,7 @@ from optima.evaluation.fingerprint import read_producer
 from optima.identity import COMPLETE_MARKER, model_identity
 from optima.store import load_records
 from optima.tasks import Example, get_task
+from tests._task_fixtures import resolve_test_data_dir
 from tests.fake_openai import FakeOpenAIServer, FakeReply, speaker_of
 from tests.test_eval_runs import detach_driver_logs, write_arc_data  # noqa: F401  (fixture)
 from tests.test_scripts import load_script
@@ -148,7 +149,10 @@ def test_a_checkpoint_without_its_run_asks_for_the_base_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_papers_table_on_the_demo_checkpoint(tmp_path):
-    """``compare --tasks arc,gsm8k --limit 10`` with the real vLLM, the base model and the demo's checkpoint."""
+    """``compare --tasks arc,gsm8k --limit 10`` with the real vLLM, the base model and the demo's checkpoint.
+
+    Run with ``--basetemp DIR`` to keep its ``table.md`` (the README's methods x tasks table comes from it).
+    """
     if not (DEMO_CHECKPOINT / COMPLETE_MARKER).is_file():
         reason = f"no demo checkpoint {DEMO_CHECKPOINT} (run `make demo` first)"
         if os.environ.get("CI"):
@@ -157,8 +161,7 @@ def test_the_papers_table_on_the_demo_checkpoint(tmp_path):
     out = tmp_path / "table"
     argv = ["compare", "--model", str(SMOLLM2), "--tasks", "arc,gsm8k", "--limit", "10", "--output_path", str(out)]
     argv += ["--optima", f"Optima-iSFT={DEMO_CHECKPOINT}", "--optima_sc", "4"]
-    if os.environ.get("OPTIMA_DATA_DIR"):
-        argv += ["--data_dir", os.environ["OPTIMA_DATA_DIR"]]
+    argv += ["--data_dir", str(resolve_test_data_dir()), "--set", "max_tokens=256", "--set", "max_turns=6"]  # the demo's settings: the run stays in minutes
     assert optima_main(argv) == 0
     wide = {r["method"]: r for r in csv.DictReader((out / "table.csv").open())}
     assert list(wide) == ["CoT", "CoT-SC", "MAD", "AutoForm", "Optima-iSFT", "Optima-iSFT SC"]
