@@ -161,7 +161,8 @@ def test_the_papers_table_on_the_demo_checkpoint(tmp_path):
     out = tmp_path / "table"
     argv = ["compare", "--model", str(SMOLLM2), "--tasks", "arc,gsm8k", "--limit", "10", "--output_path", str(out)]
     argv += ["--optima", f"Optima-iSFT={DEMO_CHECKPOINT}", "--optima_sc", "4"]
-    argv += ["--data_dir", str(resolve_test_data_dir()), "--set", "max_tokens=256", "--set", "max_turns=6"]  # the demo's settings: the run stays in minutes
+    # the demo's settings (256 tokens, 6 turns): the run stays in minutes
+    argv += ["--data_dir", str(resolve_test_data_dir()), "--set", "max_tokens=256", "--set", "max_turns=6"]
     assert optima_main(argv) == 0
     wide = {r["method"]: r for r in csv.DictReader((out / "table.csv").open())}
     assert list(wide) == ["CoT", "CoT-SC", "MAD", "AutoForm", "Optima-iSFT", "Optima-iSFT SC"]
