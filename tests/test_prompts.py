@@ -316,6 +316,9 @@ def test_no_prompt_states_an_answer(task):
         ("arc", "<A>{letter}) {option text}</A>", None),
         ("arc", "<A>letter) option text</A>", None),
         ("arc", "<A>{letter}</A>", None),
+        ("arc", "<A>{letter} {option text}</A>", None),  # a variation the demo's SmolLM2 wrote: braced slots only
+        ("arc", "<A>{letter}: {option text}.</A>", None),
+        ("arc", "<A>{letter}) adding heat</A>", "{letter}) adding heat"),  # words beside a slot: an answer
         ("arc", "<A>B) adding heat</A>", "B) adding heat"),
         ("gsm8k", "so \\boxed{{number}}", None),
         ("gsm8k", "so \\boxed{number}", None),

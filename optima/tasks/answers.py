@@ -262,8 +262,10 @@ def is_placeholder(answer: str | None, prompt_set: str) -> bool:
     """
     if not answer:
         return False
-    if prompt_set in ("qa", "choice") and _BRACED_PHRASE.fullmatch(answer.strip()):
-        return True
+    # Nothing but braced phrases and punctuation (`{letter} {option text}`, `{letter}) {option text}.`) is a slot.
+    if prompt_set in ("qa", "choice") and _BRACED_PHRASE.search(answer):
+        if not any(char.isalnum() for char in _BRACED_PHRASE.sub("", answer)):
+            return True
     return _placeholder_key(answer) in _PLACEHOLDER_KEYS.get(prompt_set, ())
 
 
