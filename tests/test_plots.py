@@ -133,3 +133,15 @@ def test_run_report_plot_draws_the_cut_share_when_recorded(tmp_path):
     older = [{k: v for k, v in row.items() if k != "cut_rate"} for row in rows]  # a run from before the share
     old = plot_report(older, tmp_path / "old.png", "t")
     assert "cut for length" not in {line.get_label() for line in old.axes[0].get_lines()}
+
+
+def test_the_methods_x_tasks_plot_places_labels_like_the_comparison(tmp_path):
+    """The paper-table plot (compare --tasks) uses the same placement: no two labels overlap, the legend names all."""
+    from optima.evaluation.task_table import plot_task_table
+
+    rows = [row | {"accuracy": 0.0} for row in clustered_rows(6)]  # every method at accuracy 0, tokens close
+    figure = plot_task_table({"arc": rows, "gsm8k": rows}, tmp_path / "t.png", "methods x tasks")
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == [row["method"] for row in rows]
+    for axis in figure.axes:
+        boxes = text_boxes(figure, list(axis.texts))
+        assert boxes and not any(a.overlaps(b) for a, b in combinations(boxes, 2))

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from optima.evaluation.metrics import metric_names
-from optima.evaluation.report import _new_figure, render_markdown_table, write_csv, write_json
+from optima.evaluation.report import _new_figure, place_labels, render_markdown_table, write_csv, write_json
 from optima.store import atomic_write_text
 from optima.tasks import get_task
 
@@ -49,24 +49,39 @@ def wide_rows(per_task: Mapping[str, Sequence[Mapping]]) -> list[dict]:
     return list(rows.values())
 
 
-def plot_task_table(per_task: Mapping[str, Sequence[Mapping]], path: Path, title: str) -> None:
-    """One panel per task: task metric against tokens per question, one labelled point per method."""
+def plot_task_table(per_task: Mapping[str, Sequence[Mapping]], path: Path, title: str):
+    """One panel per task: task metric against tokens per question, one point per method.
+
+    As the single-task comparison plot: labels never overlap (``place_labels``), and the legend, outside the
+    panels, names every point (a method keeps its colour in every panel). Returns the figure.
+    """
     figure, axes = _new_figure(len(per_task))
     axes = axes if len(per_task) > 1 else [axes]
+    methods = list(dict.fromkeys(row["method"] for rows in per_task.values() for row in rows))
+    points = []
     for axis, (task, rows) in zip(axes, per_task.items(), strict=True):
         metric = task_metric(task)
         shown = [row for row in rows if row.get("mean_tokens") is not None]
-        for index, row in enumerate(shown):
-            x, y = row["mean_tokens"], row.get(metric) or 0.0
-            axis.scatter([x], [y], color=f"C{index % 10}", s=60, zorder=3)
-            axis.annotate(row["method"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize="small")
-        if shown and min(row["mean_tokens"] for row in shown) > 0:
-            axis.set_xscale("log")
+        for row in shown:
+            index = methods.index(row["method"])
+            axis.scatter([row["mean_tokens"]], [row.get(metric) or 0.0], color=f"C{index % 10}",
+                         marker="osD^vP*X"[index // 10 % 8], s=60, zorder=3, label=row["method"])  # fmt: skip
+        tokens = [row["mean_tokens"] for row in shown]
+        if tokens and min(tokens) > 0 and max(tokens) >= 10 * min(tokens):
+            axis.set_xscale("log")  # a log axis only across a decade or more
         axis.set(title=task, xlabel="tokens per question", ylabel=metric, ylim=(-0.02, 1.02))
         axis.grid(alpha=0.3)
+        points.append((axis, [(row["mean_tokens"], row.get(metric) or 0.0) for row in shown], shown))
+    handles = {label: handle for axis in axes for handle, label in zip(*axis.get_legend_handles_labels(), strict=True)}
+    if handles:
+        figure.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small")
     figure.suptitle(title)
+    figure.canvas.draw()  # lay the figure out first: labels are placed in the final axes
+    for axis, xy, shown in points:
+        place_labels(axis, xy, [row["method"] for row in shown])
     figure.savefig(path, dpi=100)
     logger.info("plot | %s", path)
+    return figure
 
 
 def write_task_table(out_root: Path, per_task: Mapping[str, Sequence[Mapping]], header: Mapping) -> str:
