@@ -25,6 +25,11 @@ HEAD_BYTES = 1 << 20  # how much of each weight file enters a marker-less folder
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 
+def digest(payload) -> str:
+    """A short stable hash of a JSON-able value (stage keys, result fingerprints)."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def new_weights_id() -> str:
     """A fresh unique id for weights that were just written."""
     return uuid.uuid4().hex

@@ -14,7 +14,6 @@ upgraded with the current inputs, so an existing run keeps resuming.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -23,13 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optima.identity import digest
 from optima.store import write_json
 
 logger = logging.getLogger(__name__)
-
-
-def _digest(payload) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def field_values(recipe, names: tuple[str, ...]) -> dict:
@@ -39,7 +35,7 @@ def field_values(recipe, names: tuple[str, ...]) -> dict:
 
 def fields_hash(recipe, names: tuple[str, ...]) -> str:
     """Hash of the values of ``names`` in ``recipe`` (what one stage's output depends on)."""
-    return _digest({name: getattr(recipe, name, None) for name in names})
+    return digest({name: getattr(recipe, name, None) for name in names})
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,7 @@ class StageKey:
     @property
     def identity(self) -> str:
         """One hash of the whole key (what the next stage records as its ``previous stage``)."""
-        return _digest({"config_hash": self.config_hash, "inputs": self.inputs})
+        return digest({"config_hash": self.config_hash, "inputs": self.inputs})
 
     def changes(self, entry: dict) -> list[str]:
         """What differs between this key and a recorded manifest entry, one phrase per change (empty: none)."""

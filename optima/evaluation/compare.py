@@ -29,7 +29,7 @@ from pathlib import Path
 from optima.browser import write_conversations_page
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
-from optima.evaluation.fingerprint import digest, read_producer
+from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import BASELINES, LABELS, ROW_COLUMNS, BaselineSettings, method_job, method_row
 from optima.evaluation.metrics import RecordScorer, metric_names
 from optima.evaluation.report import plot_comparison, render_markdown_table, render_table, write_csv, write_json
@@ -40,6 +40,7 @@ from optima.evaluation.runs import (
     load_tokenize,
     prepare_output,
 )
+from optima.identity import digest
 from optima.store import atomic_write_text, load_records
 from optima.tasks import TASKS, get_task
 from optima.tasks.math_equiv import MathVerifier
@@ -183,19 +184,15 @@ def compare_rows(recipe, envs: dict[str, PythonEnv], options: CompareOptions) ->
         logger.info("compare | model %d/%d | %s | %s", position, len(by_model), path, [r.label for r in model_rows])
         session.run(model_rows[0].label if len(model_rows) == 1 else path.name, path, [r.job for r in model_rows])
     score_type = get_task(recipe.dataset_type).score_type
-    results = []
+    results, producers = [], {}
     with MathVerifier() as verifier:
         for row in rows:
             records, _ = load_records(row.job.out_path)
             scorer = RecordScorer(load_tokenize(recipe, row.model_path, score_type), verifier)
             summary = method_row(records, row.job.plan.samples, scorer, recipe.cluster_f1)
-            producer = digest(read_producer(row.job.out_path))
-            results.append({"method": row.label, "model": row.model} | summary | {"producer": producer})
-    header = {
-        "questions": len(examples),
-        "settings": settings_header(options),
-        "producers": {row.label: read_producer(row.job.out_path) for row in rows},
-    }
+            producers[row.label] = producer = read_producer(row.job.out_path)
+            results.append({"method": row.label, "model": row.model} | summary | {"producer": digest(producer)})
+    header = {"questions": len(examples), "settings": settings_header(options), "producers": producers}
     logger.info("compare | %s | done | %d servers started", recipe.dataset_type, session.servers_started)
     return results, header
 

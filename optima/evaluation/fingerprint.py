@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, partner_of, role_prompt
-from optima.identity import model_identity
+from optima.identity import digest, model_identity
 from optima.store import write_json
 from optima.tasks import Example, get_task
 
@@ -45,11 +45,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 SUPERSEDED = "superseded"
-
-
-def digest(payload) -> str:
-    """A short stable hash of a JSON-able value."""
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def tokenizer_identity(path: str | Path) -> str:

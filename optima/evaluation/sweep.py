@@ -28,7 +28,7 @@ from optima.agents.generation import GenerationPlan
 from optima.browser import write_conversations_page
 from optima.environments import PythonEnv
 from optima.evaluation.compare import write_comparison
-from optima.evaluation.fingerprint import digest, read_producer
+from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import LABELS, BaselineSettings, method_job, method_row
 from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
 from optima.evaluation.plan import list_models
@@ -41,6 +41,7 @@ from optima.evaluation.runs import (
     load_tokenize,
     prepare_output,
 )
+from optima.identity import digest
 from optima.paths import checkpoint_label, models_label
 from optima.store import load_records
 from optima.tasks import get_task
