@@ -87,16 +87,23 @@ def scored_answer(final_answer: str | None, status: str, compat: str = "default"
     return final_answer or None
 
 
+def has_answer(record: dict) -> bool:
+    """Whether a conversation record ended normally with a parsed answer (cut and failed ones have none).
+
+    Args:
+        record: A generation record, rewarded result or tree-search rollout (``final_answer``, ``status``).
+    """
+    return scored_answer(record.get("final_answer"), record.get("status", "")) is not None
+
+
 def is_cut(record: dict) -> bool:
     """Whether a conversation record holds a reply cut at ``max_tokens``.
 
     Args:
-        record: A generation record, rewarded result or tree-search rollout: its ``cut_replies`` count, else a
-            ``cut`` flag, else (records written before either existed) a ``too_long`` status.
+        record: A generation record, rewarded result or tree-search rollout: its ``cut_replies`` count, else
+            (records written before it existed) a ``too_long`` status.
     """
-    if "cut_replies" in record:
-        return record["cut_replies"] > 0
-    return bool(record["cut"]) if "cut" in record else record.get("status") == "too_long"
+    return record.get("cut_replies", int(record.get("status") == "too_long")) > 0
 
 
 def counted_tokens(conversations: Iterable[Conversation | dict]) -> list[int]:

@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from optima.reward import is_cut, scored_answer
+from optima.reward import has_answer, is_cut
 from optima.store import group_by_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
@@ -44,14 +44,6 @@ def metric_names(score_type: str) -> tuple[str, str]:
         score_type: ``f1``, ``choice``, ``number`` or ``math``.
     """
     return ("f1", "f1_original_subword") if score_type == "f1" else ("accuracy", "accuracy_original")
-
-
-def has_answer(record: dict) -> bool:
-    """Whether a conversation ended normally with a parsed answer (too long and failed ones have none).
-
-    The reward's rule (``optima.reward.scored_answer``, docs/method.md#cut-replies).
-    """
-    return scored_answer(record.get("final_answer"), record.get("status", "")) is not None
 
 
 def record_example(record: dict) -> Example:

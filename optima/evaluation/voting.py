@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from optima.evaluation.metrics import RecordScorer, has_answer, record_example
-from optima.reward import is_cut
+from optima.evaluation.metrics import RecordScorer, record_example
+from optima.reward import has_answer, is_cut
 from optima.store import group_by_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier

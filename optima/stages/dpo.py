@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from optima.agents.generation import GenerationPlan, generate_conversations
 from optima.config.rules import train_start, workers
 from optima.paths import StagePaths
-from optima.reward import counted_tokens, is_cut, scored_answer, search_t_max
+from optima.reward import counted_tokens, has_answer, is_cut, search_t_max
 from optima.run_context import RunContext
 from optima.selection.dpo import save_pairs
 from optima.selection.mcts import reply_from_chat, search_question
@@ -130,9 +130,7 @@ def search(call: StageCall) -> dict:
         "questions": len(lines),
         "rollouts": len(rollouts),
         "t_max": t_max,
-        "answer_rate": round(
-            sum(scored_answer(r["final_answer"], r["status"]) is not None for r in rollouts) / max(len(rollouts), 1), 4
-        ),  # fmt: skip
+        "answer_rate": round(sum(has_answer(r) for r in rollouts) / max(len(rollouts), 1), 4),
         "mean_tokens": round(sum(r["token_count"] for r in rollouts) / max(len(rollouts), 1), 2),
         "cut_rate": round(sum(is_cut(r) for r in rollouts) / max(len(rollouts), 1), 4),
         "accuracy": round(sum(p["task_score"] for p in scored) / max(len(scored), 1), 4),
