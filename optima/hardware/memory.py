@@ -116,27 +116,18 @@ class ModelSize:
 
     @property
     def layer_params(self) -> int:
-        h, kv = self._get("hidden_size"), self.kv_heads
-        return 2 * h * h + 2 * h * kv * self.head_dim + 3 * h * self._get("intermediate_size") + 2 * h
-
-    @property
-    def kv_heads(self) -> int:
-        return int(self.config.get("num_key_value_heads") or self._get("num_attention_heads"))
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.config.get("head_dim") or self._get("hidden_size") // self._get("num_attention_heads"))
+        h, shape = self.hidden, kv_shape(self.config, 1)  # KV heads and head size as the KV-cache sizing reads them
+        return 2 * h * h + 2 * h * shape.kv_heads * shape.head_dim + 3 * h * self.intermediate + 2 * h
 
     @property
     def embedding_params(self) -> int:
-        return self._get("vocab_size") * self._get("hidden_size")
+        return self.vocab * self.hidden
 
     @property
     def params(self) -> int:
         """Parameter count (formula in the module docstring)."""
         heads = 1 if self.config.get("tie_word_embeddings") else 2
-        layers = self._get("num_hidden_layers")
-        return heads * self.embedding_params + layers * self.layer_params + self._get("hidden_size")
+        return heads * self.embedding_params + self.layers * self.layer_params + self.hidden
 
     @property
     def max_len(self) -> int:
