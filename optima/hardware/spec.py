@@ -81,7 +81,7 @@ def detect_hardware(environ: Mapping[str, str] | None = None, nvidia_smi: str | 
     gpus = visible_gpus(environ, nvidia_smi)
     if not gpus:
         return Hardware(nodes, 0, 0.0, source="no GPU visible" + slurm)
-    sizes = gpu_memory_mib(environ, nvidia_smi)
+    sizes = gpu_memory_mib(environ, nvidia_smi, gpus)
     memory = round(min(sizes) / 1024, 1) if sizes else 0.0
     source = ("nvidia-smi" if sizes else "memory unknown") + slurm
     return Hardware(nodes, len(gpus), memory, tuple(gpus), source=source)

@@ -36,14 +36,21 @@ def visible_gpus(environ: Mapping[str, str] | None = None, nvidia_smi: str | Non
     return [str(i) for i, _ in enumerate(ln for ln in lines if ln.startswith("GPU "))]
 
 
-def gpu_memory_mib(environ: Mapping[str, str] | None = None, nvidia_smi: str | None = None) -> list[int]:
+def gpu_memory_mib(
+    environ: Mapping[str, str] | None = None, nvidia_smi: str | None = None, gpus: list[str] | None = None
+) -> list[int]:
     """Total memory (MiB) of each visible GPU, in ``visible_gpus`` order; empty without GPUs or ``nvidia-smi``.
 
     Numeric ``CUDA_VISIBLE_DEVICES`` entries pick their GPUs from ``nvidia-smi``'s list; other entries (UUIDs)
     get the smallest GPU's memory.
+
+    Args:
+        environ: The environment (``CUDA_VISIBLE_DEVICES``, ``PATH``); default ``os.environ``.
+        nvidia_smi: The ``nvidia-smi`` program; default the one on ``PATH``.
+        gpus: ``visible_gpus``'s answer when the caller has it already (saves listing the GPUs again).
     """
     environ = os.environ if environ is None else environ
-    gpus = visible_gpus(environ, nvidia_smi)
+    gpus = visible_gpus(environ, nvidia_smi) if gpus is None else gpus
     exe = nvidia_smi or shutil.which("nvidia-smi", path=environ.get("PATH"))
     if not gpus or exe is None:
         return []
