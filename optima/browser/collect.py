@@ -203,13 +203,18 @@ def probe_questions(sp: StagePaths) -> list[QuestionView]:
     return plain_questions(load_records(sp.probe)[0])
 
 
-def pair_view(entry: dict, nodes: Sequence[dict]) -> PairView:
-    """A recorded pair with its texts read from the tree (the same functions that mined it)."""
-    from optima.selection.dpo import best_and_worst, children_by_parent, path_utterances
+def pair_view(entry: dict, by_id: dict, children: dict) -> PairView:
+    """A recorded pair with its texts read from the tree (the same functions that mined it).
 
-    by_id = {node["id"]: node for node in nodes}
+    Args:
+        entry: The pair's record (``node_id``, values, ``kept``, ``reason``).
+        by_id: The tree's nodes by id.
+        children: ``children_by_parent`` of the tree (built once per tree, not per pair).
+    """
+    from optima.selection.dpo import best_and_worst, path_utterances
+
     node = by_id[entry["node_id"]]
-    chosen, rejected = best_and_worst(children_by_parent(nodes)[node["id"]])
+    chosen, rejected = best_and_worst(children[node["id"]])
     return PairView(
         node_id=node["id"],
         depth=node["depth"],
@@ -225,6 +230,8 @@ def pair_view(entry: dict, nodes: Sequence[dict]) -> PairView:
 
 def search_questions(sp: StagePaths) -> list[QuestionView]:
     """The search trees of a DPO stage: every rollout, and every pair found (kept or not, and why)."""
+    from optima.selection.dpo import children_by_parent
+
     records = {str(r["task_id"]): r for r in load_records(sp.selection_record)[0]}
     questions = []
     for line in load_records(sp.rollouts)[0]:
@@ -233,7 +240,8 @@ def search_questions(sp: StagePaths) -> list[QuestionView]:
         question.conversations = [
             conversation_view(r, f"rollout {k} from node {r['start_node']}") for k, r in enumerate(line["rollouts"])
         ]
-        question.pairs = [pair_view(entry, line["nodes"]) for entry in (record or {}).get("pairs", [])]
+        by_id, children = {node["id"]: node for node in line["nodes"]}, children_by_parent(line["nodes"])
+        question.pairs = [pair_view(entry, by_id, children) for entry in (record or {}).get("pairs", [])]
         if record is not None:
             kept = sum(p.kept for p in question.pairs)
             question.verdict = f"{len(question.pairs)} pairs found, {kept} kept"
