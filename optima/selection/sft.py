@@ -61,9 +61,14 @@ class Decision:
         }
 
 
+def is_usable(result: dict) -> bool:
+    """Whether a rewarded conversation can be trained on: it ended ``ok`` and has utterances."""
+    return result["status"] == "ok" and bool(result["utterances"])
+
+
 def best_conversation(line: dict) -> dict | None:
     """The highest-reward conversation of a rewarded question (``None`` when none ended ``ok``)."""
-    usable = [r for r in line["results"] if r["status"] == "ok" and r["utterances"]]
+    usable = [r for r in line["results"] if is_usable(r)]
     if not usable:
         return None
     return max(usable, key=lambda r: (r["reward"], -r["sample_index"]))
@@ -75,8 +80,7 @@ def other_rules(line: dict, best: dict | None) -> dict[str, str]:
     for r in line["results"]:
         if best is not None and r["sample_index"] == best["sample_index"]:
             continue
-        usable = r["status"] == "ok" and r["utterances"]
-        rules[str(r["sample_index"])] = NOT_BEST if usable else UNFINISHED.format(status=r["status"])
+        rules[str(r["sample_index"])] = NOT_BEST if is_usable(r) else UNFINISHED.format(status=r["status"])
     return rules
 
 
