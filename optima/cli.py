@@ -14,12 +14,15 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optima.config import RecipeError, load_recipe
 from optima.config.devices import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag
 from optima.environments import EnvError, PythonEnv, resolve_env
 from optima.logging_utils import setup_logging
+
+if TYPE_CHECKING:
+    from optima.config.types import InferenceRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +276,7 @@ def baseline_settings(args: argparse.Namespace, samples: int = 8, temperature: f
     return BaselineSettings(samples, temperature, debate)
 
 
-def eval_hardware_plan(recipe, given: str | None):
+def eval_hardware_plan(recipe: InferenceRecipe, given: str | None):
     """The hardware plan of an evaluation run (its servers only) on ``--hardware`` or the detected machine."""
     import os
 

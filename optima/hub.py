@@ -22,9 +22,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optima.paths import RunPaths
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe, TrainingFields
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ readable tokens): {{ method }} on `{{ task }}`, from `{{ base_label }}`.
 CARD_NUMBERS = ("answer_rate", "task_score", "mean_tokens", "conversations", "kept", "train_loss", "train_rows")
 
 
-def data_repo_id(recipe) -> str | None:
+def data_repo_id(recipe: TrainingFields) -> str | None:
     """The dataset repository of the run's training sets (``<hub_model_id>-data``), when they are pushed."""
     return f"{recipe.hub_model_id}{DATA_REPO_SUFFIX}" if recipe.hub_model_id and recipe.hub_push_datasets else None
 
@@ -84,7 +87,7 @@ def base_model_id(model: str) -> str | None:
     return found[0] if found else None
 
 
-def build_model_card(recipe, iteration: int, metrics: dict, versions: dict[str, str]):
+def build_model_card(recipe: LoopRecipe, iteration: int, metrics: dict, versions: dict[str, str]):
     """The model card of a checkpoint (``huggingface_hub.ModelCard``): metadata and this iteration's numbers.
 
     Args:
@@ -139,7 +142,7 @@ def dataset_folders(paths: RunPaths) -> list[tuple[str, Path]]:
     return sorted(found, key=lambda item: (int(item[0].split("/")[0].removeprefix("iteration_")), item[0]))
 
 
-def push_run(recipe, paths: RunPaths, final_model: str, api: Any = None) -> dict | None:
+def push_run(recipe: LoopRecipe, paths: RunPaths, final_model: str, api: Any = None) -> dict | None:
     """Upload the final checkpoint (model card and run report included) and, if asked, the training sets.
 
     Args:
@@ -181,7 +184,7 @@ def push_run(recipe, paths: RunPaths, final_model: str, api: Any = None) -> dict
     return record
 
 
-def push_datasets(recipe, paths: RunPaths, token: str | None = None) -> None:
+def push_datasets(recipe: TrainingFields, paths: RunPaths, token: str | None = None) -> None:
     """Push every training set of the run to ``<hub_model_id>-data``, one dataset config per iteration folder."""
     from datasets import load_from_disk
 

@@ -24,10 +24,13 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optima.config.rules import vllm_loss_batch_size, workers
 from optima.training.masking import trained_char_spans
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +96,9 @@ class VLLMLossScorer:
         batch_size: Texts per request (default ``optima.config.rules.vllm_loss_batch_size``).
     """
 
-    def __init__(self, base_urls: Sequence[str], model: str, tokenizer: Any, recipe, batch_size: int | None = None):
+    def __init__(
+        self, base_urls: Sequence[str], model: str, tokenizer: Any, recipe: LoopRecipe, batch_size: int | None = None
+    ):
         from openai import OpenAI
 
         self.clients = [

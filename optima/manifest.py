@@ -28,12 +28,12 @@ from optima.store import write_json
 logger = logging.getLogger(__name__)
 
 
-def field_values(recipe, names: tuple[str, ...]) -> dict:
+def field_values(recipe: object, names: tuple[str, ...]) -> dict:
     """The JSON form of the values of ``names`` in ``recipe``."""
     return json.loads(json.dumps({name: getattr(recipe, name, None) for name in names}, default=str))
 
 
-def fields_hash(recipe, names: tuple[str, ...]) -> str:
+def fields_hash(recipe: object, names: tuple[str, ...]) -> str:
     """Hash of the values of ``names`` in ``recipe`` (what one stage's output depends on)."""
     return digest({name: getattr(recipe, name, None) for name in names})
 

@@ -24,6 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+
+class RunLocation(Protocol):
+    """Where a loop's recipe puts its run (``RunFields.output_dir``, ``LoopFields.check_point_root_path``).
+
+    A protocol, because this module sits below ``optima.config`` (docs/layers.md).
+    """
+
+    output_dir: str | None
+    check_point_root_path: str | None
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,7 @@ class RunPaths:
     checkpoint_root: Path | None = None
 
     @classmethod
-    def from_recipe(cls, recipe) -> RunPaths:
+    def from_recipe(cls, recipe: RunLocation) -> RunPaths:
         """Paths of a validated recipe (``output_dir`` and ``check_point_root_path`` are absolute there)."""
         root = Path(recipe.check_point_root_path) if recipe.check_point_root_path else None
         return cls(Path(recipe.output_dir), root)

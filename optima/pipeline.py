@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from optima.environments import check_env
 from optima.manifest import Manifest, StageKey, fields_hash
@@ -21,6 +22,9 @@ from optima.run_context import RunContext, write_iteration_report
 from optima.serving.processes import sigterm_as_exit
 from optima.stage_identity import link, part_keys
 
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,7 +32,7 @@ class NothingSelected(RuntimeError):
     """No conversation passed selection and the recipe says to stop."""
 
 
-def stage_hashes(recipe, stages: Sequence[StageDef]) -> dict[str, str]:
+def stage_hashes(recipe: LoopRecipe, stages: Sequence[StageDef]) -> dict[str, str]:
     """Per stage, the hash of the recipe fields its output depends on (what the manifest compares)."""
     return {stage.name: fields_hash(recipe, stage.fields) for stage in stages}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optima.config import DPORecipe, SFTRecipe
 from optima.config.fields import stage_fields
@@ -29,6 +29,9 @@ from optima.paths import RunPaths, StagePaths
 from optima.stages import dpo, sft
 from optima.stages.common import CHECKPOINT, StageCall
 from optima.training.launch_config import describe_trainer_overrides, launch_for
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class Plan:
     """Everything a run would do."""
 
     method: str
-    recipe: Any
+    recipe: LoopRecipe
     paths: RunPaths
     parts: list[PlanPart]
     envs: dict[str, PythonEnv]
@@ -306,7 +309,7 @@ def _render_stage(name: str, details: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _serve_details(recipe, model: str, hardware) -> dict[str, Any]:
+def _serve_details(recipe: LoopRecipe, model: str, hardware) -> dict[str, Any]:
     if recipe.endpoints:
         where = {"endpoints": ", ".join(recipe.endpoints), "endpoint_sync": recipe.endpoint_sync}
     elif hardware is not None and hardware.hardware.has_gpu:
@@ -317,14 +320,16 @@ def _serve_details(recipe, model: str, hardware) -> dict[str, Any]:
     return {"model": model, **where, **server_layout_details(recipe, hardware)}
 
 
-def server_layout_details(recipe, hardware) -> dict[str, str]:
+def server_layout_details(recipe: LoopRecipe, hardware) -> dict[str, str]:
     """Each server of the run with its devices or cores and memory share (``optima.serving.layout``)."""
     from optima.serving.layout import describe_layout
 
     return describe_layout(recipe, loss_model(recipe), hardware.layout if hardware is not None else None)
 
 
-def iteration_parts(recipe, paths: RunPaths, iteration: int, model: str, skip: bool = False) -> list[PlanPart]:
+def iteration_parts(
+    recipe: LoopRecipe, paths: RunPaths, iteration: int, model: str, skip: bool = False
+) -> list[PlanPart]:
     """The parts of one iteration of ``recipe.method``, the first starting from ``model``.
 
     The last part writes the iteration's checkpoint (``checkpoints/iteration_<i>``), an earlier one its own
@@ -344,7 +349,7 @@ def iteration_parts(recipe, paths: RunPaths, iteration: int, model: str, skip: b
 
 
 def build_plan(
-    recipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None, hardware=None
+    recipe: LoopRecipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None, hardware=None
 ) -> Plan:
     """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe, and where their processes run.
 

@@ -28,8 +28,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
+
+if TYPE_CHECKING:
+    from optima.config.types import RewardFields
 
 OK = "ok"
 
@@ -148,7 +152,7 @@ def search_t_max(probe: Iterable[Conversation | dict], q: float) -> int:
     return token_quantile(counted_tokens(probe), q)
 
 
-def token_term(conversation: Conversation, t_max: float | None, recipe) -> float:
+def token_term(conversation: Conversation, t_max: float | None, recipe: RewardFields) -> float:
     """``lambda1 · tokens / T_max``, or the penalty for failed, too long or too short conversations."""
     if conversation.status != OK or t_max is None or conversation.token_count <= recipe.min_tokens:
         return recipe.overlong_penalty
@@ -170,7 +174,7 @@ def has_repeat(utterances: Sequence[Utterance]) -> bool:
     return False
 
 
-def loss_term(conversation: Conversation, recipe) -> float:
+def loss_term(conversation: Conversation, recipe: RewardFields) -> float:
     """``lambda2 / max_i L_i`` with the overrides above; 0 when ``cal_ppl`` is off."""
     if not recipe.cal_ppl:
         return 0.0
@@ -199,7 +203,7 @@ def impersonation_penalty(utterances: Sequence[Utterance], penalty: float) -> fl
     return total
 
 
-def score_conversation(conversation: Conversation, t_max: float | None, recipe) -> RewardParts:
+def score_conversation(conversation: Conversation, t_max: float | None, recipe: RewardFields) -> RewardParts:
     """The reward of one conversation.
 
     Args:
@@ -215,7 +219,7 @@ def score_conversation(conversation: Conversation, t_max: float | None, recipe) 
     )
 
 
-def score_question(conversations: Sequence[Conversation], recipe) -> list[RewardParts]:
+def score_question(conversations: Sequence[Conversation], recipe: RewardFields) -> list[RewardParts]:
     """Rewards of all conversations of one question (``T_max`` taken among them)."""
     t_max = question_t_max(conversations)
     return [score_conversation(c, t_max, recipe) for c in conversations]

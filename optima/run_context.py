@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optima.config.fields import RecipeError
 from optima.config.rules import loss_model
@@ -24,6 +24,9 @@ from optima.serving.holder import ServerHolder
 from optima.store import write_json, write_yaml
 from optima.tasks import Task, get_task
 
+if TYPE_CHECKING:
+    from optima.config.types import BaseRecipe, LoopRecipe
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,7 +34,7 @@ logger = logging.getLogger(__name__)
 class RunContext:
     """Shared state of one run."""
 
-    recipe: Any
+    recipe: LoopRecipe
     paths: RunPaths
     envs: dict[str, PythonEnv]
     servers: ServerHolder
@@ -42,7 +45,7 @@ class RunContext:
     progress: bool = True  # a training progress bar on the console (``--quiet``: none)
 
     @classmethod
-    def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv], hardware=None) -> RunContext:
+    def create(cls, recipe: LoopRecipe, paths: RunPaths, envs: dict[str, PythonEnv], hardware=None) -> RunContext:
         """Prepare the run directory (recipe.yaml, driver log) and the shared objects.
 
         ``hardware`` is the run's hardware plan (``optima.hardware.plan``): the servers are placed as it says.
@@ -98,7 +101,7 @@ def redacted(values: dict[str, Any]) -> dict[str, Any]:
     return {k: ("<redacted>" if k in SECRET_FIELDS and v else v) for k, v in values.items()}
 
 
-def save_recipe(recipe, path: Path) -> None:
+def save_recipe(recipe: BaseRecipe, path: Path) -> None:
     """Write the validated recipe (secrets redacted); say which fields changed when resuming under another one."""
     import yaml
 

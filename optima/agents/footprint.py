@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, build_agent_messages
 from optima.serving.capacity import conversation_kv_tokens, load_model_config, quantile
 from optima.tasks import Example, get_task
+
+if TYPE_CHECKING:
+    from optima.config.types import BaseRecipe, RunFields
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ def _load_tokenizer(path: str):
         return None
 
 
-def prompt_tokens(recipe, examples: Sequence[Example], tokenizer_path: str | None = None) -> int:
+def prompt_tokens(recipe: RunFields, examples: Sequence[Example], tokenizer_path: str | None = None) -> int:
     """90th percentile over (a sample of) ``examples`` of the longer of the two agents' first rendered requests.
 
     Args:
@@ -60,7 +64,7 @@ def _count(tokenizer, messages: list[dict]) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def conversation_footprint(recipe, examples: Sequence[Example], model_path: str | None = None) -> int:
+def conversation_footprint(recipe: BaseRecipe, examples: Sequence[Example], model_path: str | None = None) -> int:
     """Worst-case KV tokens of one conversation of this stage (both agents' views, every turn at ``max_tokens``).
 
     Args:

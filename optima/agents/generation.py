@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.conversation import ConversationResult, TurnLimits, run_conversation
 from optima.agents.footprint import conversation_footprint
@@ -48,6 +49,9 @@ from optima.serving.kv_monitor import KVMonitor
 from optima.store import JsonlWriter, prepare_resume
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe, Recipe, RunFields
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class GenerationPlan:
     prefill_answer: bool = False
 
 
-def plan_generation(recipe, iteration: int, stage: str = "sft") -> GenerationPlan:
+def plan_generation(recipe: LoopRecipe, iteration: int, stage: str = "sft") -> GenerationPlan:
     """SFT data generation: ``explore_count`` samples; the pool and the low temperature at iteration 0.
 
     See docs/method.md#sampling-schedule.
@@ -148,7 +152,7 @@ class Job:
 class TokenCounter:
     """Fallback token counts with the agents' tokenizers, loaded on first use (servers normally send usage)."""
 
-    def __init__(self, recipe):
+    def __init__(self, recipe: RunFields):
         self._paths = {
             AGENT_NAMES[0]: recipe.tokenizer_first_path or recipe.initial_model_path,
             AGENT_NAMES[1]: recipe.tokenizer_second_path or recipe.initial_model_path,
@@ -168,7 +172,7 @@ class TokenCounter:
 class ConversationRunner:
     """Runs one ``Job`` against the replica pool and turns the result into a JSONL record."""
 
-    def __init__(self, recipe, plan: GenerationPlan, pool: ReplicaPool):
+    def __init__(self, recipe: Recipe, plan: GenerationPlan, pool: ReplicaPool):
         self.recipe, self.plan, self.pool = recipe, plan, pool
         self.limits = TurnLimits(recipe.max_turns, recipe.max_tokens)
         self.count_tokens = TokenCounter(recipe)
@@ -254,7 +258,7 @@ class ConversationRunner:
 
 
 def generate_conversations(
-    recipe,
+    recipe: Recipe,
     examples: Sequence[Example],
     endpoints: Sequence[str],
     out_path: Path,

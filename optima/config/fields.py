@@ -131,9 +131,12 @@ def coerce(name: str, value: Any, tp: Any) -> Any:
 
 
 def check_keys(
-    raw: dict[str, Any], cls: type, aliases: dict[str, str], unused: tuple[str, ...] = ()
+    raw: dict[str, Any], cls: type, aliases: dict[str, str], unused: tuple[str, ...] = (), where: str = "recipe"
 ) -> dict[str, Any]:
-    """Rename aliased keys (warning once each), drop keys ``cls`` accepts but ignores, reject unknown ones."""
+    """Rename aliased keys (warning once each), drop keys ``cls`` accepts but ignores, reject unknown ones.
+
+    An ignored key warns, naming ``where`` (the recipe file), the key and its value.
+    """
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     out: dict[str, Any] = {}
     for key, value in raw.items():
@@ -146,7 +149,7 @@ def check_keys(
                 raise RecipeError(key, f"both {key!r} and its new name {target!r} are set; keep {target!r}")
             key = target
         if key in unused:
-            logger.warning("recipe key %r=%r is not used by %s; ignored", key, value, cls.__name__)
+            logger.warning("%s: %s=%r is not used by %s; ignored", where, key, value, cls.__name__)
             continue
         if key not in names:
             guess = difflib.get_close_matches(key, names + list(aliases), n=1)

@@ -1,8 +1,9 @@
-"""Field groups shared by several recipes: serving, generation, reward, SFT, DPO and training.
+"""The field groups the recipes are built from: run, serving, conversation, generation, loop, reward, training.
 
 Each group is a keyword-only dataclass mixin with its own ``validate``; ``optima.config.recipes`` composes them into
-the method recipes. Keys stay flat in YAML, as in the released Optima recipes (``port``, ``lambda1``, ...).
-Defaults are the values of those recipes and the method's hard-coded numbers (docs/method.md D10).
+the method recipes, and a signature names the group it reads (``optima.config.types``). Keys stay flat in YAML, as
+in the released Optima recipes (``port``, ``lambda1``, ...). Defaults are the values of those recipes and the
+method's hard-coded numbers (docs/method.md D10).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from optima.config.devices import parse_devices
 from optima.config.fields import field, require
 
+DATA_DIR_ENV = "OPTIMA_DATA_DIR"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # accelerate's multi-node flags: the hardware plan sets them for each node it starts (train_hosts).
 MULTI_NODE_FLAGS = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--num_processes")
@@ -158,15 +160,47 @@ class ServingFields:
 
 
 @dataclasses.dataclass(kw_only=True)
-class GenerationFields:
-    """Two-agent conversation sampling (docs/method.md#sampling-schedule, #turn-loop)."""
+class RunFields:
+    """What every recipe names: the task, the model and its tokenizers, the data and output folders, the seed."""
 
-    sample_count: int = field(100, help="questions per iteration", redoes=GENERATED)
-    explore_count: int = field(10, help="conversations per question", redoes=GENERATED)
+    dataset_type: str = field(help="task name, e.g. arc or hotpot_qa", redoes=SAMPLED)
+    initial_model_path: str = field(
+        help="base model: hub id org/name or local folder (start local ones with ./)", redoes=GENERATED
+    )
+    tokenizer_first_path: str | None = field(None, help="tokenizer of Alice (default: the model's own)")
+    tokenizer_second_path: str | None = field(None, help="tokenizer of Bob (default: the model's own)")
+    data_dir: str | None = field(
+        None, help=f"local dataset root (JSONL); default ${DATA_DIR_ENV}, else the hub", redoes=SAMPLED
+    )
+    output_dir: str | None = field(
+        None, help="run directory; default runs/<dataset_type>_<method> (evaluation: output_root_path)"
+    )
+    seed: int = field(
+        42, help="seed of every random choice (question slices, contexts, pool draws, shuffles)", redoes=SAMPLED
+    )
+
+    method: ClassVar[str] = "base"  # the recipe's kind (loop or evaluation), used in default paths and logs
+
+
+@dataclasses.dataclass(kw_only=True)
+class ConversationFields:
+    """The length limits of one two-agent conversation (docs/method.md#turn-loop), in training and in evaluation."""
+
     max_turns: int = field(10, help="utterances per conversation at most (both agents together)", redoes=SAMPLED)
     max_tokens: int = field(
         2000, help="tokens per utterance at most; longer ends the conversation as too_long", redoes=SAMPLED
     )
+
+    def validate(self) -> None:
+        _positive(self, "max_turns", "max_tokens")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationFields:
+    """The training loops' conversation sampling (docs/method.md#sampling-schedule)."""
+
+    sample_count: int = field(100, help="questions per iteration", redoes=GENERATED)
+    explore_count: int = field(10, help="conversations per question", redoes=GENERATED)
     temperature: float = field(0.7, help="sampling temperature from iteration 1 on", redoes=SAMPLED)
     temperature_iteration0: float | None = field(
         None,
@@ -187,10 +221,28 @@ class GenerationFields:
 
     def validate(self) -> None:
         require(self.sample_count >= 0, "sample_count", f"must be >= 0, got {self.sample_count}")
-        _positive(self, "explore_count", "max_turns", "max_tokens")
+        _positive(self, "explore_count")
         _in("temperature", self.temperature, 0.0, 2.0)
         if self.temperature_iteration0 is not None:
             _in("temperature_iteration0", self.temperature_iteration0, 0.0, 2.0)
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoopFields:
+    """What only a training loop has: its iterations, where its checkpoints go, and the compatibility switch."""
+
+    check_point_root_path: str | None = field(None, help="checkpoint root; default <output_dir>/checkpoints")
+    iteration_times: int = field(1, help="number of iterations")
+    compat: Literal["default", "original"] = field(
+        "default",
+        help="'original' restores exactly these of the original's behaviours: reward F1 over model subwords with its "
+        "character strip; exact string match for multiple choice and gsm8k; private information as a Python list "
+        "repr in training rows and tree-search prompts; MATH training rows under the GSM8K solver prompt; a "
+        "tree-search rollout that hits max_turns scores no answer; the tree-search stop rule only knows the selected "
+        "node's answer; the reward scores the last answer of a conversation cut at max_tokens "
+        "(docs/method.md#where-we-differ-from-the-original)",
+        redoes=REWARDED,
+    )
 
 
 @dataclasses.dataclass(kw_only=True)

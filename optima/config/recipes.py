@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from optima.config.fields import (
     RecipeError,
@@ -30,22 +30,34 @@ from optima.config.fields import (
     resolve_path,
 )
 from optima.config.groups import (
-    GENERATED,
+    DATA_DIR_ENV,
     PROBED,
-    REWARDED,
-    SAMPLED,
     TRAINED,
+    ConversationFields,
     DPOFields,
     GenerationFields,
+    LoopFields,
     RewardFields,
+    RunFields,
     ServingFields,
     SFTFields,
+    TrainingFields,
 )
 from optima.config.rules import default_mcts_selections, default_output_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RecipeError", "SFTRecipe", "DPORecipe", "SFTDPORecipe", "InferenceRecipe", "MultiSCRecipe"]
+__all__ = [
+    "DATA_DIR_ENV",
+    "RecipeError",
+    "BaseRecipe",
+    "LoopRecipe",
+    "SFTRecipe",
+    "DPORecipe",
+    "SFTDPORecipe",
+    "InferenceRecipe",
+    "MultiSCRecipe",
+]
 
 # Legacy spellings and names of the released recipes, read as ours (warns once per key and load).
 ALIASES = {
@@ -65,7 +77,6 @@ LEGACY_OUTPUT_KEYS = (
     "mid_dpo_dataset_root_path",
     "initial_dataset_path",
 )
-DATA_DIR_ENV = "OPTIMA_DATA_DIR"
 # The released prompt-pool files (not shipped here); a recipe naming one that is not on disk gets our built-in pool.
 ORIGINAL_POOLS = (
     "prompts_diverse.jsonl",
@@ -73,7 +84,7 @@ ORIGINAL_POOLS = (
     "prompts_gsm8k_first.jsonl",
     "prompts_math_first.jsonl",
 )
-R = TypeVar("R", bound="_BaseRecipe")
+R = TypeVar("R", bound="BaseRecipe")
 
 
 def known_tasks() -> dict[str, str]:
@@ -84,8 +95,8 @@ def known_tasks() -> dict[str, str]:
 
 
 @dataclasses.dataclass(kw_only=True)
-class _BaseRecipe(ServingFields, GenerationFields):
-    """Fields every recipe shares: task, model, where outputs go, serving and sampling.
+class BaseRecipe(RunFields, ServingFields, ConversationFields):
+    """What every recipe has, loop or evaluation: the run's task and model, its servers and its conversations.
 
     Parameters:
         dataset_type (`str`): Task name (`hotpot_qa`, `mwh_qa`, `trival_qa`, `cbt`, `gsm8k`, `math`, `arc`, `mmlu`).
@@ -94,38 +105,8 @@ class _BaseRecipe(ServingFields, GenerationFields):
         seed (`int`, defaults to `42`): Seed of every random choice.
     """
 
-    dataset_type: str = field(help="task name, e.g. arc or hotpot_qa", redoes=SAMPLED)
-    initial_model_path: str = field(
-        help="base model: hub id org/name or local folder (start local ones with ./)", redoes=GENERATED
-    )
-    tokenizer_first_path: str | None = field(None, help="tokenizer of Alice (default: the model's own)")
-    tokenizer_second_path: str | None = field(None, help="tokenizer of Bob (default: the model's own)")
-    data_dir: str | None = field(
-        None, help=f"local dataset root (JSONL); default ${DATA_DIR_ENV}, else the hub", redoes=SAMPLED
-    )
-    output_dir: str | None = field(
-        None, help="run directory; default runs/<dataset_type>_<method> (evaluation: output_root_path)"
-    )
-    check_point_root_path: str | None = field(None, help="checkpoint root; default <output_dir>/checkpoints")
-    iteration_times: int = field(1, help="number of iterations")
-    seed: int = field(
-        42, help="seed of every random choice (question slices, contexts, pool draws, shuffles)", redoes=SAMPLED
-    )
-    compat: Literal["default", "original"] = field(
-        "default",
-        help="'original' restores exactly these of the original's behaviours: reward F1 over model subwords with its "
-        "character strip; exact string match for multiple choice and gsm8k; private information as a Python list "
-        "repr in training rows and tree-search prompts; MATH training rows under the GSM8K solver prompt; a "
-        "tree-search rollout that hits max_turns scores no answer; the tree-search stop rule only knows the selected "
-        "node's answer; the reward scores the last answer of a conversation cut at max_tokens "
-        "(docs/method.md#where-we-differ-from-the-original)",
-        redoes=REWARDED,
-    )
-
-    method = "base"  # class attribute: the loop's name, used in default paths and logs
-    unused_keys: ClassVar[tuple[str, ...]] = ()  # class attribute: original keys this method accepts and ignores
-    # class attribute: fields this method has (shared with the loops) but never reads; set in a recipe, they warn
-    ignored_fields: ClassVar[tuple[str, ...]] = ()
+    # class attribute: keys this method accepts and ignores (released recipes' keys, the loops' keys in evaluation)
+    unused_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         tasks = known_tasks()
@@ -135,27 +116,30 @@ class _BaseRecipe(ServingFields, GenerationFields):
             f"unknown task {self.dataset_type!r}; known: " + ", ".join(sorted(tasks)),
         )
         self.dataset_type = tasks[self.dataset_type]
-        require(self.iteration_times >= 1, "iteration_times", f"must be >= 1, got {self.iteration_times}")
+        self.check_run()
         if self.data_dir is None:
             self.data_dir = os.environ.get(DATA_DIR_ENV) or None
         if self.output_dir is None:
             self.output_dir = default_output_dir(self)
-        pool = self.prompt_pool_path
-        if pool and Path(pool).name in ORIGINAL_POOLS and not Path(pool).exists():
-            logger.warning("prompt_pool_path %s is the released Optima pool (not here); using the built-in pool", pool)
-            self.prompt_pool_path = None
-        for name in ("data_dir", "output_dir", "check_point_root_path", *self.path_fields()):
+        for name in ("data_dir", "output_dir", *self.folder_fields(), *self.path_fields()):
             setattr(self, name, resolve_path(getattr(self, name), name))
         for name in self.model_fields():  # hub ids stay as they are
             value = getattr(self, name)
             if value and not is_hub_id(value):
                 setattr(self, name, resolve_path(value, name))
         ServingFields.validate(self)
-        GenerationFields.validate(self)
+        ConversationFields.validate(self)
+
+    def check_run(self) -> None:
+        """Checks of a method's own fields that come before the paths are resolved (none here)."""
+
+    def folder_fields(self) -> tuple[str, ...]:
+        """Names of output-folder fields besides ``data_dir`` and ``output_dir`` (resolved to absolute paths)."""
+        return ()
 
     def path_fields(self) -> tuple[str, ...]:
         """Names of the recipe's local input-file fields (resolved to absolute paths and checked)."""
-        return ("prompt_pool_path",)
+        return ()
 
     def model_fields(self) -> tuple[str, ...]:
         """Names of the fields that take a model or tokenizer: a hub id or a local folder."""
@@ -177,25 +161,48 @@ class _BaseRecipe(ServingFields, GenerationFields):
 
 
 @dataclasses.dataclass(kw_only=True)
-class SFTRecipe(SFTFields, RewardFields, _BaseRecipe):
+class LoopRecipe(TrainingFields, RewardFields, LoopFields, BaseRecipe, GenerationFields):
+    """What the three training loops share: iterations, sampling, the reward and the trainer launch."""
+
+    def check_run(self) -> None:
+        require(self.iteration_times >= 1, "iteration_times", f"must be >= 1, got {self.iteration_times}")
+        pool = self.prompt_pool_path
+        if pool and Path(pool).name in ORIGINAL_POOLS and not Path(pool).exists():
+            logger.warning("prompt_pool_path %s is the released Optima pool (not here); using the built-in pool", pool)
+            self.prompt_pool_path = None
+
+    def folder_fields(self) -> tuple[str, ...]:
+        return ("check_point_root_path",)
+
+    def path_fields(self) -> tuple[str, ...]:
+        return ("prompt_pool_path", "train_hostfile")
+
+    def model_fields(self) -> tuple[str, ...]:
+        return (*BaseRecipe.model_fields(self), "loss_model_path")
+
+    def validate_loop(self) -> None:
+        """The checks of the groups every loop has (after ``BaseRecipe.__post_init__``)."""
+        GenerationFields.validate(self)
+        RewardFields.validate(self)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SFTRecipe(SFTFields, LoopRecipe):
     """iSFT (docs/method.md#isft): generate, reward, keep the best conversations, fine-tune, repeat."""
 
     method = "sft"
 
     def __post_init__(self) -> None:
-        _BaseRecipe.__post_init__(self)
-        RewardFields.validate(self)
+        BaseRecipe.__post_init__(self)
+        self.validate_loop()
         SFTFields.validate(self)
 
     def path_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.path_fields(self), "train_hostfile", "origin_yaml_path")
-
-    def model_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.model_fields(self), "loss_model_path")
+        return (*LoopRecipe.path_fields(self), "origin_yaml_path")
 
 
 @dataclasses.dataclass(kw_only=True)
-class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
+class DPORecipe(DPOFields, LoopRecipe):
     """iDPO (docs/method.md#idpo): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat."""
 
     method = "dpo"
@@ -205,19 +212,16 @@ class DPORecipe(DPOFields, RewardFields, _BaseRecipe):
     def __post_init__(self) -> None:
         if self.mcts_selections is None:
             self.mcts_selections = default_mcts_selections(self.method, self.explore_count)
-        _BaseRecipe.__post_init__(self)
-        RewardFields.validate(self)
+        BaseRecipe.__post_init__(self)
+        self.validate_loop()
         DPOFields.validate(self)
 
     def path_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.path_fields(self), "train_hostfile", "origin_dpo_yaml_path")
-
-    def model_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.model_fields(self), "loss_model_path")
+        return (*LoopRecipe.path_fields(self), "origin_dpo_yaml_path")
 
 
 @dataclasses.dataclass(kw_only=True)
-class SFTDPORecipe(DPOFields, SFTFields, RewardFields, _BaseRecipe):
+class SFTDPORecipe(DPOFields, SFTFields, LoopRecipe):
     """iSFT-DPO (docs/method.md#isft-dpo): a full iSFT iteration, then a DPO stage on the new checkpoint, repeated."""
 
     # Where iSFT-DPO differs from iDPO: plain sigmoid DPO, and the P80 token quantile.
@@ -233,20 +237,17 @@ class SFTDPORecipe(DPOFields, SFTFields, RewardFields, _BaseRecipe):
     def __post_init__(self) -> None:
         if self.mcts_selections is None:
             self.mcts_selections = default_mcts_selections(self.method, self.explore_count)
-        _BaseRecipe.__post_init__(self)
-        RewardFields.validate(self)
+        BaseRecipe.__post_init__(self)
+        self.validate_loop()
         SFTFields.validate(self)
         DPOFields.validate(self)
 
     def path_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.path_fields(self), "train_hostfile", "origin_yaml_path", "origin_dpo_yaml_path")
-
-    def model_fields(self) -> tuple[str, ...]:
-        return (*_BaseRecipe.model_fields(self), "loss_model_path")
+        return (*LoopRecipe.path_fields(self), "origin_yaml_path", "origin_dpo_yaml_path")
 
 
 @dataclasses.dataclass(kw_only=True)
-class InferenceRecipe(_BaseRecipe):
+class InferenceRecipe(BaseRecipe):
     """Checkpoint sweep: greedy, one conversation per question, every ``iteration_*`` checkpoint.
 
     See docs/method.md#checkpoint-sweep.
@@ -265,18 +266,11 @@ class InferenceRecipe(_BaseRecipe):
     )
     include_base: bool = field(False, help="also evaluate initial_model_path as 'base'")
 
-    # What only the training loops read: evaluation samples greedily (or at sc_temperature), without the pool.
-    ignored_fields = (
-        "sample_count",
-        "explore_count",
-        "temperature",
-        "temperature_iteration0",
-        "use_prompt_pool",
-        "prompt_pool_path",
-        "prefill_answer_iteration0",
-        "iteration_times",
-        "check_point_root_path",
-        "compat",
+    # The loops' keys, accepted (a loop's recipe may be reused) and ignored with a warning: evaluation samples
+    # greedily (or at sc_temperature), without the pool, once per checkpoint.
+    unused_keys = (
+        *(f.name for f in dataclasses.fields(GenerationFields)),
+        *(f.name for f in dataclasses.fields(LoopFields)),
     )
     method = "inference"
 
@@ -285,11 +279,11 @@ class InferenceRecipe(_BaseRecipe):
         self.output_root_path = resolve_path(self.output_root_path, "output_root_path") or str(
             Path(self.model_root_path) / "eval"
         )
-        _BaseRecipe.__post_init__(self)
+        BaseRecipe.__post_init__(self)
         require(self.limit is None or self.limit >= 1, "limit", f"must be >= 1, got {self.limit}")
 
     def input_paths(self) -> dict[str, str]:
-        return _BaseRecipe.input_paths(self) | {"model_root_path": self.model_root_path}
+        return BaseRecipe.input_paths(self) | {"model_root_path": self.model_root_path}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -373,9 +367,7 @@ def load_recipe(
                     raw.pop(key),
                 )
         drop_empty_mix_dataset(raw)
-        recipe = build(cls, check_keys(raw, cls, ALIASES, cls.unused_keys))
-        for key in sorted(set(raw) & set(cls.ignored_fields)):
-            logger.warning("%s: %s=%r is not used by %s; ignored", where, key, raw[key], cls.__name__)
+        recipe = build(cls, check_keys(raw, cls, ALIASES, cls.unused_keys, where))
         if check_paths:
             missing = recipe.missing_inputs()
             if missing:

@@ -5,6 +5,11 @@ Pure: no process, no file. The reward's own rule, ``T_max``, lives with the form
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe, RewardFields, RunFields, ServingFields, SFTLoopRecipe, TrainingFields
+
 MATH_TASKS = ("gsm8k", "math")
 # Node selections per question of a tree search whose recipe sets no ``mcts_selections`` (docs/method.md D20).
 ORIGINAL_MCTS_SELECTIONS = 8
@@ -13,7 +18,7 @@ ORIGINAL_MCTS_SELECTIONS = 8
 VLLM_LOSS_BATCH_FACTOR = 4
 
 
-def default_output_dir(recipe) -> str:
+def default_output_dir(recipe: RunFields) -> str:
     """Where a run writes (its vLLM cache, logs) when the recipe sets no ``output_dir``.
 
     A training loop: ``runs/<dataset_type>_<method>`` (relative to the working directory). An evaluation: its
@@ -22,7 +27,7 @@ def default_output_dir(recipe) -> str:
     return getattr(recipe, "output_root_path", None) or f"runs/{recipe.dataset_type}_{recipe.method}"
 
 
-def generation_temperature(recipe, iteration: int) -> float:
+def generation_temperature(recipe: LoopRecipe, iteration: int) -> float:
     """Sampling temperature: ``temperature``; at iteration 0, 0.3 (0.7 for gsm8k/math) unless the recipe sets one."""
     if iteration > 0:
         return recipe.temperature
@@ -31,7 +36,7 @@ def generation_temperature(recipe, iteration: int) -> float:
     return 0.7 if recipe.dataset_type in MATH_TASKS else 0.3
 
 
-def selection_range(recipe) -> list[float]:
+def selection_range(recipe: SFTLoopRecipe) -> list[float]:
     """The [start, end) slice of questions, ranked by their best reward, that iSFT keeps."""
     if recipe.selection_range is not None:
         return list(recipe.selection_range)
@@ -47,17 +52,17 @@ def default_mcts_selections(method: str, explore_count: int) -> int:
     return explore_count if method == "dpo" else ORIGINAL_MCTS_SELECTIONS
 
 
-def loss_model(recipe) -> str:
+def loss_model(recipe: LoopRecipe) -> str:
     """The fixed model whose LM loss scores readability: ``loss_model_path``, else the initial model."""
     return str(recipe.loss_model_path or recipe.initial_model_path)
 
 
-def vllm_loss_batch_size(recipe) -> int:
+def vllm_loss_batch_size(recipe: RewardFields) -> int:
     """Texts per request when a vLLM server scores LM loss (``loss_batch_size`` is per HF forward pass)."""
     return VLLM_LOSS_BATCH_FACTOR * recipe.loss_batch_size
 
 
-def train_start(recipe, model: str, stage: str | None = None) -> str:
+def train_start(recipe: LoopRecipe, model: str, stage: str | None = None) -> str:
     """The model a training stage starts from (and, for DPO, its reference model).
 
     ``model`` is the one the stage's data came from. ``from_initial`` trains the initial model instead, except in
@@ -68,13 +73,13 @@ def train_start(recipe, model: str, stage: str | None = None) -> str:
     return str(model)
 
 
-def trainer_overrides_for(recipe, kind: str) -> dict:
+def trainer_overrides_for(recipe: TrainingFields, kind: str) -> dict:
     """The ``trainer_overrides`` of one trainer (``sft`` or ``dpo``): the shared keys, then its own sub-mapping."""
     shared = {k: v for k, v in recipe.trainer_overrides.items() if k not in ("sft", "dpo")}
     return shared | recipe.trainer_overrides.get(kind, {})
 
 
-def workers(recipe, jobs: int | None = None) -> int:
+def workers(recipe: ServingFields, jobs: int | None = None) -> int:
     """Threads for ``jobs`` pieces of concurrent work: ``thread_count`` (requests in flight), at most one per job."""
     if jobs is None:
         return recipe.thread_count

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.generation import ConversationRunner, GenerationPlan, GenerationStats, Job, generate_conversations
 from optima.agents.prompts import AGENT_NAMES, build_system_prompt
 from optima.evaluation.fingerprint import conversation_prompts
 from optima.tasks import Example, Task
+
+if TYPE_CHECKING:
+    from optima.config.types import InferenceRecipe
 
 AUTOFORM_RULE = (
     "Do not write in natural language. Pick the most compact format that carries what ${partner} needs, for "
@@ -41,7 +45,11 @@ class AutoFormRunner(ConversationRunner):
 
 
 def generate_autoform(
-    recipe, examples: Sequence[Example], endpoints: Sequence[str], out_path: Path, plan: GenerationPlan
+    recipe: InferenceRecipe,
+    examples: Sequence[Example],
+    endpoints: Sequence[str],
+    out_path: Path,
+    plan: GenerationPlan,
 ) -> GenerationStats:
     """``plan.samples`` AutoForm conversations per example into ``out_path`` (resuming what is there)."""
     return generate_conversations(recipe, examples, endpoints, out_path, plan, runner_cls=AutoFormRunner)

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.browser import write_conversations_page
 from optima.config.fields import RecipeError
@@ -44,6 +45,9 @@ from optima.identity import digest
 from optima.store import atomic_write_text, load_records
 from optima.tasks import TASKS, get_task
 from optima.tasks.math_equiv import MathVerifier
+
+if TYPE_CHECKING:
+    from optima.config.types import InferenceRecipe, MultiSCRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ class Row:
     job: GenerationJob
 
 
-def plan_rows(recipe, options: CompareOptions) -> list[Row]:
+def plan_rows(recipe: InferenceRecipe, options: CompareOptions) -> list[Row]:
     """The rows in table order: the baselines on the base model, then the Optima checkpoints (and their SC)."""
     out_root, base, s = Path(recipe.output_root_path), Path(recipe.model_root_path), options.settings
     rows = [Row(LABELS[m], base.name, base, method_job(m, out_root, base.name, s)) for m in options.methods]
@@ -129,7 +133,7 @@ def plan_rows(recipe, options: CompareOptions) -> list[Row]:
     return rows
 
 
-def render_compare_plan(recipe, options: CompareOptions) -> str:
+def render_compare_plan(recipe: InferenceRecipe, options: CompareOptions) -> str:
     """What ``compare`` would run, one line per row."""
     questions = f"first {recipe.limit}" if recipe.limit else "the default eval size"
     s = options.settings
@@ -164,7 +168,9 @@ def settings_header(options: CompareOptions) -> dict:
     )
 
 
-def compare_rows(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> tuple[list[dict], dict]:
+def compare_rows(
+    recipe: MultiSCRecipe, envs: dict[str, PythonEnv], options: CompareOptions
+) -> tuple[list[dict], dict]:
     """Generate every row's file of one task (resuming) and score them; return the rows and the header."""
     prepare_output(recipe)
     examples = load_eval_examples(recipe)
@@ -197,7 +203,7 @@ def compare_rows(recipe, envs: dict[str, PythonEnv], options: CompareOptions) ->
     return results, header
 
 
-def run_compare(recipe, envs: dict[str, PythonEnv], options: CompareOptions) -> str:
+def run_compare(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], options: CompareOptions) -> str:
     """Generate every row's file (resuming), score them, write the comparison; return the table.
 
     Args:

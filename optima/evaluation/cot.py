@@ -18,6 +18,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.conversation import TurnLimits, run_conversation
 from optima.agents.generation import (
@@ -31,6 +32,9 @@ from optima.agents.prompts import CHOICE_SLOT, GSM8K_SLOT, MATH_SLOT, QA_SLOT, r
 from optima.serving.client import Sampling
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
+
+if TYPE_CHECKING:
+    from optima.config.types import InferenceRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +115,11 @@ class CoTRunner(ConversationRunner):
 
 
 def generate_cot_answers(
-    recipe, examples: Sequence[Example], endpoints: Sequence[str], out_path: Path, plan: GenerationPlan
+    recipe: InferenceRecipe,
+    examples: Sequence[Example],
+    endpoints: Sequence[str],
+    out_path: Path,
+    plan: GenerationPlan,
 ) -> GenerationStats:
     """``plan.samples`` single-agent answers per example into ``out_path`` (resuming what is there).
 

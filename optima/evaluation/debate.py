@@ -27,7 +27,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from optima.agents.conversation import ConversationResult
 from optima.agents.generation import ConversationRunner, GenerationPlan, GenerationStats, Job, generate_conversations
@@ -38,6 +38,9 @@ from optima.evaluation.voting import AnswerMatcher, cluster_answers
 from optima.serving.client import ChatReply, RequestFailed, Sampling
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
+
+if TYPE_CHECKING:
+    from optima.config.types import InferenceRecipe
 
 MAD_CONTEXTS = ("whole", "split")
 # (messages, agent index, round) -> the reply; raises RequestFailed.
@@ -165,7 +168,9 @@ def run_debate(
 class DebateRunner(ConversationRunner):
     """Runs one debate against the replica pool and records it like a conversation (plus a ``debate`` field)."""
 
-    def __init__(self, recipe, plan: GenerationPlan, pool, settings: DebateSettings = DebateSettings()):
+    def __init__(
+        self, recipe: InferenceRecipe, plan: GenerationPlan, pool, settings: DebateSettings = DebateSettings()
+    ):
         super().__init__(recipe, plan, pool)
         self.settings = settings
 
@@ -193,7 +198,7 @@ class DebateRunner(ConversationRunner):
 
 
 def generate_debates(
-    recipe,
+    recipe: InferenceRecipe,
     examples: Sequence[Example],
     endpoints: Sequence[str],
     out_path: Path,

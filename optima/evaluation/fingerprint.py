@@ -24,11 +24,15 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, partner_of, role_prompt
 from optima.identity import digest, model_identity
 from optima.store import write_json
 from optima.tasks import Example, get_task
+
+if TYPE_CHECKING:
+    from optima.config.types import BaseRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ def conversation_prompts(example: Example, system_prompts: Sequence[str] | None 
     return texts
 
 
-def producer_fingerprint(recipe, model_path: Path, job, examples: Sequence[Example]) -> dict:
+def producer_fingerprint(recipe: BaseRecipe, model_path: Path, job, examples: Sequence[Example]) -> dict:
     """The fingerprint of ``job``'s result file when ``model_path`` produces it on ``examples``.
 
     Args:

@@ -30,7 +30,7 @@ def describe_serving(recipe: InferenceRecipe) -> str:
     return f"GPUs {gpus}, one replica per {recipe.tensor_parallel_size} (one CPU replica without a GPU)"
 
 
-def render_eval_plan(recipe: InferenceRecipe, envs: dict[str, PythonEnv]) -> str:
+def render_eval_plan(recipe: InferenceRecipe | MultiSCRecipe, envs: dict[str, PythonEnv]) -> str:
     """Human-readable plan of a sweep or a self-consistency run."""
     sc = isinstance(recipe, MultiSCRecipe)
     models = list_models(recipe)

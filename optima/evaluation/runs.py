@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.generation import GenerationPlan, generate_conversations
 from optima.environments import PythonEnv, check_env
@@ -22,6 +23,9 @@ from optima.paths import StagePaths
 from optima.run_context import attach_driver_log, save_recipe
 from optima.store import load_records, record_key
 from optima.tasks import Example, get_task
+
+if TYPE_CHECKING:
+    from optima.config.types import InferenceRecipe, RunFields
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class GenerationJob:
     prompts: Callable[[Example], list] | None = None
 
 
-def prepare_output(recipe) -> Path:
+def prepare_output(recipe: InferenceRecipe) -> Path:
     """Create the output folder, save the recipe there and log the driver to ``logs/driver.log``."""
     out_root = Path(recipe.output_root_path)
     out_root.mkdir(parents=True, exist_ok=True)
@@ -57,7 +61,7 @@ def prepare_output(recipe) -> Path:
     return out_root
 
 
-def load_eval_examples(recipe) -> list[Example]:
+def load_eval_examples(recipe: InferenceRecipe) -> list[Example]:
     """The fixed eval set: the task's eval split at its default size, then the first ``limit`` questions."""
     examples = get_task(recipe.dataset_type).load_eval(data_dir=recipe.data_dir, seed=recipe.seed)
     return examples[: recipe.limit] if recipe.limit else examples
@@ -85,7 +89,7 @@ class EvalSession:
         examples: The eval set.
     """
 
-    def __init__(self, recipe, envs: dict[str, PythonEnv], examples: Sequence[Example]):
+    def __init__(self, recipe: InferenceRecipe, envs: dict[str, PythonEnv], examples: Sequence[Example]):
         self.recipe, self.envs, self.examples = recipe, envs, list(examples)
         self.out_root = Path(recipe.output_root_path)
         self.servers_started = 0
@@ -118,7 +122,7 @@ class EvalSession:
         return stats
 
 
-def load_tokenize(recipe, model_path: Path, score_type: str):
+def load_tokenize(recipe: RunFields, model_path: Path, score_type: str):
     """The model tokenizer's ``tokenize`` for ``f1_original_subword`` (F1 tasks only; None otherwise)."""
     if score_type != "f1":
         return None

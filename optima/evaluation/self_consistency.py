@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -52,6 +53,9 @@ from optima.identity import COMPLETE_MARKER
 from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
+
+if TYPE_CHECKING:
+    from optima.config.types import MultiSCRecipe, RunFields
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +89,7 @@ class SCOptions:
             raise RecipeError("max_k", f"must be >= 1, got {self.max_k}")
 
 
-def base_model(recipe, models: list[tuple[str, Path]]) -> tuple[str, Path]:
+def base_model(recipe: RunFields, models: list[tuple[str, Path]]) -> tuple[str, Path]:
     """The model the baselines run on, and its name in the files.
 
     ``initial_model_path`` (``--base_model_path``); else, for a trained checkpoint (it has a completion marker),
@@ -109,20 +113,22 @@ def base_model(recipe, models: list[tuple[str, Path]]) -> tuple[str, Path]:
     return "base", Path(initial)
 
 
-def sc_jobs(recipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
+def sc_jobs(recipe: MultiSCRecipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
     """The Optima samples of one model."""
     optima = GenerationPlan(checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples, stage="sc")
     return [GenerationJob("optima_sc", out_root / f"{name}.sc.jsonl", optima)]
 
 
-def baseline_jobs(recipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
+def baseline_jobs(recipe: MultiSCRecipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
     """The result files of each baseline (``BASELINE_METHODS``) on the base model called ``name``."""
     settings = BaselineSettings(recipe.num_samples, recipe.sc_temperature, options.debate)
     methods = [m for baseline in options.baselines for m in BASELINE_METHODS[baseline]]
     return [method_job(m, out_root, name, settings) for m in methods]
 
 
-def plan_models(recipe, out_root: Path, options: SCOptions) -> dict[str, tuple[Path, list[GenerationJob]]]:
+def plan_models(
+    recipe: MultiSCRecipe, out_root: Path, options: SCOptions
+) -> dict[str, tuple[Path, list[GenerationJob]]]:
     """Per model name: its folder and its result files (Optima's samples; the baselines on the base model)."""
     models = list_models(recipe)
     planned = {name: (path, sc_jobs(recipe, out_root, name, options)) for name, path in models}
@@ -167,7 +173,7 @@ def shown_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["k"] & (r["k"] - 1) == 0 or r["k"] == last[(r["model"], r["method"])]]
 
 
-def write_sc_report(recipe, results: dict[str, dict], max_k: int, producers: dict | None = None) -> str:
+def write_sc_report(recipe: MultiSCRecipe, results: dict[str, dict], max_k: int, producers: dict | None = None) -> str:
     """Write sc_analysis.json/.csv/.png; return the table as text.
 
     Args:
@@ -198,7 +204,7 @@ def write_sc_report(recipe, results: dict[str, dict], max_k: int, producers: dic
     return render_table(shown_rows(rows), CSV_COLUMNS, title=f"Self-consistency | {recipe.dataset_type} | {metric}")
 
 
-def run_self_consistency(recipe, envs: dict[str, PythonEnv], options: SCOptions | None = None) -> str:
+def run_self_consistency(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], options: SCOptions | None = None) -> str:
     """Sample (resuming), analyse for k = 1..K, write the reports; return the table.
 
     Args:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.generation import GenerationPlan
 from optima.browser import write_conversations_page
@@ -47,6 +48,9 @@ from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 
+if TYPE_CHECKING:
+    from optima.config.types import InferenceRecipe
+
 logger = logging.getLogger(__name__)
 
 TABLE_COLUMNS = (
@@ -68,7 +72,7 @@ def sweep_job(out_root: Path, name: str) -> GenerationJob:
     return GenerationJob("eval", out_root / f"{name}.jsonl", plan)
 
 
-def summarize_checkpoint(recipe, name: str, model_path: Path, verifier: MathVerifier) -> dict:
+def summarize_checkpoint(recipe: InferenceRecipe, name: str, model_path: Path, verifier: MathVerifier) -> dict:
     """The summary row of one checkpoint's result file."""
     records, _ = load_records(Path(recipe.output_root_path) / f"{name}.jsonl")
     tokenize = load_tokenize(recipe, model_path, get_task(recipe.dataset_type).score_type)
@@ -80,12 +84,12 @@ def summarize_checkpoint(recipe, name: str, model_path: Path, verifier: MathVeri
     return summary | {"checkpoint": checkpoint_label(name)}
 
 
-def sweep_title(recipe) -> str:
+def sweep_title(recipe: InferenceRecipe) -> str:
     """The plot's title: the task and the run whose checkpoints were evaluated (its name, not the machine's path)."""
     return f"{recipe.dataset_type}: checkpoints of {models_label(recipe.model_root_path)}"
 
 
-def write_sweep_report(recipe, rows: list[dict]) -> str:
+def write_sweep_report(recipe: InferenceRecipe, rows: list[dict]) -> str:
     """Write summary.json, summary.csv and summary.png; return the table as text."""
     out_root = Path(recipe.output_root_path)
     metric, original = metric_names(get_task(recipe.dataset_type).score_type)
@@ -101,7 +105,9 @@ def write_sweep_report(recipe, rows: list[dict]) -> str:
     return render_table(rows, shown, title=f"Optima evaluation | {recipe.dataset_type} | {out_root}")
 
 
-def comparison_rows(recipe, models: list[tuple[str, Path]], baselines: tuple[str, ...], settings, verifier) -> list:
+def comparison_rows(
+    recipe: InferenceRecipe, models: list[tuple[str, Path]], baselines: tuple[str, ...], settings, verifier
+) -> list:
     """The sweep's comparison: per model, Optima's greedy conversation and then each baseline, as rows."""
     out_root, score_type = Path(recipe.output_root_path), get_task(recipe.dataset_type).score_type
     rows = []
@@ -115,7 +121,9 @@ def comparison_rows(recipe, models: list[tuple[str, Path]], baselines: tuple[str
     return rows
 
 
-def run_sweep(recipe, envs: dict[str, PythonEnv], baselines: tuple[str, ...] = (), settings=None) -> str:
+def run_sweep(
+    recipe: InferenceRecipe, envs: dict[str, PythonEnv], baselines: tuple[str, ...] = (), settings=None
+) -> str:
     """Evaluate every checkpoint (resuming), write the summaries and the plot; return the table.
 
     Args:

@@ -35,8 +35,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.serving.capacity import GIB, conversation_kv_tokens, kv_shape, load_model_config
+
+if TYPE_CHECKING:
+    from optima.config.types import BaseRecipe, LoopRecipe
 
 _LLAMA3_8B = {
     "hidden_size": 4096,
@@ -174,7 +178,7 @@ def served_dtype_bytes(vllm_extra_args: list[str]) -> int:
     return 2
 
 
-def policy_kv_min_bytes(size: ModelSize, recipe, dtype_bytes: int) -> int:
+def policy_kv_min_bytes(size: ModelSize, recipe: BaseRecipe, dtype_bytes: int) -> int:
     """KV cache for one conversation at its longest (``optima.serving.capacity.conversation_kv_tokens``).
 
     The generation stage runs as many conversations at once as the servers' caches hold (``fit_in_flight``), so one
@@ -185,7 +189,7 @@ def policy_kv_min_bytes(size: ModelSize, recipe, dtype_bytes: int) -> int:
     return tokens * size.kv_bytes_per_token(dtype_bytes)
 
 
-def loss_kv_min_bytes(size: ModelSize, recipe, dtype_bytes: int) -> int:
+def loss_kv_min_bytes(size: ModelSize, recipe: LoopRecipe, dtype_bytes: int) -> int:
     """KV cache for one batch of LM-loss texts: ``loss_batch_size x min(max_total_tokens, max_model_len)`` tokens."""
     max_len = recipe.max_model_len or size.max_len
     tokens = recipe.loss_batch_size * min(recipe.max_total_tokens, max_len)

@@ -21,6 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
 from optima.config.groups import LOOPBACK_HOSTS
@@ -31,6 +32,9 @@ from optima.hardware.spec import Hardware
 from optima.serving.layout import ServerLayout, carry_over_on, loss_server_wanted, plan_layout
 from optima.serving.vllm_server import Placement
 from optima.training.nodes import TrainingPlacement
+
+if TYPE_CHECKING:
+    from optima.config.types import Recipe, ServingFields
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 TRAINER_YAML_FIELDS = {
@@ -125,20 +129,20 @@ def _read_yaml(path: str | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def trainer_yamls(recipe) -> list[dict]:
+def trainer_yamls(recipe: Recipe) -> list[dict]:
     """The base trainer YAMLs of the recipe's training stages (none for an evaluation recipe)."""
     names = TRAINER_YAML_FIELDS.get(recipe.method, ())
     return [_read_yaml(getattr(recipe, name)) | {"_dpo": "dpo" in name} for name in names]
 
 
-def policy_size(recipe, yamls: list[dict]) -> ModelSize | None:
+def policy_size(recipe: Recipe, yamls: list[dict]) -> ModelSize | None:
     """The served model's size: the initial model, else (a checkpoint not written yet) the trainer's base model."""
     base = [y.get("model_name_or_path") for y in yamls]
     evaluated = [recipe.model_root_path] if hasattr(recipe, "model_root_path") else []  # evaluation recipes
     return memory.model_size(recipe.initial_model_path, *evaluated, *base, recipe.tokenizer_first_path)
 
 
-def plan_hardware(recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwarePlan:
+def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwarePlan:
     """The plan of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs)."""
     plan = HardwarePlan(hardware)
     yamls = trainer_yamls(recipe)
@@ -162,7 +166,7 @@ def _describe_size(size: ModelSize) -> str:
     return f"{size.name}: {size.params / 1e9:.2f}e9 parameters ({size.source})"
 
 
-def check_dev_mode_bind(recipe, hardware: Hardware, plan: HardwarePlan) -> None:
+def check_dev_mode_bind(recipe: ServingFields, hardware: Hardware, plan: HardwarePlan) -> None:
     """Refuse vLLM's development routes (sleep mode's reloads: no API key guards them) on a public address."""
     if recipe.endpoints or not carry_over_on(recipe, hardware.gpu_ids if hardware.has_gpu else []):
         return
@@ -181,7 +185,9 @@ def loss_share_for(need: int, gpu_gib: float) -> float:
     return max(MIN_LOSS_SHARE, math.ceil(need / (gpu_gib * GIB) * 100) / 100)
 
 
-def plan_servers(recipe, hardware: Hardware, size: ModelSize | None, plan: HardwarePlan, cpus: list[int]) -> None:
+def plan_servers(
+    recipe: Recipe, hardware: Hardware, size: ModelSize | None, plan: HardwarePlan, cpus: list[int]
+) -> None:
     """Place the servers on node 0 and claim their shares (generation), checking each against its need."""
     gpus = list(hardware.gpu_ids) if hardware.has_gpu else []
     beside = loss_server_wanted(recipe)
@@ -237,7 +243,7 @@ def check_generation_totals(plan: HardwarePlan) -> None:
             )
 
 
-def check_overlap(recipe, layout: ServerLayout, plan: HardwarePlan) -> None:
+def check_overlap(recipe: Recipe, layout: ServerLayout, plan: HardwarePlan) -> None:
     """``loss_devices`` on GPUs of the policy replicas: both servers would take their full share of one GPU."""
     if layout.loss is None or recipe.loss_devices is None:
         return
@@ -250,7 +256,9 @@ def check_overlap(recipe, layout: ServerLayout, plan: HardwarePlan) -> None:
         )
 
 
-def claim_server(plan: HardwarePlan, recipe, name: str, placement: Placement, need: tuple[int, int] | None) -> None:
+def claim_server(
+    plan: HardwarePlan, recipe: ServingFields, name: str, placement: Placement, need: tuple[int, int] | None
+) -> None:
     """Claim a server's share on each of its GPUs; a share below its need is a problem (with the share that fits)."""
     share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
     budget = int(share * plan.hardware.gpu_gib * GIB)

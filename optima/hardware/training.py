@@ -11,6 +11,7 @@ trains on node 0 only (a note says so).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.hardware import memory
 from optima.hardware.memory import ModelSize, TrainerShape, gib
@@ -18,8 +19,11 @@ from optima.hardware.spec import Hardware
 from optima.training.launch_config import read_accelerate_config, resolve_accelerate_config
 from optima.training.nodes import NodeRanks, TrainingPlacement
 
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe, TrainingFields
 
-def read_hosts(recipe) -> list[str]:
+
+def read_hosts(recipe: TrainingFields) -> list[str]:
     """``train_hosts``, or the first word of each line of ``train_hostfile`` (``host slots=8`` as DeepSpeed/MPI)."""
     if recipe.train_hostfile:
         lines = Path(recipe.train_hostfile).read_text().splitlines() if Path(recipe.train_hostfile).is_file() else []
@@ -54,7 +58,7 @@ def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
     )
 
 
-def node_hosts(recipe, hardware: Hardware, plan) -> list[str]:
+def node_hosts(recipe: TrainingFields, hardware: Hardware, plan) -> list[str]:
     """The hosts of the training nodes (``""``: a Slurm node found at run time); one entry per node."""
     hosts = read_hosts(recipe)
     if hosts:
@@ -69,7 +73,7 @@ def node_hosts(recipe, hardware: Hardware, plan) -> list[str]:
     return ["localhost"]
 
 
-def plan_training(recipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], plan) -> None:
+def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], plan) -> None:
     """Place the training processes and claim their peak on each GPU (see the module docstring)."""
     strategy = strategy_of(
         read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))

@@ -27,6 +27,7 @@ import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.prompts import (
     DEFAULT_STYLE,
@@ -38,6 +39,9 @@ from optima.agents.prompts import (
 )
 from optima.selection.io import save_splits, write_jsonl
 from optima.tasks import Example
+
+if TYPE_CHECKING:
+    from optima.config.types import DPOFields, DPOLoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +89,7 @@ def best_and_worst(children: Sequence[dict]) -> tuple[dict, dict]:
     return ranked[0], ranked[-1]
 
 
-def passes_pair_rule(best: float, worst: float, recipe) -> bool:
+def passes_pair_rule(best: float, worst: float, recipe: DPOFields) -> bool:
     """The pair rule: best value above ``initial_dpo_epsilon`` and best - worst above ``initial_dpo_min_value``.
 
     Args:
@@ -128,7 +132,7 @@ def build_pair_row(
     }
 
 
-def candidate_pairs(line: dict, recipe) -> list[dict]:
+def candidate_pairs(line: dict, recipe: DPOLoopRecipe) -> list[dict]:
     """Every pair of one question's tree that passes the rule, in node order (before keeping the best).
 
     Args:
@@ -163,7 +167,7 @@ def keep_best_pairs(pairs: Sequence[dict], keep_fraction: float) -> list[dict]:
     return ranked[: max(1, int(keep_fraction * len(ranked)))]
 
 
-def question_pairs(line: dict, recipe) -> list[dict]:
+def question_pairs(line: dict, recipe: DPOLoopRecipe) -> list[dict]:
     """The kept pairs of one question (``candidate_pairs`` then ``keep_best_pairs``).
 
     Args:
@@ -220,7 +224,9 @@ def pair_record(line: dict, found: Sequence[dict], kept: Sequence[dict]) -> dict
     }
 
 
-def save_pairs(lines: Sequence[dict], recipe, dataset_path: Path, record_path: Path, iteration: int) -> dict:
+def save_pairs(
+    lines: Sequence[dict], recipe: DPOLoopRecipe, dataset_path: Path, record_path: Path, iteration: int
+) -> dict:
     """Mine, keep, split and save the pairs of all questions; write the audit record. Returns a summary.
 
     Args:

@@ -38,6 +38,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from optima.agents.prompts import (
     AGENT_NAMES,
@@ -52,6 +53,9 @@ from optima.reward import RewardParts
 from optima.selection.edit_distance import merge_distance, selection_distance
 from optima.tasks import Example, Task, get_task
 from optima.tasks.scoring import AnswerTracker
+
+if TYPE_CHECKING:
+    from optima.config.types import DPOLoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +137,7 @@ class SearchSettings:
     compat: str = "default"
 
     @classmethod
-    def from_recipe(cls, recipe) -> SearchSettings:
+    def from_recipe(cls, recipe: DPOLoopRecipe) -> SearchSettings:
         """Read the settings from a validated DPO or SFT-DPO recipe (its ``mcts_selections`` is set)."""
         return cls(
             selections=recipe.mcts_selections,
@@ -361,7 +365,7 @@ def search_question(
     example: Example,
     generate: Generate,
     score: Score,
-    recipe,
+    recipe: SearchSettings | DPOLoopRecipe,
     rng: random.Random,
     task: Task | None = None,
 ) -> SearchResult:

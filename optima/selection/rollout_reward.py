@@ -17,11 +17,15 @@ takes; the LM loss comes from an injected ``score_texts`` callable (``optima.lm_
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from optima.agents.prompts import Utterance, is_impersonation, render_utterance
 from optima.reward import Conversation, RewardParts, loss_term, scored_answer, token_term
 from optima.tasks import Example
 from optima.tasks.scoring import score_example
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe, RewardFields
 
 ScoreTexts = Callable[[Sequence[str]], list[float]]
 
@@ -38,7 +42,7 @@ def first_impersonation(utterances: Sequence[Utterance]) -> int | None:
     return None
 
 
-def score_rollout_parts(conversation: Conversation, t_max: float | None, recipe) -> RewardParts:
+def score_rollout_parts(conversation: Conversation, t_max: float | None, recipe: RewardFields) -> RewardParts:
     """Reward parts of one rollout under the tree search's format rule (no impersonation penalty).
 
     Args:
@@ -67,7 +71,7 @@ def score_rollout_parts(conversation: Conversation, t_max: float | None, recipe)
 
 def build_rollout_scorer(
     example: Example,
-    recipe,
+    recipe: LoopRecipe,
     t_max: float | None,
     score_texts: ScoreTexts | None = None,
     tokenize: Callable[[str], list[str]] | None = None,

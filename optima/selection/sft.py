@@ -20,10 +20,14 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, compat_style
 from optima.config.rules import selection_range
 from optima.tasks import Example
+
+if TYPE_CHECKING:
+    from optima.config.types import SFTLoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +88,7 @@ def other_rules(line: dict, best: dict | None) -> dict[str, str]:
     return rules
 
 
-def select_questions(lines: Sequence[dict], recipe) -> list[Decision]:
+def select_questions(lines: Sequence[dict], recipe: SFTLoopRecipe) -> list[Decision]:
     """Decide, for every rewarded question, whether its best conversation is trained on."""
     best = [(str(line["task_id"]), best_conversation(line)) for line in lines]
     others = {task_id: other_rules(line, conv) for line, (task_id, conv) in zip(lines, best, strict=True)}

@@ -21,6 +21,10 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from optima.config.types import ServingFields
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +150,7 @@ class ReplicaPool:
         backoff_s: First backoff delay; it doubles per retry up to ``BACKOFF_MAX_S``.
     """
 
-    def __init__(self, urls: Sequence[str], recipe, backoff_s: float = BACKOFF_FIRST_S):
+    def __init__(self, urls: Sequence[str], recipe: ServingFields, backoff_s: float = BACKOFF_FIRST_S):
         if not urls:
             raise ValueError("ReplicaPool needs at least one endpoint")
         self.clients = [

@@ -41,12 +41,16 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from optima.identity import model_identity
 from optima.serving.reload_check import check_served_weights, probe_mismatch
 from optima.serving.sleep_mode import reload_rpc
 from optima.serving.vllm_server import ServerStartupError
 from optima.weights_probe import read_probe
+
+if TYPE_CHECKING:
+    from optima.config.types import ServingFields
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +201,7 @@ def _post(session, holding: Holding, path: str, timeout_s: float, **kwargs):
     return response
 
 
-def reload_weights(session, holding: Holding, needed: str, recipe) -> Holding:
+def reload_weights(session, holding: Holding, needed: str, recipe: ServingFields) -> Holding:
     """Load ``needed`` into the running server of ``holding`` (pause, reload in place, reset caches, resume).
 
     Args:
@@ -239,7 +243,7 @@ def reload_weights(session, holding: Holding, needed: str, recipe) -> Holding:
     return after
 
 
-def stale_by_probe(holding: Holding, needed: str, recipe) -> str | None:
+def stale_by_probe(holding: Holding, needed: str, recipe: ServingFields) -> str | None:
     """Why an endpoint that names ``needed`` does not hold its weights now (None: it does, as far as can be told).
 
     A reload made here recorded the weights id (compared already). A server started with the path records none: the
@@ -252,7 +256,7 @@ def stale_by_probe(holding: Holding, needed: str, recipe) -> str | None:
     return None if problem is None else f"it does not answer the weights probe of {needed} ({problem})"
 
 
-def sync_endpoints(urls: Sequence[str], recipe, needed: str) -> list[str]:
+def sync_endpoints(urls: Sequence[str], recipe: ServingFields, needed: str) -> list[str]:
     """The endpoints that answer, each made to hold ``needed`` (or the run stops).
 
     Args:
@@ -295,7 +299,7 @@ def sync_endpoints(urls: Sequence[str], recipe, needed: str) -> list[str]:
     return alive
 
 
-def refuse_reload(holding: Holding, needed: str, recipe, stale: str) -> None:
+def refuse_reload(holding: Holding, needed: str, recipe: ServingFields, stale: str) -> None:
     """Stop the run when an endpoint that does not hold ``needed`` may not, or cannot, be reloaded with it.
 
     Args:

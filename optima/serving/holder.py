@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
@@ -32,6 +33,9 @@ from optima.serving.vllm_server import (
     find_free_port,
     wait_until_all_ready,
 )
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe, ServingFields
 
 logger = logging.getLogger(__name__)
 ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: nothing placed here
@@ -48,7 +52,7 @@ class LossServer:
         log_path: Its log file.
     """
 
-    def __init__(self, recipe, vllm_env: PythonEnv, model: str, layout: ServerLayout, log_path: Path):
+    def __init__(self, recipe: ServingFields, vllm_env: PythonEnv, model: str, layout: ServerLayout, log_path: Path):
         self.recipe, self.vllm_env, self.model, self.layout, self.log_path = recipe, vllm_env, model, layout, log_path
         self.server: VLLMServer | None = None
 
@@ -98,7 +102,13 @@ class ServerHolder:
         log_dir: Where the loss server's log goes (the run's ``logs/``).
     """
 
-    def __init__(self, recipe, vllm_env: PythonEnv | None, loss_model: str | None = None, log_dir: Path | None = None):
+    def __init__(
+        self,
+        recipe: LoopRecipe,
+        vllm_env: PythonEnv | None,
+        loss_model: str | None = None,
+        log_dir: Path | None = None,
+    ):
         self.recipe, self.vllm_env = recipe, vllm_env
         self.loss_model, self.log_dir = loss_model, log_dir
         self.model: str | None = None

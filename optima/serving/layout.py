@@ -21,10 +21,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
 from optima.serving.replicas import plan_replicas
 from optima.serving.vllm_server import Placement
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe, Recipe, ServingFields
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class ServerLayout:
     loss: Placement | None
 
 
-def loss_server_wanted(recipe) -> bool:
+def loss_server_wanted(recipe: Recipe) -> bool:
     """Whether the run keeps a vLLM server of the loss model beside the policy (launched servers only).
 
     Evaluation recipes have no reward, so no loss model: never.
@@ -44,14 +48,16 @@ def loss_server_wanted(recipe) -> bool:
     return bool(served and recipe.loss_placement == "beside" and not recipe.endpoints)
 
 
-def carry_over_on(recipe, gpus: Sequence[str]) -> bool:
+def carry_over_on(recipe: ServingFields, gpus: Sequence[str]) -> bool:
     """Keep the policy server across checkpoints: ``sleep_mode``, by default on with GPUs and off on CPU."""
     if recipe.endpoints:
         return False
     return bool(gpus) if recipe.sleep_mode is None else recipe.sleep_mode
 
 
-def plan_layout(recipe, gpus: Sequence[str], cpus: Sequence[int], loss_share: float | None = None) -> ServerLayout:
+def plan_layout(
+    recipe: Recipe, gpus: Sequence[str], cpus: Sequence[int], loss_share: float | None = None
+) -> ServerLayout:
     """Placements of every server of an iteration recipe.
 
     Args:
@@ -92,7 +98,7 @@ def plan_layout(recipe, gpus: Sequence[str], cpus: Sequence[int], loss_share: fl
     return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:]))))
 
 
-def describe_placement(placement: Placement, recipe) -> str:
+def describe_placement(placement: Placement, recipe: ServingFields) -> str:
     """``GPUs 0 (memory share 0.8)`` / ``CPU cores 0`` / ``CPU (vLLM's automatic binding)``."""
     if placement.on_cpu:
         where = f"CPU cores {placement.cpu_bind}" if placement.cpu_bind else "CPU (vLLM's automatic binding)"
@@ -102,7 +108,7 @@ def describe_placement(placement: Placement, recipe) -> str:
     return f"GPUs {','.join(placement.gpus)} (memory share {share}{sleep})"
 
 
-def describe_layout(recipe, loss_model: str, layout: ServerLayout | None) -> dict[str, str]:
+def describe_layout(recipe: LoopRecipe, loss_model: str, layout: ServerLayout | None) -> dict[str, str]:
     """The servers of a run as ``--dry-run`` shows them (one line per server; ``layout`` None: endpoints)."""
     if recipe.endpoints or layout is None:
         return {"policy": "external endpoints " + ", ".join(recipe.endpoints)} if recipe.endpoints else {}

@@ -15,9 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.serving.vllm_server import ServerStartupError
 from optima.weights_probe import Probe, compare_probe, read_probe, tolerance_for
+
+if TYPE_CHECKING:
+    from optima.config.types import ServingFields
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ class WeightsMismatch(ServerStartupError):
     """A server answers the probe unlike the checkpoint it should hold."""
 
 
-def served_dtype(recipe, on_cpu: bool) -> str | None:
+def served_dtype(recipe: ServingFields, on_cpu: bool) -> str | None:
     """``float32`` for Optima's own CPU servers (``build_serve_command`` passes ``--dtype float32``), else None.
 
     None stands for "half precision or unknown" (a GPU server's ``auto`` is the checkpoint's bf16; an external
@@ -36,7 +40,7 @@ def served_dtype(recipe, on_cpu: bool) -> str | None:
     return "float32" if on_cpu and not overridden else None
 
 
-def probe_server(url: str, probe: Probe, recipe) -> tuple[list, list]:
+def probe_server(url: str, probe: Probe, recipe: ServingFields) -> tuple[list, list]:
     """(log-probability of each probe token, highest log-probability at each position) as ``url`` serves them.
 
     Args:
@@ -58,7 +62,7 @@ def probe_server(url: str, probe: Probe, recipe) -> tuple[list, list]:
     return served, top
 
 
-def probe_mismatch(url: str, probe: Probe, recipe, served_dtype: str | None) -> str | None:
+def probe_mismatch(url: str, probe: Probe, recipe: ServingFields, served_dtype: str | None) -> str | None:
     """What differs between ``url``'s answer to the probe and the recorded one (None: it holds those weights)."""
     import openai
 
@@ -69,7 +73,9 @@ def probe_mismatch(url: str, probe: Probe, recipe, served_dtype: str | None) -> 
     return compare_probe(probe, served, top, tolerance_for(probe, served_dtype))
 
 
-def check_served_weights(urls: Sequence[str], checkpoint: str | Path, recipe, served_dtype: str | None, when: str):
+def check_served_weights(
+    urls: Sequence[str], checkpoint: str | Path, recipe: ServingFields, served_dtype: str | None, when: str
+):
     """Every server in ``urls`` answers the probe recorded with ``checkpoint``, or the run stops.
 
     Args:

@@ -21,6 +21,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
@@ -37,10 +38,15 @@ from optima.serving.vllm_server import (
     start_replicas,
 )
 
+if TYPE_CHECKING:
+    from optima.config.types import BaseRecipe, ServingFields
+
 logger = logging.getLogger(__name__)
 
 
-def plan_replicas(recipe, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1) -> list[Placement]:
+def plan_replicas(
+    recipe: ServingFields, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1
+) -> list[Placement]:
     """Where each replica runs (pure).
 
     Args:
@@ -75,7 +81,7 @@ def plan_replicas(recipe, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas
 
 
 def build_replica_specs(
-    recipe,
+    recipe: BaseRecipe,
     model_path: str,
     vllm_env: PythonEnv,
     stage_paths: StagePaths,
@@ -86,7 +92,7 @@ def build_replica_specs(
 
     ``exclude_ports`` are taken by servers that are starting and may not listen yet (the loss server).
     """
-    cache_root = RunPaths.from_recipe(recipe).vllm_cache
+    cache_root = RunPaths(Path(recipe.output_dir)).vllm_cache  # evaluation recipes have no checkpoint root
     specs, taken = [], list(exclude_ports)
     for replica, placement in enumerate(placements):
         port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
@@ -102,7 +108,7 @@ def build_replica_specs(
 
 @contextlib.contextmanager
 def serve(
-    recipe,
+    recipe: BaseRecipe,
     model_path: str | Path,
     vllm_env: PythonEnv | None,
     stage_paths: StagePaths,

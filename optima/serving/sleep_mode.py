@@ -28,6 +28,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from optima.config.types import ServingFields
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ def root_url(api_url: str) -> str:
     return api_url.rstrip("/").removesuffix("/v1")
 
 
-def _post(url: str, recipe, json_body: dict | None = None, params: list | None = None) -> None:
+def _post(url: str, recipe: ServingFields, json_body: dict | None = None, params: list | None = None) -> None:
     import requests
 
     headers = {"Authorization": f"Bearer {recipe.api_key}"} if recipe.api_key else {}
@@ -70,19 +74,19 @@ def sleep_requests(model_path: str | None = None, gpu: bool = True) -> list[tupl
     ]
 
 
-def _send(urls: Sequence[str], recipe, model_path: str | None, gpu: bool) -> None:
+def _send(urls: Sequence[str], recipe: ServingFields, model_path: str | None, gpu: bool) -> None:
     for url in urls:
         for path, params, body in sleep_requests(model_path, gpu):
             _post(root_url(url) + path, recipe, body, params)
 
 
-def put_to_sleep(urls: Sequence[str], recipe, gpu: bool = True) -> None:
+def put_to_sleep(urls: Sequence[str], recipe: ServingFields, gpu: bool = True) -> None:
     """Sleep every replica (GPU: weights and KV cache released) for the duration of training."""
     logger.info("serve | %d replicas %s for training", len(urls), "go to sleep" if gpu else "stay up, idle,")
     _send(urls, recipe, None, gpu)
 
 
-def wake_with_weights(urls: Sequence[str], model_path: str, recipe, gpu: bool = True) -> None:
+def wake_with_weights(urls: Sequence[str], model_path: str, recipe: ServingFields, gpu: bool = True) -> None:
     """Wake every replica with the weights of ``model_path`` (no restart), then check them with its weights probe.
 
     Raises:

@@ -22,10 +22,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
 from optima.serving.capacity import resolve_cpu_kvcache_gb
 from optima.serving.processes import PARENT_ENV, stop_group
+
+if TYPE_CHECKING:
+    from optima.config.types import BaseRecipe, ServingFields
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +99,9 @@ class ServerSpec:
         return f"{self.root_url}/v1"
 
 
-def build_serve_command(recipe, model_path: str, port: int, vllm_env: PythonEnv, placement: Placement) -> list[str]:
+def build_serve_command(
+    recipe: BaseRecipe, model_path: str, port: int, vllm_env: PythonEnv, placement: Placement
+) -> list[str]:
     """The ``vllm serve`` argv of one replica (pure).
 
     Args:
@@ -129,7 +135,12 @@ def build_serve_command(recipe, model_path: str, port: int, vllm_env: PythonEnv,
 
 
 def build_serve_env(
-    recipe, vllm_env: PythonEnv, placement: Placement, cache_root: Path, model_path: str, servers: int = 1
+    recipe: ServingFields,
+    vllm_env: PythonEnv,
+    placement: Placement,
+    cache_root: Path,
+    model_path: str,
+    servers: int = 1,
 ) -> dict:
     """The environment of one replica: ours, plus vLLM's settings for this machine (pure but for os.environ).
 

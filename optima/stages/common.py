@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from optima.config.rules import loss_model, trainer_overrides_for
 from optima.environments import PythonEnv
@@ -32,6 +32,9 @@ from optima.training.common import is_complete, read_completion
 from optima.training.launch import run_training
 from optima.training.launch_config import launch_for, render_trainer_config, write_trainer_config
 from optima.training.progress import console_stream
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class StageCall:
         training: Where the training processes run (``optima.training.nodes.TrainingPlacement``).
     """
 
-    recipe: Any
+    recipe: LoopRecipe
     iteration: int
     part: str | None
     model: str

@@ -17,6 +17,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import TYPE_CHECKING
 
 from optima.agents.generation import GenerationPlan, generate_conversations
 from optima.config.rules import train_start, workers
@@ -32,6 +33,9 @@ from optima.stages.common import StageCall
 from optima.stages.reward_stage import mean_parts
 from optima.store import JsonlWriter, load_records, prepare_resume
 from optima.tasks.contexts import stable_rng
+
+if TYPE_CHECKING:
+    from optima.config.types import DPOFields, ServingFields
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +142,7 @@ def search(call: StageCall) -> dict:
     }
 
 
-def _run_trees(recipe, todo, run, writer) -> None:
+def _run_trees(recipe: ServingFields, todo, run, writer) -> None:
     from tqdm.auto import tqdm
 
     with ThreadPoolExecutor(max_workers=workers(recipe, len(todo))) as executor:
@@ -155,7 +159,7 @@ def pairs(call: StageCall) -> dict:
     return save_pairs(lines, call.recipe, call.sp.dataset, call.sp.selection_record, call.iteration)
 
 
-def nothing_kept(recipe, mined: dict) -> str | None:
+def nothing_kept(recipe: DPOFields, mined: dict) -> str | None:
     """Why no pair is left to train on, or None when some are."""
     return None if mined["pairs_kept"] else f"no preference pair passed the thresholds ({mined})"
 

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.prompts import Utterance
 from optima.loss_stream import conversation_texts, needs_losses, to_json_losses
@@ -21,6 +22,9 @@ from optima.reward import Conversation, is_cut, question_t_max, score_conversati
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
 from optima.tasks.scoring import score_example
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +84,7 @@ def _utterances(record: dict) -> list[Utterance]:
 
 
 def reward_question(
-    records: Sequence[dict], losses: Sequence[Sequence[float] | None], recipe, tokenize=None, verifier=None
+    records: Sequence[dict], losses: Sequence[Sequence[float] | None], recipe: LoopRecipe, tokenize=None, verifier=None
 ) -> dict:
     """The rewarded line of one question (``verifier``: the stage's shared ``MathVerifier`` for MATH answers)."""
     conversations = []
@@ -119,7 +123,7 @@ def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None,
 
 
 def reward_generations(
-    recipe,
+    recipe: LoopRecipe,
     generations: Path,
     out_path: Path,
     score_texts: ScoreTexts | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from optima.agents.generation import generate_conversations, plan_generation
 from optima.config.rules import loss_model, train_start
@@ -19,6 +20,9 @@ from optima.stages import common
 from optima.stages.common import StageCall
 from optima.stages.reward_stage import reward_generations
 from optima.store import load_records
+
+if TYPE_CHECKING:
+    from optima.config.types import SFTFields
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +88,7 @@ def select(call: StageCall) -> dict:
     }
 
 
-def nothing_kept(recipe, selected: dict) -> str | None:
+def nothing_kept(recipe: SFTFields, selected: dict) -> str | None:
     """Why selection left nothing to train on (one sentence), or None when it kept conversations."""
     if selected["kept_conversations"]:
         return None

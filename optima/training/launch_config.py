@@ -17,11 +17,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from optima.environments import REPO_ROOT, PythonEnv
 from optima.store import write_yaml
 from optima.training.nodes import TrainingPlacement
+
+if TYPE_CHECKING:
+    from optima.config.types import TrainingFields
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +175,7 @@ def read_accelerate_config(path: Path) -> dict[str, Any]:
 
 
 def launch_for(
-    recipe,
+    recipe: TrainingFields,
     kind: Literal["sft", "dpo"],
     env: PythonEnv,
     trainer_yaml: Path,
