@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from optima.config import InferenceRecipe, load_recipe
+from optima.config.groups import GenerationFields, LoopFields
 from optima.tasks import Example
 
 # Resets SIGINT and SIGTERM to their defaults, then becomes the real command (same pid).
@@ -29,8 +31,27 @@ def with_default_signals(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", _EXEC_WITH_DEFAULT_SIGNALS, *argv]
 
 
-def build_test_recipe(output_dir: Path, **overrides):
-    """A validated recipe for serving/generation tests (inference recipe: no trainer YAML needed)."""
+@dataclasses.dataclass(kw_only=True)
+class SamplingTestRecipe(LoopFields, GenerationFields, InferenceRecipe):
+    """An evaluation recipe with the loops' sampling and loop fields too: what the serving and generation tests drive
+    (every field of a conversation, the prompt pool, the temperature schedule), without a trainer YAML to provide,
+    and without a reward (so no loss server is planned beside the policy)."""
+
+    unused_keys = ()  # the loops' keys are this recipe's own
+
+    def __post_init__(self) -> None:
+        InferenceRecipe.__post_init__(self)
+        GenerationFields.validate(self)
+
+    def folder_fields(self) -> tuple[str, ...]:
+        return ("check_point_root_path",)
+
+    def path_fields(self) -> tuple[str, ...]:
+        return ("prompt_pool_path",)
+
+
+def build_test_recipe(output_dir: Path, **overrides) -> SamplingTestRecipe:
+    """A validated recipe for serving/generation tests (no trainer YAML needed)."""
     values = {
         "dataset_type": "arc",
         "initial_model_path": str(output_dir / "model"),
@@ -46,7 +67,7 @@ def build_test_recipe(output_dir: Path, **overrides):
         "server_startup_timeout_s": 120.0,
         "cpu_kvcache_space_gb": 1,
     }
-    return load_recipe(InferenceRecipe, None, values | overrides, check_paths=False)
+    return load_recipe(SamplingTestRecipe, None, values | overrides, check_paths=False)
 
 
 def arc_examples(count: int) -> list[Example]:
