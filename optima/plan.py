@@ -31,7 +31,7 @@ from optima.stages.common import CHECKPOINT, StageCall
 from optima.training.launch_config import describe_trainer_overrides, launch_for
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config.types import AnyLoopRecipe, LoopRecipe
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ class Plan:
     """Everything a run would do."""
 
     method: str
-    recipe: LoopRecipe
+    recipe: AnyLoopRecipe
     paths: RunPaths
     parts: list[PlanPart]
     envs: dict[str, PythonEnv]

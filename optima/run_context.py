@@ -25,7 +25,7 @@ from optima.store import write_json, write_yaml
 from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, LoopRecipe
+    from optima.config.types import AnyLoopRecipe, BaseRecipe, LoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class RunContext:
     """Shared state of one run."""
 
-    recipe: LoopRecipe
+    recipe: AnyLoopRecipe
     paths: RunPaths
     envs: dict[str, PythonEnv]
     servers: ServerHolder

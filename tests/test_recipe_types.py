@@ -1,6 +1,7 @@
 """Every function that takes the recipe says which fields it reads: its ``recipe`` parameter names a field group, a
-composite or a union of ``optima.config.types`` (never ``Any``), and each ``recipe.<field>`` it reads, or
-``self.recipe.<field>`` in a class whose ``__init__`` takes the recipe, exists on that type.
+composite or a union of ``optima.config.types`` (never ``Any``), and each ``recipe.<field>`` it reads exists on that
+type; so does each ``self.recipe.<field>`` in a class whose ``__init__`` takes the recipe, and each
+``call.recipe.<field>`` of a context (``RunContext``, ``StageCall``, ``Plan``) whose ``recipe`` field is annotated.
 
 A union (``Recipe``, ``SFTLoopRecipe``, ...) is taken by code that tells the kinds apart itself (``isinstance``,
 ``hasattr``, ``getattr`` with a default): a field read through it must exist on at least one member of the union.
@@ -119,6 +120,52 @@ def check_function(node: ast.FunctionDef | ast.AsyncFunctionDef, module: str, pa
     return []
 
 
+def context_recipe(annotation: ast.expr, module: str) -> object | None:
+    """The type of ``<param>.recipe`` when the parameter's class carries an annotated ``recipe`` (a run or stage
+    context), else None (any other parameter, or a type only imported under ``TYPE_CHECKING``)."""
+    try:
+        cls = resolve(ast.unparse(annotation), module)
+    except NameError:
+        return None
+    for klass in cls.__mro__ if isinstance(cls, type) else ():
+        annotations = vars(klass).get("__annotations__")
+        text = annotations.get("recipe") if isinstance(annotations, dict) else None
+        if text is not None:
+            return resolve(text, klass.__module__)
+    return None
+
+
+def aliases_recipe(node: ast.AST, owner: str) -> bool:
+    """True when the function names ``owner.recipe`` ``recipe`` (``recipe = call.recipe``, ``ctx, recipe = ...``)."""
+    for statement in ast.walk(node):
+        if not isinstance(statement, ast.Assign) or len(statement.targets) != 1:
+            continue
+        target, value = statement.targets[0], statement.value
+        if isinstance(value, ast.Tuple) != isinstance(target, ast.Tuple):
+            continue
+        pairs = zip(target.elts, value.elts, strict=False) if isinstance(target, ast.Tuple) else [(target, value)]
+        for name, source in pairs:
+            if isinstance(name, ast.Name) and name.id == "recipe" and ast.unparse(source) == f"{owner}.recipe":
+                return True
+    return False
+
+
+def check_context_reads(node: ast.FunctionDef | ast.AsyncFunctionDef, module: str, path: str) -> list[str]:
+    """``call.recipe.<field>`` (and ``recipe.<field>`` after ``recipe = call.recipe``) exists on the type of the
+    context's ``recipe``, for each parameter whose class carries one."""
+    problems = []
+    for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+        if arg.arg in ("self", "recipe") or arg.annotation is None:
+            continue
+        tp = context_recipe(arg.annotation, module)
+        if tp is None:
+            continue
+        problems += check_reads(tp, reads(node, arg.arg, "recipe"), path)
+        if aliases_recipe(node, arg.arg):
+            problems += check_reads(tp, reads(node, "recipe"), path)
+    return problems
+
+
 def check_self_reads(cls_node: ast.ClassDef, module: str, path: str) -> list[str]:
     """``self.recipe.<field>`` in a class's methods exists on the type its ``__init__`` (own or inherited) takes."""
     found = reads(cls_node, "self", "recipe")
@@ -148,7 +195,7 @@ def check_source(source: str, module: str, path: str) -> list[str]:
         if isinstance(node, ast.ClassDef):
             problems += check_attribute(node, module, path) + check_self_reads(node, module, path)
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            problems += check_function(node, module, path)
+            problems += check_function(node, module, path) + check_context_reads(node, module, path)
     return problems
 
 
@@ -203,3 +250,15 @@ def test_a_right_annotation_passes():
         "    return recipe.compat, inner(recipe)\n"
     )
     assert check_source(source, "optima.config.types", "example.py") == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["    return call.recipe.model_root_path\n", "    ctx, recipe = call.ctx, call.recipe\n    return recipe.limit\n"],
+)
+def test_a_field_read_through_a_stage_context_is_checked(body):
+    """``StageCall.recipe`` is a loop's recipe: an evaluation's field read through it is reported."""
+    problems = check_source("def f(call: StageCall):\n" + body, "optima.stages.common", "example.py")
+    assert len(problems) == 1 and "does not have" in problems[0]
+    fine = "def f(call: StageCall):\n    recipe = call.recipe\n    return recipe.initial_epsilon, call.recipe.port\n"
+    assert check_source(fine, "optima.stages.common", "example.py") == []

@@ -5,7 +5,9 @@
 
 * ``recipes``: the five method recipes (iSFT, iDPO, iSFT-DPO, checkpoint sweep, self-consistency) and
   ``load_recipe``;
-* ``groups``: the field groups they are built from (serving, generation, reward, SFT, DPO, training);
+* ``groups``: the field groups they are built from (run, serving, conversation, generation, loop, reward, training,
+  SFT, DPO);
+* ``types``: what a signature names for the recipe it takes (a group, a composite such as ``LoopRecipe``, a union);
 * ``fields``: the generic machinery (typed fields, type checks, ``RecipeError``);
 * ``rules``: the values derived from a recipe (loss model, temperature, selection range, training start, ...), one
   function each; the reward's ``T_max`` lives with the formula (``optima.reward``).

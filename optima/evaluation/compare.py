@@ -217,7 +217,9 @@ def run_compare(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], options: Comp
     return table
 
 
-def run_compare_tasks(recipes: Sequence, envs: dict[str, PythonEnv], options: CompareOptions, out_root: Path) -> str:
+def run_compare_tasks(
+    recipes: Sequence[MultiSCRecipe], envs: dict[str, PythonEnv], options: CompareOptions, out_root: Path
+) -> str:
     """``run_compare`` for each task's recipe (its own output folder), then the methods x tasks table.
 
     Args:

@@ -34,7 +34,7 @@ from optima.training.launch_config import launch_for, render_trainer_config, wri
 from optima.training.progress import console_stream
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config.types import AnyLoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class StageCall:
         training: Where the training processes run (``optima.training.nodes.TrainingPlacement``).
     """
 
-    recipe: LoopRecipe
+    recipe: AnyLoopRecipe
     iteration: int
     part: str | None
     model: str
