@@ -349,7 +349,7 @@ def iteration_parts(
 
 
 def build_plan(
-    recipe: LoopRecipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None, hardware=None
+    recipe: AnyLoopRecipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None, hardware=None
 ) -> Plan:
     """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe, and where their processes run.
 

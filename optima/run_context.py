@@ -25,7 +25,7 @@ from optima.store import write_json, write_yaml
 from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
-    from optima.config.types import AnyLoopRecipe, BaseRecipe, LoopRecipe
+    from optima.config.types import AnyLoopRecipe, BaseRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class RunContext:
     progress: bool = True  # a training progress bar on the console (``--quiet``: none)
 
     @classmethod
-    def create(cls, recipe: LoopRecipe, paths: RunPaths, envs: dict[str, PythonEnv], hardware=None) -> RunContext:
+    def create(cls, recipe: AnyLoopRecipe, paths: RunPaths, envs: dict[str, PythonEnv], hardware=None) -> RunContext:
         """Prepare the run directory (recipe.yaml, driver log) and the shared objects.
 
         ``hardware`` is the run's hardware plan (``optima.hardware.plan``): the servers are placed as it says.

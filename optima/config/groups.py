@@ -298,6 +298,8 @@ class RewardFields:
 class TrainingFields:
     """How a fine-tuning stage is launched (docs/method.md#training)."""
 
+    method: ClassVar[str]  # the loop's name (``RunFields.method``): which trainers it runs
+
     accelerate_config: str | None = field(
         None,
         help="name under alignment-handbook/recipes/accelerate_configs (cpu, single_gpu, multi_gpu, deepspeed_zero3, "

@@ -35,7 +35,7 @@ from optima.serving.vllm_server import (
 )
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, ServingFields
+    from optima.config.types import LoopRecipe
 
 logger = logging.getLogger(__name__)
 ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: nothing placed here
@@ -52,7 +52,7 @@ class LossServer:
         log_path: Its log file.
     """
 
-    def __init__(self, recipe: ServingFields, vllm_env: PythonEnv, model: str, layout: ServerLayout, log_path: Path):
+    def __init__(self, recipe: LoopRecipe, vllm_env: PythonEnv, model: str, layout: ServerLayout, log_path: Path):
         self.recipe, self.vllm_env, self.model, self.layout, self.log_path = recipe, vllm_env, model, layout, log_path
         self.server: VLLMServer | None = None
 
