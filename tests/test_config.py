@@ -218,3 +218,24 @@ def test_recipe_round_trips_through_yaml(write_recipe, in_repo, tmp_path):
     saved = tmp_path / "saved.yaml"
     saved.write_text(yaml.safe_dump(recipe.to_dict()))
     assert load_recipe(SFTRecipe, saved) == recipe
+
+
+def test_evaluation_recipes_have_only_the_fields_they_use(write_recipe, tmp_path, caplog):
+    """The loops' sampling and loop fields are no evaluation field: set in a recipe, each is ignored with a warning
+    naming the file, the key and its value (it is not even type-checked: evaluation never reads it)."""
+    import dataclasses
+
+    from optima.config.groups import GenerationFields, LoopFields
+
+    loop_only = [f.name for group in (GenerationFields, LoopFields) for f in dataclasses.fields(group)]
+    assert len(loop_only) == 10
+    for cls in (InferenceRecipe, MultiSCRecipe):
+        assert not set(loop_only) & {f.name for f in dataclasses.fields(cls)}
+    path = write_recipe({"dataset_type": "arc", "model_root_path": str(tmp_path)} | dict.fromkeys(loop_only, "x"))
+    with caplog.at_level(logging.WARNING):
+        recipe = load_recipe(MultiSCRecipe, path, check_paths=False)
+    for name in loop_only:
+        assert f"{path}: {name}='x' is not used by MultiSCRecipe; ignored" in caplog.text
+        assert not hasattr(recipe, name)
+    with pytest.raises(RecipeError, match="unknown key for InferenceRecipe"):
+        load_recipe(InferenceRecipe, None, {"dataset_type": "arc", "model_root_path": str(tmp_path), "lambda1": -1})

@@ -162,7 +162,11 @@ class BaseRecipe(RunFields, ServingFields, ConversationFields):
 
 @dataclasses.dataclass(kw_only=True)
 class LoopRecipe(TrainingFields, RewardFields, LoopFields, BaseRecipe, GenerationFields):
-    """What the three training loops share: iterations, sampling, the reward and the trainer launch."""
+    """What the three training loops share: iterations, sampling, the reward and the trainer launch.
+
+    The order of the bases is the order of the fields (last base first): sampling, conversation, serving, run, loop,
+    reward, training, then the method's own, as in the recipe key reference.
+    """
 
     def check_run(self) -> None:
         require(self.iteration_times >= 1, "iteration_times", f"must be >= 1, got {self.iteration_times}")
