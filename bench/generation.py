@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         },
     )
     examples = TASKS[args.task].load_train(data_dir=args.data_dir)[: args.questions]
-    stage = RunPaths.from_recipe(recipe).stage(0)
+    stage = RunPaths(run_dir).stage(0)  # an evaluation recipe has no checkpoint root
     plan = GenerationPlan(iteration=1, temperature=args.temperature, samples=args.samples, stage="bench")
     with serve(recipe, args.model, resolve_env(None, "vllm"), stage) as endpoints:
         run_plain_client(endpoints[0], recipe, [([{"role": "user", "content": "Hello"}], 8)], 1, 0.0)  # warm-up

@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     overrides = {"dataset_type": "arc", "initial_model_path": args.model, "model_root_path": args.model}
     overrides |= {"port": args.port, "thread_count": args.threads, "request_timeout_s": 600.0}
     recipe = load_recipe(InferenceRecipe, None, overrides | {"output_dir": tempfile.mkdtemp(prefix="optima_bench_")})
-    stage = RunPaths.from_recipe(recipe).stage(0)
+    stage = RunPaths(Path(recipe.output_dir)).stage(0)  # an evaluation recipe has no checkpoint root
     started = time.monotonic()
     with TreeMemorySampler() as server_memory, serve(recipe, args.model, resolve_env(None, "vllm"), stage) as urls:
         server_start_s = time.monotonic() - started
