@@ -68,6 +68,11 @@ def train_start(recipe, model: str, stage: str | None = None) -> str:
     return str(model)
 
 
+def trainer_base_yaml(recipe, kind: str) -> str:
+    """The handbook-style base YAML of one trainer: ``origin_yaml_path`` (``sft``) or ``origin_dpo_yaml_path``."""
+    return recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
+
+
 def trainer_overrides_for(recipe, kind: str) -> dict:
     """The ``trainer_overrides`` of one trainer (``sft`` or ``dpo``): the shared keys, then its own sub-mapping."""
     shared = {k: v for k, v in recipe.trainer_overrides.items() if k not in ("sft", "dpo")}
