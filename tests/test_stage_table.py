@@ -100,6 +100,9 @@ def test_the_dry_run_shows_the_generation_plan_the_stage_runs(tmp_path):
     assert [(g.temperature, g.samples) for g in runs] == [(0.2, 10), (0.7, 10)]
     assert [(s["prompt pool"], s["answer pre-fill"]) for s in shown] == [("built-in", "on"), ("off", "off")]
     assert [(g.use_prompt_pool, g.prefill_answer) for g in runs] == [(True, True), (False, False)]
+    # Every stage is described from the run's own context (never None), and describing it made nothing.
+    assert all(part.call.ctx is the_plan.ctx for part in the_plan.parts) and the_plan.render()
+    assert not Path(recipe.output_dir).exists()
 
 
 def recording_tables(monkeypatch) -> list[tuple[int, str | None, str]]:
