@@ -3,9 +3,10 @@
 One table per loop lists its stages in the order they run: the stage's name, the recipe fields its output
 depends on (the fields marked ``redoes=`` in ``optima.config``), the outputs it writes, the function that runs it
 (``optima.stages``), the function that describes it for ``--dry-run``, and, for the stage that builds the training
-set, how to tell that nothing is left to train on. ``build_plan`` lays the tables out over the iterations;
-``optima.pipeline.run_plan`` runs exactly the plan's stages. docs/method.md#the-three-loops gives the stage order
-of iSFT, iDPO and iSFT-DPO.
+set, how to tell that nothing is left to train on. ``build_plan`` lays the tables out over the iterations, each
+part with the one context its stages get (``StageCall``, holding the run's ``RunContext``): ``--dry-run`` describes
+every stage from it and ``optima.pipeline.run_plan`` runs exactly the plan's stages with it.
+docs/method.md#the-three-loops gives the stage order of iSFT, iDPO and iSFT-DPO.
 """
 
 from __future__ import annotations
