@@ -154,7 +154,7 @@ def run_loop_script(recipe_cls: type, description: str, argv: list[str] | None) 
         from optima.plan import build_plan
 
         plan = build_plan(recipe, envs, skip_iteration=args.skip_iteration, hardware=resolve_hardware(args.hardware))
-        plan.progress = not args.quiet
+        plan.ctx.progress = not args.quiet
         if args.dry_run:
             emit(plan.render())
             return 0

@@ -12,29 +12,19 @@ training (and before HF scoring), which need the cores on a CPU and the memory o
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from optima.environments import check_env
-from optima.manifest import Manifest, StageKey, fields_hash
-from optima.plan import Plan, PlanPart, StageDef
+from optima.manifest import Manifest, StageKey
+from optima.plan import Plan, PlanPart
 from optima.run_context import RunContext, write_iteration_report
 from optima.serving.processes import sigterm_as_exit
 from optima.stage_identity import link, part_keys
-
-if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
 
 logger = logging.getLogger(__name__)
 
 
 class NothingSelected(RuntimeError):
     """No conversation passed selection and the recipe says to stop."""
-
-
-def stage_hashes(recipe: LoopRecipe, stages: Sequence[StageDef]) -> dict[str, str]:
-    """Per stage, the hash of the recipe fields its output depends on (what the manifest compares)."""
-    return {stage.name: fields_hash(recipe, stage.fields) for stage in stages}
 
 
 def handle_empty(ctx: RunContext, label: str, message: str, model: str) -> None:
@@ -47,22 +37,20 @@ def handle_empty(ctx: RunContext, label: str, message: str, model: str) -> None:
     logger.warning("%s%s; carrying %s forward", label, message, model)
 
 
-def run_part(
-    ctx: RunContext, plan: Plan, part: PlanPart, model: str, keys: dict[str, StageKey] | None = None
-) -> str | None:
+def run_part(part: PlanPart, model: str, keys: dict[str, StageKey] | None = None) -> str | None:
     """Run the stages of one iteration (or iSFT-DPO part) from ``model``; the new checkpoint, or None if none.
 
     Finished stages are skipped (their recorded results reused); the first whose key changed (``keys``; default:
     the part's keys with no previous part) is redone with every stage after it. When the stage that builds the
     training set leaves nothing to train on, the part stops there (``handle_empty``).
     """
-    recipe = ctx.recipe
-    call = plan.call(part, model, ctx)
-    manifest = Manifest(part.sp.manifest, keys or part_keys(call, part.stages))
+    call = part.call.starting_from(model)
+    ctx, recipe = call.ctx, call.recipe
+    manifest = Manifest(call.sp.manifest, keys or part_keys(call, part.stages))
     outputs = {stage.name: [call.output(name) for name in stage.outputs] for stage in part.stages}
     keep = tuple(stage.name for stage in part.stages if stage.set_aside)
     manifest.invalidate_changed([stage.name for stage in part.stages], outputs, keep=keep)
-    label = f"iteration {part.iteration + 1}/{recipe.iteration_times} | {part.part + ' | ' if part.part else ''}"
+    label = f"iteration {call.iteration + 1}/{recipe.iteration_times} | {call.part + ' | ' if call.part else ''}"
     for stage in part.stages:
         result = manifest.run(stage.name, lambda stage=stage: stage.run(call), label)
         call.results[stage.name] = result
@@ -71,38 +59,37 @@ def run_part(
             handle_empty(ctx, label, reason, model)
             break
     trained = len(call.results) == len(part.stages)  # the last stage trains
-    write_iteration_report(ctx, part.iteration, part.sp, manifest, part.out if trained else None)
-    return str(part.out) if trained else None
+    write_iteration_report(ctx, call.iteration, call.sp, manifest, call.out if trained else None)
+    return str(call.out) if trained else None
 
 
 def run_plan(plan: Plan) -> str:
     """Run every stage of an iSFT, iDPO or iSFT-DPO plan, in the plan's order; return the final model path."""
-    recipe = plan.recipe
-    for role, env in plan.envs.items():
+    ctx = plan.ctx
+    recipe = ctx.recipe
+    for role, env in ctx.envs.items():
         check_env(env, role)
-    if plan.hardware is not None:
-        plan.hardware.check()  # an impossible placement stops here, before any server or trainer starts
-    ctx = RunContext.create(recipe, plan.paths, plan.envs, plan.hardware)
-    ctx.progress = plan.progress
+    ctx.hardware.check()  # an impossible placement stops here, before any server or trainer starts
+    ctx.prepare()
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
     with sigterm_as_exit(), ctx.servers:
         for part in plan.parts:
             if part.skipped:
-                model, upstream = str(part.out), None
+                model, upstream = str(part.call.out), None
                 logger.info(
                     "iteration %d/%d | skipped (--skip_iteration), using %s",
-                    part.iteration + 1,
+                    part.call.iteration + 1,
                     recipe.iteration_times,
                     model,
                 )
                 continue
             # Each part's keys chain to the previous part's last stage (docs/method.md#resume).
-            call = plan.call(part, model, ctx)
+            call = part.call.starting_from(model)
             keys = part_keys(call, part.stages, upstream)
             upstream = link(call, part.stages[-1].name, keys[part.stages[-1].name])
             # A part that trained nothing (carry_forward) hands its own starting model on.
-            model = run_part(ctx, plan, part, model, keys) or model
+            model = run_part(part, model, keys) or model
     if recipe.push_to_hub:
         from optima.hub import push_run
 

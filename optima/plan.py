@@ -3,9 +3,10 @@
 One table per loop lists its stages in the order they run: the stage's name, the recipe fields its output
 depends on (the fields marked ``redoes=`` in ``optima.config``), the outputs it writes, the function that runs it
 (``optima.stages``), the function that describes it for ``--dry-run``, and, for the stage that builds the training
-set, how to tell that nothing is left to train on. ``build_plan`` lays the tables out over the iterations;
-``optima.pipeline.run_plan`` runs exactly the plan's stages. docs/method.md#the-three-loops gives the stage order
-of iSFT, iDPO and iSFT-DPO.
+set, how to tell that nothing is left to train on. ``build_plan`` lays the tables out over the iterations, each
+part with the one context its stages get (``StageCall``, holding the run's ``RunContext``): ``--dry-run`` describes
+every stage from it and ``optima.pipeline.run_plan`` runs exactly the plan's stages with it.
+docs/method.md#the-three-loops gives the stage order of iSFT, iDPO and iSFT-DPO.
 """
 
 from __future__ import annotations
@@ -15,20 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from optima.agents.generation import plan_generation
 from optima.config import DPORecipe, SFTRecipe
 from optima.config.fields import stage_fields
-from optima.config.rules import (
-    generation_temperature,
-    loss_model,
-    selection_range,
-    train_start,
-    trainer_overrides_for,
-)
+from optima.config.rules import loss_model, selection_range, train_start, trainer_base_yaml, trainer_overrides_for
+from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
-from optima.paths import RunPaths, StagePaths
+from optima.paths import RunPaths
+from optima.run_context import RunContext
 from optima.stages import dpo, sft
-from optima.stages.common import CHECKPOINT, StageCall
-from optima.training.launch_config import describe_trainer_overrides, launch_for
+from optima.stages.common import CHECKPOINT, StageCall, trainer_launch
+from optima.training.launch_config import describe_trainer_overrides
 
 if TYPE_CHECKING:
     from optima.config.types import AnyLoopRecipe, LoopRecipe
@@ -52,7 +50,7 @@ class StageDef:
             aside (``<name>.replaced-<n>``) instead of deleted.
     """
 
-    name: str
+    name: Stage
     fields: tuple[str, ...]
     outputs: tuple[str, ...]
     run: Callable[[StageCall], dict]
@@ -63,13 +61,13 @@ class StageDef:
 
 
 def _describe_generate(call: StageCall) -> dict:
-    recipe, first = call.recipe, call.iteration == 0
+    recipe, generation = call.recipe, plan_generation(call.recipe, call.iteration)  # what ``sft.generate`` runs
     return {
         "questions": f"{recipe.sample_count} (train split, slice from seed {recipe.seed})",
-        "conversations per question": recipe.explore_count,
-        "temperature": generation_temperature(recipe, call.iteration),
-        "prompt pool": (recipe.prompt_pool_path or "built-in") if recipe.use_prompt_pool and first else "off",
-        "answer pre-fill": "on" if recipe.prefill_answer_iteration0 and first else "off",
+        "conversations per question": generation.samples,
+        "temperature": generation.temperature,
+        "prompt pool": (recipe.prompt_pool_path or "built-in") if generation.use_prompt_pool else "off",
+        "answer pre-fill": "on" if generation.prefill_answer else "off",
         "max turns / tokens per utterance": f"{recipe.max_turns} / {recipe.max_tokens}",
         "output": call.sp.generations,
     }
@@ -93,19 +91,18 @@ def _describe_select(call: StageCall) -> dict:
 def _describe_train(call: StageCall, kind: str) -> dict:
     recipe = call.recipe
     start = train_start(recipe, call.model, call.part)
-    launch = launch_for(recipe, kind, call.envs["train"], call.sp.trainer_yaml, call.gpu, call.training)
     if kind == "sft":
         method = {"model": start, "trainer yaml": call.sp.trainer_yaml}
     else:
         method = {"model": start, "reference": start, "rpo_alpha": recipe.rpo_alpha}
-    base = recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
+    base = trainer_base_yaml(recipe, kind)
     overrides = describe_trainer_overrides(Path(base), trainer_overrides_for(recipe, kind))
     return {
         "base recipe": base,
         "trainer overrides": overrides,
         **method,
         "output": call.out,
-        "command": launch.argv(),
+        "command": trainer_launch(call, kind).argv(),
     }
 
 
@@ -140,8 +137,8 @@ def _describe_pairs(call: StageCall) -> dict:
 # iSFT (docs/method.md#isft): sample conversations, reward them, keep the best, fine-tune.
 SFT_STAGES = (
     StageDef(
-        "generate",
-        stage_fields("generate", SFTRecipe),
+        Stage.GENERATE,
+        stage_fields(Stage.GENERATE, SFTRecipe),
         ("generations", "losses"),
         sft.generate,
         _describe_generate,
@@ -149,19 +146,24 @@ SFT_STAGES = (
         set_aside=True,
     ),
     StageDef(
-        "score", stage_fields("score", SFTRecipe), ("rewarded",), sft.score, _describe_score, reads=("loss model",)
+        Stage.SCORE,
+        stage_fields(Stage.SCORE, SFTRecipe),
+        ("rewarded",),
+        sft.score,
+        _describe_score,
+        reads=("loss model",),
     ),
     StageDef(
-        "select",
-        stage_fields("select", SFTRecipe),
+        Stage.SELECT,
+        stage_fields(Stage.SELECT, SFTRecipe),
         ("dataset", "selection_record"),
         sft.select,
         _describe_select,
         nothing_to_train=sft.nothing_kept,
     ),
     StageDef(
-        "train",
-        stage_fields("train", SFTRecipe),
+        Stage.TRAIN,
+        stage_fields(Stage.TRAIN, SFTRecipe),
         (CHECKPOINT,),
         sft.train,
         lambda c: _describe_train(c, "sft"),
@@ -171,8 +173,8 @@ SFT_STAGES = (
 # iDPO (docs/method.md#idpo): probe T_max, tree search, mine preference pairs, DPO.
 DPO_STAGES = (
     StageDef(
-        "probe",
-        stage_fields("probe", DPORecipe),
+        Stage.PROBE,
+        stage_fields(Stage.PROBE, DPORecipe),
         ("probe",),
         dpo.probe,
         _describe_probe,
@@ -180,8 +182,8 @@ DPO_STAGES = (
         set_aside=True,
     ),
     StageDef(
-        "search",
-        stage_fields("search", DPORecipe),
+        Stage.SEARCH,
+        stage_fields(Stage.SEARCH, DPORecipe),
         ("rollouts",),
         dpo.search,
         _describe_search,
@@ -189,16 +191,16 @@ DPO_STAGES = (
         set_aside=True,
     ),
     StageDef(
-        "pairs",
-        stage_fields("pairs", DPORecipe),
+        Stage.PAIRS,
+        stage_fields(Stage.PAIRS, DPORecipe),
         ("dataset", "selection_record"),
         dpo.pairs,
         _describe_pairs,
         nothing_to_train=dpo.nothing_kept,
     ),
     StageDef(
-        "train",
-        stage_fields("train", DPORecipe),
+        Stage.TRAIN,
+        stage_fields(Stage.TRAIN, DPORecipe),
         (CHECKPOINT,),
         dpo.train,
         lambda c: _describe_train(c, "dpo"),
@@ -216,24 +218,17 @@ METHOD_PARTS: dict[str, tuple[tuple[str | None, tuple[StageDef, ...]], ...]] = {
 
 @dataclass(frozen=True)
 class PlanPart:
-    """The stages of one iteration, or of one part of it (``sft``/``dpo`` in iSFT-DPO), in the order they run.
+    """One iteration, or one part of it (``sft``/``dpo`` in iSFT-DPO): its stages in order and their context.
 
     Args:
-        iteration: The iteration.
-        part: ``sft``/``dpo`` in iSFT-DPO, else None.
         stages: Its stages; empty when the iteration is skipped (``--skip_iteration``: its checkpoint is reused).
-        sp: Its folder.
-        out: Its checkpoint.
-        model: The model it starts from when every earlier part trained (what the plan shows; the run follows the
-            models it really has, e.g. after ``on_empty_selection: carry_forward``).
+        call: The context its stages get (iteration, part, folder, checkpoint), from the model it starts from when
+            every earlier part trained: what the plan shows. The run follows the models it really has (after
+            ``on_empty_selection: carry_forward``, the one carried forward): ``call.starting_from(model)``.
     """
 
-    iteration: int
-    part: str | None
     stages: tuple[StageDef, ...]
-    sp: StagePaths
-    out: Path
-    model: str
+    call: StageCall
 
     @property
     def skipped(self) -> bool:
@@ -242,60 +237,45 @@ class PlanPart:
 
 @dataclass
 class Plan:
-    """Everything a run would do."""
+    """Everything a run would do: the run's context and its parts, in the order they run."""
 
-    method: str
-    recipe: AnyLoopRecipe
-    paths: RunPaths
+    ctx: RunContext
     parts: list[PlanPart]
-    envs: dict[str, PythonEnv]
-    gpu: bool = False
-    skip_iteration: int = 0
-    hardware: Any = None  # optima.hardware.plan.HardwarePlan: where every process runs, checked before start
-    progress: bool = True  # training progress bars on the console (``--quiet``: none)
 
     def stage_names(self) -> list[tuple[int, str | None, str]]:
         """``(iteration, part, stage)`` of every stage in run order (``skip`` for a skipped iteration)."""
         names = []
         for part in self.parts:
-            names += [(part.iteration, part.part, "skip")] if part.skipped else []
-            names += [(part.iteration, part.part, stage.name) for stage in part.stages]
+            call = part.call
+            names += [(call.iteration, call.part, "skip")] if part.skipped else []
+            names += [(call.iteration, call.part, stage.name) for stage in part.stages]
         return names
-
-    def call(self, part: PlanPart, model: str | None = None, ctx=None) -> StageCall:
-        """The ``StageCall`` of the stages of ``part``, starting from ``model`` (default: the planned one)."""
-        model = part.model if model is None else model
-        training = self.hardware.training if self.hardware is not None else None
-        call = StageCall(self.recipe, part.iteration, part.part, model, part.sp, part.out, self.envs, self.gpu, ctx)
-        call.training = training
-        return call
 
     def render(self) -> str:
         """Human-readable plan (what ``--dry-run`` prints)."""
-        recipe = self.recipe
+        recipe, paths, hardware = self.ctx.recipe, self.ctx.paths, self.ctx.hardware
         lines = [
-            f"Optima {self.method} plan: {recipe.dataset_type}, {recipe.iteration_times} iteration(s)",
-            f"  run directory: {self.paths.output_dir}",
-            f"  checkpoints:   {self.paths.checkpoints}",
+            f"Optima {recipe.method} plan: {recipe.dataset_type}, {recipe.iteration_times} iteration(s)",
+            f"  run directory: {paths.output_dir}",
+            f"  checkpoints:   {paths.checkpoints}",
         ]
-        for role, env in self.envs.items():
+        for role, env in self.ctx.envs.items():
             lines.append(f"  {role} env:     {env.describe()}")
-        if self.hardware is not None:
-            lines += self.hardware.render()
+        lines += hardware.render()
         lines.append("  inputs:")
         missing = recipe.missing_inputs()
         for name, value in recipe.input_paths().items():
             lines.append(f"      {name}: {value} [{'MISSING' if name in missing else 'ok'}]")
         current = None
         for part in self.parts:
-            if part.iteration != current:
-                current = part.iteration
+            call = part.call
+            if call.iteration != current:
+                current = call.iteration
                 lines.append(f"iteration {current + 1}/{recipe.iteration_times}")
             if part.skipped:
-                lines += _render_stage("skip", {"reuse": part.out})
+                lines += _render_stage("skip", {"reuse": call.out})
                 continue
-            lines += _render_stage("serve", _serve_details(recipe, part.model, self.hardware))
-            call = self.call(part)
+            lines += _render_stage("serve", _serve_details(recipe, call.model, hardware))
             for stage in part.stages:
                 lines += _render_stage(stage.name, stage.describe(call))
         return "\n".join(lines)
@@ -327,23 +307,21 @@ def server_layout_details(recipe: LoopRecipe, hardware) -> dict[str, str]:
     return describe_layout(recipe, loss_model(recipe), hardware.layout if hardware is not None else None)
 
 
-def iteration_parts(
-    recipe: LoopRecipe, paths: RunPaths, iteration: int, model: str, skip: bool = False
-) -> list[PlanPart]:
-    """The parts of one iteration of ``recipe.method``, the first starting from ``model``.
+def iteration_parts(ctx: RunContext, iteration: int, model: str, skip: bool = False) -> list[PlanPart]:
+    """The parts of one iteration of the run's method, the first starting from ``model``.
 
     The last part writes the iteration's checkpoint (``checkpoints/iteration_<i>``), an earlier one its own
-    (``checkpoints/<part>_iteration_<i>``), which the next part starts from.
+    (``checkpoints/<part>_iteration_<i>``), which the next part starts from. A skipped iteration is one part with
+    no stages.
     """
-    if skip:
-        return [PlanPart(iteration, None, (), paths.stage(iteration), paths.checkpoint(iteration), model)]
-    if recipe.method not in METHOD_PARTS:
-        raise TypeError(f"no stage table for {type(recipe).__name__}")
-    table = METHOD_PARTS[recipe.method]
+    if ctx.recipe.method not in METHOD_PARTS:
+        raise TypeError(f"no stage table for {type(ctx.recipe).__name__}")
+    table = ((None, ()),) if skip else METHOD_PARTS[ctx.recipe.method]
     parts = []
     for index, (part, stages) in enumerate(table):
-        out = paths.checkpoint(iteration, None if index == len(table) - 1 else part)
-        parts.append(PlanPart(iteration, part, stages, paths.stage(iteration, part), out, model))
+        out = ctx.paths.checkpoint(iteration, None if index == len(table) - 1 else part)
+        sp = ctx.paths.stage(iteration, part)
+        parts.append(PlanPart(stages, StageCall(ctx=ctx, iteration=iteration, part=part, model=model, sp=sp, out=out)))
         model = str(out)
     return parts
 
@@ -368,10 +346,10 @@ def build_plan(
     if hardware is None:
         hardware = Hardware(1, 0, 0.0, source="no GPU") if gpu is False else detect_hardware()
     hardware_plan = plan_hardware(recipe, hardware, sorted(os.sched_getaffinity(0)))
-    paths = RunPaths.from_recipe(recipe)
+    ctx = RunContext(recipe=recipe, paths=RunPaths.from_recipe(recipe), envs=envs, hardware=hardware_plan)
     parts: list[PlanPart] = []
     model = recipe.initial_model_path
     for i in range(recipe.iteration_times):
-        parts += iteration_parts(recipe, paths, i, model, skip=i < skip_iteration)
-        model = str(paths.checkpoint(i))
-    return Plan(recipe.method, recipe, paths, parts, envs, hardware.has_gpu, skip_iteration, hardware_plan)
+        parts += iteration_parts(ctx, i, model, skip=i < skip_iteration)
+        model = str(ctx.paths.checkpoint(i))
+    return Plan(ctx, parts)

@@ -1,7 +1,8 @@
 """What every stage of a run shares: the recipe, paths, environments, the served model, the tokenizer, reports.
 
-The servers live in ``optima.serving.holder.ServerHolder``: the policy (one model at a time) and the loss server
-beside it for the whole run.
+``RunContext`` is the one object per run (the dry-run builds it too); each stage reaches it through its
+``optima.stages.common.StageCall``. The servers live in ``optima.serving.holder.ServerHolder``: the policy (one
+model at a time) and the loss server beside it for the whole run.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.config.fields import RecipeError
 from optima.config.rules import loss_model
+from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
+from optima.hardware.plan import HardwarePlan
 from optima.logging_utils import LOG_FORMAT
 from optima.manifest import Manifest
 from optima.paths import RunPaths, StagePaths
-from optima.serving.gpus import has_gpu
 from optima.serving.holder import ServerHolder
 from optima.store import write_json, write_yaml
 from optima.tasks import Task, get_task
@@ -30,46 +33,61 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunContext:
-    """Shared state of one run."""
+    """What every stage of a run shares: one per run, built by ``optima.plan.build_plan`` for the dry-run and the run.
+
+    A dry-run only describes, so it makes nothing: the servers, the task and the tokenizer are made on first use,
+    and ``prepare`` (called by the run) writes the run directory's files and resolves the trackers.
+
+    Args:
+        recipe: The validated recipe.
+        paths: Every file of the run.
+        envs: ``{"vllm": ..., "train": ...}``.
+        hardware: Where every process runs (``optima.hardware.plan.HardwarePlan``), checked before the run starts.
+        progress: Training progress bars on the console (``--quiet``: none).
+        report_to: The run's trackers (``auto`` resolved by ``prepare``).
+    """
 
     recipe: AnyLoopRecipe
     paths: RunPaths
     envs: dict[str, PythonEnv]
-    servers: ServerHolder
-    task: Task
-    gpu: bool
+    hardware: HardwarePlan
+    progress: bool = True
+    report_to: list[str] = field(default_factory=list)
     _tokenizer: Any = field(default=None, repr=False)
-    report_to: list[str] = field(default_factory=list)  # trackers of this run (``auto`` resolved)
-    progress: bool = True  # a training progress bar on the console (``--quiet``: none)
 
-    @classmethod
-    def create(cls, recipe: AnyLoopRecipe, paths: RunPaths, envs: dict[str, PythonEnv], hardware=None) -> RunContext:
-        """Prepare the run directory (recipe.yaml, driver log) and the shared objects.
+    @property
+    def gpu(self) -> bool:
+        """Whether the run's machine has GPUs (the hardware planned for: given, or detected)."""
+        return self.hardware.hardware.has_gpu
 
-        ``hardware`` is the run's hardware plan (``optima.hardware.plan``): the servers are placed as it says.
+    @cached_property
+    def servers(self) -> ServerHolder:
+        """The policy server (one model at a time) and the loss server beside it, placed as the hardware plan says."""
+        holder = ServerHolder(
+            self.recipe, self.envs.get("vllm"), loss_model(self.recipe), self.paths.driver_log.parent
+        )
+        holder.layout = self.hardware.layout
+        return holder
+
+    @cached_property
+    def task(self) -> Task:
+        """The recipe's task (``optima.tasks``)."""
+        return get_task(self.recipe.dataset_type)
+
+    def prepare(self) -> None:
+        """Prepare the run directory (recipe.yaml, driver log) and resolve the trackers, before any work starts.
 
         Raises:
-            RecipeError: the run directory cannot be created or written (before any work starts).
+            RecipeError: the run directory cannot be created or written, or a tracker is not installed.
         """
         from optima.tracking import resolve_report_to
 
-        check_writable(paths.output_dir)
-        save_recipe(recipe, paths.recipe_file)
-        attach_driver_log(paths.driver_log)
-        holder = ServerHolder(recipe, envs.get("vllm"), loss_model(recipe), paths.driver_log.parent)
-        if hardware is not None:
-            holder.layout = hardware.layout
-        return cls(
-            recipe,
-            paths,
-            envs,
-            holder,
-            get_task(recipe.dataset_type),
-            hardware.hardware.has_gpu if hardware is not None else has_gpu(),
-            report_to=resolve_report_to(recipe.report_to, envs.get("train")),
-        )
+        check_writable(self.paths.output_dir)
+        save_recipe(self.recipe, self.paths.recipe_file)
+        attach_driver_log(self.paths.driver_log)
+        self.report_to = resolve_report_to(self.recipe.report_to, self.envs.get("train"))
 
     def tokenizer(self):
         """The initial model's tokenizer (token counts, LM-loss rendering, subword F1)."""
@@ -138,7 +156,7 @@ def write_iteration_report(
     metrics = {"iteration": iteration} | iteration_metrics(manifest)
     write_json(sp.metrics, metrics)
     stages = metrics["stages"]
-    scored = stages.get("score") or stages.get("search") or {}  # DPO iterations report their rollouts
+    scored = stages.get(Stage.SCORE) or stages.get(Stage.SEARCH) or {}  # DPO iterations report their rollouts
     logger.info(
         "iteration %d/%d | answer rate %s | accuracy %s | mean tokens %s | stage seconds %s",
         iteration + 1,

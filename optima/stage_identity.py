@@ -20,7 +20,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from optima.config.rules import loss_model, train_start
+from optima.agents.generation import plan_generation
+from optima.config.rules import loss_model, train_start, trainer_base_yaml
 from optima.identity import model_identity
 from optima.manifest import StageKey, field_values, fields_hash
 
@@ -36,9 +37,8 @@ def file_identity(path: str | None) -> str | None:
 
 
 def _prompt_pool(call) -> str | None:
-    recipe = call.recipe
-    used = recipe.use_prompt_pool and call.iteration == 0 and recipe.prompt_pool_path
-    return file_identity(recipe.prompt_pool_path) if used else None
+    used = plan_generation(call.recipe, call.iteration).use_prompt_pool  # the generate stage's own plan
+    return file_identity(call.recipe.prompt_pool_path) if used else None
 
 
 # What a stage can read (the ``reads`` of a stage table row) -> its identity for one ``StageCall`` (None: unused).
@@ -46,8 +46,8 @@ READERS: dict[str, Callable] = {
     "served model": lambda call: model_identity(call.model),
     "loss model": lambda call: model_identity(loss_model(call.recipe)) if call.recipe.cal_ppl else None,
     "start model": lambda call: model_identity(train_start(call.recipe, call.model, call.part)),
-    "SFT trainer YAML": lambda call: file_identity(call.recipe.origin_yaml_path),
-    "DPO trainer YAML": lambda call: file_identity(call.recipe.origin_dpo_yaml_path),
+    "SFT trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, "sft")),
+    "DPO trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, "dpo")),
     "prompt pool": _prompt_pool,
 }
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from optima.agents.generation import GenerationPlan, generate_conversations
 from optima.config import SFTDPORecipe, load_recipe
 from optima.paths import RunPaths
+from optima.plan import build_plan
 from optima.selection.dpo import save_pairs
 from optima.selection.mcts import Reply, search_question
 from optima.selection.rollout_reward import build_rollout_scorer
-from optima.stages.common import StageCall
 from optima.stages.reward_stage import reward_generations
 from optima.stages.sft import select
 from optima.store import JsonlWriter
@@ -82,8 +82,9 @@ def write_sft_stage(recipe, paths: RunPaths, url: str) -> None:
     examples = arc_examples(QUESTIONS)
     generate_conversations(recipe, examples, [url], sp.generations, GenerationPlan(0, 1.0, 2))
     reward_generations(recipe, sp.generations, sp.rewarded, fake_losses)
-    call = StageCall(recipe, 0, "sft", "model", sp, paths.checkpoint(0, "sft"), {}, False)
-    select(call)
+    sft_part = build_plan(recipe, {}, gpu=False).parts[0]  # iteration 0's SFT part: its folder is ``sp``
+    assert sft_part.call.sp.root == sp.root
+    select(sft_part.call)
 
 
 def write_dpo_stage(recipe, paths: RunPaths, url: str) -> None:

@@ -9,10 +9,9 @@ import pytest
 
 from optima.config import SFTRecipe, load_recipe
 from optima.manifest import Manifest
-from optima.paths import RunPaths
-from optima.pipeline import NothingSelected, run_part, stage_hashes
-from optima.plan import SFT_STAGES, build_plan
-from optima.run_context import RunContext
+from optima.pipeline import NothingSelected, run_part
+from optima.plan import Plan, build_plan
+from optima.stage_identity import part_keys
 
 REPO = Path(__file__).resolve().parent.parent
 EMPTY_SELECTION = {
@@ -27,8 +26,8 @@ EMPTY_SELECTION = {
 }
 
 
-def finished_until_select(tmp_path: Path, **overrides) -> RunContext:
-    """A run whose first iteration generated, scored and selected nothing (no server is needed)."""
+def finished_until_select(tmp_path: Path, **overrides) -> Plan:
+    """The plan of a run whose first iteration generated, scored and selected nothing (no server is needed)."""
     values = {
         "dataset_type": "arc",
         "initial_model_path": str(REPO / "models/SmolLM2-135M-Instruct"),
@@ -36,24 +35,26 @@ def finished_until_select(tmp_path: Path, **overrides) -> RunContext:
         "output_dir": str(tmp_path / "run"),
     } | overrides
     recipe = load_recipe(SFTRecipe, None, values, check_paths=False)
-    ctx = RunContext.create(recipe, RunPaths.from_recipe(recipe), {})
-    manifest = Manifest(ctx.paths.stage(0).manifest, stage_hashes(ctx.recipe, SFT_STAGES))
+    plan = build_plan(recipe, {}, gpu=False)
+    plan.ctx.prepare()
+    first = plan.parts[0]
+    manifest = Manifest(first.call.sp.manifest, part_keys(first.call, first.stages))
     manifest.record("generate", {"written": 8}, 1.0)
     manifest.record("score", {"answer_rate": 0.0, "accuracy": 0.0, "mean_tokens": 50.0}, 1.0)
     manifest.record("select", EMPTY_SELECTION, 0.1)
-    return ctx
+    return plan
 
 
-def run_sft_iteration(ctx: RunContext, iteration: int, model: str) -> str | None:
+def run_sft_iteration(plan: Plan, iteration: int, model: str) -> str | None:
     """The iteration's stages, as ``run_plan`` runs them."""
-    plan = build_plan(ctx.recipe, {})
-    return run_part(ctx, plan, plan.parts[iteration], model)
+    return run_part(plan.parts[iteration], model)
 
 
 def test_nothing_selected_stops_with_the_reasons(tmp_path):
-    ctx = finished_until_select(tmp_path)
+    plan = finished_until_select(tmp_path)
+    ctx = plan.ctx
     with pytest.raises(NothingSelected) as info:
-        run_sft_iteration(ctx, 0, ctx.recipe.initial_model_path)
+        run_sft_iteration(plan, 0, ctx.recipe.initial_model_path)
     message = str(info.value)
     for fragment in (
         "4 questions, 8 conversations",
@@ -67,8 +68,9 @@ def test_nothing_selected_stops_with_the_reasons(tmp_path):
 
 
 def test_nothing_selected_can_carry_the_model_forward(tmp_path):
-    ctx = finished_until_select(tmp_path, on_empty_selection="carry_forward")
-    assert run_sft_iteration(ctx, 0, ctx.recipe.initial_model_path) is None  # the caller keeps its model
+    plan = finished_until_select(tmp_path, on_empty_selection="carry_forward")
+    ctx = plan.ctx
+    assert run_sft_iteration(plan, 0, ctx.recipe.initial_model_path) is None  # the caller keeps its model
     metrics = json.loads(ctx.paths.stage(0).metrics.read_text())
     assert metrics["stages"]["select"]["kept_conversations"] == 0 and "train" not in metrics["stages"]
     assert (ctx.paths.output_dir / "recipe.yaml").exists() and ctx.paths.driver_log.exists()

@@ -121,8 +121,8 @@ def check_function(node: ast.FunctionDef | ast.AsyncFunctionDef, module: str, pa
 
 
 def context_recipe(annotation: ast.expr, module: str) -> object | None:
-    """The type of ``<param>.recipe`` when the parameter's class carries an annotated ``recipe`` (a run or stage
-    context), else None (any other parameter, or a type only imported under ``TYPE_CHECKING``)."""
+    """The type of ``<param>.recipe`` when the parameter's class carries an annotated ``recipe`` field or property (a
+    run or stage context), else None (any other parameter, or a type only imported under ``TYPE_CHECKING``)."""
     try:
         cls = resolve(ast.unparse(annotation), module)
     except NameError:
@@ -130,6 +130,9 @@ def context_recipe(annotation: ast.expr, module: str) -> object | None:
     for klass in cls.__mro__ if isinstance(cls, type) else ():
         annotations = vars(klass).get("__annotations__")
         text = annotations.get("recipe") if isinstance(annotations, dict) else None
+        prop = vars(klass).get("recipe")
+        if text is None and isinstance(prop, property):  # a context that forwards its run's recipe
+            text = prop.fget.__annotations__.get("return")
         if text is not None:
             return resolve(text, klass.__module__)
     return None

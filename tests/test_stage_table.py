@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from optima import pipeline, plan
+from optima.agents.generation import plan_generation
 from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, load_recipe, rules
+from optima.config.fields import field
+from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
 from optima.reward import question_t_max
 from optima.stages.reward_stage import reward_generations, reward_question
@@ -73,6 +76,35 @@ def test_stage_fields_come_from_the_recipe_fields_and_match_what_runs_resumed_wi
         assert ours == {f.name: f for f in dataclasses.fields(DPORecipe)}[name].metadata["redoes"]
 
 
+def test_a_redoes_tag_must_name_a_stage():
+    with pytest.raises(ValueError, match="no stage named 'generat'"):  # when the class is defined: at import
+
+        @dataclasses.dataclass
+        class Misspelt:
+            sample_count: int = field(100, help="questions", redoes=("generat",))
+
+    assert field(1, redoes=("generate",)).metadata["redoes"] == (Stage.GENERATE,)
+    # The tags of every loop recipe and the names of the stage tables are the same set: the enum.
+    tags = {tag for cls in CLASSES.values() for f in dataclasses.fields(cls) for tag in f.metadata["redoes"]}
+    names = {stage.name for stage in plan.SFT_STAGES + plan.DPO_STAGES}
+    assert tags == names == set(Stage)
+    assert all(isinstance(name, Stage) for name in names | tags)
+
+
+def test_the_dry_run_shows_the_generation_plan_the_stage_runs(tmp_path):
+    recipe = make_recipe(tmp_path, "sft", temperature_iteration0=0.2, prefill_answer_iteration0=True)
+    the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False)
+    shown = [part.stages[0].describe(part.call) for part in the_plan.parts]
+    runs = [plan_generation(recipe, part.call.iteration) for part in the_plan.parts]
+    assert [(s["temperature"], s["conversations per question"]) for s in shown] == [(0.2, 10), (0.7, 10)]
+    assert [(g.temperature, g.samples) for g in runs] == [(0.2, 10), (0.7, 10)]
+    assert [(s["prompt pool"], s["answer pre-fill"]) for s in shown] == [("built-in", "on"), ("off", "off")]
+    assert [(g.use_prompt_pool, g.prefill_answer) for g in runs] == [(True, True), (False, False)]
+    # Every stage is described from the run's own context (never None), and describing it made nothing.
+    assert all(part.call.ctx is the_plan.ctx for part in the_plan.parts) and the_plan.render()
+    assert not Path(recipe.output_dir).exists()
+
+
 def recording_tables(monkeypatch) -> list[tuple[int, str | None, str]]:
     """Replace every stage function by one that records (iteration, part, stage) and leaves something to train."""
     ran: list[tuple[int, str | None, str]] = []
@@ -132,7 +164,7 @@ def test_a_part_with_nothing_to_train_stops_there_and_the_next_part_starts_from_
     assert [name for _, part, name in ran if part == "sft"] == ["generate", "score", "select"]  # no train
     assert [name for _, part, name in ran if part == "dpo"] == ["probe", "search", "pairs", "train"]
     assert starts == [recipe.initial_model_path]
-    assert final == str(the_plan.paths.checkpoint(0))
+    assert final == str(the_plan.ctx.paths.checkpoint(0))
 
 
 def test_dry_run_names_the_loss_model_in_use(tmp_path):

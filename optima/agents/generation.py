@@ -80,18 +80,19 @@ class GenerationPlan:
 
 
 def plan_generation(recipe: LoopRecipe, iteration: int, stage: str = "sft") -> GenerationPlan:
-    """SFT data generation: ``explore_count`` samples; the pool and the low temperature at iteration 0.
+    """SFT data generation: ``explore_count`` samples; the pool, the pre-fill and the low temperature at iteration 0.
 
-    See docs/method.md#sampling-schedule.
+    The one rule of the generate stage's sampling: the stage runs this plan, ``--dry-run`` prints it and the stage's
+    key reads its prompt pool (``optima.plan``, ``optima.stage_identity``). See docs/method.md#sampling-schedule.
     """
     first = iteration == 0
     return GenerationPlan(
-        iteration,
-        generation_temperature(recipe, iteration),
-        recipe.explore_count,
-        recipe.use_prompt_pool and first,
-        stage,
-        recipe.prefill_answer_iteration0 and first,
+        iteration=iteration,
+        temperature=generation_temperature(recipe, iteration),
+        samples=recipe.explore_count,
+        use_prompt_pool=recipe.use_prompt_pool and first,
+        stage=stage,
+        prefill_answer=recipe.prefill_answer_iteration0 and first,
     )
 
 

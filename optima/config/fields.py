@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from optima.config.stage_names import Stage, stage_tags
+
 logger = logging.getLogger(__name__)
 
 # A Hugging Face hub id such as "meta-llama/Meta-Llama-3-8B-Instruct" (and not a local-looking path).
@@ -47,7 +49,7 @@ class RecipeError(ValueError):
         return RecipeError(self.field, self.message, path)
 
 
-def field(default: Any = dataclasses.MISSING, help: str = "", redoes: tuple[str, ...] = (), **kwargs: Any) -> Any:  # noqa: A002
+def field(default: Any = dataclasses.MISSING, help: str = "", redoes: tuple[Stage, ...] = (), **kwargs: Any) -> Any:  # noqa: A002
     """A dataclass field with ``metadata={"help": ..., "redoes": ...}``; list and dict defaults are copied each time.
 
     Args:
@@ -56,15 +58,18 @@ def field(default: Any = dataclasses.MISSING, help: str = "", redoes: tuple[str,
         redoes: The stages whose output this field decides: changing it on a finished run redoes them (and the
             stages after them). Fields that only change how fast or where a run goes (ports, threads, batch
             sizes) name none.
+
+    Raises:
+        ValueError: a ``redoes`` tag names no ``Stage`` (when the recipe class is defined, i.e. at import).
     """
-    metadata = {"help": help, "redoes": tuple(redoes)}
+    metadata = {"help": help, "redoes": stage_tags(tuple(redoes))}
     if isinstance(default, list | dict):
         value = copy.deepcopy(default)
         return dataclasses.field(default_factory=lambda: copy.deepcopy(value), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
-def stage_fields(stage: str, *groups: type) -> tuple[str, ...]:
+def stage_fields(stage: Stage, *groups: type) -> tuple[str, ...]:
     """The fields of ``groups`` (recipe classes or field groups) whose change redoes ``stage``, in field order."""
     names: dict[str, None] = {}
     for group in groups:

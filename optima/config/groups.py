@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from optima.config.devices import parse_devices
 from optima.config.fields import field, require
+from optima.config.stage_names import Stage
 
 DATA_DIR_ENV = "OPTIMA_DATA_DIR"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -22,15 +23,15 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MULTI_NODE_FLAGS = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--num_processes")
 
 # The stages whose output a field decides (``field(redoes=...)``): the stage tables of ``optima.plan`` read them.
-GENERATED = ("generate",)  # iSFT's conversations
-PROBED = ("probe",)  # DPO's token-count probe
+GENERATED = (Stage.GENERATE,)  # iSFT's conversations
+PROBED = (Stage.PROBE,)  # DPO's token-count probe
 SAMPLED = GENERATED + PROBED  # both ask the served model for conversations
-SCORED = ("score",)  # iSFT's rewards
-SEARCHED = ("search",)  # DPO's tree search
+SCORED = (Stage.SCORE,)  # iSFT's rewards
+SEARCHED = (Stage.SEARCH,)  # DPO's tree search
 REWARDED = SCORED + SEARCHED  # both apply the reward formula
-SELECTED = ("select",)  # iSFT's training set
-PAIRED = ("pairs",)  # DPO's preference pairs
-TRAINED = ("train",)  # the checkpoint (of whichever method's train stage reads the group)
+SELECTED = (Stage.SELECT,)  # iSFT's training set
+PAIRED = (Stage.PAIRS,)  # DPO's preference pairs
+TRAINED = (Stage.TRAIN,)  # the checkpoint (of whichever method's train stage reads the group)
 
 
 # The trainers each loop runs, and the trainer keys the orchestrator sets itself (with the recipe field to use).

@@ -8,7 +8,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, RewardFields, RunFields, ServingFields, SFTLoopRecipe, TrainingFields
+    from optima.config.types import (
+        AnyLoopRecipe,
+        LoopRecipe,
+        RewardFields,
+        RunFields,
+        ServingFields,
+        SFTLoopRecipe,
+        TrainingFields,
+    )
 
 MATH_TASKS = ("gsm8k", "math")
 # Node selections per question of a tree search whose recipe sets no ``mcts_selections`` (docs/method.md D20).
@@ -71,6 +79,11 @@ def train_start(recipe: LoopRecipe, model: str, stage: str | None = None) -> str
     if recipe.from_initial and stage != "dpo":
         return str(recipe.initial_model_path)
     return str(model)
+
+
+def trainer_base_yaml(recipe: AnyLoopRecipe, kind: str) -> str:
+    """The handbook-style base YAML of one trainer: ``origin_yaml_path`` (``sft``) or ``origin_dpo_yaml_path``."""
+    return recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
 
 
 def trainer_overrides_for(recipe: TrainingFields, kind: str) -> dict:

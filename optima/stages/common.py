@@ -1,8 +1,8 @@
-"""What the SFT and DPO stages share: how a stage is called, the question slices, the LM-loss scorer, the MATH
-verifier, and the train stage.
+"""What the SFT and DPO stages share: the context a stage is called with, the question slices, the LM-loss scorer,
+the MATH verifier, and the train stage.
 
-Every stage function takes one ``StageCall`` (the stage tables of ``optima.plan`` list them) and returns a small
-JSON-able result that the iteration's manifest records.
+Every stage function takes one ``StageCall`` (the stage tables of ``optima.plan`` list them), the same object the
+dry-run describes the stage from, and returns a small JSON-able result that the iteration's manifest records.
 
 ``train_checkpoint`` is the whole train stage of either method: a finished checkpoint is reused, a partial one (a
 killed run) is deleted except the trainer's resumable ``checkpoint-N`` states, the servers are stopped (training
@@ -14,6 +14,7 @@ with its completion marker.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -21,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from optima.config.rules import loss_model, trainer_overrides_for
-from optima.environments import PythonEnv
+from optima.config.rules import loss_model, trainer_base_yaml, trainer_overrides_for
 from optima.paths import StagePaths
 from optima.run_context import RunContext
 from optima.tasks import select_questions as slice_questions
@@ -30,7 +30,7 @@ from optima.tracking import trainer_env, trainer_overrides
 from optima.training.checkpoint import clear_partial_output
 from optima.training.common import is_complete, read_completion
 from optima.training.launch import run_training
-from optima.training.launch_config import launch_for, render_trainer_config, write_trainer_config
+from optima.training.launch_config import TrainLaunch, launch_for, render_trainer_config, write_trainer_config
 from optima.training.progress import console_stream
 
 if TYPE_CHECKING:
@@ -42,40 +42,44 @@ ScoreTexts = Callable[[Sequence[str]], list[float]]
 CHECKPOINT = "checkpoint"  # the output name of a train stage (every other output is a ``StagePaths`` attribute)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageCall:
-    """Where a stage runs and what came before it.
+    """The one context of a stage: the run, where its part runs, the model it starts from, the earlier results.
+
+    ``optima.plan.build_plan`` builds one per part (the dry-run describes each stage from it); the run uses the
+    same, from the model it really has (``starting_from``).
 
     Args:
-        recipe: The validated recipe.
+        ctx: The run (recipe, paths, environments, hardware, servers).
         iteration: The iteration.
         part: ``sft`` or ``dpo`` within an iSFT-DPO iteration, else None.
         model: The model this part starts from: it is served for sampling, and training starts from it
             (``optima.config.rules.train_start``).
         sp: The part's folder.
         out: The part's checkpoint.
-        envs: ``{"vllm": ..., "train": ...}``.
-        gpu: Whether a GPU is visible.
-        ctx: The run (None when ``--dry-run`` describes the stage).
         results: The results of the part's earlier stages, by name.
-        training: Where the training processes run (``optima.training.nodes.TrainingPlacement``).
     """
 
-    recipe: AnyLoopRecipe
+    ctx: RunContext
     iteration: int
     part: str | None
     model: str
     sp: StagePaths
     out: Path
-    envs: dict[str, PythonEnv]
-    gpu: bool
-    ctx: RunContext | None = None
     results: dict[str, dict] = field(default_factory=dict)
-    training: Any = None  # the hardware plan's TrainingPlacement (None: the accelerate config's process count)
+
+    @property
+    def recipe(self) -> AnyLoopRecipe:
+        """The run's recipe."""
+        return self.ctx.recipe
 
     def output(self, name: str) -> Path:
         """A stage output by name: ``checkpoint`` or a ``StagePaths`` attribute (``generations``, ``dataset``...)."""
         return self.out if name == CHECKPOINT else getattr(self.sp, name)
+
+    def starting_from(self, model: str) -> StageCall:
+        """This part's context for a run from ``model`` (no earlier results yet)."""
+        return dataclasses.replace(self, model=model, results={})
 
 
 def training_questions(ctx: RunContext, iteration: int, stage: str, count: int | None = None):
@@ -156,6 +160,12 @@ def math_verifier(ctx: RunContext):
     return MathVerifier()
 
 
+def trainer_launch(call: StageCall, kind: Literal["sft", "dpo"]) -> TrainLaunch:
+    """The trainer process of the part's train stage: its environment, trainer YAML and placement."""
+    ctx = call.ctx
+    return launch_for(ctx.recipe, kind, ctx.envs["train"], call.sp.trainer_yaml, ctx.gpu, ctx.hardware.training)
+
+
 def train_checkpoint(
     call: StageCall,
     kind: Literal["sft", "dpo"],
@@ -177,7 +187,7 @@ def train_checkpoint(
         return read_completion(out)
     clear_partial_output(out)  # a killed run's files go; its resumable trainer checkpoints (checkpoint-N) stay
     ctx.servers.close()
-    base = recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
+    base = trainer_base_yaml(recipe, kind)
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}
     # The run's trackers and a run name per iteration (optima.tracking), then this method's own values.
     values |= {"seed": recipe.seed + call.iteration} | trainer_overrides(ctx.report_to, ctx.paths.output_dir, sp.root)
@@ -185,7 +195,7 @@ def train_checkpoint(
     if check is not None:
         check(config)
     write_trainer_config(config, sp.trainer_yaml)
-    launch = launch_for(recipe, kind, call.envs["train"], sp.trainer_yaml, call.gpu, call.training)
+    launch = trainer_launch(call, kind)
     label = f"train iteration {call.iteration + 1}" + (f" {call.part}" if call.part else "")
     env = trainer_env(ctx.report_to, ctx.paths.output_dir, sp.root)
     run_training(launch, sp.train_log, env, console_stream(ctx.progress), label)
