@@ -25,11 +25,11 @@ is kept for analysis.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
+from optima.quantiles import interpolated_quantile
 
 OK = "ok"
 
@@ -135,12 +135,7 @@ def token_quantile(token_counts: Sequence[int], q: float) -> int:
         raise ValueError("token_quantile needs at least one token count (the probe produced no conversation)")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile must be in [0, 1], got {q!r}")
-    values = sorted(token_counts)
-    position = q * (len(values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(values) - 1)
-    quantile = values[low] + (values[high] - values[low]) * (position - low)
-    return int(quantile) + 1
+    return int(interpolated_quantile(token_counts, q)) + 1
 
 
 def search_t_max(probe: Iterable[Conversation | dict], q: float) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from optima.config.fields import RecipeError
-from optima.config.rules import loss_model
+from optima.config.rules import loss_model, tokenizer_path
 from optima.environments import PythonEnv
 from optima.logging_utils import LOG_FORMAT
 from optima.manifest import Manifest
@@ -73,9 +73,7 @@ class RunContext:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(
-                self.recipe.tokenizer_first_path or self.recipe.initial_model_path
-            )
+            self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(self.recipe))
         return self._tokenizer
 
 

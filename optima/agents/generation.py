@@ -42,7 +42,7 @@ from optima.agents.prompts import (
     pool_name,
     role_prompt,
 )
-from optima.config.rules import generation_temperature, workers
+from optima.config.rules import generation_temperature, tokenizer_path, workers
 from optima.serving.client import ReplicaPool, Sampling
 from optima.serving.kv_monitor import KVMonitor
 from optima.store import JsonlWriter, prepare_resume
@@ -150,8 +150,8 @@ class TokenCounter:
 
     def __init__(self, recipe):
         self._paths = {
-            AGENT_NAMES[0]: recipe.tokenizer_first_path or recipe.initial_model_path,
-            AGENT_NAMES[1]: recipe.tokenizer_second_path or recipe.initial_model_path,
+            AGENT_NAMES[0]: tokenizer_path(recipe, 0),
+            AGENT_NAMES[1]: tokenizer_path(recipe, 1),
         }
         self._tokenizers: dict[str, object] = {}
         self._lock = threading.Lock()

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, partner_of, role_prompt
+from optima.config.rules import tokenizer_path
 from optima.identity import digest, model_identity
 from optima.store import write_json
 from optima.tasks import Example, get_task
@@ -84,7 +85,7 @@ def producer_fingerprint(recipe, model_path: Path, job, examples: Sequence[Examp
     return {
         "method": {"label": job.label} | dict(job.params),
         "model": model_identity(model_path),
-        "tokenizer": tokenizer_identity(recipe.tokenizer_first_path or model_path),
+        "tokenizer": tokenizer_identity(tokenizer_path(recipe, model=str(model_path))),
         "prompts": digest(render(examples[0])) if examples else None,
         "generation": {
             "temperature": plan.temperature,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.config.rules import tokenizer_path
 from optima.environments import PythonEnv, check_env
 from optima.evaluation.fingerprint import claim_result_file, producer_fingerprint
 from optima.paths import StagePaths
@@ -124,4 +125,4 @@ def load_tokenize(recipe, model_path: Path, score_type: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(recipe.tokenizer_first_path or str(model_path)).tokenize
+    return AutoTokenizer.from_pretrained(tokenizer_path(recipe, model=str(model_path))).tokenize
