@@ -232,14 +232,7 @@ def score_by_type(score_type: str, prediction: str | None, gold: str | Sequence[
 
 
 def score_answer(
-    task: Task | str,
-    prediction: str | None,
-    gold: str | Sequence[str],
-    mode: str = "default",
-    tokenize: Tokenize | None = None,
-    *,
-    options: tuple[tuple[str, str], ...] = (),
-    verifier: MathVerifier | None = None,
+    task: Task | str, prediction: str | None, gold: str | Sequence[str], context: ScoreContext = ScoreContext()
 ) -> float:
     """Score a parsed final answer against the gold answer with the task's score type.
 
@@ -247,13 +240,11 @@ def score_answer(
         task: a `Task` or a task name (aliases accepted).
         prediction: the parsed final answer (None or "" scores 0).
         gold: the gold answer or its aliases.
-        mode: "default" or "original" (see the module table).
-        tokenize: the model tokenizer's `tokenize`, needed for F1 with `mode="original"`.
-        options: the (label, text) options of a multiple-choice question (without them, text must match).
-        verifier: a shared `MathVerifier` for "math" (a one-off verifier is started per call when None).
+        context: the mode ("default" or "original", see the module table), the tokenizer's `tokenize` (F1 with
+            `mode="original"`), a multiple-choice question's options (without them, text must match) and a shared
+            `MathVerifier` for "math" (a one-off verifier is started per call when None).
     """
     task = get_task(task) if isinstance(task, str) else task
-    context = ScoreContext(mode=mode, tokenize=tokenize, options=options, verifier=verifier)
     return score_by_type(task.score_type, prediction, gold, context)
 
 
