@@ -67,6 +67,20 @@ def tokenizer_path(recipe, agent: int = 0, model: str | None = None) -> str | No
     return str(path) if path else None
 
 
+def vllm_dtype_arg(vllm_extra_args: list[str]) -> str | None:
+    """The ``--dtype`` a recipe's ``vllm_extra_args`` pass to vLLM (``--dtype X`` or ``--dtype=X``); None if none.
+
+    A trailing ``--dtype`` without a value gives "" (set, but unknown).
+    """
+    args = list(vllm_extra_args)
+    for i, arg in enumerate(args):
+        if arg.startswith("--dtype="):
+            return arg.split("=", 1)[1]
+        if arg == "--dtype":
+            return args[i + 1] if i + 1 < len(args) else ""
+    return None
+
+
 def vllm_loss_batch_size(recipe) -> int:
     """Texts per request when a vLLM server scores LM loss (``loss_batch_size`` is per HF forward pass)."""
     return VLLM_LOSS_BATCH_FACTOR * recipe.loss_batch_size
