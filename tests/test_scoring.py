@@ -488,3 +488,14 @@ def test_garbage_scores_zero(data_dir, verifier, task_name):
     for example in task.load(task.eval_split, data_dir=data_dir)[:20]:
         for text in GARBAGE:
             assert score_example(example, task.parse_answer(text), verifier=verifier) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("70%", "70"), ("70\\%", "70"), ("[10\\%,20\\%]", "[10,20]"), ("7", "7")]
+)
+def test_one_percent_rule_for_numbers_and_math_strings(text, expected):
+    from optima.tasks.answers import without_percent
+    from optima.tasks.math_equiv import canonical_answer
+
+    assert without_percent(text) == expected
+    assert canonical_answer(text) == canonical_answer(expected)

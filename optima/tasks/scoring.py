@@ -34,6 +34,7 @@ from optima.tasks.answers import (  # noqa: F401  (re-exported: one import site 
     parse_math_answer,
     parse_tag,
     should_stop,
+    without_percent,
 )
 from optima.tasks.math_equiv import MathVerifier, numeric_value
 
@@ -178,18 +179,13 @@ def original_exact_match(prediction: str, gold: str) -> float:
     return float(gold.strip().lower() == prediction.strip().strip("\\").lower())
 
 
-def _without_percent(text: str) -> str:
-    # "70%" answers a percentage question whose gold is 70 (GSM8K states percentages without the sign).
-    return text.removesuffix("\\%").removesuffix("%")
-
-
 def score_number(prediction: str, gold: str, context: ScoreContext) -> float:
     """Score type "number": numeric equality after `normalize_final_answer` (a trailing `%` ignored); string equality
     as a fallback."""
     if context.mode == "original":
         return original_exact_match(prediction, gold)
-    pred_value = numeric_value(_without_percent(normalize_final_answer(prediction)))
-    gold_value = numeric_value(_without_percent(normalize_final_answer(gold)))
+    pred_value = numeric_value(without_percent(normalize_final_answer(prediction)))
+    gold_value = numeric_value(without_percent(normalize_final_answer(gold)))
     if pred_value is not None and gold_value is not None:
         return float(pred_value == gold_value)
     return float(prediction.strip() == gold.strip())
