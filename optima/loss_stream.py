@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from optima.agents.prompts import Utterance, render_utterance
+from optima.reward import reads_losses
 from optima.store import JsonlWriter, load_records, record_key, write_jsonl
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ def texts_sha1(texts: Sequence[str]) -> str:
 
 
 def needs_losses(record: dict) -> bool:
-    """Whether the reward of a conversation record reads its LM losses (only finished ones: docs/method.md#reward)."""
-    return record.get("status") == "ok"
+    """Whether the reward of a conversation record reads its LM losses (``reward.reads_losses``: finished ones)."""
+    return reads_losses(record.get("status"))
 
 
 def to_json_losses(losses: Sequence[float]) -> list[float | None]:

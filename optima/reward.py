@@ -165,13 +165,19 @@ def has_repeat(utterances: Sequence[Utterance]) -> bool:
     return False
 
 
+def reads_losses(status: str | None) -> bool:
+    """Whether ``loss_term`` may read a conversation's LM losses: only a finished one (``ok``); a cut or failed one
+    gets ``overlong_penalty`` without them."""
+    return status == OK
+
+
 def loss_term(conversation: Conversation, recipe) -> float:
     """``lambda2 / max_i L_i`` with the overrides above; 0 when ``cal_ppl`` is off."""
     if not recipe.cal_ppl:
         return 0.0
     if conversation.token_count > recipe.max_total_tokens or not conversation.utterances:
         return recipe.overlong_penalty
-    if conversation.status != OK:
+    if not reads_losses(conversation.status):
         return recipe.overlong_penalty
     if has_repeat(conversation.utterances):
         return 0.0
