@@ -220,7 +220,7 @@ class ConversationRunner:
         )
         if result.replica is None:
             result.replica = replica
-        return self.build_record(job, prompts, result), result.generated_tokens
+        return self.build_record(job, prompts, result), result.token_count
 
     def build_record(self, job: Job, prompts: Sequence[str], result: ConversationResult) -> dict:
         """The JSONL line of one conversation (everything reward and selection need to re-render it)."""

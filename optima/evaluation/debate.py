@@ -187,7 +187,7 @@ class DebateRunner(ConversationRunner):
             result.replica = replica
         record = self.build_record(job, (build_cot_messages(job.example, task)[0]["content"], ""), result)
         record["debate"] = dataclasses.asdict(self.settings)
-        return record, result.generated_tokens
+        return record, result.token_count
 
 
 def generate_debates(
