@@ -158,8 +158,8 @@ def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
     except (OSError, ValueError, KeyError) as exc:
         logger.warning("conversations | could not write the conversation browser of %s: %s", run_dir, exc)
     try:
-        write_run_report(run_dir)
-        rows = collect_rows(run_dir)
+        rows = collect_rows(run_dir)  # read once: the report, TensorBoard and W&B all draw from these rows
+        write_run_report(run_dir, rows)
         if rows and "tensorboard" in report_to:
             write_tensorboard_scalars(run_dir, rows)
         if rows and "wandb" in report_to:
