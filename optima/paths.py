@@ -7,7 +7,8 @@ D3). Nothing is written into the source tree, and no other module builds run pat
       recipe.yaml                     the validated recipe, every field
       logs/driver.log                 what the driver said
       vllm_cache/                     VLLM_CACHE_ROOT of the launched servers
-      checkpoints/iteration_<i>/      the model after iteration i (check_point_root_path overrides the root)
+      checkpoints/iteration_<i>/      the model after iteration i + 1 (folders count from 0; check_point_root_path
+                                      overrides the root)
       iteration_<i>/[sft|dpo/]        one folder per iteration (two stages in iSFT-DPO)
         manifest.json                 finished stages, their config hash, counts and timings
         generations.jsonl             raw conversations, one line per (question, sample)
