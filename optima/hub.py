@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from optima.paths import RunPaths
+from optima.paths import RunPaths, checkpoint_label
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe, TrainingFields
@@ -42,11 +42,11 @@ CARD_TEMPLATE = """---
 Trained with Optima (iterative training of a two-agent system, Alice and Bob, to solve tasks with fewer and more
 readable tokens): {{ method }} on `{{ task }}`, from `{{ base_label }}`.
 
-- iteration: {{ iteration }} (checkpoint after iteration {{ iteration }})
+- checkpoint: `{{ checkpoint }}`, the model {{ label }} of {{ iterations }}
 - seed: {{ seed }}
 - reward: task score {{ lambda1 }} x tokens / T_max{% if cal_ppl %} + {{ lambda2 }} / LM loss{% endif %}
-{% if data_repo %}- training set of this iteration: `load_dataset("{{ data_repo }}", "{{ config }}")`
-{% endif %}- library versions: {{ versions }}
+{% if data_repo %}{% for config in configs %}- training set: `load_dataset("{{ data_repo }}", "{{ config }}")`
+{% endfor %}{% endif %}- library versions: {{ versions }}
 
 ## This iteration
 
@@ -66,6 +66,15 @@ def data_repo_id(recipe: TrainingFields) -> str | None:
 def config_name(path_in_run: str) -> str:
     """The dataset config of a training set: ``iteration_1/dpo`` -> ``iteration_1_dpo``."""
     return path_in_run.replace("/", "_")
+
+
+def iteration_configs(paths: RunPaths, iteration: int) -> list[str]:
+    """The dataset configs of one iteration's training sets, as ``push_datasets`` names them.
+
+    ``iteration_<i>``, or one per stage in iSFT-DPO (``iteration_<i>_sft``, ``iteration_<i>_dpo``).
+    """
+    folder = f"iteration_{iteration}"
+    return [config_name(path) for path, _ in dataset_folders(paths) if path.split("/")[0] == folder]
 
 
 def base_model_id(model: str) -> str | None:
@@ -113,21 +122,24 @@ def build_model_card(recipe: LoopRecipe, iteration: int, metrics: dict, versions
         datasets=datasets or None,
     )
     row = build_row(iteration, "", metrics)
+    checkpoint = f"iteration_{iteration}"  # the 0-based folder name; people read "after iteration <i + 1>"
     numbers = [(name, row[name]) for name in CARD_NUMBERS if row.get(name) is not None]
     return ModelCard.from_template(
         data,
         template_str=CARD_TEMPLATE,
-        title=f"Optima {recipe.method} checkpoint: {recipe.dataset_type}, after iteration {iteration}",
+        title=f"Optima {recipe.method} checkpoint: {recipe.dataset_type}, {checkpoint_label(checkpoint)}",
         method=recipe.method,
         task=recipe.dataset_type,
         base_label=base or Path(str(recipe.initial_model_path)).name,  # a folder's name, never its path
-        iteration=iteration,
+        checkpoint=checkpoint,
+        label=checkpoint_label(checkpoint),
+        iterations=recipe.iteration_times,
         seed=recipe.seed,
         lambda1=recipe.lambda1,
         lambda2=recipe.lambda2,
         cal_ppl=recipe.cal_ppl,
         data_repo=data_repo,
-        config=f"iteration_{iteration}",
+        configs=iteration_configs(RunPaths.from_recipe(recipe), iteration) if data_repo else [],
         versions=json.dumps(versions),
         numbers=numbers,
     )

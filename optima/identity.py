@@ -49,6 +49,12 @@ def folder_hash(folder: Path) -> str:
     return "sha256:" + digest.hexdigest()[:32]
 
 
+def read_marker(folder: str | Path) -> dict | None:
+    """The completion marker a trainer script wrote into ``folder`` (metrics, weights id, probe); None if absent."""
+    marker = Path(folder) / COMPLETE_MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
 def model_identity(model: str | Path) -> str:
     """The unique id of the weights behind ``model`` (a checkpoint or model folder, or a hub name).
 
@@ -61,9 +67,5 @@ def model_identity(model: str | Path) -> str:
     folder = Path(model)
     if not folder.is_dir():
         return str(model)
-    marker = folder / COMPLETE_MARKER
-    if marker.is_file():
-        weights_id = json.loads(marker.read_text()).get(WEIGHTS_ID_KEY)
-        if weights_id:
-            return str(weights_id)
-    return folder_hash(folder)
+    weights_id = (read_marker(folder) or {}).get(WEIGHTS_ID_KEY)
+    return str(weights_id) if weights_id else folder_hash(folder)

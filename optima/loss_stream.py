@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from optima.agents.prompts import Utterance, render_utterance
+from optima.reward import reads_losses
 from optima.store import JsonlWriter, load_records, record_key, write_jsonl
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ def texts_sha1(texts: Sequence[str]) -> str:
 
 
 def needs_losses(record: dict) -> bool:
-    """Whether the reward of a conversation record reads its LM losses (only finished ones: docs/method.md#reward)."""
-    return record.get("status") == "ok"
+    """Whether the reward of a conversation record reads its LM losses (``reward.reads_losses``: finished ones)."""
+    return reads_losses(record.get("status"))
 
 
 def to_json_losses(losses: Sequence[float]) -> list[float | None]:
@@ -110,7 +111,11 @@ def read_loss_lines(path: Path, rewrite: bool = False) -> dict[tuple[str, int, s
 
 def load_known_losses(path: Path, loss_model: str) -> Callable[[dict], list[float] | None]:
     """``losses_of(record)``: the stored losses of a conversation record under ``loss_model``, else None."""
-    stored = read_loss_lines(path)
+    return known_losses(read_loss_lines(path), loss_model)
+
+
+def known_losses(stored: dict[tuple[str, int, str], dict], loss_model: str) -> Callable[[dict], list[float] | None]:
+    """``losses_of(record)`` over lines already read (``read_loss_lines``)."""
 
     def losses_of(record: dict) -> list[float] | None:
         line = stored.get((*record_key(record), loss_model))
@@ -132,8 +137,7 @@ class StreamingLosses:
     """
 
     def __init__(self, score_texts: ScoreTexts, path: Path, loss_model: str, workers: int = STREAM_WORKERS):
-        read_loss_lines(path, rewrite=True)
-        self.known = load_known_losses(path, loss_model)
+        self.known = known_losses(read_loss_lines(path, rewrite=True), loss_model)  # one read of the file
         self.score_texts, self.loss_model = score_texts, loss_model
         self.writer = JsonlWriter(path)
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loss")

@@ -7,7 +7,8 @@ D3). Nothing is written into the source tree, and no other module builds run pat
       recipe.yaml                     the validated recipe, every field
       logs/driver.log                 what the driver said
       vllm_cache/                     VLLM_CACHE_ROOT of the launched servers
-      checkpoints/iteration_<i>/      the model after iteration i (check_point_root_path overrides the root)
+      checkpoints/iteration_<i>/      the model after iteration i + 1 (folders count from 0; check_point_root_path
+                                      overrides the root)
       iteration_<i>/[sft|dpo/]        one folder per iteration (two stages in iSFT-DPO)
         manifest.json                 finished stages, their config hash, counts and timings
         generations.jsonl             raw conversations, one line per (question, sample)
@@ -139,6 +140,20 @@ class RunPaths:
         """The folder of ``iteration``, or of one of its stages (``sft``/``dpo`` in iSFT-DPO)."""
         root = self.output_dir / f"iteration_{iteration}"
         return StagePaths(root / stage if stage else root)
+
+
+STAGE_PARTS = ("", "sft", "dpo")  # iSFT / iDPO folders, then the two stages of an iSFT-DPO iteration
+
+
+def stage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
+    """``(iteration, part, folder)`` of every ``iteration_<i>`` folder of ``run_dir`` and its possible stage parts
+    (``STAGE_PARTS``), in run order, whether or not a folder exists: each reader keeps those holding its file."""
+    paths, found = RunPaths(Path(run_dir)), []
+    for folder in Path(run_dir).glob("iteration_*"):
+        number = folder.name.removeprefix("iteration_")
+        if number.isdigit():
+            found += [(int(number), part, paths.stage(int(number), part or None)) for part in STAGE_PARTS]
+    return sorted(found, key=lambda item: (item[0], STAGE_PARTS.index(item[1])))
 
 
 def find_checkpoints(root: Path) -> list[tuple[str, Path]]:

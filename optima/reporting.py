@@ -25,7 +25,7 @@ from pathlib import Path
 
 from optima.browser import PAGE
 from optima.evaluation.report import _new_figure, render_markdown_table
-from optima.paths import StagePaths
+from optima.paths import StagePaths, stage_folders
 from optima.store import atomic_write_text, load_records
 
 logger = logging.getLogger(__name__)
@@ -43,17 +43,7 @@ def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
     Args:
         run_dir: The run directory (``output_dir`` of the recipe).
     """
-    found = []
-    for folder in Path(run_dir).glob("iteration_*"):
-        number = folder.name.removeprefix("iteration_")
-        if not number.isdigit():
-            continue
-        for stage, path in (("", folder / "metrics.json"), ("sft", folder / "sft" / "metrics.json"),
-                            ("dpo", folder / "dpo" / "metrics.json")):  # fmt: skip
-            if path.is_file():
-                found.append((int(number), stage, path))
-    order = {"": 0, "sft": 0, "dpo": 1}
-    return sorted(found, key=lambda item: (item[0], order[item[1]]))
+    return [(iteration, part, sp.metrics) for iteration, part, sp in stage_folders(run_dir) if sp.metrics.is_file()]
 
 
 def build_row(iteration: int, stage: str, metrics: dict) -> dict:
@@ -274,16 +264,17 @@ def plot_report(rows: list[dict], path: Path, title: str):
     return figure
 
 
-def write_run_report(run_dir: Path) -> tuple[Path, Path]:
+def write_run_report(run_dir: Path, rows: list[dict] | None = None) -> tuple[Path, Path]:
     """Write (or redraw) ``report.md`` and ``report.png`` in ``run_dir``; returns their paths.
 
     Args:
         run_dir: The run directory.
+        rows: Its report rows when the caller has them already (``collect_rows``); else they are read here.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    rows = collect_rows(run_dir)
+    rows = collect_rows(run_dir) if rows is None else rows
     markdown, image = run_dir / REPORT_MD, run_dir / REPORT_PNG
     atomic_write_text(markdown, render_report(run_dir, rows))
     if rows:

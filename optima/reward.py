@@ -25,12 +25,12 @@ is kept for analysis.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
+from optima.quantiles import interpolated_quantile
 
 if TYPE_CHECKING:
     from optima.config.types import RewardFields
@@ -139,12 +139,7 @@ def token_quantile(token_counts: Sequence[int], q: float) -> int:
         raise ValueError("token_quantile needs at least one token count (the probe produced no conversation)")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile must be in [0, 1], got {q!r}")
-    values = sorted(token_counts)
-    position = q * (len(values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(values) - 1)
-    quantile = values[low] + (values[high] - values[low]) * (position - low)
-    return int(quantile) + 1
+    return int(interpolated_quantile(token_counts, q)) + 1
 
 
 def search_t_max(probe: Iterable[Conversation | dict], q: float) -> int:
@@ -174,13 +169,19 @@ def has_repeat(utterances: Sequence[Utterance]) -> bool:
     return False
 
 
+def reads_losses(status: str | None) -> bool:
+    """Whether ``loss_term`` may read a conversation's LM losses: only a finished one (``ok``); a cut or failed one
+    gets ``overlong_penalty`` without them."""
+    return status == OK
+
+
 def loss_term(conversation: Conversation, recipe: RewardFields) -> float:
     """``lambda2 / max_i L_i`` with the overrides above; 0 when ``cal_ppl`` is off."""
     if not recipe.cal_ppl:
         return 0.0
     if conversation.token_count > recipe.max_total_tokens or not conversation.utterances:
         return recipe.overlong_penalty
-    if conversation.status != OK:
+    if not reads_losses(conversation.status):
         return recipe.overlong_penalty
     if has_repeat(conversation.utterances):
         return 0.0

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.config.fields import RecipeError
-from optima.config.rules import loss_model
+from optima.config.rules import loss_model, tokenizer_path
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
 from optima.hardware.plan import HardwarePlan
@@ -94,9 +94,7 @@ class RunContext:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(
-                self.recipe.tokenizer_first_path or self.recipe.initial_model_path
-            )
+            self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(self.recipe))
         return self._tokenizer
 
 

@@ -110,8 +110,11 @@ def scalars_of(row: dict) -> dict[str, float]:
     return {tag: float(value) for tag, value in tags.items() if isinstance(value, int | float)}
 
 
-def write_tensorboard_scalars(run_dir: Path, rows: list[dict]) -> Path:
-    """(Re)write the iteration scalars of ``rows`` as one TensorBoard event file; returns its folder."""
+def write_tensorboard_scalars(run_dir: Path, rows: list[dict], sections: list | None = None) -> Path:
+    """(Re)write the iteration scalars of ``rows`` as one TensorBoard event file; returns its folder.
+
+    ``sections``: the run's browser sections when the caller has read them (``optima.browser.collect_sections``).
+    """
     from tensorboardX import SummaryWriter
 
     folder = Path(run_dir) / TENSORBOARD_DIR / ITERATION_LOG
@@ -122,23 +125,26 @@ def write_tensorboard_scalars(run_dir: Path, rows: list[dict]) -> Path:
             for tag, value in scalars_of(row).items():
                 writer.add_scalar(tag, value, global_step=row["iteration"])
         try:
-            add_sample_conversations(writer, run_dir)
+            add_sample_conversations(writer, run_dir, sections=sections)
         except (OSError, ValueError, KeyError) as exc:  # the scalars are written whatever the conversations hold
             logger.warning("tensorboard | no sample conversations for %s: %s", run_dir, exc)
     return folder
 
 
-def add_sample_conversations(writer, run_dir: Path, count: int = SAMPLES_PER_STAGE) -> int:
+def add_sample_conversations(
+    writer, run_dir: Path, count: int = SAMPLES_PER_STAGE, sections: list | None = None
+) -> int:
     """Log up to ``count`` conversations of every stage output of ``run_dir`` as text; returns the texts written.
 
     Args:
         writer: Anything with ``add_text(tag, text, global_step)`` (tensorboardX's or torch's ``SummaryWriter``).
         run_dir: The run directory.
         count: Conversations per stage output (a kept one, a dropped one, one cut for length, then the first).
+        sections: The run's browser sections, if read already (else read here).
     """
     from optima.browser import sample_conversations
 
-    samples = sample_conversations(run_dir, count)
+    samples = sample_conversations(run_dir, count, sections)
     for step, tag, text in samples:
         writer.add_text(tag, text, global_step=step)
     return len(samples)
@@ -150,18 +156,20 @@ def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
 
     A failure here is logged and does not stop the run (the metrics stay in ``metrics.json``).
     """
-    from optima.browser import write_conversations_page
+    from optima.browser import collect_sections, write_conversations_page
     from optima.reporting import collect_rows, write_run_report
 
+    sections = None  # the stage outputs, read once for the page and the trackers' sample conversations
     try:
-        write_conversations_page(run_dir)
+        sections = collect_sections(run_dir)
+        write_conversations_page(run_dir, sections=sections)
     except (OSError, ValueError, KeyError) as exc:
         logger.warning("conversations | could not write the conversation browser of %s: %s", run_dir, exc)
     try:
-        write_run_report(run_dir)
-        rows = collect_rows(run_dir)
+        rows = collect_rows(run_dir)  # read once: the report, TensorBoard and W&B all draw from these rows
+        write_run_report(run_dir, rows)
         if rows and "tensorboard" in report_to:
-            write_tensorboard_scalars(run_dir, rows)
+            write_tensorboard_scalars(run_dir, rows, sections)
         if rows and "wandb" in report_to:
             from optima.wandb_tracking import log_rows
 

@@ -26,14 +26,13 @@ only compares.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from optima.identity import COMPLETE_MARKER
+from optima.identity import read_marker
 
 PROBE_KEY = "probe"
 PROBE_MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -91,10 +90,7 @@ class Probe:
 
 def read_probe(checkpoint: str | Path) -> Probe | None:
     """The probe recorded in ``checkpoint``'s completion marker; None for a folder without one (a base model)."""
-    marker = Path(checkpoint) / COMPLETE_MARKER
-    if not marker.is_file():
-        return None
-    data = json.loads(marker.read_text()).get(PROBE_KEY)
+    data = (read_marker(checkpoint) or {}).get(PROBE_KEY)
     return Probe.from_json(data) if data else None
 
 

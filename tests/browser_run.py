@@ -20,7 +20,7 @@ from optima.plan import build_plan
 from optima.selection.dpo import save_pairs
 from optima.selection.mcts import Reply, search_question
 from optima.selection.rollout_reward import build_rollout_scorer
-from optima.stages.reward_stage import reward_generations
+from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.stages.sft import select
 from optima.store import JsonlWriter
 from tests.fake_openai import FakeOpenAIServer, FakeReply, question_of, speaker_of, turn_of
@@ -81,7 +81,7 @@ def write_sft_stage(recipe, paths: RunPaths, url: str) -> None:
     sp = paths.stage(0, "sft")
     examples = arc_examples(QUESTIONS)
     generate_conversations(recipe, examples, [url], sp.generations, GenerationPlan(0, 1.0, 2))
-    reward_generations(recipe, sp.generations, sp.rewarded, fake_losses)
+    reward_generations(recipe, sp.generations, sp.rewarded, RewardScorers(score_texts=fake_losses))
     sft_part = build_plan(recipe, {}, gpu=False).parts[0]  # iteration 0's SFT part: its folder is ``sp``
     assert sft_part.call.sp.root == sp.root
     select(sft_part.call)

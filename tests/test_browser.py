@@ -243,3 +243,20 @@ def test_the_page_keeps_a_size_limit_that_the_command_lifts(run, capfd):
     assert sampled.count('<details class="question"') == 1 and "3 more questions not shown" in sampled
     assert optima_main(["show", str(run), "--max-questions", "0"]) == 0
     assert section((run / PAGE).read_text(), "iteration-0-sft-sampled").count('<details class="question"') == 4
+
+
+def test_publish_iteration_reads_the_stage_outputs_once_for_the_page_and_the_samples(run, tmp_path, monkeypatch):
+    """The page trims what it shows (``MAX_QUESTIONS``) without trimming what the trackers sample from."""
+    import optima.browser
+
+    copy = shutil.copytree(run, tmp_path / "run")
+    (copy / "iteration_0" / "sft" / "metrics.json").write_text('{"iteration": 0, "stages": {}}')  # a report row
+    reads = []
+    real = optima.browser.collect_sections
+    monkeypatch.setattr(optima.browser, "collect_sections", lambda folder: reads.append(folder) or real(folder))
+    sections = real(copy)
+    write_conversations_page(copy, max_questions=1, sections=sections)
+    assert all(s.left_out == 0 for s in sections)  # the caller's sections are left as they were
+    publish_iteration(copy, ["tensorboard"])
+    assert reads == [copy]
+    assert (copy / PAGE).is_file() and any((copy / "tensorboard").rglob("events.out.tfevents.*"))

@@ -17,7 +17,6 @@ from optima.serving.capacity import (
     kv_shape,
     metric_total,
     parse_prometheus,
-    quantile,
     read_available_bytes,
     resolve_cpu_kvcache_gb,
 )
@@ -115,11 +114,6 @@ def test_conversation_kv_tokens(prompt, max_tokens, max_turns, max_model_len, ex
 )
 def test_fit_in_flight(thread_count, kv_tokens, per_conversation, expected):
     assert fit_in_flight(thread_count, kv_tokens, per_conversation) == expected
-
-
-@pytest.mark.parametrize(("values", "q", "expected"), [([], 0.9, 0), ([5], 0.9, 5), (list(range(1, 11)), 0.9, 9)])
-def test_quantile(values, q, expected):
-    assert quantile(values, q) == expected
 
 
 METRICS = """\

@@ -171,3 +171,13 @@ def test_the_papers_table_on_the_demo_checkpoint(tmp_path):
             assert 0.0 <= float(row[f"{task}_accuracy"]) <= 1.0 and float(row[f"{task}_tokens"]) > 0
     assert (out / "table.md").read_text().startswith("| method | arc | gsm8k |")
     assert (out / "table.png").stat().st_size > 0
+
+
+def test_the_cut_column_is_the_share_of_cut_replies_not_of_unanswered_records():
+    """A MAD debate may have a cut reply and still answer: ``cut_rate`` counts it, ``too_long_rate`` does not."""
+    from optima.evaluation.task_table import wide_rows
+
+    row = {"method": "MAD", "accuracy": 0.5, "mean_tokens": 80, "answer_rate": 1.0}
+    wide = wide_rows({"arc": [row | {"cut_rate": 0.25, "too_long_rate": 0.0}]})
+    assert wide[0]["arc_cut"] == 0.25
+    assert wide_rows({"arc": [row | {"too_long_rate": 0.5}]})[0]["arc_cut"] == 0.5  # an older summary

@@ -130,3 +130,26 @@ def test_fingerprint_differences_and_tokenizer_identity(tmp_path):
     (tmp_path / "a" / "tokenizer_config.json").write_text('{"chat_template": "x"}')
     assert tokenizer_identity(tmp_path / "a") != before
     assert tokenizer_identity("org/name") == "org/name"
+
+
+def test_a_models_fingerprint_and_scorer_are_built_once_for_all_its_jobs(make_recipe, tmp_path):
+    """The weights hash, the questions hash and the tokenizer are the model's: every job of it shares them."""
+    from optima.agents.generation import GenerationPlan
+    from optima.evaluation.fingerprint import model_fingerprint, producer_fingerprint
+    from optima.evaluation.runs import GenerationJob, RecordScorers
+    from tests.helpers import arc_examples
+
+    recipe, examples = make_recipe(), arc_examples(2)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    shared = model_fingerprint(recipe, model, examples)
+    jobs = [
+        GenerationJob(label, tmp_path / f"{label}.jsonl", GenerationPlan(0, t, 1))
+        for label, t in (("a", 0.0), ("b", 0.7))
+    ]
+    prints = [producer_fingerprint(recipe, job, examples, shared) for job in jobs]
+    assert {p["model"] for p in prints} == {shared["model"]} and prints[0]["questions"] == shared["questions"]
+    assert prints[0]["generation"]["temperature"] != prints[1]["generation"]["temperature"]
+    scorer_of = RecordScorers(recipe, verifier=None)
+    assert scorer_of(model) is scorer_of(model) and scorer_of(model) is not scorer_of(tmp_path / "other")

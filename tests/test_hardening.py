@@ -198,11 +198,11 @@ def test_a_torn_score_stage_resumes_without_loss_or_duplicates(fake_server, tmp_
     recipe = load_recipe(SFTRecipe, None, values | {"output_dir": str(tmp_path)}, check_paths=False)
     generations = tmp_path / "generations.jsonl"
     generate_conversations(recipe, arc_examples(5), [fake_server.base_url], generations, GenerationPlan(1, 0.7, 2))
-    whole = reward_generations(recipe, generations, tmp_path / "whole.jsonl", None)
+    whole = reward_generations(recipe, generations, tmp_path / "whole.jsonl")
     lines = (tmp_path / "whole.jsonl").read_bytes().splitlines(keepends=True)
     torn = tmp_path / "rewarded.jsonl"
     torn.write_bytes(lines[0] + lines[1] + lines[2][:25])  # killed while writing the third question
-    resumed = reward_generations(recipe, generations, torn, None)
+    resumed = reward_generations(recipe, generations, torn)
     by_question = sorted(load_records(torn)[0], key=lambda line: line["task_id"])
     assert by_question == sorted(load_records(tmp_path / "whole.jsonl")[0], key=lambda line: line["task_id"])
     assert resumed.to_dict() == whole.to_dict() and resumed.questions == 5

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi, ModelCard
 
-from optima.config import SFTRecipe, load_recipe
+from optima.config import SFTDPORecipe, SFTRecipe, load_recipe
 from optima.hub import PUSH_RECORD, base_model_id, build_model_card, push_run
 from optima.paths import RunPaths
 from optima.selection.io import save_splits
@@ -74,10 +74,38 @@ def test_model_card_metadata_and_no_local_path(tmp_path):
     assert card.data.library_name == "transformers"
     assert card.data.datasets == ["allenai/ai2_arc", "me/optima-arc-data"]
     assert {"optima", "trl", "sft", "arc"} <= set(card.data.tags)
-    assert "Optima sft checkpoint: arc, after iteration 1" in text
+    # checkpoints/iteration_1 is the model after the second iteration (folders count from 0, people from 1)
+    assert "Optima sft checkpoint: arc, after iteration 2" in text
+    assert "- checkpoint: `iteration_1`, the model after iteration 2" in text
     assert "| task_score | 0.5 |" in text and "| train_loss | 1.25 |" in text
     assert 'load_dataset("me/optima-arc-data", "iteration_1")' in text
     assert str(tmp_path) not in text and "/somewhere" not in text  # no machine path anywhere
+
+
+def test_model_card_counts_iterations_from_one_and_names_each_stage_set_of_isft_dpo(tmp_path):
+    model = local_model(tmp_path / "models" / "m", "org/base")
+    values = {
+        "dataset_type": "arc",
+        "initial_model_path": str(model),
+        "output_dir": str(tmp_path / "run"),
+        "iteration_times": 2,
+        "push_to_hub": True,
+        "hub_model_id": "me/optima-arc",
+        "hub_push_datasets": True,
+        "origin_yaml_path": "sft.yaml",
+        "origin_dpo_yaml_path": "dpo.yaml",
+    }
+    recipe = load_recipe(SFTDPORecipe, None, values, check_paths=False)
+    paths = RunPaths.from_recipe(recipe)
+    for stage, rows in (("sft", SFT_ROWS), ("dpo", DPO_ROWS)):
+        save_splits({"train": rows, "test": rows[:1]}, paths.stage(0, stage).dataset)
+    text = str(build_model_card(recipe, 0, METRICS, {}))
+    assert "checkpoint: arc, after iteration 1" in text
+    assert "- checkpoint: `iteration_0`, the model after iteration 1 of 2" in text
+    # push_datasets names the configs iteration_0_sft and iteration_0_dpo: the card names those, not iteration_0
+    assert 'load_dataset("me/optima-arc-data", "iteration_0_sft")' in text
+    assert 'load_dataset("me/optima-arc-data", "iteration_0_dpo")' in text
+    assert '"iteration_0")' not in text
 
 
 def test_base_model_of_a_local_folder(tmp_path):

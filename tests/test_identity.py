@@ -41,3 +41,12 @@ def test_marker_without_id_falls_back_to_the_hash(tmp_path):
 def test_hub_name_is_its_own_identity(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert model_identity("meta-llama/Meta-Llama-3-8B-Instruct") == "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def test_the_completion_marker_has_one_reader(tmp_path):
+    from optima.identity import read_marker
+
+    assert read_marker(tmp_path) is None  # a base model: no marker
+    (tmp_path / COMPLETE_MARKER).write_text('{"weights_id": "w1", "train_loss": 0.5}')
+    assert read_marker(tmp_path) == {"weights_id": "w1", "train_loss": 0.5}
+    assert model_identity(tmp_path) == "w1"

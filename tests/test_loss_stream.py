@@ -12,7 +12,7 @@ import pytest
 
 from optima.agents.generation import GenerationPlan, generate_conversations
 from optima.loss_stream import StreamingLosses, conversation_texts, load_known_losses, texts_sha1
-from optima.stages.reward_stage import reward_generations
+from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.store import load_records
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import arc_examples
@@ -72,10 +72,10 @@ def test_scoring_while_generating_matches_scoring_after(tmp_path):
         summary = stream.finish()
     assert summary["scored"] == 15 and summary["reused"] == 0
     known = load_known_losses(tmp_path / "losses.jsonl", "/models/base")
-    reward_generations(recipe, generations, tmp_path / "streamed.jsonl", refuse, known=known)
+    reward_generations(recipe, generations, tmp_path / "streamed.jsonl", RewardScorers(refuse, known))
 
     after_loss = FakeLoss()
-    reward_generations(recipe, generations, tmp_path / "after.jsonl", after_loss)
+    reward_generations(recipe, generations, tmp_path / "after.jsonl", RewardScorers(after_loss))
     assert sorted(after_loss.texts) == sorted(streamed_loss.texts)  # the same utterances, each scored once
     assert_same_rewarded(rewarded(tmp_path / "streamed.jsonl"), rewarded(tmp_path / "after.jsonl"))
 
@@ -100,10 +100,10 @@ def test_missing_stale_and_foreign_losses_are_scored_again(tmp_path):
     assert len(lines) == 5
 
     loss = FakeLoss()
-    reward_generations(recipe, generations, tmp_path / "rewarded.jsonl", loss, known=known)
+    reward_generations(recipe, generations, tmp_path / "rewarded.jsonl", RewardScorers(loss, known))
     assert len(loss.texts) == sum(len(r["utterances"]) for r in records[4:])
     after = FakeLoss()
-    reward_generations(recipe, generations, tmp_path / "after.jsonl", after)
+    reward_generations(recipe, generations, tmp_path / "after.jsonl", RewardScorers(after))
     assert_same_rewarded(rewarded(tmp_path / "rewarded.jsonl"), rewarded(tmp_path / "after.jsonl"))
 
 
@@ -206,7 +206,7 @@ def test_a_failed_request_is_logged_and_left_to_the_score_stage(tmp_path, caplog
     assert len(losses.read_text().splitlines()) == 1  # the failure is not written
     known = load_known_losses(losses, "/models/base")
     after = FakeLoss()
-    reward_generations(recipe, generations, tmp_path / "rewarded.jsonl", after, known=known)
+    reward_generations(recipe, generations, tmp_path / "rewarded.jsonl", RewardScorers(after, known))
     scored_later = [r for r in records if r["status"] == "ok" and known(r) is None]
     assert len(after.texts) == sum(len(r["utterances"]) for r in scored_later)
     assert records[0] in scored_later or records[1] in scored_later

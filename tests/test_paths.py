@@ -31,3 +31,19 @@ def test_a_model_folder_is_its_own_checkpoint(tmp_path):
     (model / "config.json").write_text("{}")
     assert find_checkpoints(model) == [("my-model", model)]
     assert find_checkpoints(tmp_path / "absent") == []
+
+
+def test_stage_folders_in_run_order_for_the_report_and_the_browser(tmp_path):
+    from optima.browser.collect import stage_folders as browsed
+    from optima.paths import stage_folders
+    from optima.reporting import find_metrics
+
+    for folder in ("iteration_10", "iteration_2/sft", "iteration_2/dpo", "iteration_x"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "iteration_10" / "metrics.json").write_text("{}")
+    (tmp_path / "iteration_2" / "dpo" / "metrics.json").write_text("{}")
+    (tmp_path / "iteration_2" / "sft" / "generations.jsonl").write_text("")
+    order = [(i, part) for i, part, _ in stage_folders(tmp_path)]
+    assert order == [(2, ""), (2, "sft"), (2, "dpo"), (10, ""), (10, "sft"), (10, "dpo")]  # numeric, not by name
+    assert [(i, part) for i, part, _ in find_metrics(tmp_path)] == [(2, "dpo"), (10, "")]
+    assert [(i, part) for i, part, _ in browsed(tmp_path)] == [(2, "sft")]

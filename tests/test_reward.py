@@ -113,3 +113,19 @@ def test_repeat_detection():
 
 def test_tiny_loss_does_not_divide_by_zero():
     assert math.isfinite(score_conversation(conv(losses=(0.0, 0.0)), 200, RECIPE).loss_term)
+
+
+@pytest.mark.parametrize("status", ["ok", "too_long", "error"])
+def test_losses_are_scored_exactly_for_the_conversations_the_reward_reads_them_of(status):
+    """The loss stream asks the reward's own rule: a conversation whose losses the reward does not read gets the
+    penalty without them, and one whose losses it reads fails without them."""
+    from optima.loss_stream import needs_losses
+    from optima.reward import loss_term
+
+    needed = needs_losses({"status": status})
+    if needed:
+        with pytest.raises(ValueError, match="one LM loss per utterance"):
+            loss_term(conv(status=status, losses=None), RECIPE)
+    else:
+        assert loss_term(conv(status=status, losses=None), RECIPE) == RECIPE.overlong_penalty
+    assert needed == (status == "ok")

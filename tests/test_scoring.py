@@ -264,8 +264,8 @@ def test_subword_f1_reproduces_original(prediction, gold, expected):
 
 def test_original_f1_needs_a_tokenizer():
     with pytest.raises(ValueError, match="tokenize"):
-        score_answer("hotpot_qa", "Paris", "Paris", mode="original")
-    assert score_answer("hotpot_qa", "Paris", "paris", mode="original", tokenize=list) == 1.0
+        score_answer("hotpot_qa", "Paris", "Paris", ScoreContext(mode="original"))
+    assert score_answer("hotpot_qa", "Paris", "paris", ScoreContext(mode="original", tokenize=list)) == 1.0
 
 
 def test_aliases_take_the_maximum():
@@ -363,7 +363,7 @@ def test_score_number(prediction, gold, expected):
     [("1000", "1000", 1.0), ("1,000", "1000", 0.0), (" 18\\", "18", 1.0), ("X", "x", 1.0)],
 )
 def test_score_number_original_mode_is_string_equality(prediction, gold, expected):
-    assert score_answer("gsm8k", prediction, gold, mode="original") == expected
+    assert score_answer("gsm8k", prediction, gold, ScoreContext(mode="original")) == expected
 
 
 @pytest.mark.parametrize(
@@ -430,7 +430,7 @@ def test_math_verifier_hard_deadline_recycles_the_pool():
     ],
 )
 def test_score_math_symbolic(verifier, prediction, gold, expected):
-    assert score_answer("math", prediction, gold, verifier=verifier) == expected
+    assert score_answer("math", prediction, gold, ScoreContext(verifier=verifier)) == expected
 
 
 @pytest.mark.skipif(not symbolic_backend_available(), reason="math-verify is not installed")
@@ -446,7 +446,7 @@ def test_math_verifier_works_from_threads(verifier):
 
 def test_score_answer_rejects_bad_mode_and_unknown_task():
     with pytest.raises(ValueError, match="mode"):
-        score_answer("gsm8k", "1", "1", mode="strict")
+        score_answer("gsm8k", "1", "1", ScoreContext(mode="strict"))
     with pytest.raises(KeyError, match="valid names"):
         score_answer("nope", "1", "1")
 
@@ -488,3 +488,14 @@ def test_garbage_scores_zero(data_dir, verifier, task_name):
     for example in task.load(task.eval_split, data_dir=data_dir)[:20]:
         for text in GARBAGE:
             assert score_example(example, task.parse_answer(text), verifier=verifier) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("70%", "70"), ("70\\%", "70"), ("[10\\%,20\\%]", "[10,20]"), ("7", "7")]
+)
+def test_one_percent_rule_for_numbers_and_math_strings(text, expected):
+    from optima.tasks.answers import without_percent
+    from optima.tasks.math_equiv import canonical_answer
+
+    assert without_percent(text) == expected
+    assert canonical_answer(text) == canonical_answer(expected)

@@ -16,7 +16,7 @@ from optima.config.fields import field
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
 from optima.reward import question_t_max
-from optima.stages.reward_stage import reward_generations, reward_question
+from optima.stages.reward_stage import RewardScorers, reward_generations, reward_question
 from tests.helpers import arc_examples
 from tests.test_pipeline import EMPTY_SELECTION
 
@@ -272,8 +272,8 @@ def test_the_score_stage_shares_one_math_verifier(tmp_path, monkeypatch):
     recipe = make_recipe(tmp_path, "sft", cal_ppl=False, min_tokens=0)
     with MathVerifier() as shared:
         stats = reward_generations(
-            recipe, tmp_path / "generations.jsonl", tmp_path / "rewarded.jsonl", None, verifier=shared
+            recipe, tmp_path / "generations.jsonl", tmp_path / "rewarded.jsonl", RewardScorers(verifier=shared)
         )
     assert stats.to_dict()["accuracy"] == 1.0 and started == []
-    reward_generations(recipe, tmp_path / "generations.jsonl", tmp_path / "again.jsonl", None)
+    reward_generations(recipe, tmp_path / "generations.jsonl", tmp_path / "again.jsonl")
     assert len(started) == 2  # without one, each answer starts its own

@@ -150,14 +150,15 @@ def test_trainer_env_routes_the_trainer_to_the_run(tmp_path, wandb_offline):
 
 TRAINER_CALLBACK = """
 import sys
-from transformers import TrainerState, TrainingArguments
+import wandb
+from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import WandbCallback
 
 args = TrainingArguments(output_dir=sys.argv[1], report_to=["wandb"], run_name="demo/iteration_0", use_cpu=True)
+state = TrainerState(global_step=1)
 callback = WandbCallback()
-callback.setup(args, TrainerState(), model=None)
-callback._wandb.log({"train/loss": 2.5, "train/global_step": 1})
-callback._wandb.finish()
+callback.on_log(args, state, TrainerControl(), logs={"loss": 2.5})  # what the Trainer calls at each logging step
+wandb.finish()
 """
 
 

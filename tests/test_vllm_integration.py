@@ -139,7 +139,7 @@ def test_scoring_while_generating_on_a_real_loss_server_matches_scoring_after(ti
 
     from optima.lm_loss import VLLMLossScorer
     from optima.loss_stream import StreamingLosses, load_known_losses
-    from optima.stages.reward_stage import reward_generations
+    from optima.stages.reward_stage import RewardScorers, reward_generations
     from tests.test_layout import sft_recipe
     from tests.test_loss_stream import assert_same_rewarded, refuse, rewarded
 
@@ -154,8 +154,8 @@ def test_scoring_while_generating_on_a_real_loss_server_matches_scoring_after(ti
     assert summary["scored"] == finished and summary["skipped"] == 8 - finished  # cut ones need no losses
     reward = sft_recipe(tmp_path)
     known = load_known_losses(losses, str(tiny_model))
-    reward_generations(reward, out, tmp_path / "streamed.jsonl", refuse, known=known)
-    reward_generations(reward, out, tmp_path / "after.jsonl", scorer.score)
+    reward_generations(reward, out, tmp_path / "streamed.jsonl", RewardScorers(refuse, known))
+    reward_generations(reward, out, tmp_path / "after.jsonl", RewardScorers(scorer.score))
     assert_same_rewarded(rewarded(tmp_path / "streamed.jsonl"), rewarded(tmp_path / "after.jsonl"))
 
 

@@ -70,11 +70,6 @@ class ConversationResult:
         """The paper's #Tok of this conversation: every token generated, cut replies included."""
         return sum(self.tokens) + sum(count for _, count in self.unstored)
 
-    @property
-    def generated_tokens(self) -> int:
-        """Every token generated (the same number as ``token_count``: one token rule)."""
-        return self.token_count
-
     def agent_tokens(self) -> dict[str, int]:
         """Tokens per agent (cut replies included)."""
         totals = dict.fromkeys(AGENT_NAMES, 0)

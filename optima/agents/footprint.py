@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, build_agent_messages
-from optima.serving.capacity import conversation_kv_tokens, load_model_config, quantile
+from optima.config.rules import tokenizer_path
+from optima.quantiles import nearest_rank_quantile
+from optima.serving.capacity import conversation_kv_tokens, load_model_config
 from optima.tasks import Example, get_task
 
 if TYPE_CHECKING:
@@ -36,25 +38,25 @@ def _load_tokenizer(path: str):
         return None
 
 
-def prompt_tokens(recipe: RunFields, examples: Sequence[Example], tokenizer_path: str | None = None) -> int:
+def prompt_tokens(recipe: RunFields, examples: Sequence[Example], served_path: str | None = None) -> int:
     """90th percentile over (a sample of) ``examples`` of the longer of the two agents' first rendered requests.
 
     Args:
         recipe: Its ``tokenizer_first_path`` / ``initial_model_path`` name the tokenizer.
         examples: The stage's questions.
-        tokenizer_path: The served model (its tokenizer, unless the recipe names Alice's).
+        served_path: The served model (its tokenizer, unless the recipe names Alice's).
     """
     if not examples:
         return 0
     step = max(1, len(examples) // SAMPLED_QUESTIONS)
-    path = recipe.tokenizer_first_path or tokenizer_path or recipe.initial_model_path
-    tokenizer = _load_tokenizer(str(path)) if path else None
+    path = tokenizer_path(recipe, model=served_path)
+    tokenizer = _load_tokenizer(path) if path else None
     counts = []
     for example in examples[::step]:
         task = get_task(example.task)
         views = [build_agent_messages(example, name, [], None, task) for name in AGENT_NAMES]
         counts.append(max(_count(tokenizer, messages) for messages in views))
-    return quantile(counts, 0.9)
+    return nearest_rank_quantile(counts, 0.9)
 
 
 def _count(tokenizer, messages: list[dict]) -> int:

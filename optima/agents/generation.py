@@ -43,7 +43,7 @@ from optima.agents.prompts import (
     pool_name,
     role_prompt,
 )
-from optima.config.rules import generation_temperature, workers
+from optima.config.rules import generation_temperature, tokenizer_path, workers
 from optima.serving.client import ReplicaPool, Sampling
 from optima.serving.kv_monitor import KVMonitor
 from optima.store import JsonlWriter, prepare_resume
@@ -155,8 +155,8 @@ class TokenCounter:
 
     def __init__(self, recipe: RunFields):
         self._paths = {
-            AGENT_NAMES[0]: recipe.tokenizer_first_path or recipe.initial_model_path,
-            AGENT_NAMES[1]: recipe.tokenizer_second_path or recipe.initial_model_path,
+            AGENT_NAMES[0]: tokenizer_path(recipe, 0),
+            AGENT_NAMES[1]: tokenizer_path(recipe, 1),
         }
         self._tokenizers: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -225,7 +225,7 @@ class ConversationRunner:
         )
         if result.replica is None:
             result.replica = replica
-        return self.build_record(job, prompts, result), result.generated_tokens
+        return self.build_record(job, prompts, result), result.token_count
 
     def build_record(self, job: Job, prompts: Sequence[str], result: ConversationResult) -> dict:
         """The JSONL line of one conversation (everything reward and selection need to re-render it)."""

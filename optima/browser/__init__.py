@@ -11,6 +11,7 @@ views for the trackers (TensorBoard text).
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import logging
 from pathlib import Path
@@ -28,22 +29,21 @@ LINKED_FILES = ("report.md", "report.png", "summary.csv", "comparison.md", "sc_a
 MAX_QUESTIONS = 300
 
 
-def write_conversations_page(folder: Path, max_questions: int = MAX_QUESTIONS) -> Path:
+def write_conversations_page(
+    folder: Path, max_questions: int = MAX_QUESTIONS, sections: list[Section] | None = None
+) -> Path:
     """Write (or rewrite) ``<folder>/conversations.html`` from what the run or evaluation wrote; return its path.
 
     Args:
         folder: A loop's run directory or an evaluation output folder.
         max_questions: Questions shown per stage output, the first ones in file order (0: all).
+        sections: ``collect_sections(folder)`` when the caller has read them already (left unchanged).
 
     Raises:
         FileNotFoundError: ``folder`` is not a directory.
     """
     folder = Path(folder)
-    sections = collect_sections(folder)
-    for section in sections:
-        if max_questions and len(section.questions) > max_questions:
-            section.left_out = len(section.questions) - max_questions
-            section.questions = section.questions[:max_questions]
+    sections = [_shown(s, max_questions) for s in (collect_sections(folder) if sections is None else sections)]
     questions = sum(len(s.questions) for s in sections)
     conversations = sum(len(q.conversations) for s in sections for q in s.questions)
     subtitle = f"{len(sections)} stage outputs · {questions} questions · {conversations} conversations"
@@ -54,6 +54,14 @@ def write_conversations_page(folder: Path, max_questions: int = MAX_QUESTIONS) -
     atomic_write_text(page, render_page(f"Optima conversations: {folder.name}", subtitle, sections, links))
     logger.info("conversations | %s (%d questions, %d conversations)", page, questions, conversations)
     return page
+
+
+def _shown(section: Section, max_questions: int) -> Section:
+    """The section as the page shows it: its first ``max_questions`` questions (0: all), the rest counted."""
+    if not max_questions or len(section.questions) <= max_questions:
+        return section
+    left_out = len(section.questions) - max_questions
+    return dataclasses.replace(section, questions=section.questions[:max_questions], left_out=left_out)
 
 
 def pick_samples(section: Section, count: int) -> list[tuple[QuestionView, ConversationView]]:
@@ -81,10 +89,13 @@ def conversation_markdown(question: QuestionView, conv: ConversationView) -> str
     return "\n\n".join(html.escape(line, quote=False) for line in lines)
 
 
-def sample_conversations(run_dir: Path, count: int = 3) -> list[tuple[int, str, str]]:
-    """``(iteration, tag, markdown)`` per stage output of a run directory: up to ``count`` of its conversations."""
+def sample_conversations(
+    run_dir: Path, count: int = 3, sections: list[Section] | None = None
+) -> list[tuple[int, str, str]]:
+    """``(iteration, tag, markdown)`` per stage output of a run directory: up to ``count`` of its conversations
+    (``sections``: ``collect_sections(run_dir)`` when the caller has read them already)."""
     samples = []
-    for section in collect_sections(run_dir):
+    for section in collect_sections(run_dir) if sections is None else sections:
         picked = pick_samples(section, count)
         if section.iteration is not None and picked:
             text = "\n\n---\n\n".join(conversation_markdown(q, c) for q, c in picked)

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optima.paths import RunPaths, StagePaths, checkpoint_label
+from optima.paths import StagePaths, checkpoint_label
+from optima.paths import stage_folders as iteration_folders
 from optima.reward import is_cut
 from optima.store import group_by_question, load_records
 
-STAGE_PARTS = ("", "sft", "dpo")  # iSFT / iDPO folders, then the two stages of an iSFT-DPO iteration
 NOT_RECORDED = "dropped (rule not recorded)"
 
 
@@ -251,15 +251,11 @@ def search_questions(sp: StagePaths) -> list[QuestionView]:
 
 def stage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
     """``(iteration, part, folder)`` of every stage folder with outputs, in run order."""
-    paths, found = RunPaths(Path(run_dir)), []
-    for folder in Path(run_dir).glob("iteration_*"):
-        number = folder.name.removeprefix("iteration_")
-        if number.isdigit():
-            for part in STAGE_PARTS:
-                sp = paths.stage(int(number), part or None)
-                if any(p.exists() for p in (sp.generations, sp.rewarded, sp.probe, sp.rollouts)):
-                    found.append((int(number), part, sp))
-    return sorted(found, key=lambda item: (item[0], STAGE_PARTS.index(item[1])))
+    return [
+        (iteration, part, sp)
+        for iteration, part, sp in iteration_folders(run_dir)
+        if any(p.exists() for p in (sp.generations, sp.rewarded, sp.probe, sp.rollouts))
+    ]
 
 
 def run_sections(run_dir: Path) -> list[Section]:

@@ -65,6 +65,35 @@ def loss_model(recipe: LoopRecipe) -> str:
     return str(recipe.loss_model_path or recipe.initial_model_path)
 
 
+def tokenizer_path(recipe: RunFields, agent: int = 0, model: str | None = None) -> str | None:
+    """The tokenizer an agent's tokens are counted with: the recipe's own for that agent, else the model's.
+
+    Args:
+        recipe: Its ``tokenizer_first_path`` (agent 0, Alice) or ``tokenizer_second_path`` (agent 1, Bob).
+        agent: 0 for the first agent, 1 for the second.
+        model: The model served or evaluated (its tokenizer when the recipe names none); None: the initial model.
+
+    Returns None when neither is known (an evaluation without an initial model and no model given).
+    """
+    named = recipe.tokenizer_second_path if agent == 1 else recipe.tokenizer_first_path
+    path = named or model or recipe.initial_model_path
+    return str(path) if path else None
+
+
+def vllm_dtype_arg(vllm_extra_args: list[str]) -> str | None:
+    """The ``--dtype`` a recipe's ``vllm_extra_args`` pass to vLLM (``--dtype X`` or ``--dtype=X``); None if none.
+
+    A trailing ``--dtype`` without a value gives "" (set, but unknown).
+    """
+    args = list(vllm_extra_args)
+    for i, arg in enumerate(args):
+        if arg.startswith("--dtype="):
+            return arg.split("=", 1)[1]
+        if arg == "--dtype":
+            return args[i + 1] if i + 1 < len(args) else ""
+    return None
+
+
 def vllm_loss_batch_size(recipe: RewardFields) -> int:
     """Texts per request when a vLLM server scores LM loss (``loss_batch_size`` is per HF forward pass)."""
     return VLLM_LOSS_BATCH_FACTOR * recipe.loss_batch_size

@@ -32,13 +32,13 @@ from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import BASELINES, LABELS, ROW_COLUMNS, BaselineSettings, method_job, method_row
-from optima.evaluation.metrics import RecordScorer, metric_names
+from optima.evaluation.metrics import metric_names
 from optima.evaluation.report import plot_comparison, render_markdown_table, render_table, write_csv, write_json
 from optima.evaluation.runs import (
     EvalSession,
     GenerationJob,
+    RecordScorers,
     load_eval_examples,
-    load_tokenize,
     prepare_output,
 )
 from optima.identity import digest
@@ -189,12 +189,12 @@ def compare_rows(
     for position, (path, model_rows) in enumerate(by_model.items(), start=1):
         logger.info("compare | model %d/%d | %s | %s", position, len(by_model), path, [r.label for r in model_rows])
         session.run(model_rows[0].label if len(model_rows) == 1 else path.name, path, [r.job for r in model_rows])
-    score_type = get_task(recipe.dataset_type).score_type
     results, producers = [], {}
     with MathVerifier() as verifier:
+        scorer_of = RecordScorers(recipe, verifier)  # rows of one model share its tokenizer
         for row in rows:
             records, _ = load_records(row.job.out_path)
-            scorer = RecordScorer(load_tokenize(recipe, row.model_path, score_type), verifier)
+            scorer = scorer_of(row.model_path)
             summary = method_row(records, row.job.plan.samples, scorer, recipe.cluster_f1)
             producers[row.label] = producer = read_producer(row.job.out_path)
             results.append({"method": row.label, "model": row.model} | summary | {"producer": digest(producer)})

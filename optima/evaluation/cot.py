@@ -111,7 +111,7 @@ class CoTRunner(ConversationRunner):
         result = run_conversation(job.example, prompts, generate, limits, self.count_tokens, task)
         if result.replica is None:
             result.replica = replica
-        return self.build_record(job, prompts, result), result.generated_tokens
+        return self.build_record(job, prompts, result), result.token_count
 
 
 def generate_cot_answers(

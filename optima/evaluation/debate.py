@@ -113,7 +113,6 @@ def run_debate(
     settings: DebateSettings,
     max_tokens: int,
     matcher: AnswerMatcher,
-    task: Task | None = None,
     count_tokens: Callable[[str], int] | None = None,
 ) -> ConversationResult:
     """Run one debate; its utterances are every agent's reply, round by round.
@@ -124,10 +123,9 @@ def run_debate(
         settings: Agents and rounds.
         max_tokens: Tokens per reply at most (a reply reaching it is cut: no answer that round).
         matcher: Whether two answers vote together.
-        task: The example's task (looked up from ``example.task`` when None).
         count_tokens: Token counter used when a reply carries no ``completion_tokens``.
     """
-    task = task or get_task(example.task)
+    task = get_task(example.task)
     reminder = COT_PROMPTS[task.prompt_set].reminder
     chats = [debater_messages(example, task, settings, agent) for agent in range(settings.agents)]
     result = ConversationResult(stop_reason="majority")
@@ -189,12 +187,12 @@ class DebateRunner(ConversationRunner):
 
         matcher = AnswerMatcher(job.example, getattr(self.recipe, "cluster_f1", 0.9))
         count = functools.partial(self.count_tokens, speaker="Alice")  # the agents share one model and tokenizer
-        result = run_debate(job.example, generate, self.settings, self.recipe.max_tokens, matcher, task, count)
+        result = run_debate(job.example, generate, self.settings, self.recipe.max_tokens, matcher, count)
         if result.replica is None:
             result.replica = replica
         record = self.build_record(job, (build_cot_messages(job.example, task)[0]["content"], ""), result)
         record["debate"] = dataclasses.asdict(self.settings)
-        return record, result.generated_tokens
+        return record, result.token_count
 
 
 def generate_debates(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, partner_of, role_prompt
+from optima.config.rules import tokenizer_path
 from optima.identity import digest, model_identity
 from optima.store import write_json
 from optima.tasks import Example, get_task
@@ -74,21 +75,40 @@ def conversation_prompts(example: Example, system_prompts: Sequence[str] | None 
     return texts
 
 
-def producer_fingerprint(recipe: BaseRecipe, model_path: Path, job, examples: Sequence[Example]) -> dict:
-    """The fingerprint of ``job``'s result file when ``model_path`` produces it on ``examples``.
+def model_fingerprint(recipe: BaseRecipe, model_path: Path, examples: Sequence[Example]) -> dict:
+    """The parts of a fingerprint every job of one model shares: weights, tokenizer and questions (built once).
 
     Args:
-        recipe: The evaluation recipe (generation settings, tokenizer, seed).
+        recipe: The evaluation recipe (tokenizer, task).
         model_path: The served model.
+        examples: The eval set.
+    """
+    return {
+        "model": model_identity(model_path),
+        "tokenizer": tokenizer_identity(tokenizer_path(recipe, model=str(model_path))),
+        "questions": {
+            "task": recipe.dataset_type,
+            "count": len(examples),
+            "hash": digest([example.to_dict() for example in examples]),
+        },
+    }
+
+
+def producer_fingerprint(recipe: BaseRecipe, job, examples: Sequence[Example], shared: dict) -> dict:
+    """The fingerprint of ``job``'s result file when the model of ``shared`` produces it on ``examples``.
+
+    Args:
+        recipe: The evaluation recipe (generation settings, seed).
         job: The ``GenerationJob`` (plan, method parameters, prompt renderer).
         examples: The eval set.
+        shared: ``model_fingerprint`` of the served model on ``examples``.
     """
     render = job.prompts or conversation_prompts
     plan = job.plan
     return {
         "method": {"label": job.label} | dict(job.params),
-        "model": model_identity(model_path),
-        "tokenizer": tokenizer_identity(recipe.tokenizer_first_path or model_path),
+        "model": shared["model"],
+        "tokenizer": shared["tokenizer"],
         "prompts": digest(render(examples[0])) if examples else None,
         "generation": {
             "temperature": plan.temperature,
@@ -99,11 +119,7 @@ def producer_fingerprint(recipe: BaseRecipe, model_path: Path, job, examples: Se
             "stage": plan.stage,
             "iteration": plan.iteration,
         },
-        "questions": {
-            "task": recipe.dataset_type,
-            "count": len(examples),
-            "hash": digest([example.to_dict() for example in examples]),
-        },
+        "questions": shared["questions"],
     }
 
 

@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.config.rules import tokenizer_path
 from optima.environments import PythonEnv, check_env
-from optima.evaluation.fingerprint import claim_result_file, producer_fingerprint
+from optima.evaluation.fingerprint import claim_result_file, model_fingerprint, producer_fingerprint
+from optima.evaluation.metrics import RecordScorer
 from optima.paths import StagePaths
 from optima.run_context import attach_driver_log, save_recipe
 from optima.store import load_records, record_key
 from optima.tasks import Example, get_task
+from optima.tasks.math_equiv import MathVerifier
 
 if TYPE_CHECKING:
     from optima.config.types import InferenceRecipe, RunFields
@@ -101,8 +104,9 @@ class EvalSession:
         A model whose files are all complete is skipped without starting a server. A file that another producer
         wrote (``optima.evaluation.fingerprint``) is moved aside first.
         """
+        shared = model_fingerprint(self.recipe, model_path, self.examples)  # hashes the weights once per model
         for job in jobs:
-            claim_result_file(job.out_path, producer_fingerprint(self.recipe, model_path, job, self.examples))
+            claim_result_file(job.out_path, producer_fingerprint(self.recipe, job, self.examples, shared))
         todo = [job for job in jobs if pending_count(job.out_path, self.examples, job.plan.samples)]
         if not todo:
             logger.info("%s | skip: %d result files complete, no server started", name, len(jobs))
@@ -128,4 +132,25 @@ def load_tokenize(recipe: RunFields, model_path: Path, score_type: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(recipe.tokenizer_first_path or str(model_path)).tokenize
+    return AutoTokenizer.from_pretrained(tokenizer_path(recipe, model=str(model_path))).tokenize
+
+
+class RecordScorers:
+    """The ``RecordScorer`` of each evaluated model: its tokenizer loaded once per model (F1 tasks only), one
+    shared ``MathVerifier``.
+
+    Args:
+        recipe: The evaluation recipe (task, tokenizer).
+        verifier: The run's ``MathVerifier``.
+    """
+
+    def __init__(self, recipe: RunFields, verifier: MathVerifier):
+        self.recipe, self.verifier = recipe, verifier
+        self.score_type = get_task(recipe.dataset_type).score_type
+        self._scorers: dict[str, RecordScorer] = {}
+
+    def __call__(self, model_path: Path) -> RecordScorer:
+        key = str(model_path)
+        if key not in self._scorers:
+            self._scorers[key] = RecordScorer(load_tokenize(self.recipe, model_path, self.score_type), self.verifier)
+        return self._scorers[key]

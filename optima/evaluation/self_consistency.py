@@ -43,9 +43,9 @@ from optima.evaluation.report import plot_self_consistency, render_table, write_
 from optima.evaluation.runs import (
     EvalSession,
     GenerationJob,
+    RecordScorers,
     checkpoint_iteration,
     load_eval_examples,
-    load_tokenize,
     prepare_output,
 )
 from optima.evaluation.voting import analyze_self_consistency
@@ -217,14 +217,13 @@ def run_self_consistency(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], opti
     examples = load_eval_examples(recipe)
     max_k = options.max_k or recipe.num_samples
     session = EvalSession(recipe, envs, examples)
-    score_type = get_task(recipe.dataset_type).score_type
     results, producers = {}, {}
     with MathVerifier() as verifier:
+        scorer_of = RecordScorers(recipe, verifier)
         for name, (path, jobs) in plan_models(recipe, out_root, options).items():
             logger.info("self-consistency | %s | %d questions | %s", name, len(examples), [j.label for j in jobs])
             session.run(name, path, jobs)
-            scorer = RecordScorer(load_tokenize(recipe, path, score_type), verifier)
-            results[name] = analyze_model(jobs, max_k, scorer, recipe.cluster_f1)
+            results[name] = analyze_model(jobs, max_k, scorer_of(path), recipe.cluster_f1)
             producers[name] = {job.label: read_producer(job.out_path) for job in jobs}
         table = write_sc_report(recipe, results, max_k, producers)
     return table

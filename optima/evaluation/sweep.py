@@ -37,9 +37,9 @@ from optima.evaluation.report import plot_sweep, render_table, write_csv, write_
 from optima.evaluation.runs import (
     EvalSession,
     GenerationJob,
+    RecordScorers,
     checkpoint_iteration,
     load_eval_examples,
-    load_tokenize,
     prepare_output,
 )
 from optima.identity import digest
@@ -72,15 +72,14 @@ def sweep_job(out_root: Path, name: str) -> GenerationJob:
     return GenerationJob("eval", out_root / f"{name}.jsonl", plan)
 
 
-def summarize_checkpoint(recipe: InferenceRecipe, name: str, model_path: Path, verifier: MathVerifier) -> dict:
-    """The summary row of one checkpoint's result file."""
+def summarize_checkpoint(recipe: InferenceRecipe, name: str, scorer: RecordScorer) -> dict:
+    """The summary row of one checkpoint's result file (``scorer``: the checkpoint's ``RecordScorer``)."""
     records, _ = load_records(Path(recipe.output_root_path) / f"{name}.jsonl")
-    tokenize = load_tokenize(recipe, model_path, get_task(recipe.dataset_type).score_type)
     iteration = checkpoint_iteration(name)
     row = {"model": name, "iteration": iteration if iteration >= 0 else None}  # None: the base or a lone model
     producer = {"producer": digest(read_producer(Path(recipe.output_root_path) / f"{name}.jsonl"))}
     # "checkpoint": the name for people (iteration_0 is the model after iteration 1), last so the columns stay put.
-    summary = row | summarize_records(records, RecordScorer(tokenize, verifier)) | producer
+    summary = row | summarize_records(records, scorer) | producer
     return summary | {"checkpoint": checkpoint_label(name)}
 
 
@@ -106,13 +105,17 @@ def write_sweep_report(recipe: InferenceRecipe, rows: list[dict]) -> str:
 
 
 def comparison_rows(
-    recipe: InferenceRecipe, models: list[tuple[str, Path]], baselines: tuple[str, ...], settings, verifier
+    recipe: InferenceRecipe,
+    models: list[tuple[str, Path]],
+    baselines: tuple[str, ...],
+    settings,
+    scorer_of: RecordScorers,
 ) -> list:
     """The sweep's comparison: per model, Optima's greedy conversation and then each baseline, as rows."""
-    out_root, score_type = Path(recipe.output_root_path), get_task(recipe.dataset_type).score_type
+    out_root = Path(recipe.output_root_path)
     rows = []
     for name, path in models:
-        scorer = RecordScorer(load_tokenize(recipe, path, score_type), verifier)
+        scorer = scorer_of(path)
         jobs = [sweep_job(out_root, name), *(method_job(b, out_root, name, settings) for b in baselines)]
         for job in jobs:
             records, _ = load_records(job.out_path)
@@ -143,17 +146,18 @@ def run_sweep(
     settings = settings or BaselineSettings()
     rows: list[dict] = []
     with MathVerifier() as verifier:
+        scorer_of = RecordScorers(recipe, verifier)  # each model's tokenizer loaded once for both tables
         for position, (name, path) in enumerate(models, start=1):
             logger.info("eval | model %d/%d | %s", position, len(models), name)
             iteration = checkpoint_iteration(name)
             extra = [method_job(b, out_root, name, settings, iteration) for b in baselines]
             session.run(name, path, [sweep_job(out_root, name), *extra])
-            rows.append(summarize_checkpoint(recipe, name, path, verifier))
+            rows.append(summarize_checkpoint(recipe, name, scorer_of(path)))
             if position < len(models):
                 write_sweep_report(recipe, rows)  # partial summaries survive an interrupted sweep
         table = write_sweep_report(recipe, rows)
         if baselines:
-            compared = comparison_rows(recipe, models, baselines, settings, verifier)
+            compared = comparison_rows(recipe, models, baselines, settings, scorer_of)
             table += "\n\n" + write_comparison(out_root, recipe.dataset_type, compared, {"questions": len(examples)})
     write_conversations_page(out_root)  # every conversation of every model and method, browsable
     logger.info("eval | done | %d models, %d servers started", len(models), session.servers_started)

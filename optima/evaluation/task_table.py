@@ -4,8 +4,8 @@
 one folder per task) and then joins the rows here:
 
     <output>/table.md     | method | arc | gsm8k |, each cell "metric / tokens" (e.g. "0.412 / 87")
-    <output>/table.csv    one row per method: <task>_<metric>, <task>_tokens, <task>_cut (share of cut replies'
-                          records: ``too_long_rate``), <task>_answer_rate
+    <output>/table.csv    one row per method: <task>_<metric>, <task>_tokens, <task>_cut (share of records with
+                          a reply cut at max_tokens: ``cut_rate``), <task>_answer_rate
     <output>/table.json   {"tasks": {task: {"metric", "rows"}}, "producers": ...}
     <output>/table.png    one panel per task: the task metric against tokens per question, one point per method
 """
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from optima.evaluation.metrics import metric_names
-from optima.evaluation.report import _new_figure, place_labels, render_markdown_table, write_csv, write_json
+from optima.evaluation.report import _new_figure, cut_share, place_labels, render_markdown_table, write_csv, write_json
 from optima.store import atomic_write_text
 from optima.tasks import get_task
 
@@ -44,7 +44,7 @@ def wide_rows(per_task: Mapping[str, Sequence[Mapping]]) -> list[dict]:
         for row in task_rows:
             wide = rows.setdefault(row["method"], {"method": row["method"]})
             wide |= {f"{task}_{metric}": row.get(metric), f"{task}_tokens": row.get("mean_tokens")}
-            wide |= {f"{task}_cut": row.get("too_long_rate"), f"{task}_answer_rate": row.get("answer_rate")}
+            wide |= {f"{task}_cut": cut_share(row), f"{task}_answer_rate": row.get("answer_rate")}
             wide[f"{task}_cell"] = cell(row, metric)
     return list(rows.values())
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.serving.capacity import GIB, conversation_kv_tokens, kv_shape, load_model_config
+from optima.config.rules import vllm_dtype_arg
+from optima.serving.capacity import DTYPE_BYTES, GIB, conversation_kv_tokens, kv_shape, load_model_config
 
 if TYPE_CHECKING:
     from optima.config.types import BaseRecipe, LoopRecipe
@@ -72,7 +73,8 @@ KNOWN_MODELS: dict[str, dict] = {
     "SmolLM2-135M-Instruct": _SMOLLM2_135M,
 }
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads")
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2}
+# "auto" (vLLM's and transformers' default) keeps a checkpoint's own dtype: half precision for the shipped models.
+AUTO_DTYPE_BYTES = 2
 # Tokens of an agent's first request (system prompt, question, private context) when nothing is measured yet.
 PROMPT_TOKENS = 1024
 # Inside a vLLM server's memory share besides weights and KV: CUDA context, the profile run's activations,
@@ -167,15 +169,14 @@ def model_size(*candidates: str | Path | None) -> ModelSize | None:
     return None
 
 
+def dtype_bytes(name: str | None, default: int) -> int:
+    """Bytes per value of a dtype name (``capacity.DTYPE_BYTES``, ``auto``: 2); ``default`` for an unknown name."""
+    return AUTO_DTYPE_BYTES if name == "auto" else DTYPE_BYTES.get(name, default)
+
+
 def served_dtype_bytes(vllm_extra_args: list[str]) -> int:
     """Bytes per weight vLLM serves with on a GPU: ``--dtype`` of ``vllm_extra_args``, else 2 (vLLM's auto)."""
-    args = list(vllm_extra_args)
-    for i, arg in enumerate(args):
-        if arg.startswith("--dtype="):
-            return DTYPE_BYTES.get(arg.split("=", 1)[1], 2)
-        if arg == "--dtype" and i + 1 < len(args):
-            return DTYPE_BYTES.get(args[i + 1], 2)
-    return 2
+    return dtype_bytes(vllm_dtype_arg(vllm_extra_args), 2)
 
 
 def policy_kv_min_bytes(size: ModelSize, recipe: BaseRecipe, dtype_bytes: int) -> int:

@@ -43,7 +43,7 @@ def strategy_of(config: dict) -> str:
 
 def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
     """The estimate's inputs from a trainer YAML."""
-    dtype = memory.DTYPE_BYTES.get(str(yaml.get("dtype") or yaml.get("torch_dtype") or "float32"), 4)
+    dtype = memory.dtype_bytes(str(yaml.get("dtype") or yaml.get("torch_dtype") or "float32"), 4)
     checkpointing = bool(yaml.get("activation_checkpointing", yaml.get("gradient_checkpointing", True)))
     return TrainerShape(
         strategy,

@@ -176,14 +176,6 @@ def fit_in_flight(thread_count: int, kv_tokens: int | None, per_conversation: in
     return max(1, min(thread_count, kv_tokens // per_conversation))
 
 
-def quantile(values: Iterable[int], q: float) -> int:
-    """The ``q`` quantile of ``values`` (nearest rank; 0 for no values)."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
     """The samples of a Prometheus text exposition: (name, labels, value), read by ``prometheus_client``.
 

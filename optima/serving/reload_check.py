@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from optima.config.rules import vllm_dtype_arg
 from optima.serving.vllm_server import ServerStartupError
 from optima.weights_probe import Probe, compare_probe, read_probe, tolerance_for
 
@@ -36,7 +37,7 @@ def served_dtype(recipe: ServingFields, on_cpu: bool) -> str | None:
     None stands for "half precision or unknown" (a GPU server's ``auto`` is the checkpoint's bf16; an external
     endpoint does not say); a ``--dtype`` in ``vllm_extra_args`` overrides ours, so it makes the dtype unknown too.
     """
-    overridden = any(arg == "--dtype" or arg.startswith("--dtype=") for arg in recipe.vllm_extra_args)
+    overridden = vllm_dtype_arg(recipe.vllm_extra_args) is not None
     return "float32" if on_cpu and not overridden else None
 
 

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The name that seeds the search stage's sampling and tree walks. It is data, not a label: renaming it would draw
+# other rollouts for every recipe, so it keeps the algorithm's name while the stage is called "search".
+SEARCH_SEED_STREAM = "mcts"
+
 
 def probe(call: StageCall) -> dict:
     """Sample ``probe_count`` conversations and take the token quantile as ``T_max`` (docs/method.md#idpo)."""
@@ -112,14 +116,14 @@ def search(call: StageCall) -> dict:
                 # Each request of a tree gets its own seed (its n-th call): rollouts differ, reruns repeat.
                 nonlocal replica, calls
                 calls += 1
-                seed = stable_rng(recipe.seed, "mcts", iteration, example.id, calls).randrange(2**31)
+                seed = stable_rng(recipe.seed, SEARCH_SEED_STREAM, iteration, example.id, calls).randrange(2**31)
                 reply = pool.chat(replica, messages, Sampling(recipe.temperature, recipe.max_tokens, seed))
                 replica = reply.replica
                 return reply
 
             generate = reply_from_chat(chat, recipe.max_tokens, failures=(RequestFailed,))
             score = build_rollout_scorer(example, recipe, t_max, score_texts, tokenize, verifier)
-            rng = random.Random(f"{recipe.seed}:mcts:{iteration}:{example.id}")
+            rng = random.Random(f"{recipe.seed}:{SEARCH_SEED_STREAM}:{iteration}:{example.id}")
             # Keyed like generation records so the JSONL store resumes it (one line per question).
             return search_question(example, generate, score, recipe, rng).to_dict() | {"sample_index": 0}
 

@@ -33,6 +33,25 @@ KnownLosses = Callable[[dict], list[float] | None]
 QUESTIONS_PER_CHUNK = 32
 
 
+@dataclass(frozen=True)
+class RewardScorers:
+    """What scores a conversation beside the recipe's reward fields (each optional).
+
+    Args:
+        score_texts: Mean LM loss of each text (``None`` when ``cal_ppl`` is off).
+        known: ``losses_of(record)``: losses scored while generating (``optima.loss_stream``), None if missing;
+            ``score_texts`` is called only for the rest.
+        tokenize: The initial tokenizer's ``tokenize`` (subword F1 under ``compat: original``).
+        verifier: One ``MathVerifier`` for the whole stage (MATH answers); without it each answer that needs the
+            symbolic check starts its own worker.
+    """
+
+    score_texts: ScoreTexts | None = None
+    known: KnownLosses | None = None
+    tokenize: Callable[[str], list[str]] | None = None
+    verifier: object | None = None
+
+
 @dataclass
 class RewardStats:
     """What the score stage saw (goes into metrics.json)."""
@@ -123,13 +142,7 @@ def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None,
 
 
 def reward_generations(
-    recipe: LoopRecipe,
-    generations: Path,
-    out_path: Path,
-    score_texts: ScoreTexts | None,
-    tokenize=None,
-    known=None,
-    verifier=None,
+    recipe: LoopRecipe, generations: Path, out_path: Path, scorers: RewardScorers = RewardScorers()
 ) -> RewardStats:
     """Reward every question of ``generations`` into ``out_path``, resuming what is there.
 
@@ -137,12 +150,7 @@ def reward_generations(
         recipe: Reward fields (lambdas, cal_ppl, overrides) and ``compat``.
         generations: ``generations.jsonl`` of the stage.
         out_path: ``rewarded.jsonl``.
-        score_texts: Mean LM loss of each text (``None`` when ``cal_ppl`` is off).
-        tokenize: The initial tokenizer's ``tokenize`` (subword F1 under ``compat: original``).
-        known: ``losses_of(record)``: losses scored while generating (``optima.loss_stream``), None if missing;
-            ``score_texts`` is called only for the rest.
-        verifier: One ``MathVerifier`` for the whole stage (MATH answers); without it each answer that needs the
-            symbolic check starts its own worker.
+        scorers: LM losses (to score, or scored while generating) and the answer checks.
     """
     from tqdm.auto import tqdm
 
@@ -158,13 +166,13 @@ def reward_generations(
         "score | %d questions (%d already rewarded) | LM loss %s",
         len(groups),
         len(done),
-        "on" if score_texts else "off",
+        "on" if scorers.score_texts else "off",
     )
     with JsonlWriter(out_path) as writer, tqdm(total=len(todo), unit="question", desc="score") as bar:
         for start in range(0, len(todo), QUESTIONS_PER_CHUNK):
             chunk = todo[start : start + QUESTIONS_PER_CHUNK]
-            for group, losses in zip(chunk, _losses_for(chunk, score_texts, known), strict=True):
-                line = reward_question(group, losses, recipe, tokenize, verifier)
+            for group, losses in zip(chunk, _losses_for(chunk, scorers.score_texts, scorers.known), strict=True):
+                line = reward_question(group, losses, recipe, scorers.tokenize, scorers.verifier)
                 writer.write(line)
                 stats.add(line)
                 bar.update()

@@ -18,7 +18,7 @@ from optima.selection.io import save_splits, write_jsonl
 from optima.selection.sft import KEPT, select_questions, split_rows
 from optima.stages import common
 from optima.stages.common import StageCall
-from optima.stages.reward_stage import reward_generations
+from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.store import load_records
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ def score(call: StageCall) -> dict:
     known = load_known_losses(sp.losses, loss_model(ctx.recipe))
     scorer = common.loss_scorer(ctx, sp)
     with common.math_verifier(ctx) as verifier:
-        stats = reward_generations(ctx.recipe, sp.generations, sp.rewarded, scorer, tokenize, known, verifier)
+        scorers = RewardScorers(score_texts=scorer, known=known, tokenize=tokenize, verifier=verifier)
+        stats = reward_generations(ctx.recipe, sp.generations, sp.rewarded, scorers)
     return stats.to_dict()
 
 

@@ -196,6 +196,11 @@ def normalize_final_answer(answer: str) -> str:
     return drop_thousands_commas(final)
 
 
+def without_percent(text: str) -> str:
+    """`"70%"` -> `"70"` (and `"70\\%"`): a percentage answers a question whose gold states the number alone."""
+    return text.replace("\\%", "").replace("%", "")
+
+
 def drop_thousands_commas(text: str) -> str:
     """`"1,000"` -> `"1000"`; any other comma stays, so the list `"1,2"` never becomes the number 12.
 

@@ -23,11 +23,12 @@ import threading
 from collections.abc import Callable
 from fractions import Fraction
 
-from optima.tasks.answers import drop_thousands_commas, normalize_final_answer
+from optima.tasks.answers import drop_thousands_commas, normalize_final_answer, without_percent
 
 logger = logging.getLogger(__name__)
 
-# LaTeX that changes only the spelling of an answer, removed or rewritten before comparing strings.
+# LaTeX that changes only the spelling of an answer, removed or rewritten before comparing strings (then the percent
+# signs, ``without_percent``).
 _CANONICAL_REWRITES = (
     ("\\left", ""),
     ("\\right", ""),
@@ -38,8 +39,6 @@ _CANONICAL_REWRITES = (
     ("\\tfrac", "\\frac"),
     ("^{\\circ}", ""),
     ("^\\circ", ""),
-    ("\\%", ""),
-    ("%", ""),
 )
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 _FRACTION = re.compile(r"([-+]?)\\frac\{([-+]?\d+(?:\.\d*)?)\}\{([-+]?\d+(?:\.\d*)?)\}")
@@ -57,7 +56,7 @@ def canonical_answer(answer: str) -> str:
     text = normalize_final_answer(answer)
     for before, after in _CANONICAL_REWRITES:
         text = text.replace(before, after)
-    return "".join(text.split())
+    return "".join(without_percent(text).split())
 
 
 def numeric_value(text: str) -> Fraction | None:

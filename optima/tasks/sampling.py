@@ -10,7 +10,7 @@ ran before it, and a resumed run sees the same ones (docs/method.md, D9):
 
 So consecutive iterations of a stage get disjoint, fresh questions until the split is used up, then the stream
 wraps into a new permutation (small splits repeat questions). Different stages ("sft",
-"mcts", "probe") draw from independent streams. Resuming at iteration `i` needs no replay of earlier stages.
+"search", "probe") draw from independent streams. Resuming at iteration `i` needs no replay of earlier stages.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def epoch_permutation(size: int, seed: int, stage: str, epoch: int) -> list[int]
     Args:
         size: number of questions in the split.
         seed: the run's seed.
-        stage: the stage name, e.g. "sft", "mcts", "probe".
+        stage: the stage name, e.g. "sft", "search", "probe".
         epoch: the epoch number (0, 1, ...).
     """
     order = list(range(size))
@@ -69,6 +69,6 @@ def select_questions(examples: Sequence[T], count: int, seed: int, iteration: in
         count: questions per iteration (e.g. the recipe's sample_count or monte_sample_count).
         seed: the run's seed.
         iteration: the iteration number.
-        stage: the stage name, e.g. "sft", "mcts", "probe".
+        stage: the stage name, e.g. "sft", "search", "probe".
     """
     return [examples[index] for index in select_indices(len(examples), count, seed, iteration, stage)]

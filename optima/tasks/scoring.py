@@ -34,6 +34,7 @@ from optima.tasks.answers import (  # noqa: F401  (re-exported: one import site 
     parse_math_answer,
     parse_tag,
     should_stop,
+    without_percent,
 )
 from optima.tasks.math_equiv import MathVerifier, numeric_value
 
@@ -178,18 +179,13 @@ def original_exact_match(prediction: str, gold: str) -> float:
     return float(gold.strip().lower() == prediction.strip().strip("\\").lower())
 
 
-def _without_percent(text: str) -> str:
-    # "70%" answers a percentage question whose gold is 70 (GSM8K states percentages without the sign).
-    return text.removesuffix("\\%").removesuffix("%")
-
-
 def score_number(prediction: str, gold: str, context: ScoreContext) -> float:
     """Score type "number": numeric equality after `normalize_final_answer` (a trailing `%` ignored); string equality
     as a fallback."""
     if context.mode == "original":
         return original_exact_match(prediction, gold)
-    pred_value = numeric_value(_without_percent(normalize_final_answer(prediction)))
-    gold_value = numeric_value(_without_percent(normalize_final_answer(gold)))
+    pred_value = numeric_value(without_percent(normalize_final_answer(prediction)))
+    gold_value = numeric_value(without_percent(normalize_final_answer(gold)))
     if pred_value is not None and gold_value is not None:
         return float(pred_value == gold_value)
     return float(prediction.strip() == gold.strip())
@@ -232,14 +228,7 @@ def score_by_type(score_type: str, prediction: str | None, gold: str | Sequence[
 
 
 def score_answer(
-    task: Task | str,
-    prediction: str | None,
-    gold: str | Sequence[str],
-    mode: str = "default",
-    tokenize: Tokenize | None = None,
-    *,
-    options: tuple[tuple[str, str], ...] = (),
-    verifier: MathVerifier | None = None,
+    task: Task | str, prediction: str | None, gold: str | Sequence[str], context: ScoreContext = ScoreContext()
 ) -> float:
     """Score a parsed final answer against the gold answer with the task's score type.
 
@@ -247,13 +236,11 @@ def score_answer(
         task: a `Task` or a task name (aliases accepted).
         prediction: the parsed final answer (None or "" scores 0).
         gold: the gold answer or its aliases.
-        mode: "default" or "original" (see the module table).
-        tokenize: the model tokenizer's `tokenize`, needed for F1 with `mode="original"`.
-        options: the (label, text) options of a multiple-choice question (without them, text must match).
-        verifier: a shared `MathVerifier` for "math" (a one-off verifier is started per call when None).
+        context: the mode ("default" or "original", see the module table), the tokenizer's `tokenize` (F1 with
+            `mode="original"`), a multiple-choice question's options (without them, text must match) and a shared
+            `MathVerifier` for "math" (a one-off verifier is started per call when None).
     """
     task = get_task(task) if isinstance(task, str) else task
-    context = ScoreContext(mode=mode, tokenize=tokenize, options=options, verifier=verifier)
     return score_by_type(task.score_type, prediction, gold, context)
 
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, new_weights_id
+from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, new_weights_id, read_marker
 
 logger = logging.getLogger(__name__)
 
@@ -160,5 +160,7 @@ def read_completion(checkpoint: Path) -> dict[str, Any]:
     """The metrics a trainer script wrote with its completion marker (its weights probe left out: not a metric)."""
     from optima.weights_probe import PROBE_KEY
 
-    marker = json.loads((Path(checkpoint) / COMPLETE_MARKER).read_text())
+    marker = read_marker(checkpoint)
+    if marker is None:
+        raise FileNotFoundError(Path(checkpoint) / COMPLETE_MARKER)
     return {key: value for key, value in marker.items() if key != PROBE_KEY}

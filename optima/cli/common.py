@@ -1,0 +1,98 @@
+"""What every command line of Optima shares: the environment and control flags, the environments, and the guard
+that turns bad input into one message and exit code 2 (a failed stage: 1).
+
+The scripts take the flags of the released Optima commands (``--train_config_path``, ``--vllm_env``,
+``--alignment_env``, ``--skip_iteration``, ``--model_root_path``, ``--dataset_type``, ...), so those commands work
+unchanged, and add ``--set key=value`` (recipe overrides, YAML-typed) and ``--dry-run`` (validate and print
+the plan; start nothing). Errors in the recipe or the environments end the script with exit code 2 and one
+message naming the file, the field and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from optima.config import RecipeError
+from optima.environments import EnvError, PythonEnv, resolve_env
+
+logger = logging.getLogger("optima.cli")  # one logger name for every command, as the log lines always said
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+ENV_HELP = "a virtualenv directory, a python executable, or a conda env name (default: .venvs/{role})"
+
+
+def add_env_args(parser: argparse.ArgumentParser, train: bool = True) -> None:
+    parser.add_argument("--vllm_env", default=None, help="environment with vLLM: " + ENV_HELP.format(role="vllm"))
+    if train:
+        parser.add_argument(
+            "--alignment_env", default=None, help="environment with TRL: " + ENV_HELP.format(role="train")
+        )
+
+
+def add_control_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key (value read as YAML); repeatable",
+    )
+    parser.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="validate the recipe and print the plan (stages, models, paths, commands, hardware); start nothing",
+    )
+    parser.add_argument(
+        "--hardware",
+        metavar="[NODESx]GPUSxMEMORY",
+        help="plan for this hardware instead of the detected one, e.g. 8x80GB or 2x8x141GB (nodes x GPUs x memory), "
+        "or cpu; with --dry-run any machine can be planned from anywhere",
+    )
+
+
+def resolve_envs(vllm_env: str | None, alignment_env: str | None = None, train: bool = True) -> dict[str, PythonEnv]:
+    """Both environments (or only vLLM's); single-env mode is both flags naming the same env."""
+    envs = {"vllm": resolve_env(vllm_env, "vllm")}
+    if train:
+        envs["train"] = resolve_env(alignment_env, "train")
+    return envs
+
+
+def expected_failures() -> tuple[type[BaseException], ...]:
+    """Failures that end a run with one clear message instead of a traceback (each names what to look at)."""
+    from optima.pipeline import NothingSelected
+    from optima.serving import NoReplicaLeft, ServerStartupError
+    from optima.tasks import DataError
+    from optima.training.launch import TrainingError
+
+    return (NothingSelected, ServerStartupError, NoReplicaLeft, DataError, TrainingError)
+
+
+def guarded(body: Callable[[], int]) -> int:
+    """Run a script body; bad input ends with one clear message and exit code 2, a failed stage with 1."""
+    try:
+        return body()
+    except (RecipeError, EnvError) as exc:
+        logger.error("%s", exc)
+        return EXIT_BAD_INPUT
+    except expected_failures() as exc:
+        logger.error("%s: %s", type(exc).__name__, exc)
+        return EXIT_FAILED
+
+
+def emit(text: str) -> None:
+    """Write a plan or table to stdout (the library never prints through ``print``)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def overrides_from_flags(args: argparse.Namespace, mapping: dict[str, str]) -> dict[str, Any]:
+    """Recipe values from explicit flags (``None`` means not given)."""
+    return {key: getattr(args, flag, None) for flag, key in mapping.items() if getattr(args, flag, None) is not None}
