@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from optima.serving.capacity import GIB, conversation_kv_tokens, kv_shape, load_model_config
+from optima.serving.capacity import GIB, conversation_kv_tokens, kv_shape, load_model_config, loss_kv_tokens
 
 _LLAMA3_8B = {
     "hidden_size": 4096,
@@ -187,8 +187,7 @@ def policy_kv_min_bytes(size: ModelSize, recipe, dtype_bytes: int) -> int:
 
 def loss_kv_min_bytes(size: ModelSize, recipe, dtype_bytes: int) -> int:
     """KV cache for one batch of LM-loss texts: ``loss_batch_size x min(max_total_tokens, max_model_len)`` tokens."""
-    max_len = recipe.max_model_len or size.max_len
-    tokens = recipe.loss_batch_size * min(recipe.max_total_tokens, max_len)
+    tokens = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, recipe.max_model_len or size.max_len)
     return tokens * size.kv_bytes_per_token(dtype_bytes)
 
 

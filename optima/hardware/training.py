@@ -54,6 +54,19 @@ def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
     )
 
 
+def cpu_trainer_peak_bytes(recipe) -> int:
+    """The trainer's estimated peak on a CPU (one process, ``trainer_peak_bytes`` of its largest stage; 0 for an
+    evaluation recipe or a model of unknown size): what a policy server kept through training must leave free."""
+    from optima.hardware.plan import policy_size, trainer_yamls
+
+    yamls = trainer_yamls(recipe)
+    size = policy_size(recipe, yamls) if yamls else None
+    if size is None:
+        return 0
+    processes = recipe.num_processes or 1
+    return max(memory.trainer_peak_bytes(size, trainer_shape("cpu", processes, y)) for y in yamls)
+
+
 def node_hosts(recipe, hardware: Hardware, plan) -> list[str]:
     """The hosts of the training nodes (``""``: a Slurm node found at run time); one entry per node."""
     hosts = read_hosts(recipe)

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from optima.config.fields import RecipeError
+from optima.config.rules import loss_model
+from optima.serving.capacity import loss_kvcache_gb
 from optima.serving.replicas import plan_replicas
 from optima.serving.vllm_server import Placement
 
@@ -84,12 +86,20 @@ def plan_layout(recipe, gpus: Sequence[str], cpus: Sequence[int], loss_share: fl
         return ServerLayout(tuple(policy), Placement(gpus=policy[0].gpus[:1], gpu_memory_utilization=share))
     if not beside:
         return ServerLayout((Placement(carry_over=carry),), None)
-    cpus = sorted(cpus)
-    if len(cpus) < 2:
-        return ServerLayout((Placement(carry_over=carry),), Placement())  # one core: both servers share it
+    return plan_cpu_beside(recipe, sorted(cpus), carry)
+
+
+def plan_cpu_beside(recipe, cpus: list[int], carry: bool) -> ServerLayout:
+    """Policy and loss server on a CPU: their own cores, and the loss server's KV cache what scoring needs.
+
+    The loss server gets the last quarter of the cores (at least one), the policy the rest; one core is shared.
+    """
+    loss_kv = loss_kvcache_gb(recipe, loss_model(recipe))
+    if len(cpus) < 2:  # one core: both servers share it
+        return ServerLayout((Placement(carry_over=carry),), Placement(cpu_kvcache_gb=loss_kv))
     loss_cores = max(1, len(cpus) // 4)
     policy = Placement(cpu_bind=",".join(map(str, cpus[:-loss_cores])), carry_over=carry)
-    return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:]))))
+    return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:])), cpu_kvcache_gb=loss_kv))
 
 
 def describe_placement(placement: Placement, recipe) -> str:
