@@ -267,10 +267,14 @@ def main(argv=None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     examples = TASKS["arc"].load_train(data_dir=args.data_dir)[: args.questions]
-    results = [run_arrangement(args, name, examples, tokenizer) for _ in range(args.rounds) for name in args.only]
+    results = []
+    for _ in range(args.rounds):
+        for name in args.only:
+            results.append(run_arrangement(args, name, examples, tokenizer))
+            print(json.dumps(results[-1]), flush=True)  # each row as it comes: a long run may be cut short
+            if args.json:
+                Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2) + "\n")
     print_results(args, results)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2) + "\n")
     return 0
 
 
