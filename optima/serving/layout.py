@@ -5,7 +5,11 @@ policy is still generating (``loss_placement: beside``). The two must not fight 
 
 * CPU: each server's OpenMP threads are bound to their own cores (``VLLM_CPU_OMP_THREADS_BIND``): the loss server
   gets the last quarter of the allowed cores (at least one), the policy the rest. On a 2-core machine: policy on
-  core 0, loss server on core 1 (``bench/RESULTS.md`` has the measurement that made this the default).
+  core 0, loss server on core 1 (``bench/RESULTS.md`` has the measurements that made this the default: against
+  "after" with vLLM's own binding, one policy replica on both cores, two single-core replicas, and the API servers
+  and engine cores pinned away from the compute threads, ``Placement.service_bind``). The loss server's KV cache is
+  what scoring needs (``optima.serving.capacity.loss_kvcache_gb``); the policy's is sized from what is left when
+  it starts.
 * GPU: the loss server runs on ``loss_devices`` when the recipe names them (each keeps the full
   ``gpu_memory_utilization``), else on the first policy GPU with ``loss_gpu_memory_utilization`` of its memory
   (null: the share the hardware plan computes from the loss model's weights, ``optima.hardware.plan``), taken from
