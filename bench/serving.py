@@ -1,28 +1,39 @@
 """How to use the cores during generation + LM-loss scoring: the arrangements side by side, same questions.
 
-    .venvs/train/bin/python bench/serving.py                                   # 12 ARC questions x 4, demo settings
-    .venvs/train/bin/python bench/serving.py --questions 24 --only beside after --json /tmp/serving.json
+    .venvs/train/bin/python bench/serving.py                                   # 6 ARC questions x 4, demo settings
+    .venvs/train/bin/python bench/serving.py --only both two beside_pinned beside --rounds 2 --json /tmp/s.json
 
-Arrangements (each generates the same conversations' worth of work with SmolLM2, then has every utterance's LM
-loss scored; the loss model is the policy model, as at iteration 0 of the demo):
+Arrangements (each generates the same conversations with the demo's recipe (``train/sft_recipes/demo_arc.yaml``,
+iteration 0) and SmolLM2, and has every utterance's LM loss scored; the loss model is the policy model, as at
+iteration 0 of the demo):
 
-* ``after``: one policy server with vLLM's automatic binding (its OpenMP threads on one core, the other core
-  left to the engine loop); generation, then scoring on that server (the ``loss_placement: after`` flow; from
-  iteration 1 on it also pays a loss-server start-up, reported separately);
-* ``beside``: policy OpenMP threads on core 0, a loss server's on core 1; each conversation is scored as soon as it
-  finishes (``loss_placement: beside``, the default);
+* ``after``: one policy server with vLLM's automatic binding (its OpenMP threads on core 0, core 1 left to the
+  engine loop); generation, then scoring on that server (the ``loss_placement: after`` flow; from iteration 1 on
+  it also pays a loss-server start-up, not counted here);
+* ``both``: one policy server whose OpenMP threads use both cores; scoring after generation on it;
+* ``two``: two single-core policy replicas (cores 0 and 1), each with its API server and engine core pinned to
+  the other core; conversations alternate between them; scoring after generation on both;
+* ``beside``: policy OpenMP threads on core 0, a loss server's on core 1, API servers and engine cores wherever
+  the kernel puts them; each conversation is scored as soon as it finishes (``loss_placement: beside``);
+* ``beside_pinned``: the same, with both servers' API server and engine core pinned to core 1 (the policy's
+  compute core is left to its worker);
 * ``beside_unbound``: the same two servers, both with vLLM's automatic binding.
 
-For each: start-up of the servers, generation seconds, scoring seconds not hidden behind generation, total; and,
-once, the CPU time that idle servers take over ``--idle-window`` seconds (does the loss server cost anything
-while it waits through training?). ``restart``: what a policy start-up costs against loading new weights into the
-running process (``sleep_mode: true``; the same checkpoint is reloaded, which costs what a new one would).
-One pass per arrangement: on a shared box, read them as indications.
+Every policy server gets a ``--policy-kv-gb`` KV cache and the loss server ``--loss-kv-gb`` (sized from the memory
+available, as a run does, they would differ with the load on the box, and so would the conversations in flight).
+For each: start-up, generation seconds, scoring seconds not hidden behind generation, total, and a hash of the
+conversations (every arrangement must write the same ones: requests are seeded). ``--rounds`` interleaves the
+arrangements (A, B, C, A, B, C); the load average is recorded before and after. With ``beside``: the CPU time an
+idle loss server takes over ``--idle-window`` seconds. ``restart``: a policy start-up against loading new weights
+into the running process (``sleep_mode: true``). ``threads``: the same questions on one server with ``--threads``
+and with 4 conversations in flight; the two hashes must be equal (more in flight changes timing, not outputs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -35,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import add_model_args  # noqa: E402
 
-from optima.agents.generation import GenerationPlan, generate_conversations  # noqa: E402
+from optima.agents.generation import generate_conversations, plan_generation  # noqa: E402
 from optima.config import SFTRecipe, load_recipe  # noqa: E402
 from optima.environments import resolve_env  # noqa: E402
 from optima.lm_loss import VLLMLossScorer  # noqa: E402
@@ -49,39 +60,59 @@ from optima.serving.vllm_server import Placement  # noqa: E402
 from optima.store import load_records  # noqa: E402
 from optima.tasks import TASKS  # noqa: E402
 
-ARRANGEMENTS = ("after", "beside", "beside_unbound", "restart")
+ARRANGEMENTS = ("after", "both", "two", "beside", "beside_pinned", "beside_unbound", "restart", "threads")
+AFTER = ("after", "both", "two", "restart", "threads")  # arrangements that score on the policy server(s)
+# Placements each arrangement forces (the others: the one the run itself would plan from the recipe).
+LAYOUTS = {
+    "both": ServerLayout((Placement(cpu_bind="0,1"),), None),
+    "two": ServerLayout((Placement(cpu_bind="0", service_bind="1"), Placement(cpu_bind="1", service_bind="0")), None),
+    "beside": ServerLayout((Placement(cpu_bind="0"),), Placement(cpu_bind="1")),
+    "beside_pinned": ServerLayout(
+        (Placement(cpu_bind="0", service_bind="1"),), Placement(cpu_bind="1", service_bind="1")
+    ),
+    "beside_unbound": ServerLayout((Placement(),), Placement()),
+}
+DEMO_RECIPE = REPO / "train/sft_recipes/demo_arc.yaml"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(parser)
-    parser.add_argument("--questions", type=int, default=12)
+    parser.add_argument("--questions", type=int, default=6)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--threads", type=int, default=32)
-    parser.add_argument("--max-turns", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--idle-window", type=float, default=10.0)
-    parser.add_argument("--only", nargs="+", choices=ARRANGEMENTS, default=list(ARRANGEMENTS))
+    parser.add_argument("--only", nargs="+", choices=ARRANGEMENTS, default=["after", "both", "two", "beside"])
+    parser.add_argument("--policy-kv-gb", type=int, default=3, help="KV cache of every policy server (GiB)")
+    parser.add_argument("--loss-kv-gb", type=int, default=1, help="KV cache of the loss server (GiB)")
     parser.add_argument("--port", type=int, default=8300)
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
 
-def build_recipe(args, run_dir: Path, placement: str, **extra):
+def build_recipe(args, run_dir: Path, name: str, **extra):
+    """The demo's recipe, with this benchmark's questions, threads, port and run folder."""
     values = {
-        "dataset_type": "arc",
         "initial_model_path": args.model,
+        "data_dir": args.data_dir,
         "origin_yaml_path": str(REPO / "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml"),
         "output_dir": str(run_dir),
         "port": args.port,
         "thread_count": args.threads,
-        "max_turns": args.max_turns,
-        "max_tokens": args.max_tokens,
+        "explore_count": args.samples,
         "request_timeout_s": 600.0,
-        "loss_placement": "after" if placement in ("after", "restart") else "beside",
+        "loss_placement": "after" if name in AFTER else "beside",
     }
-    return load_recipe(SFTRecipe, None, values | extra)
+    return load_recipe(SFTRecipe, DEMO_RECIPE, values | extra)
+
+
+def conversations_sha1(path: Path) -> str:
+    """Hash of every conversation's utterances, by question and sample (independent of the order written)."""
+    records = sorted(load_records(path)[0], key=lambda r: (str(r["task_id"]), r["sample_index"]))
+    text = json.dumps([[r["task_id"], r["sample_index"], conversation_texts(r)] for r in records])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def cpu_seconds(pgids: list[int]) -> float:
@@ -104,11 +135,6 @@ def idle_cpu_share(pgids: list[int], window_s: float) -> float:
     while time.monotonic() < deadline:
         time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))  # poll to the window's end
     return round((cpu_seconds(pgids) - before) / (time.monotonic() - started), 3)
-
-
-def ready_seconds(holder: ServerHolder) -> dict:
-    servers = [s for s in (holder.loss.server if holder.loss else None,) if s is not None]
-    return {"loss_server_ready_s": round(servers[0]._ready_after, 1)} if servers else {}
 
 
 def measure_restart(args) -> dict:
@@ -143,43 +169,95 @@ def child_groups(parent: int) -> list[int]:
     return groups
 
 
+def generate_and_score(name: str, recipe, examples, tokenizer, holder: ServerHolder, stage) -> dict:
+    """Generation with the LM-loss scoring of this arrangement; seconds, tokens and the conversations' hash."""
+    result: dict = {}
+    model = str(recipe.initial_model_path)
+    urls = holder.endpoints(model, stage)
+    loss_urls = holder.loss_endpoints() or urls
+    scorer = VLLMLossScorer(loss_urls, recipe.served_model_name, tokenizer, recipe)
+    plan = plan_generation(recipe, 0)
+    if name in AFTER:
+        stats = generate_conversations(recipe, examples, urls, stage.generations, plan)
+        scored = time.monotonic()
+        scorer.score([t for record in load_records(stage.generations)[0] for t in conversation_texts(record)])
+        result["scoring_not_hidden_s"] = round(time.monotonic() - scored, 1)
+    else:
+        with StreamingLosses(scorer.score, stage.losses, model) as stream:
+            out = stage.generations
+            stats = generate_conversations(recipe, examples, urls, out, plan, on_record=stream.submit)
+            result["scoring_not_hidden_s"] = stream.finish()["wait_s"]
+    result["generation_s"] = round(stats.elapsed_s, 1)
+    result["generated_tokens"] = stats.generated_tokens
+    result["tokens_per_s"] = round(stats.tokens_per_s, 1)
+    result["total_s"] = round(result["generation_s"] + result["scoring_not_hidden_s"], 1)
+    result["conversations_sha1"] = conversations_sha1(stage.generations)
+    return result
+
+
+def measure_threads(args, examples, tokenizer) -> dict:
+    """The same conversations on one server with ``--threads`` and with 4 in flight (their hashes must match)."""
+    result: dict = {"arrangement": "threads"}
+    for threads in (args.threads, 4):
+        run_dir = Path(tempfile.mkdtemp(prefix=f"optima_serving_threads{threads}_"))
+        recipe = build_recipe(args, run_dir, "threads", thread_count=threads)
+        stage = RunPaths.from_recipe(recipe).stage(0)
+        with ServerHolder(recipe, resolve_env(None, "vllm"), args.model, run_dir / "logs") as holder:
+            holder.layout = fixed_kv(holder.layout, args)
+            run = generate_and_score("threads", recipe, examples, tokenizer, holder, stage)
+        result[f"sha1_threads_{threads}"] = run["conversations_sha1"]
+        result[f"generation_s_threads_{threads}"] = run["generation_s"]
+    result["identical"] = result[f"sha1_threads_{args.threads}"] == result["sha1_threads_4"]
+    return result
+
+
 def run_arrangement(args, name: str, examples, tokenizer) -> dict:
     if name == "restart":
         return measure_restart(args)
+    if name == "threads":
+        return measure_threads(args, examples, tokenizer)
     run_dir = Path(tempfile.mkdtemp(prefix=f"optima_serving_{name}_"))
     recipe = build_recipe(args, run_dir, name)
     holder = ServerHolder(recipe, resolve_env(None, "vllm"), args.model, run_dir / "logs")
-    if name == "beside_unbound":
-        holder._layout = ServerLayout((Placement(),), Placement())
+    holder.layout = fixed_kv(LAYOUTS.get(name, holder.layout), args)
+    result: dict = {"arrangement": name, "layout": str(holder.layout), "load_before": load_average()}
     stage = RunPaths.from_recipe(recipe).stage(0)
-    plan = GenerationPlan(iteration=0, temperature=0.3, samples=args.samples, stage="bench")
-    result: dict = {"arrangement": name, "layout": str(holder.layout)}
     with holder:
         started = time.monotonic()
-        urls = holder.endpoints(args.model, stage)
-        loss_urls = holder.loss_endpoints() or urls
+        holder.endpoints(str(recipe.initial_model_path), stage)
+        holder.loss_endpoints()
         result["startup_s"] = round(time.monotonic() - started, 1)
-        result |= ready_seconds(holder)
-        scorer = VLLMLossScorer(loss_urls, recipe.served_model_name, tokenizer, recipe, 4 * recipe.loss_batch_size)
-        if name == "after":
-            stats = generate_conversations(recipe, examples, urls, stage.generations, plan)
-            scored = time.monotonic()
-            texts = [t for record in load_records(stage.generations)[0] for t in conversation_texts(record)]
-            scorer.score(texts)
-            result["scoring_not_hidden_s"] = round(time.monotonic() - scored, 1)
-        else:
-            with StreamingLosses(scorer.score, stage.losses, args.model) as stream:
-                out = stage.generations
-                stats = generate_conversations(recipe, examples, urls, out, plan, on_record=stream.submit)
-                result["scoring_not_hidden_s"] = stream.finish()["wait_s"]
-        result["generation_s"] = round(stats.elapsed_s, 1)
-        result["generated_tokens"] = stats.generated_tokens
-        result["tokens_per_s"] = round(stats.tokens_per_s, 1)
-        result["total_s"] = round(result["generation_s"] + result["scoring_not_hidden_s"], 1)
+        result |= generate_and_score(name, recipe, examples, tokenizer, holder, stage)
         if name == "beside" and args.idle_window > 0:
-            groups = [holder.loss.server.pgid]
-            result["idle_loss_server_cpu_per_s"] = idle_cpu_share(groups, args.idle_window)
+            result["idle_loss_server_cpu_per_s"] = idle_cpu_share([holder.loss.server.pgid], args.idle_window)
+    result["load_after"] = load_average()
     return result
+
+
+def fixed_kv(layout: ServerLayout, args) -> ServerLayout:
+    """The same KV caches in every arrangement (sized from the memory available, they would differ with the load)."""
+    policy = tuple(dataclasses.replace(p, cpu_kvcache_gb=args.policy_kv_gb) for p in layout.policy)
+    loss = dataclasses.replace(layout.loss, cpu_kvcache_gb=args.loss_kv_gb) if layout.loss else None
+    return ServerLayout(policy, loss)
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def print_results(args, results: list[dict]) -> None:
+    print(f"{args.questions} questions x {args.samples} | demo recipe | {args.rounds} round(s), interleaved")
+    keys = ["arrangement", "startup_s", "generation_s", "scoring_not_hidden_s", "total_s", "tokens_per_s",
+            "generated_tokens", "conversations_sha1", "load_before", "load_after"]  # fmt: skip
+    print(" | ".join(keys))
+    for row in results:
+        if row["arrangement"] not in ("restart", "threads"):
+            print(" | ".join(str(row.get(k)) for k in keys))
+    for row in results:
+        if "idle_loss_server_cpu_per_s" in row:
+            print(f"idle loss server: {row['idle_loss_server_cpu_per_s']} CPU-seconds per second")
+        if row["arrangement"] in ("restart", "threads"):
+            print(json.dumps(row))
 
 
 def main(argv=None) -> int:
@@ -189,22 +267,14 @@ def main(argv=None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     examples = TASKS["arc"].load_train(data_dir=args.data_dir)[: args.questions]
-    results = [run_arrangement(args, name, examples, tokenizer) for name in args.only]
-    print(f"{args.questions} questions x {args.samples} | {args.max_turns} turns x {args.max_tokens} tokens")
-    keys = ["arrangement", "startup_s", "generation_s", "scoring_not_hidden_s", "total_s", "tokens_per_s"]
-    print(" | ".join(keys))
-    for row in results:
-        if row["arrangement"] == "restart":
-            continue
-        print(" | ".join(str(row.get(k)) for k in keys))
-    for row in results:
-        if "idle_loss_server_cpu_per_s" in row:
-            print(f"idle loss server: {row['idle_loss_server_cpu_per_s']} CPU-seconds per second")
-        if row["arrangement"] == "restart":
-            print(f"policy start-up {row['start_s']} s | weight reload {row['reload_s']} s (no restart) | idle kept "
-                  f"policy {row['idle_policy_cpu_per_s']} CPU-seconds per second")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2) + "\n")
+    results = []
+    for _ in range(args.rounds):
+        for name in args.only:
+            results.append(run_arrangement(args, name, examples, tokenizer))
+            print(json.dumps(results[-1]), flush=True)  # each row as it comes: a long run may be cut short
+            if args.json:
+                Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2) + "\n")
+    print_results(args, results)
     return 0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,11 +12,14 @@ from optima.serving.capacity import (
     GIB,
     CacheCounters,
     KVShape,
+    MemoryShare,
     conversation_kv_tokens,
     cpu_kvcache_gb,
     fit_in_flight,
     kv_capacity_tokens,
     kv_shape,
+    loss_kv_tokens,
+    loss_kvcache_gb,
     metric_total,
     parse_prometheus,
     read_available_bytes,
@@ -65,22 +70,68 @@ def test_read_available_bytes_rejects_other_text():
 
 
 @pytest.mark.parametrize(
-    ("available_gib", "servers", "weights_gib", "expected"),
+    ("available_gib", "share", "weights_gib", "expected"),
     [
-        (22, 1, 0.5, 8),  # this box, one policy server: 0.5 x (22 - 2 - 3.5)
-        (22, 2, 0.5, 3),  # policy + served loss model side by side: each gets a share
-        (8, 1, 0.5, 1),  # a small machine still gets the minimum
-        (4, 2, 0.5, 1),
-        (1000, 1, 16, 64),  # a large machine is capped
+        (22, MemoryShare(), 0.5, 8),  # this box, one policy server: 0.5 x (22 - 2 - 3.5)
+        # Policy + loss server starting together: the loss server takes its 1 GiB, the policy the rest of
+        # 0.5 x (22 - 2 - 2 x 3.5) = 6.5 (the even split gave each 3).
+        (22, MemoryShare(loss_kv_gb=1), 0.5, 5),
+        # Two replicas split the rest: 0.5 x (26 - 2 - 3 x 3.5) = 6.75, (6.75 - 1) / 2.
+        (26, MemoryShare(policy_replicas=2, loss_kv_gb=1), 0.5, 2),
+        # The policy stays up through training: the trainer's 6 GiB stay free. 22 - 2 - 7 - 6 = 7 > the share 6.5.
+        (22, MemoryShare(loss_kv_gb=1, reserve_bytes=6 * GIB), 0.5, 5),
+        # With a 9 GiB trainer, what is left after it (4 GiB) is below the share: 4 - 1 for the policy.
+        (22, MemoryShare(loss_kv_gb=1, reserve_bytes=9 * GIB), 0.5, 3),
+        (8, MemoryShare(), 0.5, 1),  # a small machine still gets the minimum
+        (4, MemoryShare(loss_kv_gb=1), 0.5, 1),
+        (1000, MemoryShare(), 16, 64),  # a large machine is capped
     ],
 )
-def test_cpu_kvcache_gb(available_gib, servers, weights_gib, expected):
-    assert cpu_kvcache_gb(int(available_gib * GIB), servers, int(weights_gib * GIB)) == expected
+def test_policy_kv_gets_what_the_loss_server_and_the_trainer_leave(available_gib, share, weights_gib, expected):
+    assert cpu_kvcache_gb(int(available_gib * GIB), int(weights_gib * GIB), share) == expected
 
 
-def test_cpu_kvcache_gb_needs_a_server():
-    with pytest.raises(ValueError, match="servers"):
-        cpu_kvcache_gb(10 * GIB, 0)
+def test_servers_sharing_memory_are_counted_once():
+    assert MemoryShare().servers == 1
+    assert MemoryShare(policy_replicas=2).servers == 2
+    assert MemoryShare(policy_replicas=2, loss_kv_gb=1).servers == 3  # the loss server starts with them
+    with pytest.raises(ValueError, match="policy_replicas must be >= 1, got 0"):
+        MemoryShare(policy_replicas=0)
+
+
+def test_a_trainer_reserve_that_does_not_fit_shrinks_the_cache_and_says_why(caplog):
+    share = MemoryShare(loss_kv_gb=1, reserve_bytes=11 * GIB)
+    with caplog.at_level("WARNING", logger="optima.serving.capacity"):
+        assert cpu_kvcache_gb(20 * GIB, GIB // 2, share) == 1  # 20 - 2 - 7 - 11 = 0 GiB left: the minimum
+    message = caplog.text
+    for value in ("20.0 GiB available", "2 server(s) at 3.5 GiB", "estimated peak (11.0 GiB)", "KV cache (1 GiB)"):
+        assert value in message
+    assert "cpu_kvcache_space_gb" in message and "sleep_mode: false" in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="optima.serving.capacity"):
+        cpu_kvcache_gb(4 * GIB, GIB // 2, MemoryShare())  # short without a trainer: the old minimum, quietly
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize(
+    ("batch", "max_total", "max_len", "expected"),
+    [(8, 2000, 8192, 16_000), (8, 2000, 1024, 8192), (1, 100, 8192, 100)],
+)
+def test_loss_kv_tokens_is_one_batch_of_texts(batch, max_total, max_len, expected):
+    assert loss_kv_tokens(batch, max_total, max_len) == expected
+
+
+def test_the_loss_server_gets_what_scoring_needs(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2 | {"max_position_embeddings": 8192}))
+    recipe = SimpleNamespace(cpu_kvcache_space_gb=None, max_model_len=None, loss_batch_size=8, max_total_tokens=2000)
+    assert loss_kvcache_gb(recipe, model) == 1  # 16,000 tokens x 46,080 B = 0.69 GiB, rounded up
+    big = SimpleNamespace(**vars(recipe) | {"loss_batch_size": 64})  # 128,000 tokens: 5.5 GiB
+    assert loss_kvcache_gb(big, model) == 6
+    assert loss_kvcache_gb(recipe, tmp_path / "hub-id") == 1  # no config: the minimum
+    recipe.cpu_kvcache_space_gb = 4
+    assert loss_kvcache_gb(recipe, model) == 4  # an explicit budget wins
 
 
 def test_an_explicit_budget_wins(tmp_path):

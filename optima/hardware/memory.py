@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config.rules import vllm_dtype_arg
-from optima.serving.capacity import DTYPE_BYTES, GIB, conversation_kv_tokens, kv_shape, load_model_config
+from optima.serving.capacity import (
+    DTYPE_BYTES,
+    GIB,
+    conversation_kv_tokens,
+    kv_shape,
+    load_model_config,
+    loss_kv_tokens,
+)
 
 if TYPE_CHECKING:
     from optima.config.types import BaseRecipe, LoopRecipe
@@ -192,8 +199,7 @@ def policy_kv_min_bytes(size: ModelSize, recipe: BaseRecipe, dtype_bytes: int) -
 
 def loss_kv_min_bytes(size: ModelSize, recipe: LoopRecipe, dtype_bytes: int) -> int:
     """KV cache for one batch of LM-loss texts: ``loss_batch_size x min(max_total_tokens, max_model_len)`` tokens."""
-    max_len = recipe.max_model_len or size.max_len
-    tokens = recipe.loss_batch_size * min(recipe.max_total_tokens, max_len)
+    tokens = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, recipe.max_model_len or size.max_len)
     return tokens * size.kv_bytes_per_token(dtype_bytes)
 
 

@@ -20,7 +20,7 @@ from optima.training.launch_config import read_accelerate_config, resolve_accele
 from optima.training.nodes import NodeRanks, TrainingPlacement
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, TrainingFields
+    from optima.config.types import AnyLoopRecipe, LoopRecipe, TrainingFields
 
 
 def read_hosts(recipe: TrainingFields) -> list[str]:
@@ -56,6 +56,19 @@ def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
         lora_rank=int(yaml.get("lora_r", 16)) if yaml.get("use_peft") else 0,
         precomputed_reference=bool(yaml.get("precompute_ref_log_probs")),
     )
+
+
+def cpu_trainer_peak_bytes(recipe: AnyLoopRecipe) -> int:
+    """The trainer's estimated peak on a CPU (one process, ``trainer_peak_bytes`` of its largest stage; 0 for an
+    evaluation recipe or a model of unknown size): what a policy server kept through training must leave free."""
+    from optima.hardware.plan import policy_size, trainer_yamls
+
+    yamls = trainer_yamls(recipe)
+    size = policy_size(recipe, yamls) if yamls else None
+    if size is None:
+        return 0
+    processes = recipe.num_processes or 1
+    return max(memory.trainer_peak_bytes(size, trainer_shape("cpu", processes, y)) for y in yamls)
 
 
 def node_hosts(recipe: TrainingFields, hardware: Hardware, plan) -> list[str]:

@@ -5,12 +5,14 @@ running requests, evicts the cached prefixes of the others and re-reads them tur
 a 2 GB cache (46,592 SmolLM2 tokens) 52 six-turn HotpotQA conversations ran at 0-17 tokens/s with a 12% prefix-cache
 hit rate; with room for them, ~50 tokens/s. So generation is sized to the cache:
 
-* **CPU KV budget** (``cpu_kvcache_gb``): ``cpu_kvcache_space_gb: null`` (the default) takes a share of the memory
-  available now (``MemAvailable``), after a reserve for the driver and, per server, vLLM's own footprint plus the
-  model weights. Training never runs while a server is up (servers are stopped first), so it needs no reserve; a
-  second server starting at the same time (the served loss model at a run's start) is one more ``servers``. A
-  server that runs already (the loss server from the second iteration on) is not counted again: its memory is
-  already missing from ``MemAvailable``.
+* **CPU KV budget** (``cpu_kvcache_gb``): ``cpu_kvcache_space_gb: null`` (the default) sizes the caches from the
+  memory available now (``MemAvailable``). The loss server beside the policy gets what scoring needs
+  (``loss_kv_tokens``: one batch of LM-loss texts, ``loss_kvcache_gb``); the policy gets the rest: a share of what
+  is left after a reserve for the driver and, per server starting now (``MemoryShare.servers``), vLLM's own
+  footprint plus the model weights, and after the trainer's estimated peak when the policy stays up through
+  training (``MemoryShare.reserve_bytes``); a short machine gets a smaller cache, down to the minimum, and a
+  warning naming the numbers. A server that runs already (the loss server from the second iteration on) is not
+  counted again: its memory is already missing from ``MemAvailable``.
 * **Conversation footprint** (``conversation_kv_tokens``): the worst case of one conversation: the speaking view
   (its system prompt and private context, then the whole history) resident, and every other view's prompt kept in
   the cache so that its next turn re-reads only the new utterances:
@@ -26,10 +28,17 @@ hit rate; with room for them, ~50 tokens/s. So generation is sized to the cache:
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe
+
+logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 # vLLM's API server + engine core + worker (torch, tokenizer, activations) besides the weights and the KV cache,
@@ -120,22 +129,95 @@ def read_available_bytes(meminfo: str) -> int:
     raise ValueError("/proc/meminfo has neither MemAvailable nor MemFree")
 
 
-def cpu_kvcache_gb(available_bytes: int, servers: int = 1, weight_bytes: int = 0) -> int:
-    """KV-cache budget of one CPU server (``VLLM_CPU_KVCACHE_SPACE``, whole GiB) from the memory available now.
+@dataclass(frozen=True)
+class MemoryShare:
+    """What the policy replicas starting now share the machine's memory with (sizes their CPU KV caches).
 
-    ``share x (available - driver reserve - servers x (vLLM footprint + weights)) / servers``, within
-    [``MIN_CPU_KVCACHE_GB``, ``MAX_CPU_KVCACHE_GB``].
+    Args:
+        policy_replicas: Policy replicas starting now; the policy's KV budget is split between them.
+        loss_kv_gb: KV cache of the loss server starting at the same time (0: none starts now; one that runs
+            already holds its memory, which is missing from ``MemAvailable``).
+        reserve_bytes: Memory left free for the trainer (its estimated peak) when the policy stays up through
+            training; 0 when the policy is stopped before training.
+    """
+
+    policy_replicas: int = 1
+    loss_kv_gb: int = 0
+    reserve_bytes: int = 0
+
+    def __post_init__(self):
+        if self.policy_replicas < 1:
+            raise ValueError(f"policy_replicas must be >= 1, got {self.policy_replicas}")
+
+    @property
+    def servers(self) -> int:
+        """vLLM servers starting now (each needs vLLM's footprint and a copy of the weights): the policy
+        replicas, plus the loss server when it starts with them."""
+        return self.policy_replicas + (1 if self.loss_kv_gb else 0)
+
+
+def cpu_kvcache_gb(available_bytes: int, weight_bytes: int = 0, share: MemoryShare | None = None) -> int:
+    """KV-cache budget of each policy replica on a CPU (``VLLM_CPU_KVCACHE_SPACE``, whole GiB).
+
+    ``free = available - driver reserve - servers x (vLLM footprint + weights)``; the caches together get
+    ``min(AVAILABLE_SHARE x free, free - trainer reserve)``; the loss server starting beside takes its
+    ``loss_kv_gb`` of that, the policy replicas split the rest; each within [``MIN_CPU_KVCACHE_GB``,
+    ``MAX_CPU_KVCACHE_GB``].
 
     Args:
         available_bytes: Memory available to new processes (``MemAvailable``).
-        servers: vLLM servers that will share the machine at the same time (policy, served loss model, replicas).
         weight_bytes: Size of the served model's weights (each server holds a copy).
+        share: Who shares the memory: replicas and loss server starting now, the trainer's reserve (None: one
+            policy server alone).
     """
-    if servers < 1:
-        raise ValueError(f"servers must be >= 1, got {servers}")
-    free = available_bytes - DRIVER_RESERVE_BYTES - servers * (SERVER_BASE_BYTES + weight_bytes)
-    budget = math.floor(AVAILABLE_SHARE * free / servers / GIB)
+    share = share or MemoryShare()
+    free = available_bytes - DRIVER_RESERVE_BYTES - share.servers * (SERVER_BASE_BYTES + weight_bytes)
+    room = min(AVAILABLE_SHARE * free, free - share.reserve_bytes) / GIB - share.loss_kv_gb
+    budget = math.floor(room / share.policy_replicas)
+    if share.reserve_bytes and budget < MIN_CPU_KVCACHE_GB:
+        logger.warning(
+            "CPU memory is short for a policy server that stays up through training: %.1f GiB available, "
+            "minus the driver (%.1f GiB), %d server(s) at %.1f GiB each, the trainer's estimated peak (%.1f GiB) "
+            "and the loss server's KV cache (%d GiB) leave %.1f GiB of KV cache for %d policy replica(s); each "
+            "gets the minimum, %d GiB (set cpu_kvcache_space_gb, or sleep_mode: false to stop the policy for "
+            "training)",
+            available_bytes / GIB,
+            DRIVER_RESERVE_BYTES / GIB,
+            share.servers,
+            (SERVER_BASE_BYTES + weight_bytes) / GIB,
+            share.reserve_bytes / GIB,
+            share.loss_kv_gb,
+            max(room, 0.0),
+            share.policy_replicas,
+            MIN_CPU_KVCACHE_GB,
+        )
     return max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, budget))
+
+
+def loss_kv_tokens(loss_batch_size: int, max_total_tokens: int, max_model_len: int) -> int:
+    """KV tokens the loss server needs: one batch of LM-loss texts, each at most ``max_total_tokens`` long.
+
+    Scoring requests only read their prompt (``max_tokens: 0``): a request holds its cache for one step, and vLLM
+    queues the rest, so a batch is the need, not every text in flight.
+    """
+    return loss_batch_size * min(max_total_tokens, max_model_len)
+
+
+def loss_kvcache_gb(recipe: LoopRecipe, model_path: str | Path) -> int:
+    """KV-cache budget of the loss server on a CPU (whole GiB, at least ``MIN_CPU_KVCACHE_GB``).
+
+    ``cpu_kvcache_space_gb`` when the recipe sets it, else ``loss_kv_tokens`` of the loss model in fp32; a model
+    without a local ``config.json`` gets the minimum.
+    """
+    if recipe.cpu_kvcache_space_gb is not None:
+        return recipe.cpu_kvcache_space_gb
+    config = load_model_config(model_path)
+    if config is None:
+        return MIN_CPU_KVCACHE_GB
+    max_len = int(recipe.max_model_len or config.get("max_position_embeddings") or recipe.max_total_tokens)
+    tokens = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, max_len)
+    need = tokens * kv_shape(config, DTYPE_BYTES["float32"]).bytes_per_token
+    return max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, math.ceil(need / GIB)))
 
 
 def conversation_kv_tokens(
@@ -273,14 +355,14 @@ def available_memory_bytes(meminfo_path: Path = Path("/proc/meminfo")) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def resolve_cpu_kvcache_gb(explicit: int | None, model_path: str | Path, servers: int = 1) -> int:
+def resolve_cpu_kvcache_gb(explicit: int | None, model_path: str | Path, share: MemoryShare | None = None) -> int:
     """``cpu_kvcache_space_gb`` when the recipe sets it, else ``cpu_kvcache_gb`` of the memory available now.
 
     Args:
         explicit: The recipe's ``cpu_kvcache_space_gb`` (None: size it to the machine).
         model_path: The served model (its weights count against the memory).
-        servers: vLLM servers sharing the machine at the same time.
+        share: Who shares the memory with the replicas starting now (None: one policy server alone).
     """
     if explicit is not None:
         return explicit
-    return cpu_kvcache_gb(available_memory_bytes(), servers, model_weight_bytes(model_path))
+    return cpu_kvcache_gb(available_memory_bytes(), model_weight_bytes(model_path), share)

@@ -68,9 +68,8 @@ class LossServer:
         port = find_free_port(recipe.host, recipe.port, busy_ports)
         argv = build_serve_command(recipe, self.model, port, self.vllm_env, placement)
         cache = RunPaths.from_recipe(recipe).vllm_cache
-        # It runs beside the policy's replicas: the CPU memory for KV caches is split between all of them.
-        servers = 1 + len(self.layout.policy)
-        env = build_serve_env(recipe, self.vllm_env, placement, cache, self.model, servers=servers)
+        # On a CPU its KV cache is the placement's: what scoring needs (the policy gets the rest).
+        env = build_serve_env(recipe, self.vllm_env, placement, cache, self.model)
         logger.info("loss server | %s | port %d | log %s", self.model, port, self.log_path)
         server = VLLMServer(ServerSpec(0, tuple(argv), env, recipe.host, port, self.log_path))
         server.__enter__()

@@ -5,7 +5,11 @@ policy is still generating (``loss_placement: beside``). The two must not fight 
 
 * CPU: each server's OpenMP threads are bound to their own cores (``VLLM_CPU_OMP_THREADS_BIND``): the loss server
   gets the last quarter of the allowed cores (at least one), the policy the rest. On a 2-core machine: policy on
-  core 0, loss server on core 1 (``bench/RESULTS.md`` has the measurement that made this the default).
+  core 0, loss server on core 1 (``bench/RESULTS.md`` has the measurements that made this the default: against
+  "after" with vLLM's own binding, one policy replica on both cores, two single-core replicas, and the API servers
+  and engine cores pinned away from the compute threads, ``Placement.service_bind``). The loss server's KV cache is
+  what scoring needs (``optima.serving.capacity.loss_kvcache_gb``); the policy's is sized from what is left when
+  it starts.
 * GPU: the loss server runs on ``loss_devices`` when the recipe names them (each keeps the full
   ``gpu_memory_utilization``), else on the first policy GPU with ``loss_gpu_memory_utilization`` of its memory
   (null: the share the hardware plan computes from the loss model's weights, ``optima.hardware.plan``), taken from
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
+from optima.config.rules import loss_model
+from optima.serving.capacity import loss_kvcache_gb
 from optima.serving.replicas import plan_replicas
 from optima.serving.vllm_server import Placement
 
@@ -90,12 +96,20 @@ def plan_layout(
         return ServerLayout(tuple(policy), Placement(gpus=policy[0].gpus[:1], gpu_memory_utilization=share))
     if not beside:
         return ServerLayout((Placement(carry_over=carry),), None)
-    cpus = sorted(cpus)
-    if len(cpus) < 2:
-        return ServerLayout((Placement(carry_over=carry),), Placement())  # one core: both servers share it
+    return plan_cpu_beside(recipe, sorted(cpus), carry)
+
+
+def plan_cpu_beside(recipe: LoopRecipe, cpus: list[int], carry: bool) -> ServerLayout:
+    """Policy and loss server on a CPU: their own cores, and the loss server's KV cache what scoring needs.
+
+    The loss server gets the last quarter of the cores (at least one), the policy the rest; one core is shared.
+    """
+    loss_kv = loss_kvcache_gb(recipe, loss_model(recipe))
+    if len(cpus) < 2:  # one core: both servers share it
+        return ServerLayout((Placement(carry_over=carry),), Placement(cpu_kvcache_gb=loss_kv))
     loss_cores = max(1, len(cpus) // 4)
     policy = Placement(cpu_bind=",".join(map(str, cpus[:-loss_cores])), carry_over=carry)
-    return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:]))))
+    return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:])), cpu_kvcache_gb=loss_kv))
 
 
 def describe_placement(placement: Placement, recipe: ServingFields) -> str:

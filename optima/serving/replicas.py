@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
+from optima.config.rules import loss_model
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
+from optima.serving.capacity import MemoryShare, loss_kvcache_gb
 from optima.serving.endpoints import normalize_base_url, sync_endpoints
 from optima.serving.gpus import visible_gpus
 from optima.serving.processes import sigterm_as_exit
@@ -39,7 +41,7 @@ from optima.serving.vllm_server import (
 )
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, ServingFields
+    from optima.config.types import BaseRecipe, Recipe, ServingFields
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,23 @@ def plan_replicas(
     return [Placement(cpu_bind=",".join(map(str, s))) for s in slices]
 
 
+def memory_share(recipe: Recipe, placements: Sequence[Placement], loss_starting: bool) -> MemoryShare:
+    """Who the policy replicas starting now share the machine's memory with: the one count of servers sharing it.
+
+    Args:
+        recipe: Serving and reward fields (the loss server's KV cache; the trainer's peak).
+        placements: The policy replicas starting now.
+        loss_starting: The loss server starts with them (one that runs already holds its memory: not counted).
+    """
+    loss_kv = loss_kvcache_gb(recipe, loss_model(recipe)) if loss_starting else 0
+    reserve = 0
+    if placements and placements[0].on_cpu and placements[0].carry_over:  # the policy stays up through training
+        from optima.hardware.training import cpu_trainer_peak_bytes
+
+        reserve = cpu_trainer_peak_bytes(recipe)
+    return MemoryShare(len(placements), loss_kv, reserve)
+
+
 def build_replica_specs(
     recipe: BaseRecipe,
     model_path: str,
@@ -93,14 +112,14 @@ def build_replica_specs(
     ``exclude_ports`` are taken by servers that are starting and may not listen yet (the loss server).
     """
     cache_root = RunPaths(Path(recipe.output_dir)).vllm_cache  # evaluation recipes have no checkpoint root
+    # A loss server that starts with these replicas has its port excluded (it may not listen yet).
+    share = memory_share(recipe, placements, loss_starting=bool(exclude_ports))
     specs, taken = [], list(exclude_ports)
     for replica, placement in enumerate(placements):
         port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
         taken.append(port)
         argv = build_serve_command(recipe, model_path, port, vllm_env, placement)
-        # The machine's memory is shared by these replicas and the loss server beside them (its port is excluded).
-        servers = len(placements) + len(exclude_ports)
-        env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path, servers=servers)
+        env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path, share)
         log = stage_paths.server_log(replica)
         specs.append(ServerSpec(replica, tuple(argv), env, recipe.host, port, log))
     return specs

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
-from optima.serving.capacity import resolve_cpu_kvcache_gb
+from optima.serving.capacity import MemoryShare, resolve_cpu_kvcache_gb
+from optima.serving.pinning import SERVICE_CPUS_ENV, pin_service_processes
 from optima.serving.processes import PARENT_ENV, stop_group
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ class Placement:
     Args:
         gpus: ``CUDA_VISIBLE_DEVICES`` entries of the replica (``None`` on CPU).
         cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` (``None``: vLLM's automatic binding).
+        service_bind: CPUs of its API server and engine core, pinned once it is ready (``optima.serving.pinning``;
+            ``None``: wherever the kernel puts them).
+        cpu_kvcache_gb: A fixed CPU KV cache in GiB (the loss server: what scoring needs,
+            ``optima.serving.capacity.loss_kvcache_gb``); ``None``: the policy's, sized when it starts.
         gpu_memory_utilization: This server's share of each GPU (``None``: the recipe's); a loss server beside
             the policy takes part of it.
         carry_over: The process carries over to the next checkpoint (``optima.serving.sleep_mode``): the
@@ -60,6 +65,8 @@ class Placement:
 
     gpus: tuple[str, ...] | None = None
     cpu_bind: str | None = None
+    service_bind: str | None = None
+    cpu_kvcache_gb: int | None = None
     gpu_memory_utilization: float | None = None
     carry_over: bool = False
 
@@ -140,13 +147,15 @@ def build_serve_env(
     placement: Placement,
     cache_root: Path,
     model_path: str,
-    servers: int = 1,
+    share: MemoryShare | None = None,
 ) -> dict:
     """The environment of one replica: ours, plus vLLM's settings for this machine (pure but for os.environ).
 
-    On a CPU the KV cache is ``cpu_kvcache_space_gb``, or (null) a share of the memory available now split
-    between the ``servers`` that run at the same time (``optima.serving.capacity``). The API key travels as
-    ``VLLM_API_KEY`` (same effect as ``--api-key``) so it never shows in ``ps`` or in the logged command line.
+    On a CPU the KV cache is the placement's fixed one (the loss server), else ``cpu_kvcache_space_gb``, else
+    (null) what the memory available now leaves the policy after the servers and the reserves of ``share``
+    (``optima.serving.capacity``). The compute threads are bound to ``placement.cpu_bind``; the API server and
+    engine core are pinned to ``placement.service_bind`` once ready (``optima.serving.pinning``). The API key travels
+    as ``VLLM_API_KEY`` (same effect as ``--api-key``) so it never shows in ``ps`` or in the logged command line.
     """
     extra = {"VLLM_CACHE_ROOT": str(cache_root), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     extra[PARENT_ENV] = str(os.getpid())  # the launcher stops itself if this driver dies (kill -9 included)
@@ -159,9 +168,14 @@ def build_serve_env(
     if placement.on_cpu:
         # Without an explicit CPU target vLLM loads AVX-512 kernels and dies with SIGILL on AVX2 machines.
         extra["VLLM_TARGET_DEVICE"] = "cpu"
-        extra["VLLM_CPU_KVCACHE_SPACE"] = str(resolve_cpu_kvcache_gb(recipe.cpu_kvcache_space_gb, model_path, servers))
+        kv_gb = placement.cpu_kvcache_gb
+        if kv_gb is None:
+            kv_gb = resolve_cpu_kvcache_gb(recipe.cpu_kvcache_space_gb, model_path, share or MemoryShare())
+        extra["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gb)
         if placement.cpu_bind is not None:
             extra["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_bind
+        if placement.service_bind is not None:
+            extra[SERVICE_CPUS_ENV] = placement.service_bind  # read back when the server is ready
     else:
         extra["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
     return vllm_env.process_env(extra)
@@ -262,6 +276,8 @@ class VLLMServer:
             return False
         self._ready_after = time.monotonic() - self._started_at
         logger.info("replica %d ready after %.0f s", self.spec.replica, self._ready_after)
+        if self.spec.env.get(SERVICE_CPUS_ENV):  # every process exists now: the worker keeps its own cores
+            pin_service_processes(self.pgid, self.spec.env[SERVICE_CPUS_ENV])
         return True
 
     def wait_until_ready(self, timeout_s: float) -> None:
