@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from optima.agents.generation import ConversationRunner, GenerationPlan, GenerationStats, Job, generate_conversations
+from optima.agents.generation import (
+    ConversationRunner,
+    GenerationHooks,
+    GenerationPlan,
+    GenerationStats,
+    Job,
+    generate_conversations,
+)
 from optima.agents.prompts import AGENT_NAMES, build_system_prompt
 from optima.evaluation.fingerprint import conversation_prompts
 from optima.tasks import Example, Task
@@ -44,4 +51,4 @@ def generate_autoform(
     recipe, examples: Sequence[Example], endpoints: Sequence[str], out_path: Path, plan: GenerationPlan
 ) -> GenerationStats:
     """``plan.samples`` AutoForm conversations per example into ``out_path`` (resuming what is there)."""
-    return generate_conversations(recipe, examples, endpoints, out_path, plan, runner_cls=AutoFormRunner)
+    return generate_conversations(recipe, examples, endpoints, out_path, plan, GenerationHooks(AutoFormRunner))
