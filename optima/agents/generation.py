@@ -176,35 +176,45 @@ class TokenCounter:
 
 
 class Prefill:
-    """One agent's opening view sent with ``max_tokens`` 1 from a background thread, to fill the prefix cache.
+    """An agent's opening view sent with ``max_tokens`` 1 from a background thread, to fill the prefix cache.
 
-    The reply is discarded. A failed request only costs the cache hit (logged); any other error is raised by
-    ``wait``.
+    A context manager around the conversation: leaving it waits for the request, so none outlives its
+    conversation. The reply is discarded. A failed request only costs the cache hit (logged at debug level); any
+    other error (a bug) is raised in the conversation's thread, by ``wait`` or on leaving. ``messages`` None: nothing
+    is sent (the conversation needs no prefill).
     """
 
-    def __init__(self, pool: ReplicaPool, replica: int, messages: list[dict]):
+    def __init__(self, pool: ReplicaPool, replica: int, messages: list[dict] | None):
         self._pool, self._replica, self._messages = pool, replica, messages
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._send, name="prefill", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._send, name="prefill", daemon=True) if messages else None
+        if self._thread is not None:
+            self._thread.start()
 
     def _send(self) -> None:
         try:
             self._pool.chat(self._replica, self._messages, Sampling(0.0, PREFILL_TOKENS))
         except (RequestFailed, NoReplicaLeft) as exc:
             logger.debug("prefill on replica %d failed: %s", self._replica, exc)
-        except BaseException as exc:  # noqa: BLE001 (a bug: raised in the conversation's thread by ``wait``)
+        except BaseException as exc:  # noqa: BLE001 (a bug: raised in the conversation's thread)
             self._error = exc
-
-    def join(self) -> None:
-        """Wait for the request to end."""
-        self._thread.join()
 
     def wait(self) -> None:
         """Wait for the request to end; raise what it raised unless it was a failed request."""
-        self.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._error is not None:
-            raise self._error
+            error, self._error = self._error, None
+            raise error
+
+    def __enter__(self) -> Prefill:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if exc_type is None:
+            self.wait()  # a bug in the prefill surfaces even when its agent never spoke
 
 
 class ConversationRunner:
@@ -247,7 +257,7 @@ class ConversationRunner:
 
         def generate(messages: list[dict], speaker: str):
             nonlocal replica
-            if speaker != AGENT_NAMES[0] and prefill is not None:
+            if speaker != AGENT_NAMES[0]:
                 prefill.wait()  # Bob's first prompt then starts with the prefix the server just cached
             seed = stable_rng(*seed_parts, next(turns)).randrange(2**31)
             # A pre-filled reply (last message from the assistant) is continued, not answered.
@@ -257,27 +267,21 @@ class ConversationRunner:
             replica = reply.replica  # after a failover the rest of the conversation stays on the new replica
             return reply
 
-        try:
+        with prefill:
             result = run_conversation(job.example, agents, generate, self.limits, self.count_tokens, task)
-        finally:
-            if prefill is not None:
-                prefill.join()  # no request of this conversation outlives it
-        if prefill is not None:
-            prefill.wait()  # a bug in the prefill thread surfaces even when Bob never spoke
         if result.replica is None:
             result.replica = replica
         return self.build_record(job, agents.system, result), result.generated_tokens
 
-    def start_prefill(self, job: Job, task: Task, agents: AgentPrompts, replica: int) -> Prefill | None:
+    def start_prefill(self, job: Job, task: Task, agents: AgentPrompts, replica: int) -> Prefill:
         """Information exchange: send Bob's opening view with ``max_tokens`` 1 beside Alice's first turn.
 
         Bob's first prompt holds his half of the context (about half of the context window); computed while Alice
         writes her first reply, it waits in the server's prefix cache for his real first turn, off the
         conversation's critical path. Its one-token reply is discarded (never stored nor counted).
         """
-        if task.family != "qa" or self.recipe.max_turns < 2:
-            return None
-        return Prefill(self.pool, replica, opening_view(job.example, agents, task))
+        wanted = task.family == "qa" and self.recipe.max_turns >= 2
+        return Prefill(self.pool, replica, opening_view(job.example, agents, task) if wanted else None)
 
     def build_record(self, job: Job, prompts: Sequence[str], result: ConversationResult) -> dict:
         """The JSONL line of one conversation (everything reward and selection need to re-render it)."""
