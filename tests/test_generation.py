@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import GenerationPlan, generate_conversations, plan_generation
+from optima.agents.generation import GenerationPlan, Prefill, generate_conversations, plan_generation
 from optima.agents.prompts import build_agent_messages, build_system_prompt
-from optima.serving import NoReplicaLeft
+from optima.serving import NoReplicaLeft, RequestFailed
 from optima.serving.processes import group_members
 from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
@@ -282,3 +282,19 @@ def test_an_agents_second_prompt_holds_its_first_reply_byte_for_byte(make_recipe
 def test_debate_sends_no_prefill(make_recipe, fake_server, tmp_path):
     run(make_recipe(), [fake_server], tmp_path / "gen.jsonl", arc_examples(2))
     assert fake_server.bodies() and all(body["max_tokens"] == 32 for body in fake_server.bodies())
+
+
+@pytest.mark.parametrize(("error", "raised"), [(RequestFailed("400"), False), (ValueError("a bug"), True)])
+def test_a_failed_prefill_costs_only_the_cache_hit_but_a_bug_is_raised(error, raised):
+    class FailingPool:
+        def chat(self, replica, messages, sampling):
+            assert sampling.max_tokens == 1
+            raise error
+
+    prefill = Prefill(FailingPool(), 0, [{"role": "user", "content": "x"}])
+    if raised:
+        with pytest.raises(ValueError, match="a bug"), prefill:
+            pass
+    else:
+        with prefill:
+            pass
