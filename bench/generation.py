@@ -9,12 +9,15 @@
    prefix cache, and the usage of each reply carries its cached prompt tokens).
 2. Run ``generate_conversations`` and measure generated tokens per second, the prefix-cache hit rate of the stage
    (vLLM's ``/metrics``) and, per conversation turn, the share of prompt tokens the server read from its cache.
-3. Rebuild every request it sent from the written records (the chat views are re-rendered from the stored
-   utterances, exactly as the generator renders them) with its output length, reset the prefix cache, and send
-   the same requests as independent calls, as many at once as the generator had conversations in flight, each
-   forced to its recorded length (``ignore_eos`` + ``max_tokens``).
+   Every request the generator sends is recorded as sent (messages, continuation flags, output length), and so is
+   the number of conversations it had in flight at once; information exchange's prefill requests (Bob's opening
+   view, ``max_tokens`` 1) are counted apart: they are part of the generator's method, not of the work compared.
+3. Reset the prefix cache and send the same requests as independent calls, as many at once as the generator
+   actually had conversations in flight (its real concurrency: with fewer conversations than the KV bound allows,
+   the bound would give the plain client more parallelism than the generator ever had), each forced to its
+   recorded length (``ignore_eos`` + ``max_tokens``).
 4. Print tokens/s of both and their ratio (the generator's target: >= 0.90 of the plain client) and the hit rates
-   (target for multi-turn information exchange: >= 0.8 over turns 2..N).
+   (target for multi-turn information exchange: >= 0.85 over turns 2..N).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,8 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import add_model_args  # noqa: E402
 
-from optima.agents.generation import ConversationRunner, GenerationPlan, generate_conversations  # noqa: E402
-from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages  # noqa: E402
+from optima.agents.generation import ConversationRunner, GenerationHooks, GenerationPlan, generate_conversations  # noqa: E402
 from optima.config import InferenceRecipe, load_recipe  # noqa: E402
 from optima.environments import resolve_env  # noqa: E402
 from optima.logging_utils import setup_logging  # noqa: E402
@@ -43,8 +46,7 @@ from optima.paths import RunPaths  # noqa: E402
 from optima.serving import serve  # noqa: E402
 from optima.serving.capacity import CacheCounters  # noqa: E402
 from optima.serving.kv_monitor import fetch_metrics  # noqa: E402
-from optima.store import load_records  # noqa: E402
-from optima.tasks import TASKS, Example  # noqa: E402
+from optima.tasks import TASKS  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,37 +63,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def rebuild_requests(records: list[dict], max_tokens: int) -> list[tuple[list[dict], int]]:
-    """(messages, output tokens) of every request the generator sent, from its records."""
-    requests = []
-    for record in records:
-        example = Example.from_dict(record["example"])
-        utterances = [Utterance(u["speaker"], u["text"]) for u in record["utterances"]]
-        for turn, utterance in enumerate(utterances):
-            prompt = record["system_prompts"][utterance.speaker]
-            messages = build_agent_messages(example, utterance.speaker, utterances[:turn], prompt)
-            requests.append((messages, record["utterances"][turn]["tokens"]))
-        if record["status"] == "too_long":  # the discarded utterance was generated too
-            speaker = AGENT_NAMES[len(utterances) % 2]
-            prompt = record["system_prompts"][speaker]
-            requests.append((build_agent_messages(example, speaker, utterances, prompt), max_tokens))
-    return requests
+@dataclass(frozen=True)
+class SentRequest:
+    """One request the generator sent: its chat, its vLLM extensions and how many tokens the reply had."""
+
+    messages: list[dict]
+    extra_body: dict | None
+    tokens: int
 
 
-def run_plain_client(endpoint: str, recipe, requests: list[tuple[list[dict], int]], threads: int, temperature: float):
+def run_plain_client(endpoint: str, recipe, requests: list[SentRequest], threads: int, temperature: float):
     """Send every request independently from ``threads`` threads; return (generated tokens, seconds)."""
     import openai
 
     client = openai.OpenAI(base_url=endpoint, api_key="EMPTY", timeout=recipe.request_timeout_s, max_retries=0)
 
-    def send(item: tuple[list[dict], int]) -> int:
-        messages, tokens = item
+    def send(request: SentRequest) -> int:
         response = client.chat.completions.create(
             model=recipe.served_model_name,
-            messages=messages,
+            messages=request.messages,
             temperature=temperature,
-            max_tokens=tokens,
-            extra_body={"ignore_eos": True},
+            max_tokens=request.tokens,
+            extra_body=(request.extra_body or {}) | {"ignore_eos": True},
         )
         return response.usage.completion_tokens
 
@@ -111,10 +104,34 @@ def read_counters(endpoint: str) -> CacheCounters:
     return CacheCounters.from_samples(fetch_metrics(endpoint) or [])
 
 
-class _TurnRecordingPool:
-    """The generator's replica pool, recording (turn, prompt tokens, cached tokens) of every reply."""
+class GeneratorLog:
+    """What the generator did, recorded by ``TurnRecordingRunner``: requests, per-turn cache reads, concurrency."""
 
-    def __init__(self, pool, log: list, local: threading.local):
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: list[SentRequest] = []
+        self.turns: list[tuple[int, int, int]] = []  # (turn, prompt tokens, cached tokens), 1 = Alice's first
+        self.prefills: list[tuple[int, int]] = []  # (prompt tokens, cached tokens) of each prefill request
+        self.in_flight = 0
+        self.peak_in_flight = 0
+
+    def enter(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+
+
+class _TurnRecordingPool:
+    """The generator's replica pool, recording every reply into a ``GeneratorLog``.
+
+    A conversation's own thread knows its turn (``local.turn``); a request from any other thread is a prefill.
+    """
+
+    def __init__(self, pool, log: GeneratorLog, local: threading.local):
         self._pool, self._log, self._local = pool, log, local
 
     def __getattr__(self, name):
@@ -122,15 +139,22 @@ class _TurnRecordingPool:
 
     def chat(self, replica, messages, sampling):
         reply = self._pool.chat(replica, messages, sampling)
-        self._local.turn += 1
-        self._log.append((self._local.turn, reply.prompt_tokens or 0, reply.cached_tokens or 0))
+        usage = (reply.prompt_tokens or 0, reply.cached_tokens or 0)
+        with self._log.lock:
+            if getattr(self._local, "turn", None) is None:
+                self._log.prefills.append(usage)
+                return reply
+            self._local.turn += 1
+            self._log.turns.append((self._local.turn, *usage))
+            tokens = reply.completion_tokens or 0
+            self._log.requests.append(SentRequest(list(messages), sampling.extra_body, tokens))
         return reply
 
 
 class TurnRecordingRunner(ConversationRunner):
-    """``ConversationRunner`` whose requests are logged per conversation turn (1 = Alice's first)."""
+    """``ConversationRunner`` whose requests and concurrency go into the class's ``GeneratorLog``."""
 
-    log: list = []
+    log = GeneratorLog()
 
     def __init__(self, recipe, plan, pool):
         self._local = threading.local()
@@ -138,7 +162,21 @@ class TurnRecordingRunner(ConversationRunner):
 
     def run(self, job):
         self._local.turn = 0
-        return super().run(job)
+        self.log.enter()
+        try:
+            return super().run(job)
+        finally:
+            self.log.leave()
+
+
+def plain_client_threads(log: GeneratorLog, kv_in_flight: int | None, threads: int) -> int:
+    """The plain client's concurrency: the conversations the generator actually had in flight at once.
+
+    Not the KV bound (``kv_in_flight``) nor ``--threads``: with 12 conversations and a bound of 43, the generator
+    never had more than 12 requests out, and the plain client would compare 43 parallel requests against them.
+    Falls back to the bound (then ``threads``) when nothing was recorded.
+    """
+    return log.peak_in_flight or kv_in_flight or threads
 
 
 def hit_rates_by_turn(log: list[tuple[int, int, int]]) -> dict[int, tuple[int, int]]:
@@ -180,23 +218,29 @@ def main(argv=None) -> int:
     stage = RunPaths(run_dir).stage(0)  # an evaluation recipe has no checkpoint root
     plan = GenerationPlan(iteration=1, temperature=args.temperature, samples=args.samples, stage="bench")
     with serve(recipe, args.model, resolve_env(None, "vllm"), stage) as endpoints:
-        run_plain_client(endpoints[0], recipe, [([{"role": "user", "content": "Hello"}], 8)], 1, 0.0)  # warm-up
+        run_plain_client(endpoints[0], recipe, [SentRequest([{"role": "user", "content": "Hi"}], None, 8)], 1, 0.0)
         reset_prefix_cache(endpoints[0])
-        stats = generate_conversations(recipe, examples, endpoints, stage.generations, plan, TurnRecordingRunner)
-        requests = rebuild_requests(load_records(stage.generations)[0], args.max_tokens)
-        in_flight = stats.kv.get("in_flight") or args.threads
+        hooks = GenerationHooks(TurnRecordingRunner)
+        stats = generate_conversations(recipe, examples, endpoints, stage.generations, plan, hooks)
+        log = TurnRecordingRunner.log
+        requests = log.requests
+        in_flight = plain_client_threads(log, stats.kv.get("in_flight"), args.threads)
         reset_prefix_cache(endpoints[0])
         before = read_counters(endpoints[0])
         plain_tokens, plain_s = run_plain_client(endpoints[0], recipe, requests, in_flight, args.temperature)
         plain_hit_rate = (read_counters(endpoints[0]) - before).hit_rate
     ours = stats.generated_tokens / stats.elapsed_s
     plain = plain_tokens / plain_s
-    turns = hit_rates_by_turn(TurnRecordingRunner.log)
+    turns = hit_rates_by_turn(log.turns)
     print(
         f"model {args.model} | {args.task} | {len(examples)} questions x {args.samples} | {args.threads} threads, "
-        f"{in_flight} in flight | {args.max_turns} turns x {args.max_tokens} tokens | {len(requests)} requests | "
+        f"KV bound {stats.kv.get('in_flight')}, {in_flight} conversations in flight (plain client: {in_flight} "
+        f"threads) | {args.max_turns} turns x {args.max_tokens} tokens | {len(requests)} requests | "
         f"KV cache {stats.kv.get('kv_cache_tokens')} tokens"
     )
+    if log.prefills:
+        prompt, cached = (sum(column) for column in zip(*log.prefills, strict=True))
+        print(f"prefill requests (not compared): {len(log.prefills)}, {prompt} prompt tokens, {cached} from the cache")
     print(f"conversation generator: {stats.generated_tokens} tokens in {stats.elapsed_s:.1f} s = {ours:.1f} tok/s")
     print(f"plain concurrent client: {plain_tokens} tokens in {plain_s:.1f} s = {plain:.1f} tok/s")
     print(f"ratio generator / plain: {ours / plain:.3f} (target >= 0.90)")

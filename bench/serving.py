@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import add_model_args  # noqa: E402
 
-from optima.agents.generation import generate_conversations, plan_generation  # noqa: E402
+from optima.agents.generation import GenerationHooks, generate_conversations, plan_generation  # noqa: E402
 from optima.config import SFTRecipe, load_recipe  # noqa: E402
 from optima.environments import resolve_env  # noqa: E402
 from optima.lm_loss import VLLMLossScorer  # noqa: E402
@@ -185,7 +185,7 @@ def generate_and_score(name: str, recipe, examples, tokenizer, holder: ServerHol
     else:
         with StreamingLosses(scorer.score, stage.losses, model) as stream:
             out = stage.generations
-            stats = generate_conversations(recipe, examples, urls, out, plan, on_record=stream.submit)
+            stats = generate_conversations(recipe, examples, urls, out, plan, GenerationHooks(on_record=stream.submit))
             result["scoring_not_hidden_s"] = stream.finish()["wait_s"]
     result["generation_s"] = round(stats.elapsed_s, 1)
     result["generated_tokens"] = stats.generated_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optima.agents.conversation import TurnLimits, run_conversation
+from optima.agents.conversation import AgentPrompts, TurnLimits, build_agent_prompts, run_conversation
 from optima.agents.prompts import build_system_prompt
 from optima.serving import ChatReply, RequestFailed
 from optima.tasks import Example
@@ -36,8 +36,8 @@ class Scripted:
         return reply
 
 
-def run(example: Example, generate, limits: TurnLimits = LIMITS, **kwargs):
-    return run_conversation(example, prompts(example), generate, limits, **kwargs)
+def run(example: Example, generate, limits: TurnLimits = LIMITS, count_tokens=None, **agents):
+    return run_conversation(example, AgentPrompts(prompts(example), **agents), generate, limits, count_tokens)
 
 
 def test_same_answer_twice_stops_skipping_answerless_turns():
@@ -122,7 +122,7 @@ def test_token_counter_fills_in_missing_usage():
 def test_answer_openings_are_prefilled_and_kept():
     """Format bootstrapping: Alice's replies continue a pre-filled "<A>"; Bob (critic) is not pre-filled."""
     generate = Scripted("B) 4</A> since 2+2=4", "Bob: right", "B) 4</A>")
-    result = run(ARC, generate, answer_openings=("<A>", ""))
+    result = run(ARC, generate, openings=("<A>", ""))
     assert [u.text for u in result.utterances] == ["<A>B) 4</A> since 2+2=4", "right", "<A>B) 4</A>"]
     assert result.final_answer == "B) 4" and result.stop_reason == "same_answer"
     (_, alice_messages), (_, bob_messages) = generate.seen[0], generate.seen[1]
@@ -138,7 +138,7 @@ def test_information_exchange_prefills_answers_only_after_both_agents_shared():
     assert [(r.answer_opening, r.answer_from_turn) for r in roles] == [("<A>", 2), ("<A>", 2)]
     generate = Scripted("Alice: Tana feeds the Blue Nile", "Bob: it meets the White Nile at Khartoum",
                         "Khartoum</A>", "Khartoum</A> agreed")  # fmt: skip
-    result = run(HOTPOT, generate, answer_openings=("<A>", "<A>"), answer_from_turn=2)
+    result = run(HOTPOT, generate, openings=("<A>", "<A>"), answer_from_turn=2)
     assert [u.text for u in result.utterances][2:] == ["<A>Khartoum</A>", "<A>Khartoum</A> agreed"]
     assert [messages[-1]["role"] for _, messages in generate.seen] == ["user", "user", "assistant", "assistant"]
     assert result.final_answer == "Khartoum" and result.stop_reason == "same_answer"
@@ -149,3 +149,40 @@ def test_a_copied_placeholder_is_no_answer_and_does_not_stop_the_conversation():
                         "Bob: <A>Khartoum</A>")  # fmt: skip
     result = run(HOTPOT, generate)
     assert result.final_answer == "Khartoum" and len(result.utterances) == 4 and result.stop_reason == "same_answer"
+
+
+def test_information_exchange_replays_each_agents_own_replies_exactly():
+    """Own replies come back token for token (prefix cache); the partner, the record and the answer see the text."""
+    first = " Alice:Tana feeds the Blue Nile.  \n"
+    generate = Scripted(first, "Bob: it meets the White Nile at Khartoum", "Khartoum</A>\n", "Khartoum</A>")
+    result = run(HOTPOT, generate, openings=("<A>", "<A>"), answer_from_turn=2, replay_replies=True)
+    (_, alice_first), (_, bob_first), (_, alice_second), (_, bob_second) = generate.seen
+    assert alice_second[2] == {"role": "assistant", "content": first}  # byte for byte, odd prefix and spaces too
+    assert alice_second[:2] == alice_first  # and the earlier prompt is a prefix of the later one
+    assert bob_first[-1]["content"].endswith("\n\nAlice: Tana feeds the Blue Nile.")  # the partner: the rendering
+    assert bob_second[2] == {"role": "assistant", "content": "Bob: it meets the White Nile at Khartoum"}
+    assert bob_second[3]["content"] == "Alice: <A>Khartoum</A>"  # Alice's pre-filled reply, rendered for Bob
+    texts = [u.text for u in result.utterances]
+    assert texts == ["Tana feeds the Blue Nile.", "it meets the White Nile at Khartoum", "<A>Khartoum</A>",
+                     "<A>Khartoum</A>"]  # fmt: skip
+    assert result.utterances[2].reply == "<A>Khartoum</A>\n"  # the pre-filled opening is part of the exact reply
+    assert result.final_answer == "Khartoum" and result.tokens == [5, 8, 1, 1]
+
+
+def test_debate_renders_own_replies_from_the_stored_text():
+    """Debate (the ARC demo) keeps the rendering its training rows use, whatever the model wrote."""
+    generate = Scripted(" Alice:4 <A>B</A>  ", "Bob: correct", "Alice: <A>B</A>")
+    result = run(ARC, generate)
+    assert generate.seen[2][1][2] == {"role": "assistant", "content": "Alice: 4 <A>B</A>"}
+    assert all(u.reply is None for u in result.utterances)
+
+
+@pytest.mark.parametrize(
+    ("task", "replay"), [("hotpot_qa", True), ("trivia_qa", True), ("arc", False), ("gsm8k", False)]
+)
+def test_agent_prompts_replay_replies_for_information_exchange_only(task, replay):
+    from optima.tasks import get_task
+
+    agents = build_agent_prompts(get_task(task), ("a", "b"), prefill_answer=True)
+    assert agents.replay_replies is replay and agents.system == ("a", "b")
+    assert agents.opening(0) == ("" if replay else "<A>" if task == "arc" else "")

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import GenerationPlan, generate_conversations, plan_generation
-from optima.agents.prompts import build_system_prompt
-from optima.serving import NoReplicaLeft
+from optima.agents.generation import GenerationPlan, Prefill, generate_conversations, plan_generation
+from optima.agents.prompts import build_agent_messages, build_system_prompt
+from optima.serving import NoReplicaLeft, RequestFailed
 from optima.serving.processes import group_members
 from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
 from optima.tasks import Example
-from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply, question_of
+from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply, question_of, speaker_of, turn_of
 from tests.helpers import arc_examples, child_groups, count_lines, wait_for, with_default_signals
 
 DRIVER = Path(__file__).with_name("generation_driver.py")
@@ -212,3 +212,89 @@ def test_interrupting_the_driver_leaves_no_server_behind(tmp_path, monkeypatch, 
     returncode = driver.wait(timeout=60)
     assert returncode != 0 and (code is None or returncode == code)
     assert not any(group_members(g) for g in groups), (tmp_path / "driver.log").read_text()[-2000:]
+
+
+def hotpot_examples(count: int) -> list[Example]:
+    """``count`` information-exchange questions (task ``hotpot_qa``), each agent holding one paragraph."""
+    return [
+        Example(f"h{i}", "hotpot_qa", f"Question {i}: where do the Niles meet?", "Khartoum", "f1",
+                (f"Paragraph {i}: Lake Tana feeds the Blue Nile.",), (f"Paragraph {i}: the Niles meet at Khartoum.",))
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def test_information_exchange_prefills_bobs_opening_view_beside_alices_first_turn(make_recipe, tmp_path):
+    """Bob's system + task turn goes out with max_tokens 1 while Alice's first turn runs; its reply is discarded."""
+    prefilled, alice_waited = threading.Event(), []
+    first_reply = "Alice:  Lake Tana feeds the Blue Nile <A>B</A>  \n"
+
+    def respond(body: dict) -> FakeReply:
+        if body["max_tokens"] == 1:
+            prefilled.set()
+            return FakeReply("Bob: PREFILL", completion_tokens=1)
+        if speaker_of(body) == "Alice" and turn_of(body) == 0:
+            alice_waited.append(prefilled.wait(10))  # Alice's first turn ends only once Bob's prefill arrived
+            return FakeReply(first_reply)
+        return agreeing_reply(body)
+
+    out = tmp_path / "gen.jsonl"
+    with FakeOpenAIServer(respond) as server:
+        stats = run(make_recipe(max_turns=6), [server], out, hotpot_examples(2), GenerationPlan(1, 0.7, 1))
+    assert alice_waited == [True, True]  # sent beside Alice's first turn, not after it
+    records = load_records(out)[0]
+    prefills = [body for body in server.bodies() if body["max_tokens"] == 1]
+    assert len(prefills) == 2 and {body["temperature"] for body in prefills} == {0.0}
+    for record in records:
+        example = Example.from_dict(record["example"])
+        bob_view = build_agent_messages(example, "Bob", [], record["system_prompts"]["Bob"])
+        assert sum(body["messages"] == bob_view for body in prefills) == 1  # exactly Bob's opening view
+        bodies = [b for b in server.bodies() if f"Question {example.id[1:]}:" in question_of(b)]
+        bob_turns = [i for i, b in enumerate(bodies) if speaker_of(b) == "Bob" and b["max_tokens"] > 1]
+        assert bodies.index(next(b for b in prefills if b["messages"] == bob_view)) < bob_turns[0]
+        # Never in the conversation, never counted: 3 utterances, their tokens only.
+        assert [u["speaker"] for u in record["utterances"]] == ["Alice", "Bob", "Alice"]
+        assert all("PREFILL" not in u["text"] for u in record["utterances"])
+        assert record["token_count"] == sum(u["tokens"] for u in record["utterances"]) == 8 + 3 + 8
+        assert record["agent_tokens"] == {"Alice": 16, "Bob": 3}
+    assert stats.generated_tokens == 2 * 19
+
+
+def test_an_agents_second_prompt_holds_its_first_reply_byte_for_byte(make_recipe, tmp_path):
+    """Information exchange: Alice's own first reply comes back verbatim (prefix cache); Bob sees the rendering."""
+    first_reply = "Alice:  Lake Tana feeds the Blue Nile <A>B</A>  \n"
+
+    def respond(body: dict) -> FakeReply:
+        if speaker_of(body) == "Alice" and turn_of(body) == 0 and body["max_tokens"] > 1:
+            return FakeReply(first_reply)
+        return agreeing_reply(body)
+
+    with FakeOpenAIServer(respond) as server:
+        run(make_recipe(max_turns=6), [server], tmp_path / "gen.jsonl", hotpot_examples(1), GenerationPlan(1, 0.7, 1))
+    turns = [body["messages"] for body in server.bodies() if body["max_tokens"] > 1]
+    alice_first, bob_first, alice_second = turns
+    assert alice_second[: len(alice_first)] == alice_first
+    assert alice_second[len(alice_first)] == {"role": "assistant", "content": first_reply}
+    assert bob_first[-1]["content"].endswith("\n\nAlice: Lake Tana feeds the Blue Nile <A>B</A>")
+    (record,), _ = load_records(tmp_path / "gen.jsonl")
+    assert record["utterances"][0]["text"] == "Lake Tana feeds the Blue Nile <A>B</A>"  # what the reward reads
+
+
+def test_debate_sends_no_prefill(make_recipe, fake_server, tmp_path):
+    run(make_recipe(), [fake_server], tmp_path / "gen.jsonl", arc_examples(2))
+    assert fake_server.bodies() and all(body["max_tokens"] == 32 for body in fake_server.bodies())
+
+
+@pytest.mark.parametrize(("error", "raised"), [(RequestFailed("400"), False), (ValueError("a bug"), True)])
+def test_a_failed_prefill_costs_only_the_cache_hit_but_a_bug_is_raised(error, raised):
+    class FailingPool:
+        def chat(self, replica, messages, sampling):
+            assert sampling.max_tokens == 1
+            raise error
+
+    prefill = Prefill(FailingPool(), 0, [{"role": "user", "content": "x"}])
+    if raised:
+        with pytest.raises(ValueError, match="a bug"), prefill:
+            pass
+    else:
+        with prefill:
+            pass

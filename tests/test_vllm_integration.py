@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationHooks, GenerationPlan, generate_conversations
 from optima.environments import resolve_env
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, serve, start_replicas
@@ -148,7 +148,9 @@ def test_scoring_while_generating_on_a_real_loss_server_matches_scoring_after(ti
     scorer = VLLMLossScorer([servers[1].spec.api_url], recipe.served_model_name, tokenizer, recipe, 32)
     out, losses = tmp_path / "gen.jsonl", tmp_path / "losses.jsonl"
     with StreamingLosses(scorer.score, losses, str(tiny_model)) as stream:
-        generate_conversations(recipe, arc_examples(4), [servers[0].spec.api_url], out, PLAN, on_record=stream.submit)
+        generate_conversations(
+            recipe, arc_examples(4), [servers[0].spec.api_url], out, PLAN, GenerationHooks(on_record=stream.submit)
+        )
         summary = stream.finish()
     finished = sum(r["status"] == "ok" for r in load_records(out)[0])
     assert summary["scored"] == finished and summary["skipped"] == 8 - finished  # cut ones need no losses

@@ -13,10 +13,16 @@ This loop ends a conversation with a status, never a fake utterance such as ``"l
   count;
 * ``error``: a request failed for good (``RequestFailed``); the message is kept in ``error``.
 
-Answer pre-fill (``answer_openings``, format bootstrapping for small models at iteration 0): the agent's reply is
+Answer pre-fill (``AgentPrompts.openings``, format bootstrapping for small models at iteration 0): the agent's reply is
 started with its role's answer opening (``<A>`` for a multiple-choice solver, and for both information-exchange
 agents from turn ``answer_from_turn`` = 2 on, once each has shared its information) as a final assistant message
 that the server continues; the stored utterance is the opening plus the continuation.
+
+Exact replies (``AgentPrompts.replay_replies``, information exchange: docs/method.md#exact-replies): each agent's
+own earlier replies come back to it exactly as generated (the pre-filled opening plus the continuation, name prefix
+and whitespace as the model wrote them), so each of its prompts extends its previous prompt and reply token for
+token and the server reads them from its prefix cache. The stored utterance (what the partner sees, the reward and
+the training rows) is unchanged: the text without the name prefix.
 
 Token accounting (docs/method.md#token-count): every generated token counts, a cut reply's included. Each reply
 counts the server's ``usage.completion_tokens`` (the model's own tokenizer, the name prefix the model wrote
@@ -29,7 +35,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, strip_speaker_prefix
+from optima.agents.prompts import (
+    AGENT_NAMES,
+    Utterance,
+    agent_index,
+    build_agent_messages,
+    role_prompt,
+    strip_speaker_prefix,
+)
 from optima.serving.client import ChatReply, RequestFailed
 from optima.tasks import Example, Task, get_task
 from optima.tasks.scoring import AnswerTracker
@@ -87,34 +100,75 @@ class TurnLimits:
     max_tokens: int
 
 
+@dataclass(frozen=True)
+class AgentPrompts:
+    """What each agent is given: its system prompt, its reply opening, and how its own replies come back to it.
+
+    Args:
+        system: (Alice's, Bob's) rendered system prompts.
+        openings: (Alice's, Bob's) reply openings to pre-fill ("" for none).
+        answer_from_turn: The first turn (0-based, over both agents) whose reply is pre-filled.
+        replay_replies: Show each agent its own earlier replies exactly as generated (``Utterance.reply``), so its
+            next prompt extends the previous one token for token and hits the server's prefix cache; False: as
+            rendered from the stored utterances (``"Name: text"``), the rendering of the training rows.
+    """
+
+    system: tuple[str, str]
+    openings: tuple[str, str] = ("", "")
+    answer_from_turn: int = 0
+    replay_replies: bool = False
+
+    def opening(self, turn: int) -> str:
+        """The pre-filled start of the reply at ``turn`` ("" for none)."""
+        return self.openings[turn % 2] if turn >= self.answer_from_turn else ""
+
+
+def build_agent_prompts(task: Task, system: Sequence[str], prefill_answer: bool = False) -> AgentPrompts:
+    """The agents' prompts for ``task``: answer openings from its role prompts, exact replies for information exchange.
+
+    Information exchange replays exact replies (docs/method.md#exact-replies): its prompts carry long private
+    contexts, so every token a turn re-renders differently is paid again in prefill. Debate keeps the rendering
+    its training rows use.
+
+    Args:
+        task: The conversation's task.
+        system: (Alice's, Bob's) rendered system prompts.
+        prefill_answer: Pre-fill the roles' answer openings (``prefill_answer_iteration0``).
+    """
+    roles = [role_prompt(task, name) for name in AGENT_NAMES]
+    openings = tuple(role.answer_opening if prefill_answer else "" for role in roles)
+    from_turn = min((role.answer_from_turn for role in roles if role.answer_opening), default=0)
+    return AgentPrompts(tuple(system), openings, from_turn, replay_replies=task.family == "qa")
+
+
+def opening_view(example: Example, agents: AgentPrompts, task: Task, speaker: str = AGENT_NAMES[1]) -> list[dict]:
+    """``speaker``'s view before anyone spoke (system + task turn): the prefix of that agent's first prompt."""
+    return build_agent_messages(example, speaker, [], agents.system[agent_index(speaker)], task)
+
+
 def run_conversation(
     example: Example,
-    system_prompts: Sequence[str],
+    agents: AgentPrompts,
     generate: Generate,
     limits: TurnLimits,
     count_tokens: CountTokens | None = None,
     task: Task | None = None,
-    answer_openings: Sequence[str] = ("", ""),
-    answer_from_turn: int = 0,
 ) -> ConversationResult:
     """Run one two-agent conversation.
 
     Args:
         example: The question.
-        system_prompts: (Alice's, Bob's) rendered system prompts.
+        agents: System prompts, answer openings and the rendering of own replies (``build_agent_prompts``).
         generate: Sends one agent's chat and returns the reply; raises ``RequestFailed`` on a failed request.
         limits: ``max_turns`` utterances, ``max_tokens`` per utterance.
         count_tokens: Token counter used when a reply carries no ``completion_tokens``.
         task: The example's task (looked up from ``example.task`` when None).
-        answer_openings: (Alice's, Bob's) reply openings to pre-fill ("" for none).
-        answer_from_turn: The first turn (0-based, over both agents) whose reply is pre-filled.
     """
     task = task or get_task(example.task)
     result, tracker = ConversationResult(), AnswerTracker()
     for turn in range(limits.max_turns):
-        speaker = AGENT_NAMES[turn % 2]
-        messages = build_agent_messages(example, speaker, result.utterances, system_prompts[turn % 2], task)
-        opening = answer_openings[turn % 2] if turn >= answer_from_turn else ""
+        speaker, opening = AGENT_NAMES[turn % 2], agents.opening(turn)
+        messages = build_agent_messages(example, speaker, result.utterances, agents.system[turn % 2], task)
         if opening:
             messages.append({"role": "assistant", "content": opening})
         try:
@@ -129,12 +183,17 @@ def run_conversation(
             result.unstored.append((speaker, tokens))
             result.cut_replies += 1
             return _finish(result, tracker, "too_long")
-        text = (opening + reply.text).strip() if opening else strip_speaker_prefix(reply.text, speaker).strip()
-        result.utterances.append(Utterance(speaker, text))
+        result.utterances.append(_utterance(speaker, opening, reply.text, agents.replay_replies))
         result.tokens.append(tokens)
-        if tracker.update(task.parse_answer(text)):
+        if tracker.update(task.parse_answer(result.utterances[-1].text)):
             return _finish(result, tracker, "ok", stop_reason="same_answer")
     return _finish(result, tracker, "ok", stop_reason="max_turns")
+
+
+def _utterance(speaker: str, opening: str, generated: str, replay: bool) -> Utterance:
+    """The stored utterance of a reply (name prefix and outer whitespace removed), with the exact reply if replayed."""
+    text = (opening + generated).strip() if opening else strip_speaker_prefix(generated, speaker).strip()
+    return Utterance(speaker, text, reply=opening + generated if replay else None)
 
 
 def _finish(

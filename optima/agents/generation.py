@@ -2,14 +2,17 @@
 
 See docs/method.md#isft.
 
-``generate_conversations(recipe, examples, endpoints, out_path, plan)`` runs ``plan.samples`` conversations per
-question (docs/method.md, D5 and D6: not one thread per question with its samples in sequence, nor lost futures):
+``generate_conversations(recipe, examples, endpoints, out_path, plan[, hooks])`` runs ``plan.samples`` conversations
+per question (docs/method.md, D5 and D6: not one thread per question with its samples in sequence, nor lost futures):
 
 * ``thread_count`` conversations are in flight at once (``ThreadPoolExecutor`` + ``as_completed``), fewer when
   the servers' KV caches cannot hold that many (``optima.serving.capacity``); the stage's KV figures and prefix-cache
   hit rate go into its stats (``kv_cache``);
 * question ``q`` goes to replica ``q mod n`` (deterministic round-robin); every turn of its conversations stays on
   that replica so vLLM's prefix cache reuses the shared system prompt and history; a dead replica fails over;
+* information exchange takes prefill off the critical path (docs/method.md#exact-replies): Bob's opening view
+  (system + his half of the context) is sent with ``max_tokens`` 1 beside Alice's first turn (``Prefill``; the
+  token is discarded, never stored or counted), and each agent's own replies come back to it exactly as generated;
 * one line per conversation, keyed by ``(task_id, sample_index)``, flushed as it completes; a rerun skips what is
   written (``optima.store``), so a killed run resumes with nothing lost or duplicated;
 * every random choice is seeded from ``(seed, iteration, task_id, sample_index[, turn])``: the iteration-0 prompt
@@ -33,7 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.conversation import ConversationResult, TurnLimits, run_conversation
+from optima.agents.conversation import (
+    AgentPrompts,
+    ConversationResult,
+    TurnLimits,
+    build_agent_prompts,
+    opening_view,
+    run_conversation,
+)
 from optima.agents.footprint import conversation_footprint
 from optima.agents.prompts import (
     AGENT_NAMES,
@@ -41,10 +51,9 @@ from optima.agents.prompts import (
     draw_pool_prompts,
     load_prompt_pool,
     pool_name,
-    role_prompt,
 )
 from optima.config.rules import generation_temperature, tokenizer_path, workers
-from optima.serving.client import ReplicaPool, Sampling
+from optima.serving.client import NoReplicaLeft, ReplicaPool, RequestFailed, Sampling
 from optima.serving.kv_monitor import KVMonitor
 from optima.store import JsonlWriter, prepare_resume
 from optima.tasks import Example, Task, get_task
@@ -56,6 +65,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CONTINUE_REPLY = {"continue_final_message": True, "add_generation_prompt": False}
+PREFILL_TOKENS = 1  # a prefill request generates one token, discarded
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,48 @@ class TokenCounter:
         return len(self._tokenizers[speaker].tokenize(text))
 
 
+class Prefill:
+    """An agent's opening view sent with ``max_tokens`` 1 from a background thread, to fill the prefix cache.
+
+    A context manager around the conversation: leaving it waits for the request, so none outlives its
+    conversation. The reply is discarded. A failed request only costs the cache hit (logged at debug level); any
+    other error (a bug) is raised in the conversation's thread, by ``wait`` or on leaving. ``messages`` None: nothing
+    is sent (the conversation needs no prefill).
+    """
+
+    def __init__(self, pool: ReplicaPool, replica: int, messages: list[dict] | None):
+        self._pool, self._replica, self._messages = pool, replica, messages
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._send, name="prefill", daemon=True) if messages else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _send(self) -> None:
+        try:
+            self._pool.chat(self._replica, self._messages, Sampling(0.0, PREFILL_TOKENS))
+        except (RequestFailed, NoReplicaLeft) as exc:
+            logger.debug("prefill on replica %d failed: %s", self._replica, exc)
+        except BaseException as exc:  # noqa: BLE001 (a bug: raised in the conversation's thread)
+            self._error = exc
+
+    def wait(self) -> None:
+        """Wait for the request to end; raise what it raised unless it was a failed request."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def __enter__(self) -> Prefill:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if exc_type is None:
+            self.wait()  # a bug in the prefill surfaces even when its agent never spoke
+
+
 class ConversationRunner:
     """Runs one ``Job`` against the replica pool and turns the result into a JSONL record."""
 
@@ -202,13 +254,16 @@ class ConversationRunner:
     def run(self, job: Job) -> tuple[dict, int]:
         """Run the conversation; return its record and the tokens it generated."""
         task = get_task(job.example.task)
-        prompts = self.system_prompts(task, job)
+        agents = build_agent_prompts(task, self.system_prompts(task, job), self.plan.prefill_answer)
         replica = self.pool.route(job.position)
         turns = iter(range(self.recipe.max_turns))
         seed_parts = (self.recipe.seed, "turn", self.plan.stage, self.plan.iteration, job.example.id, job.sample_index)
+        prefill = self.start_prefill(job, task, agents, replica)
 
         def generate(messages: list[dict], speaker: str):
             nonlocal replica
+            if speaker != AGENT_NAMES[0]:
+                prefill.wait()  # Bob's first prompt then starts with the prefix the server just cached
             seed = stable_rng(*seed_parts, next(turns)).randrange(2**31)
             # A pre-filled reply (last message from the assistant) is continued, not answered.
             extra = CONTINUE_REPLY if messages[-1]["role"] == "assistant" else None
@@ -217,15 +272,21 @@ class ConversationRunner:
             replica = reply.replica  # after a failover the rest of the conversation stays on the new replica
             return reply
 
-        roles = [role_prompt(task, name) for name in AGENT_NAMES]
-        openings = tuple(role.answer_opening if self.plan.prefill_answer else "" for role in roles)
-        from_turn = min((role.answer_from_turn for role in roles if role.answer_opening), default=0)
-        result = run_conversation(
-            job.example, prompts, generate, self.limits, self.count_tokens, task, openings, from_turn
-        )
+        with prefill:
+            result = run_conversation(job.example, agents, generate, self.limits, self.count_tokens, task)
         if result.replica is None:
             result.replica = replica
-        return self.build_record(job, prompts, result), result.token_count
+        return self.build_record(job, agents.system, result), result.token_count
+
+    def start_prefill(self, job: Job, task: Task, agents: AgentPrompts, replica: int) -> Prefill:
+        """Information exchange: send Bob's opening view with ``max_tokens`` 1 beside Alice's first turn.
+
+        Bob's first prompt holds his half of the context (about half of the context window); computed while Alice
+        writes her first reply, it waits in the server's prefix cache for his real first turn, off the
+        conversation's critical path. Its one-token reply is discarded (never stored nor counted).
+        """
+        wanted = task.family == "qa" and self.recipe.max_turns >= 2
+        return Prefill(self.pool, replica, opening_view(job.example, agents, task) if wanted else None)
 
     def build_record(self, job: Job, prompts: Sequence[str], result: ConversationResult) -> dict:
         """The JSONL line of one conversation (everything reward and selection need to re-render it)."""
@@ -258,14 +319,26 @@ class ConversationRunner:
         }
 
 
+@dataclass(frozen=True)
+class GenerationHooks:
+    """How a method plugs into ``generate_conversations``.
+
+    Args:
+        runner_cls: What runs one job (the CoT, AutoForm and debate baselines bring their own).
+        on_record: Called with each record once it is written (LM-loss scoring while generating).
+    """
+
+    runner_cls: Callable[..., ConversationRunner] = ConversationRunner
+    on_record: Callable[[dict], None] | None = None
+
+
 def generate_conversations(
     recipe: Recipe,
     examples: Sequence[Example],
     endpoints: Sequence[str],
     out_path: Path,
     plan: GenerationPlan,
-    runner_cls: type[ConversationRunner] = ConversationRunner,
-    on_record: Callable[[dict], None] | None = None,
+    hooks: GenerationHooks = GenerationHooks(),
 ) -> GenerationStats:
     """Generate ``plan.samples`` conversations per example into ``out_path`` (resuming what is there).
 
@@ -275,38 +348,15 @@ def generate_conversations(
         endpoints: OpenAI base URLs (from ``optima.serving.serve``).
         out_path: The JSONL output (e.g. ``StagePaths.generations``).
         plan: Iteration, temperature, samples per question, prompt pool.
-        runner_cls: What runs one job (the single-agent CoT baseline brings its own).
-        on_record: Called with each record once it is written (LM-loss scoring while generating).
+        hooks: The runner of one job and the callback on each written record.
 
     Raises:
         NoReplicaLeft: every replica died; what was written stays and the next run resumes from it.
     """
-    ids = [example.id for example in examples]
-    if len(set(ids)) != len(ids):
-        raise ValueError("example ids must be unique (they key the output lines)")
-    done = prepare_resume(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.touch()  # the stage's output exists even when there is nothing (left) to generate
-    jobs = [
-        Job(position, example, k)
-        for position, example in enumerate(examples)
-        for k in range(plan.samples)
-        if (example.id, k) not in done
-    ]
+    jobs = pending_jobs(examples, out_path, plan)
     stats = GenerationStats(requested=len(examples) * plan.samples)
     stats.already_done = stats.requested - len(jobs)
-    logger.info(
-        "%sgenerate (%s) | %d questions x %d | %d to do, %d done | %d endpoints | T=%.2f%s",
-        f"iteration {plan.iteration} | " if plan.iteration >= 0 else "",  # evaluation runs have no iteration
-        plan.stage,
-        len(examples),
-        plan.samples,
-        len(jobs),
-        stats.already_done,
-        len(endpoints),
-        plan.temperature,
-        " | prompt pool" if plan.use_prompt_pool else "",
-    )
+    _log_start(plan, len(examples), len(endpoints), stats)
     if jobs:
         # Never more conversations in flight than the servers' KV caches hold (else they thrash: see capacity.py).
         monitor = KVMonitor(endpoints, recipe.api_key)
@@ -315,7 +365,7 @@ def generate_conversations(
             in_flight = monitor.bound(in_flight, conversation_footprint(recipe, examples, monitor.model))
         pool = ReplicaPool(endpoints, recipe)
         try:
-            _run_jobs(runner_cls(recipe, plan, pool), jobs, out_path, stats, on_record, in_flight)
+            _run_jobs(hooks.runner_cls(recipe, plan, pool), jobs, out_path, stats, hooks.on_record, in_flight)
         finally:
             pool.close()
         stats.kv = monitor.report()
@@ -327,6 +377,37 @@ def generate_conversations(
         stats.tokens_per_s,
     )
     return stats
+
+
+def pending_jobs(examples: Sequence[Example], out_path: Path, plan: GenerationPlan) -> list[Job]:
+    """The conversations not yet in ``out_path`` (a torn last line is cut first); the file exists afterwards."""
+    ids = [example.id for example in examples]
+    if len(set(ids)) != len(ids):
+        raise ValueError("example ids must be unique (they key the output lines)")
+    done = prepare_resume(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.touch()  # the stage's output exists even when there is nothing (left) to generate
+    return [
+        Job(position, example, k)
+        for position, example in enumerate(examples)
+        for k in range(plan.samples)
+        if (example.id, k) not in done
+    ]
+
+
+def _log_start(plan: GenerationPlan, questions: int, endpoints: int, stats: GenerationStats) -> None:
+    logger.info(
+        "%sgenerate (%s) | %d questions x %d | %d to do, %d done | %d endpoints | T=%.2f%s",
+        f"iteration {plan.iteration} | " if plan.iteration >= 0 else "",  # evaluation runs have no iteration
+        plan.stage,
+        questions,
+        plan.samples,
+        stats.requested - stats.already_done,
+        stats.already_done,
+        endpoints,
+        plan.temperature,
+        " | prompt pool" if plan.use_prompt_pool else "",
+    )
 
 
 def _run_jobs(

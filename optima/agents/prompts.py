@@ -16,7 +16,11 @@ Every agent's view is an ordinary chat (`build_agent_messages`), not a transcrip
 (docs/method.md D22): the system prompt holds the role instructions; the first user turn holds the task and
 the agent's private information (joined text, not a Python list repr: docs/method.md D11); the agent's own
 utterances are `assistant` turns and the partner's are `user` turns (consecutive turns of one role are merged).
-Utterances are stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`.
+Utterances are stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`. During
+an information-exchange conversation an utterance may also carry `reply`, what the model wrote, character for
+character: the agent's own view then replays it instead of the rendering, so the prompt of its next turn starts
+with exactly the tokens the server already holds in its prefix cache (docs/method.md#exact-replies); the partner
+always sees the rendering, and stored records, rewards and training rows never see `reply`.
 
 The iteration-0 format pool (docs/method.md#prompt-pool) lives in `prompt_pools/<pool>.jsonl`, one `{"index": k,
 "prompt": ...}` per line, each prompt being one extra rule that suggests a compact format. It is used only at iteration
@@ -29,7 +33,7 @@ import json
 import random
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
@@ -168,10 +172,13 @@ class Utterance:
         speaker (`str`): "Alice" or "Bob".
         text (`str`): what the agent said (a leading "Name:" written by the model is removed with
             `strip_speaker_prefix` before storing).
+        reply (`str`, *optional*): the reply exactly as generated (pre-filled opening included), replayed in the
+            speaker's own view; None: rendered from `text`. Not part of equality and never stored.
     """
 
     speaker: str
     text: str
+    reply: str | None = field(default=None, compare=False, repr=False)
 
 
 def as_utterance(item: Utterance | Sequence[str] | dict) -> Utterance:
@@ -317,9 +324,10 @@ def build_agent_messages(
 ) -> list[dict[str, str]]:
     """Build `speaker`'s chat view of a conversation: system, task turn, then user/assistant turns.
 
-    Own utterances become `assistant` turns, the partner's become `user` turns, each prefixed with its speaker's
-    name; consecutive turns of one role are merged (so the partner's first message joins the task turn). The list
-    always starts with system + user, so it renders with ChatML (SmolLM2) and Llama-3 templates alike.
+    Own utterances become `assistant` turns (an utterance's exact `reply` when it carries one), the partner's
+    become `user` turns, each prefixed with its speaker's name; consecutive turns of one role are merged (so the
+    partner's first message joins the task turn). The list always starts with system + user, so it renders with
+    ChatML (SmolLM2) and Llama-3 templates alike.
 
     Args:
         example: the question.
@@ -339,8 +347,9 @@ def build_agent_messages(
     for item in utterances:
         utterance = as_utterance(item)
         agent_index(utterance.speaker)  # validates the name
-        role = "assistant" if utterance.speaker == speaker else "user"
-        content = render_utterance(utterance)
+        own = utterance.speaker == speaker
+        role = "assistant" if own else "user"
+        content = utterance.reply if own and utterance.reply is not None else render_utterance(utterance)
         if messages[-1]["role"] == role:
             messages[-1] = {"role": role, "content": messages[-1]["content"] + _TURN_SEPARATOR + content}
         else:

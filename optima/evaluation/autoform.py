@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import ConversationRunner, GenerationPlan, GenerationStats, Job, generate_conversations
+from optima.agents.generation import (
+    ConversationRunner,
+    GenerationHooks,
+    GenerationPlan,
+    GenerationStats,
+    Job,
+    generate_conversations,
+)
 from optima.agents.prompts import AGENT_NAMES, build_system_prompt
 from optima.evaluation.fingerprint import conversation_prompts
 from optima.tasks import Example, Task
@@ -52,4 +59,4 @@ def generate_autoform(
     plan: GenerationPlan,
 ) -> GenerationStats:
     """``plan.samples`` AutoForm conversations per example into ``out_path`` (resuming what is there)."""
-    return generate_conversations(recipe, examples, endpoints, out_path, plan, runner_cls=AutoFormRunner)
+    return generate_conversations(recipe, examples, endpoints, out_path, plan, GenerationHooks(AutoFormRunner))

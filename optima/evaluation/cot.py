@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.conversation import TurnLimits, run_conversation
+from optima.agents.conversation import AgentPrompts, TurnLimits, run_conversation
 from optima.agents.generation import (
     ConversationRunner,
+    GenerationHooks,
     GenerationPlan,
     GenerationStats,
     Job,
@@ -108,7 +109,7 @@ class CoTRunner(ConversationRunner):
 
         prompts = (messages[0]["content"], "")
         limits = TurnLimits(max_turns=1, max_tokens=self.recipe.max_tokens)
-        result = run_conversation(job.example, prompts, generate, limits, self.count_tokens, task)
+        result = run_conversation(job.example, AgentPrompts(prompts), generate, limits, self.count_tokens, task)
         if result.replica is None:
             result.replica = replica
         return self.build_record(job, prompts, result), result.token_count
@@ -125,4 +126,4 @@ def generate_cot_answers(
 
     Same contract as ``optima.agents.generation.generate_conversations``, which it runs with the CoT runner.
     """
-    return generate_conversations(recipe, examples, endpoints, out_path, plan, runner_cls=CoTRunner)
+    return generate_conversations(recipe, examples, endpoints, out_path, plan, GenerationHooks(CoTRunner))

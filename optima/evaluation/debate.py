@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from optima.agents.conversation import ConversationResult
-from optima.agents.generation import ConversationRunner, GenerationPlan, GenerationStats, Job, generate_conversations
+from optima.agents.generation import (
+    ConversationRunner,
+    GenerationHooks,
+    GenerationPlan,
+    GenerationStats,
+    Job,
+    generate_conversations,
+)
 from optima.agents.prompts import Utterance
 from optima.config.fields import RecipeError
 from optima.evaluation.cot import COT_PROMPTS, build_cot_messages
@@ -208,4 +215,4 @@ def generate_debates(
     Same contract as ``optima.agents.generation.generate_conversations``, which it runs with the debate runner.
     """
     runner = functools.partial(DebateRunner, settings=settings)
-    return generate_conversations(recipe, examples, endpoints, out_path, plan, runner_cls=runner)
+    return generate_conversations(recipe, examples, endpoints, out_path, plan, GenerationHooks(runner))

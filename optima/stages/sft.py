@@ -11,7 +11,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import generate_conversations, plan_generation
+from optima.agents.generation import GenerationHooks, generate_conversations, plan_generation
 from optima.config.rules import loss_model, train_start
 from optima.loss_stream import StreamingLosses, load_known_losses
 from optima.selection.io import save_splits, write_jsonl
@@ -41,9 +41,8 @@ def generate(call: StageCall) -> dict:
         if call.recipe.cal_ppl and ctx.servers.loss is not None:
             scorer = common.served_loss_scorer(ctx, ctx.servers.loss_endpoints())
             stream = stack.enter_context(StreamingLosses(scorer, sp.losses, loss_model(call.recipe)))
-        stats = generate_conversations(
-            call.recipe, examples, endpoints, sp.generations, plan, on_record=stream.submit if stream else None
-        )
+        hooks = GenerationHooks(on_record=stream.submit if stream else None)
+        stats = generate_conversations(call.recipe, examples, endpoints, sp.generations, plan, hooks)
         streamed = {"loss_stream": stream.finish()} if stream else {}
     return {"questions": len(examples)} | stats.to_dict() | streamed
 
