@@ -120,7 +120,7 @@ def measure_restart(args) -> dict:
         started = time.monotonic()
         holder.endpoints(args.model, stage)
         start_s = time.monotonic() - started
-        holder.close()
+        holder.sleep_for_training()
         groups = child_groups(os.getpid())  # the policy (no loss server in this arrangement)
         idle = idle_cpu_share(groups, args.idle_window) if args.idle_window > 0 else None
         started = time.monotonic()
@@ -150,7 +150,7 @@ def run_arrangement(args, name: str, examples, tokenizer) -> dict:
     recipe = build_recipe(args, run_dir, name)
     holder = ServerHolder(recipe, resolve_env(None, "vllm"), args.model, run_dir / "logs")
     if name == "beside_unbound":
-        holder._layout = ServerLayout((Placement(),), Placement())
+        holder.layout = ServerLayout((Placement(),), Placement())
     stage = RunPaths.from_recipe(recipe).stage(0)
     plan = GenerationPlan(iteration=0, temperature=0.3, samples=args.samples, stage="bench")
     result: dict = {"arrangement": name, "layout": str(holder.layout)}

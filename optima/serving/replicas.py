@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from optima.config.fields import RecipeError
@@ -81,23 +82,40 @@ def build_replica_specs(
     stage_paths: StagePaths,
     placements: Sequence[Placement],
     exclude_ports: Sequence[int] = (),
+    servers: int | None = None,
 ) -> list[ServerSpec]:
     """Command line, environment, port and log file of each replica (ports are probed, nothing starts).
 
     ``exclude_ports`` are taken by servers that are starting and may not listen yet (the loss server).
+    ``servers`` is how many servers start now and split the memory available (default: these replicas alone).
     """
     cache_root = RunPaths.from_recipe(recipe).vllm_cache
     specs, taken = [], list(exclude_ports)
+    servers = len(placements) if servers is None else servers
     for replica, placement in enumerate(placements):
         port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
         taken.append(port)
         argv = build_serve_command(recipe, model_path, port, vllm_env, placement)
-        # The machine's memory is shared by these replicas and the loss server beside them (its port is excluded).
-        servers = len(placements) + len(exclude_ports)
         env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path, servers=servers)
         log = stage_paths.server_log(replica)
         specs.append(ServerSpec(replica, tuple(argv), env, recipe.host, port, log))
     return specs
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where the replicas of one model start, and what starts beside them now.
+
+    Args:
+        placements: One per replica.
+        busy_ports: Ports of servers starting beside them that may not listen yet (kept free).
+        servers: How many servers start now and split the memory available, these replicas included
+            (``None``: the replicas alone).
+    """
+
+    placements: Sequence[Placement]
+    busy_ports: Sequence[int] = ()
+    servers: int | None = None
 
 
 @contextlib.contextmanager
@@ -107,7 +125,7 @@ def serve(
     vllm_env: PythonEnv | None,
     stage_paths: StagePaths,
     cpu_replicas: int = 1,
-    layout: tuple[Sequence[Placement], Sequence[int]] | None = None,
+    layout: ReplicaLayout | None = None,
 ) -> Iterator[list[str]]:
     """Serve ``model_path`` for the duration of the block; yield the OpenAI base URLs of its replicas.
 
@@ -119,8 +137,8 @@ def serve(
         vllm_env: Python environment with vLLM (unused when the recipe lists ``endpoints``).
         stage_paths: Stage folder; replica logs go to its ``logs/vllm_<i>.log``.
         cpu_replicas: Replicas on a machine without GPU (default 1).
-        layout: Placements of the replicas and ports to leave alone, when a loss server runs beside them
-            (``optima.serving.layout``); default: ``plan_replicas``.
+        layout: Placements of the replicas, the ports and memory of servers starting beside them
+            (``ReplicaLayout``, from ``optima.serving.layout``); default: ``plan_replicas``, alone.
     """
     with sigterm_as_exit():
         if recipe.endpoints:
@@ -131,9 +149,12 @@ def serve(
         if vllm_env is None:
             raise ValueError("serve() needs a vLLM environment when the recipe lists no endpoints")
         if layout is None:
-            layout = (plan_replicas(recipe, visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas), ())
-        placements, exclude = layout
-        specs = build_replica_specs(recipe, str(model_path), vllm_env, stage_paths, placements, exclude)
+            cpus = sorted(os.sched_getaffinity(0))
+            layout = ReplicaLayout(plan_replicas(recipe, visible_gpus(), cpus, cpu_replicas))
+        placements = layout.placements
+        specs = build_replica_specs(
+            recipe, str(model_path), vllm_env, stage_paths, placements, layout.busy_ports, layout.servers
+        )
         where = "GPU"
         if placements[0].on_cpu:  # the KV budget: the recipe's, or sized to the memory available now
             where = f"CPU (KV cache {specs[0].env['VLLM_CPU_KVCACHE_SPACE']} GiB each)"

