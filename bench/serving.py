@@ -146,7 +146,7 @@ def measure_restart(args) -> dict:
         started = time.monotonic()
         holder.endpoints(args.model, stage)
         start_s = time.monotonic() - started
-        holder.close()
+        holder.sleep_for_training()
         groups = child_groups(os.getpid())  # the policy (no loss server in this arrangement)
         idle = idle_cpu_share(groups, args.idle_window) if args.idle_window > 0 else None
         started = time.monotonic()

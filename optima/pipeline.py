@@ -30,7 +30,7 @@ class NothingSelected(RuntimeError):
 def handle_empty(ctx: RunContext, label: str, message: str, model: str) -> None:
     """Nothing to train on: stop (default) or carry ``model`` to the next iteration (``on_empty_selection``)."""
     if ctx.recipe.on_empty_selection == "stop":
-        ctx.servers.close()
+        ctx.servers.stop_all()
         raise NothingSelected(
             f"{label}{message}. Lower the thresholds, sample more, or set on_empty_selection: carry_forward"
         )

@@ -23,8 +23,9 @@ from tests.test_layout import FAKE_ENV, sft_recipe  # noqa: E402
 def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the suite may run with SIGINT ignored
     recipe = sft_recipe(Path(sys.argv[1]))
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", Path(sys.argv[1]) / "logs")
-    holder._layout = plan_layout(recipe, [], [0, 1])
+    holder = ServerHolder(
+        recipe, FAKE_ENV, "/models/base", Path(sys.argv[1]) / "logs", layout=plan_layout(recipe, [], [0, 1])
+    )
     with sigterm_as_exit(), holder:
         holder.endpoints("/models/base", RunPaths.from_recipe(recipe).stage(0))
         holder.loss_endpoints()

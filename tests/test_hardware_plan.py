@@ -263,7 +263,7 @@ def test_cpu_plan_trains_on_the_cpu_and_checks_no_gpu():
     plan = plan_hardware(recipe_at("train/sft_recipes/demo_arc.yaml"), Hardware(1, 0, 0.0), [0, 1])
     assert not plan.problems and not plan.claims
     assert plan.training.num_processes == 1 and plan.training.nodes[0].gpus == ()
-    assert plan.layout.policy == (Placement(cpu_bind="0"),)
+    assert plan.layout.policy == (Placement(cpu_bind="0", carry_over=True),)  # kept through training
 
 
 def test_dry_run_prints_the_plan_and_a_refused_run_stops_before_start(tmp_path, capsys):

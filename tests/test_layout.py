@@ -55,7 +55,9 @@ def sft_recipe(tmp_path: Path, **overrides):
 def test_on_cpu_each_server_gets_its_own_cores(tmp_path, cpus, policy, loss):
     layout = plan_layout(sft_recipe(tmp_path), [], cpus)
     # The loss model has no local config here: its KV cache is the minimum, 1 GiB.
-    assert layout == ServerLayout((Placement(cpu_bind=policy),), Placement(cpu_bind=loss, cpu_kvcache_gb=1))
+    assert layout == ServerLayout(
+        (Placement(cpu_bind=policy, carry_over=True),), Placement(cpu_bind=loss, cpu_kvcache_gb=1)
+    )
     env = build_serve_env(sft_recipe(tmp_path), VENV, layout.loss, tmp_path, "/models/base")
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == loss and "VLLM_SERVER_DEV_MODE" not in env
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
@@ -66,11 +68,25 @@ def test_on_cpu_each_server_gets_its_own_cores(tmp_path, cpus, policy, loss):
     [{"loss_placement": "after"}, {"loss_backend": "hf"}, {"cal_ppl": False}, {"endpoints": ["http://h:1/v1"]}],
 )
 def test_without_a_loss_server_the_policy_keeps_vllms_own_binding(tmp_path, overrides):
-    assert plan_layout(sft_recipe(tmp_path, **overrides), [], [0, 1]) == ServerLayout((Placement(),), None)
+    kept = "endpoints" not in overrides  # external endpoints are never ours to keep
+    assert plan_layout(sft_recipe(tmp_path, **overrides), [], [0, 1]) == ServerLayout(
+        (Placement(carry_over=kept),), None
+    )
 
 
 def test_one_core_is_shared(tmp_path):
-    assert plan_layout(sft_recipe(tmp_path), [], [0]) == ServerLayout((Placement(),), Placement(cpu_kvcache_gb=1))
+    assert plan_layout(sft_recipe(tmp_path), [], [0]) == ServerLayout(
+        (Placement(carry_over=True),), Placement(cpu_kvcache_gb=1)
+    )
+
+
+@pytest.mark.parametrize(("sleep_mode", "kept"), [(None, True), (True, True), (False, False)])
+def test_the_policy_is_kept_across_checkpoints_by_default_on_cpu_too(tmp_path, sleep_mode, kept):
+    layout = plan_layout(sft_recipe(tmp_path, sleep_mode=sleep_mode), [], [0, 1])
+    assert layout.policy[0].carry_over is kept and layout.loss.carry_over is False
+    assert (
+        describe_layout(sft_recipe(tmp_path), "/m", layout)["policy replica 0"].endswith("(weights reloaded)") is kept
+    )
 
 
 def test_on_a_shared_gpu_the_loss_server_takes_its_share_from_the_first_replica(tmp_path):
@@ -110,7 +126,7 @@ def test_dry_run_lines_name_both_servers(tmp_path):
     recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
     lines = describe_layout(recipe, "/models/judge", plan_layout(recipe, [], [0, 1]))
     assert lines == {
-        "policy replica 0": "CPU cores 0",
+        "policy replica 0": "CPU cores 0, kept across iterations (weights reloaded)",
         "loss server": "/models/judge on CPU cores 1, started once per run",
     }
     gpu = describe_layout(recipe, "/models/judge", plan_layout(recipe, ["0"], [0, 1], loss_share=0.1))
@@ -143,16 +159,15 @@ def server_log_lines(path: Path) -> list[str]:
 
 
 def test_the_loss_server_lives_across_policy_models_and_stops_with_the_run(tmp_path):
-    recipe = sft_recipe(tmp_path)
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")
-    holder._layout = plan_layout(recipe, [], [0, 1])
+    recipe = sft_recipe(tmp_path, sleep_mode=False)  # a fresh policy per model
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         first = holder.endpoints("/models/base", stage)
         loss_urls = holder.loss_endpoints()
         loss_group = holder.loss.server.pgid
         assert loss_urls != first  # its own server, on its own port
-        holder.close()  # before training: the policy stops, the loss server stays
+        holder.sleep_for_training()  # without sleep_mode the policy stops, the loss server stays
         assert holder.model is None and group_members(loss_group)
         second = holder.endpoints("/ckpt/iteration_0", stage)
         assert holder.loss_endpoints() == loss_urls and holder.loss.server.pgid == loss_group
@@ -170,23 +185,21 @@ def test_the_policy_kv_budget_counts_a_starting_loss_server_once(tmp_path, monke
 
     asked = []
     monkeypatch.setattr(vllm_server, "resolve_cpu_kvcache_gb", lambda explicit, model, share: asked.append(share) or 1)
-    recipe = sft_recipe(tmp_path)
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")
-    holder.layout = plan_layout(recipe, [], [0, 1])
+    recipe = sft_recipe(tmp_path, sleep_mode=False)  # a fresh policy per model
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         holder.endpoints("/models/base", stage)
         assert asked == [MemoryShare(policy_replicas=1, loss_kv_gb=1)]  # the loss server's own is fixed
         assert asked[0].servers == 2
-        holder.close()
+        holder.sleep_for_training()
         holder.endpoints("/ckpt/iteration_0", stage)
         assert asked[1:] == [MemoryShare(policy_replicas=1)]
 
 
 def test_an_error_stops_the_loss_server_too(tmp_path):
     recipe = sft_recipe(tmp_path)
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")
-    holder._layout = plan_layout(recipe, [], [0, 1])
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     with pytest.raises(RuntimeError, match="boom"), holder:
         holder.endpoints("/models/base", RunPaths.from_recipe(recipe).stage(0))
         group = holder.loss.server.pgid
@@ -222,17 +235,22 @@ def test_on_cpu_a_kept_policy_only_reloads_its_weights(tmp_path):
     with FakeOpenAIServer() as server:
         put_to_sleep([server.base_url], recipe, gpu=False)
         wake_with_weights([server.base_url], "/ckpt/iteration_0", recipe, gpu=False)
-        assert server.posts == ["/collective_rpc", "/reset_prefix_cache"]
+        assert server.posts == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache"]
+        assert [body.get("method") for body, _ in server.dev_requests] == [
+            "reload_weights",
+            "refresh_packed_weights",
+            None,
+        ]
+    assert "--worker-extension-cls" in build_serve_command(recipe, "/m", 8000, VENV, layout.policy[0])
 
 
 def test_a_kept_policy_serves_the_next_checkpoint_without_a_restart(tmp_path):
     recipe = sft_recipe(tmp_path, sleep_mode=True)
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs")
-    holder._layout = plan_layout(recipe, [], [0, 1])
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         first = holder.endpoints("/models/base", stage)
-        holder.close()  # training: the process stays
+        holder.sleep_for_training()  # the process stays
         assert holder.asleep and holder.endpoints("/ckpt/iteration_0", stage) == first
         assert holder.model == "/ckpt/iteration_0" and not holder.asleep
     assert len(server_log_lines(stage.server_log(0))) == 1
@@ -252,8 +270,7 @@ def test_search_and_score_stage_use_the_loss_server_never_the_driver(tmp_path, m
     monkeypatch.setattr(lm_loss.HFLossScorer, "__init__", no_hf)
     monkeypatch.setattr(common, "served_loss_scorer", lambda ctx, urls: lambda texts: asked.append(urls) or [1.0])
     recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs")
-    holder._layout = plan_layout(recipe, [], [0, 1])
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         policy = holder.endpoints("/ckpt/iteration_0", stage)  # the policy is not the loss model

@@ -9,7 +9,6 @@ must stop the run, naming the server and the checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -22,9 +21,9 @@ from optima.paths import RunPaths
 from optima.selection.io import save_splits
 from optima.serving import start_replicas
 from optima.serving.reload_check import WeightsMismatch, probe_server
-from optima.serving.replicas import build_replica_specs, plan_replicas
+from optima.serving.replicas import build_replica_specs
 from optima.serving.sleep_mode import wake_with_weights
-from optima.serving.vllm_server import find_free_port
+from optima.serving.vllm_server import Placement, find_free_port
 from optima.training.common import is_complete
 from optima.training.launch import run_training
 from optima.training.launch_config import ACCELERATE_CONFIGS, TrainLaunch
@@ -64,10 +63,9 @@ def kept_server(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("reload_run")
     port = find_free_port("127.0.0.1", 29000 + os.getpid() % 5000)
     recipe = build_test_recipe(root, port=port, server_startup_timeout_s=300.0, request_timeout_s=120.0)
-    placement = plan_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=1)
+    placement = [Placement(carry_over=True)]  # kept across checkpoints: the reload routes and the CPU extension
     spec = build_replica_specs(recipe, str(tiny_model), resolve_env(None, "vllm"), RunPaths(root).stage(0), placement)
-    spec = dataclasses.replace(spec[0], env=spec[0].env | {"VLLM_SERVER_DEV_MODE": "1"})
-    with start_replicas([spec], recipe.server_startup_timeout_s) as servers:
+    with start_replicas(spec, recipe.server_startup_timeout_s) as servers:
         yield recipe, servers[0].spec.api_url
 
 

@@ -136,7 +136,7 @@ class ServingFields:
     sleep_mode: bool | None = field(
         None,
         help="keep the policy server across iterations: during training it sleeps (GPU, vLLM sleep mode) or idles "
-        "(CPU), then loads the new checkpoint's weights instead of a restart; null = on with GPUs, off on CPU",
+        "(CPU), then loads the new checkpoint's weights instead of a restart; null = on (CPU and GPU)",
     )
 
     def validate(self) -> None:

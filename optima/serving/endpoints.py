@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from optima.identity import model_identity
 from optima.serving.reload_check import check_served_weights, probe_mismatch
 from optima.serving.sleep_mode import reload_rpc
-from optima.serving.vllm_server import ServerStartupError
+from optima.serving.vllm_server import ServerStartupError, server_root
 from optima.weights_probe import read_probe
 
 if TYPE_CHECKING:
@@ -70,11 +70,6 @@ def normalize_base_url(url: str) -> str:
     url = url.rstrip("/")
     scheme, _, rest = url.partition("://")
     return url if "/" in rest else f"{url}/v1"
-
-
-def server_root(base_url: str) -> str:
-    """``http://h:8000/v1`` -> ``http://h:8000``: vLLM's development routes live beside ``/v1``, not under it."""
-    return base_url.removesuffix("/v1")
 
 
 @dataclass(frozen=True)

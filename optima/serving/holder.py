@@ -1,15 +1,25 @@
 """The servers of one run: the policy replicas (the model of the current stage) and the loss server beside them.
 
-``ServerHolder`` keeps at most one policy model served across stages (generation at iteration 0 and the
-LM-loss scoring that follows may share it) and, with ``loss_placement: beside``, one vLLM server of the fixed
-loss model that starts with the first policy and lives until the run ends, so that every conversation (and every
-tree-search rollout) is scored on it as soon as it finishes, while the policy keeps generating. Placement:
-``optima.serving.layout``.
+``ServerHolder`` keeps at most one policy model served across stages and, with ``loss_placement: beside``, one
+vLLM server of the fixed loss model that starts with the first policy and lives until the run ends, so that every
+conversation (and every tree-search rollout) is scored on it as soon as it finishes, while the policy keeps
+generating. Placement: ``optima.serving.layout``. Its verbs say what happens to the processes:
 
-Before training the policy gives its resources back (``release``): with ``sleep_mode`` it sleeps (GPU) or idles
-(CPU) and later loads the new checkpoint's weights (``optima.serving.sleep_mode``), else it is stopped. The loss
-server stays up: idle, a vLLM server takes no CPU time worth counting (``bench/RESULTS.md`` has the
-measurement), and a restart would cost a start-up per iteration.
+* ``endpoints(model, stage_paths)``: URLs serving ``model``: the running replicas when they serve it already, the
+  kept replicas given its weights in place after training (``reload``), else replicas started now;
+* ``sleep_for_training()``: give the policy's resources back for training (or an in-process scorer): with
+  ``sleep_mode`` (on by default, CPU and GPU) it sleeps (GPU) or idles (CPU) and keeps its process, else it stops;
+* ``reload(model)``: load a checkpoint into the kept replicas (``optima.serving.sleep_mode``), prefix cache reset
+  and weights probe checked (``optima.serving.reload_check``);
+* ``stop_policy()``: stop the policy replicas; ``stop_all()``: every server (the end of the run, or any error).
+
+The loss server stays up through training: idle, a vLLM server takes no CPU time worth counting
+(``bench/RESULTS.md`` has the measurement), and a restart would cost a start-up per iteration.
+
+A kept server may die while the trainer runs (the kernel's OOM killer picks the biggest process): that must not end
+the run. Before any reuse each server must answer ``/health``; one that does not, or whose reload request fails, is
+logged, stopped (its whole process group) and replaced by a fresh start. A reload that answers but serves other
+weights than the checkpoint's probe still stops the run (``WeightsMismatch``): that is a bug to see, not to hide.
 """
 
 from __future__ import annotations
@@ -23,11 +33,12 @@ from typing import TYPE_CHECKING
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
 from optima.serving.layout import ServerLayout, loss_server_wanted
-from optima.serving.replicas import serve
+from optima.serving.replicas import ReplicaLayout, serve
 from optima.serving.vllm_server import (
     Placement,
     ServerSpec,
     VLLMServer,
+    answers_health,
     build_serve_command,
     build_serve_env,
     find_free_port,
@@ -39,6 +50,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: nothing placed here
+# Before reuse: an idle server answers /health at once and a dead one refuses at once; this only bounds a hung one.
+REUSE_HEALTH_TIMEOUT_S = 10.0
 
 
 class LossServer:
@@ -60,8 +73,19 @@ class LossServer:
     def ports(self) -> tuple[int, ...]:
         return (self.server.spec.port,) if self.server is not None else ()
 
+    @property
+    def running(self) -> bool:
+        """Whether its process runs (started, and not exited since)."""
+        return self.server is not None and self.server.is_running()
+
     def start(self, busy_ports: tuple[int, ...] = ()) -> None:
-        """Start the process unless it runs already (the caller may start the policy meanwhile)."""
+        """Start the process unless it runs already (the caller may start the policy meanwhile).
+
+        Args:
+            busy_ports: Ports of servers starting beside it that may not listen yet.
+        """
+        if self.server is not None and not self.server.is_running():
+            self._replace_dead("exited")
         if self.server is not None:
             return
         recipe, placement = self.recipe, self.layout.loss
@@ -76,7 +100,9 @@ class LossServer:
         self.server = server
 
     def urls(self) -> list[str]:
-        """Its OpenAI base URL, once it answers ``/health`` (started now if needed)."""
+        """Its OpenAI base URL, once it answers ``/health`` (started now if needed, again if it died)."""
+        if self.server is not None and self.server.ready and not self.server.is_healthy():
+            self._replace_dead("does not answer /health")
         self.start()
         try:
             wait_until_all_ready([self.server], self.recipe.server_startup_timeout_s)
@@ -84,6 +110,12 @@ class LossServer:
             self.stop()
             raise
         return [self.server.spec.api_url]
+
+    def _replace_dead(self, what: str) -> None:
+        """Log a server that died (killed for memory, say) and clear it away; the next ``start`` starts afresh."""
+        url = self.server.spec.api_url
+        logger.warning("loss server %s %s; starting a fresh one (log %s)", url, what, self.log_path)
+        self.stop()
 
     def stop(self) -> None:
         server, self.server = self.server, None
@@ -107,14 +139,15 @@ class ServerHolder:
         vllm_env: PythonEnv | None,
         loss_model: str | None = None,
         log_dir: Path | None = None,
+        layout: ServerLayout | None = None,
     ):
         self.recipe, self.vllm_env = recipe, vllm_env
         self.loss_model, self.log_dir = loss_model, log_dir
         self.model: str | None = None
         self.urls: list[str] = []
-        self.asleep = False
+        self.asleep = False  # kept replicas, given back for training, wait for the next checkpoint's weights
         self._stack: contextlib.ExitStack | None = None
-        self._layout: ServerLayout | None = None
+        self._layout = layout
         self._loss: LossServer | None = None
 
     @property
@@ -134,6 +167,11 @@ class ServerHolder:
         self._layout = layout or ENDPOINTS_LAYOUT
 
     @property
+    def kept(self) -> bool:
+        """Whether the policy replicas carry over from checkpoint to checkpoint (``sleep_mode``; never external)."""
+        return not self.recipe.endpoints and self.layout.policy[0].carry_over
+
+    @property
     def loss(self) -> LossServer | None:
         """The loss server of the run, or None when the loss is scored another way."""
         wanted = self.vllm_env is not None and self.loss_model is not None and loss_server_wanted(self.recipe)
@@ -143,34 +181,73 @@ class ServerHolder:
         return self._loss
 
     def endpoints(self, model: str, stage_paths: StagePaths) -> list[str]:
-        """OpenAI base URLs serving ``model``: reused, woken with its weights, or started now.
+        """OpenAI base URLs serving ``model``: reused, reloaded in place (kept replicas after training), or started.
 
-        External endpoints are checked again before every stage (``optima.serving.endpoints``): someone else may
-        have restarted or reloaded them since.
+        Our own replicas must answer ``/health`` before any reuse: dead ones are replaced by a fresh start, as are
+        kept ones whose reload request fails. External endpoints are checked again before every stage
+        (``optima.serving.endpoints``): someone else may have restarted or reloaded them since.
         """
-        model = str(model)
-        if self._stack is not None and self.model == model and not self.asleep and not self.recipe.endpoints:
-            return self.urls
-        if self._stack is not None and self.asleep:
-            from optima.serving.sleep_mode import wake_with_weights
+        from optima.serving.sleep_mode import ReloadFailed
 
-            wake_with_weights(self.urls, model, self.recipe, gpu=not self.layout.policy[0].on_cpu)
-            self.model, self.asleep = model, False
-            return self.urls
+        model = str(model)
+        if self._stack is not None and not self.recipe.endpoints:
+            if not self._policy_answers():
+                self.stop_policy()
+            elif self.asleep:
+                try:
+                    return self.reload(model)
+                except ReloadFailed as exc:
+                    logger.warning("serve | loading %s in place failed (%s); starting a fresh server", model, exc)
+                    self.stop_policy()
+            elif self.model == model:
+                return self.urls
+        return self._start_policy(model, stage_paths)
+
+    def reload(self, model: str) -> list[str]:
+        """Give the kept replicas ``model``'s weights in place (no restart): wake (GPU), reload, reset prefix cache.
+
+        Raises:
+            ReloadFailed: a request failed (``endpoints`` then starts a fresh server).
+            WeightsMismatch: the replicas do not answer the weights probe recorded with ``model``.
+        """
+        from optima.serving.sleep_mode import wake_with_weights
+
+        if self._stack is None or not self.kept:
+            raise RuntimeError(f"reload({model}): no kept policy replicas to load it into")
+        self.asleep = True  # until the new weights are in: a failure half-way leaves nothing worth reusing
+        wake_with_weights(self.urls, str(model), self.recipe, gpu=not self.layout.policy[0].on_cpu)
+        self.model, self.asleep = str(model), False
+        return self.urls
+
+    def _policy_answers(self) -> bool:
+        """Whether every policy replica answers ``/health`` (logged when one does not)."""
+        silent = [url for url in self.urls if not answers_health(url, REUSE_HEALTH_TIMEOUT_S)]
+        if silent:
+            logger.warning(
+                "serve | policy replica(s) %s of %s do not answer /health (died, e.g. killed for memory during "
+                "training; see the replica logs); starting fresh ones",
+                ", ".join(silent),
+                self.model,
+            )
+        return not silent
+
+    def _start_policy(self, model: str, stage_paths: StagePaths) -> list[str]:
+        """Stop any policy replicas, then start ``model``'s (with the loss server, when it is not up yet)."""
         self.stop_policy()
+        policy = self.layout.policy
         loss = self.loss if not self.recipe.endpoints else None
         # A loss server that starts now may not listen yet (its port is kept free) and holds no memory yet (the
         # policy's KV budget leaves room for it); one that runs already is neither.
         starting: tuple[int, ...] = ()
         if loss is not None:
-            running = bool(loss.ports)
-            loss.start()  # loads while the policy loads (CPU); on a shared GPU the policy waits for it below
+            running = loss.running
+            loss.start()  # loads while the policy loads (CPU); a shared GPU waits below
             starting = () if running else loss.ports
-            if not self.layout.loss.on_cpu and self.layout.loss.gpus == self.layout.policy[0].gpus[:1]:
+            if not self.layout.loss.on_cpu and self.layout.loss.gpus == policy[0].gpus[:1]:
                 loss.urls()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
         stack = contextlib.ExitStack()
         # The planned placements always: they carry the sleep-mode flag that opens vLLM's reload routes.
-        layout = (self.layout.policy, starting)
+        layout = ReplicaLayout(policy, busy_ports=starting, loss_starting=bool(starting))
         self.urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
         self._stack, self.model = stack, model
         return self.urls
@@ -179,20 +256,23 @@ class ServerHolder:
         """The loss server's URLs (waiting until it is ready), or None without a loss server."""
         return self.loss.urls() if self.loss is not None else None
 
-    def release(self) -> None:
-        """Give the policy's cores / memory back for training: sleep (GPU sleep mode) or stop."""
-        # External endpoints are not ours to put to sleep; the next stage's check reloads them if needed.
-        if (
-            not self.recipe.endpoints
-            and self._stack is not None
-            and self.layout.policy[0].carry_over
-            and not self.asleep
-        ):
-            from optima.serving.sleep_mode import put_to_sleep
+    def sleep_for_training(self) -> None:
+        """Give the policy's cores and memory back for training: kept replicas sleep (GPU) or idle (CPU), others stop.
 
-            put_to_sleep(self.urls, self.recipe, gpu=not self.layout.policy[0].on_cpu)
-            self.asleep = True
+        The loss server stays up. A sleep request that fails stops the replicas instead (the next stage starts
+        fresh ones).
+        """
+        from optima.serving.sleep_mode import ReloadFailed, put_to_sleep
+
+        if self._stack is None or self.asleep:
             return
+        if self.kept:
+            try:
+                put_to_sleep(self.urls, self.recipe, gpu=not self.layout.policy[0].on_cpu)
+                self.asleep = True
+                return
+            except ReloadFailed as exc:
+                logger.warning("serve | the policy could not be put to sleep (%s); stopping it instead", exc)
         self.stop_policy()
 
     def stop_policy(self) -> None:
@@ -201,11 +281,7 @@ class ServerHolder:
         if stack is not None:
             stack.close()
 
-    def close(self) -> None:
-        """Free the policy's resources (``release``); the loss server stays for the rest of the run."""
-        self.release()
-
-    def shutdown(self) -> None:
+    def stop_all(self) -> None:
         """Stop every server of the run (the end of the run, or any exception)."""
         try:
             self.stop_policy()
@@ -217,4 +293,4 @@ class ServerHolder:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.shutdown()
+        self.stop_all()

@@ -16,7 +16,7 @@ policy is still generating (``loss_placement: beside``). The two must not fight 
   that replica's share; the other policy replicas keep theirs. Each server's tensor parallel size is the number of
   its GPUs (``optima.serving.vllm_server.build_serve_command``).
 
-With ``sleep_mode`` (default on with GPUs, off on CPU) the policy replicas are kept from checkpoint to checkpoint:
+With ``sleep_mode`` (on by default, GPU and CPU) the policy replicas are kept from checkpoint to checkpoint:
 they sleep (GPU) or idle (CPU) during training and then load the new weights (``optima.serving.sleep_mode``).
 """
 
@@ -55,10 +55,10 @@ def loss_server_wanted(recipe: Recipe) -> bool:
 
 
 def carry_over_on(recipe: ServingFields, gpus: Sequence[str]) -> bool:
-    """Keep the policy server across checkpoints: ``sleep_mode``, by default on with GPUs and off on CPU."""
+    """Keep the policy server across checkpoints: ``sleep_mode``, by default on (GPU and CPU)."""
     if recipe.endpoints:
         return False
-    return bool(gpus) if recipe.sleep_mode is None else recipe.sleep_mode
+    return True if recipe.sleep_mode is None else recipe.sleep_mode
 
 
 def plan_layout(

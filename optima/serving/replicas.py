@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,14 +107,16 @@ def build_replica_specs(
     stage_paths: StagePaths,
     placements: Sequence[Placement],
     exclude_ports: Sequence[int] = (),
+    loss_starting: bool = False,
 ) -> list[ServerSpec]:
     """Command line, environment, port and log file of each replica (ports are probed, nothing starts).
 
-    ``exclude_ports`` are taken by servers that are starting and may not listen yet (the loss server).
+    ``exclude_ports`` are taken by servers that are starting and may not listen yet (the loss server);
+    ``loss_starting``: the loss server starts with these replicas, and its KV cache is taken from the memory they
+    share (``memory_share``).
     """
     cache_root = RunPaths(Path(recipe.output_dir)).vllm_cache  # evaluation recipes have no checkpoint root
-    # A loss server that starts with these replicas has its port excluded (it may not listen yet).
-    share = memory_share(recipe, placements, loss_starting=bool(exclude_ports))
+    share = memory_share(recipe, placements, loss_starting)
     specs, taken = [], list(exclude_ports)
     for replica, placement in enumerate(placements):
         port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
@@ -125,6 +128,21 @@ def build_replica_specs(
     return specs
 
 
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where the replicas of one model start, and what starts beside them now.
+
+    Args:
+        placements: One per replica.
+        busy_ports: Ports of servers starting beside them that may not listen yet (kept free).
+        loss_starting: The loss server starts beside them now (its KV cache comes out of the memory they share).
+    """
+
+    placements: Sequence[Placement]
+    busy_ports: Sequence[int] = ()
+    loss_starting: bool = False
+
+
 @contextlib.contextmanager
 def serve(
     recipe: BaseRecipe,
@@ -132,7 +150,7 @@ def serve(
     vllm_env: PythonEnv | None,
     stage_paths: StagePaths,
     cpu_replicas: int = 1,
-    layout: tuple[Sequence[Placement], Sequence[int]] | None = None,
+    layout: ReplicaLayout | None = None,
 ) -> Iterator[list[str]]:
     """Serve ``model_path`` for the duration of the block; yield the OpenAI base URLs of its replicas.
 
@@ -144,8 +162,8 @@ def serve(
         vllm_env: Python environment with vLLM (unused when the recipe lists ``endpoints``).
         stage_paths: Stage folder; replica logs go to its ``logs/vllm_<i>.log``.
         cpu_replicas: Replicas on a machine without GPU (default 1).
-        layout: Placements of the replicas and ports to leave alone, when a loss server runs beside them
-            (``optima.serving.layout``); default: ``plan_replicas``.
+        layout: Placements of the replicas, the ports and memory of servers starting beside them
+            (``ReplicaLayout``, from ``optima.serving.layout``); default: ``plan_replicas``, alone.
     """
     with sigterm_as_exit():
         if recipe.endpoints:
@@ -156,9 +174,12 @@ def serve(
         if vllm_env is None:
             raise ValueError("serve() needs a vLLM environment when the recipe lists no endpoints")
         if layout is None:
-            layout = (plan_replicas(recipe, visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas), ())
-        placements, exclude = layout
-        specs = build_replica_specs(recipe, str(model_path), vllm_env, stage_paths, placements, exclude)
+            cpus = sorted(os.sched_getaffinity(0))
+            layout = ReplicaLayout(plan_replicas(recipe, visible_gpus(), cpus, cpu_replicas))
+        placements = layout.placements
+        specs = build_replica_specs(
+            recipe, str(model_path), vllm_env, stage_paths, placements, layout.busy_ports, layout.loss_starting
+        )
         where = "GPU"
         if placements[0].on_cpu:  # the KV budget: the recipe's, or sized to the memory available now
             where = f"CPU (KV cache {specs[0].env['VLLM_CPU_KVCACHE_SPACE']} GiB each)"

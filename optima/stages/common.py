@@ -106,14 +106,24 @@ def served_loss_scorer(ctx: RunContext, urls: list[str]) -> ScoreTexts:
 
 
 def built_on_first_use(build: Callable[[], ScoreTexts]) -> ScoreTexts:
-    """A scorer that is built (its server started or waited for) only when something is left to score."""
+    """A scorer that is built (its server started or waited for) only when something is left to score.
+
+    A build that failed is not tried again by every later call (each would wait for a server start): they raise.
+    """
     built: list[ScoreTexts] = []
+    failed: list[Exception] = []
     lock = threading.Lock()
 
     def score(texts: Sequence[str]) -> list[float]:
         with lock:
+            if failed:
+                raise RuntimeError(f"the LM-loss scorer could not be built: {failed[0]}") from failed[0]
             if not built:
-                built.append(build())
+                try:
+                    built.append(build())
+                except Exception as exc:
+                    failed.append(exc)
+                    raise
         return built[0](texts)
 
     return score
@@ -143,7 +153,7 @@ def loss_scorer(ctx: RunContext, sp: StagePaths, keep_served: bool = False) -> S
     from optima.lm_loss import HFLossScorer
 
     if not keep_served:
-        ctx.servers.close()
+        ctx.servers.sleep_for_training()  # the in-process scorer needs the cores / memory, as training does
     logger.info("loss | %s scored with transformers in this process (loss_backend %s)", model, recipe.loss_backend)
     return HFLossScorer(model, ctx.tokenizer(), recipe.loss_batch_size).score
 
@@ -186,7 +196,7 @@ def train_checkpoint(
     if is_complete(out):
         return read_completion(out)
     clear_partial_output(out)  # a killed run's files go; its resumable trainer checkpoints (checkpoint-N) stay
-    ctx.servers.close()
+    ctx.servers.sleep_for_training()
     base = trainer_base_yaml(recipe, kind)
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}
     # The run's trackers and a run name per iteration (optima.tracking), then this method's own values.

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 def generate(call: StageCall) -> dict:
     """Serve the part's model and sample ``explore_count`` conversations for each of ``sample_count`` questions.
 
-    With a loss server beside the policy, each conversation's LM loss is scored as soon as it is written.
+    With a loss server beside the policy, each conversation's LM loss is scored as soon as it is written. Generation
+    starts as soon as the policy answers: the loss server (started beside it) is waited for by the first score.
     """
     ctx, sp = call.ctx, call.sp
     examples = common.training_questions(ctx, call.iteration, "sft")
@@ -39,7 +40,7 @@ def generate(call: StageCall) -> dict:
     with contextlib.ExitStack() as stack:
         stream = None
         if call.recipe.cal_ppl and ctx.servers.loss is not None:
-            scorer = common.served_loss_scorer(ctx, ctx.servers.loss_endpoints())
+            scorer = common.built_on_first_use(lambda: common.served_loss_scorer(ctx, ctx.servers.loss_endpoints()))
             stream = stack.enter_context(StreamingLosses(scorer, sp.losses, loss_model(call.recipe)))
         hooks = GenerationHooks(on_record=stream.submit if stream else None)
         stats = generate_conversations(call.recipe, examples, endpoints, sp.generations, plan, hooks)
