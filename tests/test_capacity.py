@@ -130,6 +130,10 @@ def test_the_loss_server_gets_what_scoring_needs(tmp_path):
     big = SimpleNamespace(**vars(recipe) | {"loss_batch_size": 64})  # 128,000 tokens: 5.5 GiB
     assert loss_kvcache_gb(big, model) == 6
     assert loss_kvcache_gb(recipe, tmp_path / "hub-id") == 1  # no config: the minimum
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert loss_kvcache_gb(big, bare) == 1  # no layer or head counts: the minimum (vLLM refuses it at start-up)
     recipe.cpu_kvcache_space_gb = 4
     assert loss_kvcache_gb(recipe, model) == 4  # an explicit budget wins
 

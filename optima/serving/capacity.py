@@ -207,16 +207,20 @@ def loss_kvcache_gb(recipe: LoopRecipe, model_path: str | Path) -> int:
     """KV-cache budget of the loss server on a CPU (whole GiB, at least ``MIN_CPU_KVCACHE_GB``).
 
     ``cpu_kvcache_space_gb`` when the recipe sets it, else ``loss_kv_tokens`` of the loss model in fp32; a model
-    without a local ``config.json`` gets the minimum.
+    without a local ``config.json``, or whose config lacks the layer or head counts, gets the minimum.
     """
     if recipe.cpu_kvcache_space_gb is not None:
         return recipe.cpu_kvcache_space_gb
     config = load_model_config(model_path)
-    if config is None:
+    try:
+        shape = kv_shape(config, DTYPE_BYTES["float32"]) if config is not None else None
+    except ValueError:  # no layer or head counts: vLLM will refuse it at start-up with its own message
+        shape = None
+    if shape is None:
         return MIN_CPU_KVCACHE_GB
     max_len = int(recipe.max_model_len or config.get("max_position_embeddings") or recipe.max_total_tokens)
     tokens = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, max_len)
-    need = tokens * kv_shape(config, DTYPE_BYTES["float32"]).bytes_per_token
+    need = tokens * shape.bytes_per_token
     return max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, math.ceil(need / GIB)))
 
 
