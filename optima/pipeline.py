@@ -20,6 +20,7 @@ from optima.plan import Plan, PlanPart, StageDef
 from optima.run_context import RunContext, write_iteration_report
 from optima.serving.processes import sigterm_as_exit
 from optima.stage_identity import link, part_keys
+from optima.training.warm import warm_trainer_for
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,11 @@ def run_plan(plan: Plan) -> str:
         plan.hardware.check()  # an impossible placement stops here, before any server or trainer starts
     ctx = RunContext.create(recipe, plan.paths, plan.envs, plan.hardware)
     ctx.progress = plan.progress
+    training = plan.hardware.training if plan.hardware is not None else None
+    ctx.trainer = warm_trainer_for(recipe, plan.envs["train"], ctx.gpu, training, ctx.paths.driver_log.parent)
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
-    with sigterm_as_exit(), ctx.servers:
+    with sigterm_as_exit(), ctx.servers, ctx.trainer:
         for part in plan.parts:
             if part.skipped:
                 model, upstream = str(part.out), None

@@ -40,6 +40,7 @@ class RunContext:
     _tokenizer: Any = field(default=None, repr=False)
     report_to: list[str] = field(default_factory=list)  # trackers of this run (``auto`` resolved)
     progress: bool = True  # a training progress bar on the console (``--quiet``: none)
+    trainer: Any = None  # the run's warm trainer (optima.training.warm); None: accelerate launch for every stage
 
     @classmethod
     def create(cls, recipe, paths: RunPaths, envs: dict[str, PythonEnv], hardware=None) -> RunContext:
