@@ -82,7 +82,7 @@ def run_plan(plan: Plan) -> str:
     ctx = RunContext.create(recipe, plan.paths, plan.envs, plan.hardware)
     ctx.progress = plan.progress
     training = plan.hardware.training if plan.hardware is not None else None
-    ctx.trainer = warm_trainer_for(recipe, plan.envs["train"], ctx.gpu, training, ctx.paths.driver_log.parent)
+    ctx.trainer = warm_trainer_for(recipe, plan.envs.get("train"), ctx.gpu, training, ctx.paths.driver_log.parent)
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
     with sigterm_as_exit(), ctx.servers, ctx.trainer:

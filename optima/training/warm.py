@@ -145,17 +145,18 @@ class WarmTrainer:
                 pass  # the server is gone: what was still buffered for it does not matter
 
 
-def warm_trainer_for(recipe, env: PythonEnv, gpu: bool, placement, log_dir: Path) -> WarmTrainer:
+def warm_trainer_for(recipe, env: PythonEnv | None, gpu: bool, placement, log_dir: Path) -> WarmTrainer:
     """The run's warm trainer: enabled for a recipe with ``warm_trainer`` whose training is one CPU process.
 
     Args:
         recipe: The recipe (``warm_trainer``, ``accelerate_config``, ``num_processes``, ...).
-        env: The training environment.
+        env: The training environment (None: the run trains nothing).
         gpu: Whether a GPU is visible (GPU runs keep ``accelerate launch``).
         placement: The hardware plan's ``TrainingPlacement`` (or None).
         log_dir: Where the server's log goes.
     """
+    if env is None or not recipe.warm_trainer or gpu:
+        return WarmTrainer(env, Path(log_dir) / WARM_LOG, enabled=False)
     # The accelerate config and the process count are the same for every train stage (SFT and DPO alike).
     launch = launch_for(recipe, "sft", env, Path("trainer.yaml"), gpu, placement)
-    enabled = bool(recipe.warm_trainer) and not gpu and launch.single_cpu_process()
-    return WarmTrainer(env, Path(log_dir) / WARM_LOG, enabled)
+    return WarmTrainer(env, Path(log_dir) / WARM_LOG, enabled=launch.single_cpu_process())

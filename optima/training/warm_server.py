@@ -73,6 +73,8 @@ PRELOAD = (
     "optima.training.checkpoint",
     "optima.weights_probe",
 )
+# Imported when the training env has them (the trainer's tensorboard logging: report_to auto or tensorboard).
+OPTIONAL_PRELOAD = ("torch.utils.tensorboard",)
 STOP_TIMEOUT_S = 30.0  # grace period between SIGTERM and SIGKILL of a stage's child
 
 
@@ -249,9 +251,20 @@ class WarmServer:
         self.child = None
 
 
+def preload(modules: Sequence[str], optional: Sequence[str] = ()) -> None:
+    """Import ``modules``, then whichever of ``optional`` the environment has."""
+    for module in filter(None, modules):
+        importlib.import_module(module)
+    for module in optional:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            logger.info("warm trainer | %s not preloaded: %s", module, exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {WARM_MODULE}")
-    parser.add_argument("--preload", default=",".join(PRELOAD), help="modules to import before serving (comma list)")
+    parser.add_argument("--preload", help="modules to import before serving (comma list; default: the training stack)")
     args = parser.parse_args(argv)
     setup_logging()
     # The protocol gets its own descriptors; fd 1 becomes stderr so that nothing printed by an import reaches it.
@@ -270,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     die_with_parent()
     start = time.monotonic()
-    for module in filter(None, args.preload.split(",")):
-        importlib.import_module(module)
+    modules, optional = (PRELOAD, OPTIONAL_PRELOAD) if args.preload is None else (args.preload.split(","), ())
+    preload(modules, optional)
     server.reply(ready=True, pid=os.getpid(), import_s=round(time.monotonic() - start, 3))
     return server.serve()
 
