@@ -73,7 +73,7 @@ def run_plan(plan: Plan) -> str:
     ctx.prepare()
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
-    with sigterm_as_exit(), ctx.servers:
+    with sigterm_as_exit(), ctx.servers, ctx.trainer:
         for part in plan.parts:
             if part.skipped:
                 model, upstream = str(part.call.out), None

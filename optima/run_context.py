@@ -29,6 +29,7 @@ from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
     from optima.config.types import AnyLoopRecipe, BaseRecipe
+    from optima.training.warm import WarmTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,15 @@ class RunContext:
         )
         holder.layout = self.hardware.layout
         return holder
+
+    @cached_property
+    def trainer(self) -> WarmTrainer:
+        """The run's warm trainer (``optima.training.warm``): one process that imports the training stack once and
+        forks each single-process CPU stage; disabled (every stage by ``accelerate launch``) for the other runs."""
+        from optima.training.warm import warm_trainer_for
+
+        env, log_dir = self.envs.get("train"), self.paths.driver_log.parent
+        return warm_trainer_for(self.recipe, env, self.gpu, self.hardware.training, log_dir)
 
     @cached_property
     def task(self) -> Task:

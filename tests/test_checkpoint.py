@@ -157,3 +157,29 @@ def test_flash_attention_falls_back_to_sdpa_with_one_warning(caplog):
         "attn_implementation: flash_attention_2 was asked for, but flash-attn is not installed or no CUDA GPU is "
         "visible; using sdpa instead"
     ) == 1
+
+
+def test_the_saved_files_are_checked_by_their_headers_without_reading_the_weights(tiny_model, tmp_path):
+    """What was saved is checked in memory; the files must declare every parameter and be as long as declared."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from optima.training.checkpoint import saved_headers, verify_saved_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    state = model.state_dict()
+    folder = tmp_path / "ck"
+    shutil.copytree(tiny_model, folder)
+    assert verify_saved_checkpoint(folder, state) == len(list(model.parameters()))
+    assert saved_headers(folder)["model.norm.weight"] == tuple(state["model.norm.weight"].shape)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4])  # a write cut short (disk full, killed)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: \d+ bytes, its header describes \d+"):
+        verify_saved_checkpoint(folder, state)
+    from safetensors.torch import save_file
+
+    kept = {name: tensor for name, tensor in state.items() if name != "model.norm.weight"}
+    save_file({k: v.contiguous() for k, v in kept.items() if k != "lm_head.weight"}, weights)
+    with pytest.raises(CheckpointError, match=r"model.norm.weight: not in the saved files"):
+        verify_saved_checkpoint(folder, state)

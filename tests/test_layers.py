@@ -17,7 +17,15 @@ PACKAGE = REPO / "optima"
 # Modules that compute and never start a process (not even through what they import).
 PURE = ("optima.selection", "optima.agents", "optima.tasks", "optima.reward", "optima.config", "optima.store")
 # The process layer: serving, the trainer launch, and the setup code (environments, `make setup`, model preparation).
-PROCESS_LAYER = ("serving/", "training/launch.py", "training/nodes.py", "install.py", "environments.py", "models.py")
+PROCESS_LAYER = (
+    "serving/",
+    "training/launch.py",
+    "training/warm.py",
+    "training/nodes.py",
+    "install.py",
+    "environments.py",
+    "models.py",
+)
 
 
 def module_name(path: Path) -> str:

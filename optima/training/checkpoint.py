@@ -7,10 +7,14 @@ process (every process must call it), and only the main process writes. A LoRA r
 the adapter and base weights are loaded into a fresh copy of the base model on the main process and merged
 there, so the same path serves DDP, FSDP and ZeRO-3.
 
-Before the completion marker is written, the saved files are read back and checked against the architecture
-in ``config.json`` (``verify_saved_weights``): every parameter present with its expected shape, no empty tensor
-(ZeRO-3's placeholders) and no weight matrix that is all zeros. A checkpoint that fails is never marked complete.
-The tensors are read one at a time (``safe_open``): rank 0 of a 70B run cannot hold the checkpoint twice.
+Before the completion marker is written, what was saved is checked against the architecture in ``config.json``
+(``verify_saved_checkpoint``): every parameter present with its expected shape, no empty tensor (ZeRO-3's
+placeholders) and no weight matrix that is all zeros. The tensors are checked in the state dict the main process
+just wrote (it holds the gathered weights anyway), the files through their safetensors headers only (every
+parameter declared, with its shape, each file as long as its header says): the weights are not read back from
+disk. A checkpoint that fails is never marked complete. ``verify_saved_weights`` checks a folder from its files
+alone (read one tensor at a time: rank 0 of a 70B run cannot hold the checkpoint twice), for checkpoints that
+are not in memory.
 
 ZeRO-3: accelerate sets an HF DeepSpeed config on every process, and while it is set transformers builds every
 model inside ``deepspeed.zero.Init``, whose parameter set-up is a collective (a broadcast from rank 0). The check
@@ -30,6 +34,7 @@ This module imports torch only inside the functions that need it; the orchestrat
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import shutil
@@ -96,22 +101,28 @@ def resume_checkpoint(training_args: Any) -> str | None:
     return str(value)
 
 
-def save_servable(trainer: Any, tokenizer: Any, output_dir: str) -> None:
+def save_servable(trainer: Any, tokenizer: Any, output_dir: str) -> dict | None:
     """Write the full (LoRA-merged) weights, config and tokenizer to ``output_dir`` from the main process.
 
     Every process must call this: gathering sharded weights is a collective operation.
+
+    Returns:
+        On the main process, the state dict that was written (full tensors, in memory); elsewhere None.
     """
     accelerator = trainer.accelerator
     # model_wrapped is the DeepSpeed engine / FSDP / DDP module: what get_state_dict knows how to gather.
     state_dict = accelerator.get_state_dict(trainer.model_wrapped)
     if not accelerator.is_main_process:
-        return
+        return None
     model = accelerator.unwrap_model(trainer.model)
     if hasattr(model, "merge_and_unload"):
         model, state_dict = merge_lora(model, state_dict), None
     # With a state dict given, save_pretrained ignores the (possibly empty, sharded) tensors of the model object.
     model.save_pretrained(output_dir, state_dict=state_dict)
     tokenizer.save_pretrained(output_dir)
+    # The merged model is a plain one on this process; its parameters are what was written (its state_dict() can
+    # come back empty while FSDP2's hooks are installed in the process).
+    return state_dict if state_dict is not None else dict(model.named_parameters())
 
 
 @contextlib.contextmanager
@@ -216,11 +227,59 @@ def verify_saved_weights(checkpoint: Path) -> int:
         CheckpointError: naming the folder and up to ten bad tensors.
     """
     expected = expected_parameters(checkpoint)
-    problems = find_weight_problems(expected, iter_saved_weights(checkpoint))
+    raise_problems(checkpoint, find_weight_problems(expected, iter_saved_weights(checkpoint)))
+    return len(expected)
+
+
+def saved_headers(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the checkpoint's safetensors files, from their headers alone.
+
+    Each file must be as long as its header says (a truncated write fails here); no tensor data is read.
+    """
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{checkpoint}: no *.safetensors weights were written")
+    shapes = {}
+    for path in files:
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        header.pop("__metadata__", None)
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        if path.stat().st_size != 8 + size + end:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, its header describes {8 + size + end}")
+        shapes |= {name: tuple(entry["shape"]) for name, entry in header.items()}
+    return shapes
+
+
+def verify_saved_checkpoint(checkpoint: Path, state_dict: dict) -> int:
+    """Check what was just saved from the state dict in memory, and the files by their headers; the tensor count.
+
+    The tensors are checked where they already are (in memory: every parameter of the architecture present, with
+    its shape, none empty or all zeros), and the files only for what they declare (every parameter, with that
+    shape, and as many bytes as the header says): nothing is read back from disk (``verify_saved_weights`` does).
+
+    Raises:
+        CheckpointError: naming the folder and up to ten problems.
+    """
+    expected = expected_parameters(checkpoint)
+    problems = find_weight_problems(expected, state_dict)
+    saved = saved_headers(checkpoint)
+    problems += [f"{name}: not in the saved files" for name in expected if name not in saved]
+    problems += [
+        f"{name}: saved with shape {saved[name]}, expected {shape}"
+        for name, shape in expected.items()
+        if name in saved and saved[name] != shape
+    ]
+    raise_problems(checkpoint, problems)
+    return len(expected)
+
+
+def raise_problems(checkpoint: Path, problems: list[str]) -> None:
+    """Raise ``CheckpointError`` naming the folder and up to ten of ``problems`` (none: nothing)."""
     if problems:
         shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
         raise CheckpointError(f"{checkpoint}: the saved weights are incomplete ({len(problems)} problems): {shown}")
-    return len(expected)
 
 
 def remove_trainer_checkpoints(output_dir: Path) -> None:

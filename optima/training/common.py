@@ -133,17 +133,18 @@ def save_checkpoint(trainer: Any, tokenizer: Any, output_dir: str, metrics: dict
     """Save a servable checkpoint (shards gathered, LoRA merged), check it, then write the completion marker.
 
     Every process calls this (gathering sharded weights and the probe's forward passes are collective); only the
-    main process writes. The marker is written after ``verify_saved_weights`` passed, so a broken save is never
-    taken for a finished one. It carries a fresh ``weights_id`` and the weights probe of the trained model
-    (``optima.weights_probe``), against which every later reload of this checkpoint into a server is checked.
+    main process writes. The marker is written after ``verify_saved_checkpoint`` passed (the state dict in memory,
+    the files' headers), so a broken save is never taken for a finished one. It carries a fresh ``weights_id`` and
+    the weights probe of the trained model (``optima.weights_probe``), against which every later reload of this
+    checkpoint into a server is checked.
     """
-    from optima.training.checkpoint import remove_trainer_checkpoints, save_servable, verify_saved_weights
+    from optima.training.checkpoint import remove_trainer_checkpoints, save_servable, verify_saved_checkpoint
     from optima.weights_probe import PROBE_KEY, record_probe
 
     probe = record_probe(trainer.model, tokenizer)
-    save_servable(trainer, tokenizer, output_dir)
+    state_dict = save_servable(trainer, tokenizer, output_dir)
     if trainer.accelerator.is_main_process:
-        tensors = verify_saved_weights(Path(output_dir))
+        tensors = verify_saved_checkpoint(Path(output_dir), state_dict)
         logger.info("checkpoint | %d tensors verified in %s", tensors, output_dir)
         marker = metrics | {"tensors": tensors, WEIGHTS_ID_KEY: new_weights_id(), PROBE_KEY: probe.to_json()}
         Path(output_dir, COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")

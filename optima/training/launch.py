@@ -9,6 +9,9 @@ stop its worker processes when it is killed, so the group is what gets stopped: 
 interrupted (SIGTERM, Ctrl-C, an error), and by the guard itself when the driver dies, even by ``kill -9``
 (``PR_SET_PDEATHSIG``, as the serving launcher does). A killed run never leaves a trainer writing into the
 checkpoint folder that the resumed run is about to redo.
+
+A single-process CPU stage runs instead as a fork of the run's warm trainer (``optima.training.warm``), with the
+same log, state file, progress bar and error.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from optima.environments import REPO_ROOT
 from optima.serving.processes import PARENT_ENV, die_with_parent, group_members, stop_group
 from optima.training.launch_config import TrainLaunch
 from optima.training.progress import STATE_ENV, TrainingProgress
+
+if TYPE_CHECKING:
+    from optima.training.warm import WarmTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +42,7 @@ STOP_TIMEOUT_S = 30.0  # grace period between SIGTERM and SIGKILL of the trainer
 
 
 class TrainingError(RuntimeError):
-    """A fine-tuning subprocess failed; the message names its log file and ends with its tail."""
+    """A fine-tuning stage failed; the message names the stage and its log file and ends with the log's tail."""
 
 
 def run_training(
@@ -45,26 +51,27 @@ def run_training(
     extra_env: dict[str, str] | None = None,
     progress: IO[str] | None = None,
     desc: str = "train",
+    warm: WarmTrainer | None = None,
 ) -> None:
-    """Run one fine-tuning subprocess to completion, its output in ``log_path``.
+    """Run one fine-tuning stage to completion, its output in ``log_path``.
 
     The trainer runs under the guard, in its own process group; if this call is interrupted (``SystemExit`` from
     SIGTERM, ``KeyboardInterrupt``, any error) the whole group is stopped before the exception goes on. It writes
-    its state to ``trainer_state.json`` beside the log (``optima.training.progress``).
+    its state to ``trainer_state.json`` beside the log (``optima.training.progress``). A single CPU process runs as
+    a fork of the run's warm trainer instead, when there is one (``optima.training.warm``, docs/cpu.md#warm-trainer).
 
     Args:
         launch: The command.
         log_path: The trainer's output.
         extra_env: More environment (trackers).
         progress: Where to draw a progress bar (step, loss, ETA) while it runs; None: no bar.
-        desc: The bar's label.
+        desc: The stage's label (the bar's, and the error's).
+        warm: The run's warm trainer, or None (``accelerate launch`` for every stage).
 
     Raises:
-        TrainingError: on a non-zero exit, naming the log and quoting its tail.
+        TrainingError: on a non-zero exit, naming the stage and the log and quoting its tail.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    argv = launch.argv()
-    logger.info("train | %s | log %s", " ".join(argv), log_path)
     state_file = log_path.parent / STATE_FILE
     state_file.unlink(missing_ok=True)  # a killed attempt's state is not this one's
     env = launch.env.process_env(launch.env_vars() | (extra_env or {})) | {
@@ -72,6 +79,26 @@ def run_training(
         STATE_ENV: str(state_file),
     }
     bar = TrainingProgress(state_file, progress, desc) if progress is not None else contextlib.nullcontext()
+    if warm is not None and warm.serves(launch):
+        logger.info("train | warm trainer | %s | log %s", " ".join(launch.script_argv()), log_path)
+        with bar:
+            returncode = warm.train(launch, env, log_path, desc)
+    else:
+        argv = launch.argv()
+        logger.info("train | %s | log %s", " ".join(argv), log_path)
+        returncode = run_guarded(argv, env, log_path, bar)
+    if returncode != 0:
+        raise TrainingError(failure_message(f"{desc}: {launch.kind} training exited with {returncode}", log_path))
+
+
+def failure_message(what: str, log_path: Path) -> str:
+    """``what; log: PATH`` and the log's last 30 lines."""
+    tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.is_file() else []
+    return f"{what}; log: {log_path}\n" + "\n".join(tail)
+
+
+def run_guarded(argv: list[str], env: dict[str, str], log_path: Path, bar) -> int:
+    """Run ``argv`` under the guard in its own process group; stop the group if the wait is interrupted."""
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", GUARD_MODULE, *argv],
@@ -84,13 +111,10 @@ def run_training(
         )
         try:
             with bar:
-                returncode = proc.wait()
+                return proc.wait()
         finally:
             if proc.returncode is None:
                 stop_trainer(proc)
-    if returncode != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-30:]
-        raise TrainingError(f"{launch.kind} training exited with {returncode}; log: {log_path}\n" + "\n".join(tail))
 
 
 def stop_trainer(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:

@@ -126,6 +126,17 @@ class TrainLaunch:
 
     def argv(self) -> list[str]:
         """The exact command line (starts nothing; shown by ``--dry-run``); on several nodes, the nodes launcher's."""
+        argv = self.env.module_argv("accelerate.commands.launch", *self.launch_args(), *self.script_argv())
+        if self.placement is not None and self.placement.multi_node:
+            return self.placement.wrap(self.env.python_argv, argv)
+        return argv
+
+    def script_argv(self) -> list[str]:
+        """The handbook script and its arguments: what ``accelerate launch`` runs (and a warm trainer's child)."""
+        return [str(SCRIPTS[self.kind]), "--config", str(self.trainer_yaml)]
+
+    def launch_args(self) -> list[str]:
+        """The ``accelerate launch`` flags before the script."""
         launch = ["--config_file", str(self.accelerate_config)]
         if self.placement is not None:
             launch += self.placement.accelerate_args()
@@ -136,13 +147,7 @@ class TrainLaunch:
             # num_processes says; its torchrun-based launcher (--multi_gpu) starts them all, and with
             # ACCELERATE_USE_CPU (env_vars) each one joins a gloo process group on the CPU.
             launch.append("--multi_gpu")
-        launch += list(self.extra_launch_args)
-        argv = self.env.module_argv(
-            "accelerate.commands.launch", *launch, str(SCRIPTS[self.kind]), "--config", str(self.trainer_yaml)
-        )
-        if self.placement is not None and self.placement.multi_node:
-            return self.placement.wrap(self.env.python_argv, argv)
-        return argv
+        return launch + list(self.extra_launch_args)
 
     def processes(self) -> int:
         """Processes of the run: the placement's, else ``num_processes``, else the accelerate config's."""
@@ -157,6 +162,17 @@ class TrainLaunch:
         config = read_accelerate_config(self.accelerate_config)
         cpu_only = config.get("use_cpu") and config.get("distributed_type") in ("NO", "MULTI_CPU", None)
         return bool(cpu_only) and self.processes() > 1
+
+    def single_cpu_process(self) -> bool:
+        """One training process on this machine's CPU (accelerate's simple launcher): a warm trainer can run it.
+
+        True for a ``use_cpu`` config with ``distributed_type: "NO"`` (the shipped ``cpu.yaml``), one process, one
+        node and no GPU given to it; DeepSpeed, FSDP, several processes or nodes keep ``accelerate launch``.
+        """
+        config = read_accelerate_config(self.accelerate_config)
+        one_node = self.placement is None or not (self.placement.multi_node or self.placement.local_env())
+        simple = config.get("use_cpu") is True and config.get("distributed_type", "NO") == "NO"
+        return simple and one_node and self.processes() == 1
 
     def env_vars(self) -> dict[str, str]:
         """Environment the launch needs on top of the training env's: CPU processes for a multi-CPU run, the GPUs."""
