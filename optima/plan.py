@@ -29,7 +29,7 @@ from optima.stages.common import CHECKPOINT, StageCall, trainer_launch
 from optima.training.launch_config import describe_trainer_overrides
 
 if TYPE_CHECKING:
-    from optima.config.types import AnyLoopRecipe, LoopRecipe
+    from optima.config.types import LoopRecipe, MethodRecipe
 
 
 @dataclass(frozen=True)
@@ -327,7 +327,7 @@ def iteration_parts(ctx: RunContext, iteration: int, model: str, skip: bool = Fa
 
 
 def build_plan(
-    recipe: AnyLoopRecipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None, hardware=None
+    recipe: MethodRecipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None, hardware=None
 ) -> Plan:
     """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe, and where their processes run.
 

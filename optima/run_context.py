@@ -28,7 +28,7 @@ from optima.store import write_json, write_yaml
 from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
-    from optima.config.types import AnyLoopRecipe, BaseRecipe
+    from optima.config.types import BaseRecipe, MethodRecipe
     from optima.training.warm import WarmTrainer
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class RunContext:
         report_to: The run's trackers (``auto`` resolved by ``prepare``).
     """
 
-    recipe: AnyLoopRecipe
+    recipe: MethodRecipe
     paths: RunPaths
     envs: dict[str, PythonEnv]
     hardware: HardwarePlan

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from optima.config.types import (
-        AnyLoopRecipe,
         LoopRecipe,
+        MethodRecipe,
         RewardFields,
         RunFields,
         ServingFields,
@@ -110,7 +110,7 @@ def train_start(recipe: LoopRecipe, model: str, stage: str | None = None) -> str
     return str(model)
 
 
-def trainer_base_yaml(recipe: AnyLoopRecipe, kind: str) -> str:
+def trainer_base_yaml(recipe: MethodRecipe, kind: str) -> str:
     """The handbook-style base YAML of one trainer: ``origin_yaml_path`` (``sft``) or ``origin_dpo_yaml_path``."""
     return recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
 

@@ -10,7 +10,7 @@ A function that takes the recipe names what it reads, as narrowly as one type sa
   conversation: what every recipe has, loop or evaluation), ``LoopRecipe`` (every group of a training loop),
   ``InferenceRecipe`` (the checkpoint sweep), ``MultiSCRecipe`` (self-consistency);
 * a union below, when only some loops have what it reads (``SFTLoopRecipe``, ``DPOLoopRecipe``), or when it takes
-  any recipe and tells the kinds apart itself (``AnyLoopRecipe`` in the run and stage contexts, ``Recipe``).
+  any recipe and tells the kinds apart itself (``MethodRecipe`` in the run and stage contexts, ``Recipe``).
 
 Import them under ``TYPE_CHECKING`` (nothing here is needed at run time). ``tests/test_recipe_types.py`` checks that
 every ``recipe`` parameter of ``optima/`` is annotated, and that each ``recipe.<field>`` it reads exists on its type.
@@ -45,12 +45,12 @@ SFTLoopRecipe = SFTRecipe | SFTDPORecipe
 DPOLoopRecipe = DPORecipe | SFTDPORecipe
 # One of the three loops' recipes, as a run's and a stage's context carry it: the stage that reads it (an iSFT or a
 # DPO stage) is what tells which groups it has.
-AnyLoopRecipe = SFTRecipe | DPORecipe | SFTDPORecipe
+MethodRecipe = SFTRecipe | DPORecipe | SFTDPORecipe
 # Any recipe, loop or evaluation, for the code that tells them apart (the hardware plan, the server layout).
 Recipe = LoopRecipe | InferenceRecipe
 
 __all__ = [
-    "AnyLoopRecipe",
+    "MethodRecipe",
     "BaseRecipe",
     "ConversationFields",
     "DPOFields",

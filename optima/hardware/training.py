@@ -20,7 +20,7 @@ from optima.training.launch_config import read_accelerate_config, resolve_accele
 from optima.training.nodes import NodeRanks, TrainingPlacement
 
 if TYPE_CHECKING:
-    from optima.config.types import AnyLoopRecipe, LoopRecipe, TrainingFields
+    from optima.config.types import LoopRecipe, MethodRecipe, TrainingFields
 
 
 def read_hosts(recipe: TrainingFields) -> list[str]:
@@ -58,7 +58,7 @@ def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
     )
 
 
-def cpu_trainer_peak_bytes(recipe: AnyLoopRecipe) -> int:
+def cpu_trainer_peak_bytes(recipe: MethodRecipe) -> int:
     """The trainer's estimated peak on a CPU (one process, ``trainer_peak_bytes`` of its largest stage; 0 for an
     evaluation recipe or a model of unknown size): what a policy server kept through training must leave free."""
     from optima.hardware.plan import policy_size, trainer_yamls

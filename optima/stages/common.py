@@ -34,7 +34,7 @@ from optima.training.launch_config import TrainLaunch, launch_for, render_traine
 from optima.training.progress import console_stream
 
 if TYPE_CHECKING:
-    from optima.config.types import AnyLoopRecipe
+    from optima.config.types import MethodRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class StageCall:
     results: dict[str, dict] = field(default_factory=dict)
 
     @property
-    def recipe(self) -> AnyLoopRecipe:
+    def recipe(self) -> MethodRecipe:
         """The run's recipe."""
         return self.ctx.recipe
 
