@@ -97,12 +97,15 @@ def _describe_train(call: StageCall, kind: str) -> dict:
         method = {"model": start, "reference": start, "rpo_alpha": recipe.rpo_alpha}
     base = trainer_base_yaml(recipe, kind)
     overrides = describe_trainer_overrides(Path(base), trainer_overrides_for(recipe, kind))
+    launch = trainer_launch(call, kind)
+    warm = call.ctx.trainer.serves(launch)  # a single CPU process runs as a fork of the run's warm trainer
     return {
         "base recipe": base,
         "trainer overrides": overrides,
         **method,
         "output": call.out,
-        "command": trainer_launch(call, kind).argv(),
+        "command": launch.argv(),
+        "runs in": "the warm trainer (a fork per stage; the script and flags above)" if warm else "accelerate launch",
     }
 
 

@@ -105,6 +105,14 @@ def test_the_dry_run_shows_the_generation_plan_the_stage_runs(tmp_path):
     assert not Path(recipe.output_dir).exists()
 
 
+@pytest.mark.parametrize(("warm_trainer", "runs_in"), [(True, "the warm trainer"), (False, "accelerate launch")])
+def test_the_dry_run_says_where_a_single_cpu_training_runs(tmp_path, warm_trainer, runs_in):
+    recipe = make_recipe(tmp_path, "sft", warm_trainer=warm_trainer, accelerate_config="cpu")
+    the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False)
+    train = next(stage for stage in the_plan.parts[0].stages if stage.name == "train")
+    assert train.describe(the_plan.parts[0].call)["runs in"].startswith(runs_in)
+
+
 def recording_tables(monkeypatch) -> list[tuple[int, str | None, str]]:
     """Replace every stage function by one that records (iteration, part, stage) and leaves something to train."""
     ran: list[tuple[int, str | None, str]] = []
