@@ -175,7 +175,7 @@ def build_serve_env(
         extra["VLLM_TARGET_DEVICE"] = "cpu"
         kv_gb = placement.cpu_kvcache_gb
         if kv_gb is None:
-            kv_gb = resolve_cpu_kvcache_gb(recipe.cpu_kvcache_space_gb, model_path, share or MemoryShare())
+            kv_gb = resolve_cpu_kvcache_gb(recipe.cpu_kvcache_space_gb, model_path, share)
         extra["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gb)
         if placement.cpu_bind is not None:
             extra["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_bind
