@@ -3,6 +3,7 @@
     .venvs/train/bin/python bench/iteration.py                        # runs/demo_arc_sft
     .venvs/train/bin/python bench/iteration.py --run-dir runs/my_run --json /tmp/iteration.json
     .venvs/train/bin/python bench/iteration.py --run-dir NEW --baseline OLD   # whole-run wall time, side by side
+    .venvs/train/bin/python bench/iteration.py --run-dir runs/demo_arc_sft -- .venvs/train/bin/python sft_script.py ...
 
 Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manifest.json``), per iteration:
 
@@ -17,6 +18,11 @@ Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manif
 * start-ups: the ``ready after N s`` of every vLLM server started inside the iteration (servers that load in
   parallel are each counted);
 * ratio: wall / (generation + training). Target: <= 1.10 for every iteration.
+* busy share: with a command after ``--``, the command runs first while ``bench/cpu_busy.py`` samples
+  ``/proc/stat`` every second into ``logs/cpu_busy.jsonl`` of the run directory; the share of the cores at work is
+  then given for the run, each iteration, its generation (``| generate`` to ``| score``) and its training
+  (``| train`` to the report). Target: >= 0.80 over the run. A run directory with such a file from before gets
+  the same columns.
 * overhead = wall - generation - scoring not hidden - training, broken down into start-ups, the training launch
   outside the loop (stage ``elapsed_s`` - ``train_runtime``: accelerate, imports, loading, tokenising, saving),
   selection, and the rest (tokenizer loads, server stops, reports).
@@ -27,24 +33,39 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from cpu_busy import CpuSampler, busy_share, read_samples  # noqa: E402
+
 LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ ([\w.]+): (.*)$")
 TARGET = 0.10
 SCORE_LOGGERS = ("optima.stages.reward_stage", "optima.rewarding")  # the score stage's module, now and before
 RATIO_TARGET = 1.10  # wall / (generation + training)
 RUN_TARGET = 0.75  # whole-run wall time against the run before scoring while generating
+BUSY_TARGET = 0.80  # share of the cores at work over the run
+SAMPLES = Path("logs") / "cpu_busy.jsonl"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The options, and the command after ``--`` (``args.command``, [] without one)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], usage="%(prog)s [options] [-- COMMAND ...]"
+    )
     parser.add_argument("--run-dir", default=str(REPO / "runs" / "demo_arc_sft"))
     parser.add_argument("--json", default=None, help="also write the results here (used by bench/run_all.py)")
     parser.add_argument("--baseline", default=None, help="a run directory of the same recipe to compare wall time to")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.command = command
+    return args
 
 
 def read_driver_log(path: Path) -> list[tuple[datetime, str, str]]:
@@ -102,7 +123,28 @@ def server_start_seconds(events, window: tuple[int, int]) -> float:
     return total
 
 
-def measure_iteration(manifest: dict, events, iteration: int) -> dict:
+def busy_shares(events, window: tuple[int, int] | None, samples: list[dict]) -> dict:
+    """Busy share of the iteration, of its generation (``| generate`` to ``| score``) and of its training (``| train``
+    to the report); {} without samples or a driver-log window."""
+    if not samples or window is None:
+        return {}
+
+    def share(a: int | None, b: int | None) -> float | None:
+        if a is None or b is None:
+            return None
+        value = busy_share(samples, events[a][0].timestamp(), events[b][0].timestamp())
+        return round(value, 3) if value is not None else None
+
+    score = find_event(events, window[0], lambda _, m: m.endswith("| score"))
+    train = find_event(events, window[0], lambda _, m: m.endswith("| train"))
+    return {
+        "busy": share(*window),
+        "busy_generation": share(window[0], score),
+        "busy_training": share(train, window[1]),
+    }
+
+
+def measure_iteration(manifest: dict, events, iteration: int, samples: list[dict] = ()) -> dict:
     """Wall time, work time (generation, scoring, training) and the overhead breakdown of one iteration."""
     stages = manifest["stages"]
     elapsed = {name: entry["elapsed_s"] for name, entry in stages.items()}
@@ -132,7 +174,7 @@ def measure_iteration(manifest: dict, events, iteration: int) -> dict:
         "select_s": elapsed.get("select", 0.0),
         "work_scale_for_target": round(overhead * (1 - TARGET) / (TARGET * work), 2) if work > 0 else None,
         "wall_from": "driver log" if window else "manifest (sum of stages)",
-    }
+    } | busy_shares(events, window, list(samples))
 
 
 def run_wall_seconds(events) -> float | None:
@@ -141,20 +183,33 @@ def run_wall_seconds(events) -> float | None:
     return seconds_between(events, 0, done) if events else None
 
 
+def run_busy_share(events, samples: list[dict]) -> float | None:
+    """Busy share from the first driver log line to ``done | final model`` (all samples without a driver log)."""
+    if not samples:
+        return None
+    done = find_event(events, 0, lambda name, m: m.startswith("done | final model"))
+    start = events[0][0].timestamp() if events else None
+    end = events[done][0].timestamp() if done is not None else None
+    value = busy_share(samples, start, end)
+    return round(value, 3) if value is not None else None
+
+
 def measure_run(run_dir: Path) -> dict:
     events = read_driver_log(run_dir / "logs" / "driver.log")
+    samples = read_samples(run_dir / SAMPLES)
     manifests = sorted(run_dir.glob("iteration_*/manifest.json"), key=lambda p: int(p.parent.name.split("_")[1]))
     if not manifests:
         raise SystemExit(f"{run_dir}: no iteration_<i>/manifest.json (is it an iSFT run directory?)")
     rows = []
     for path in manifests:
         iteration = int(path.parent.name.split("_")[1])
-        rows.append(measure_iteration(json.loads(path.read_text()), events, iteration))
+        rows.append(measure_iteration(json.loads(path.read_text()), events, iteration, samples))
     total_wall = sum(r["wall_s"] for r in rows)
     total_overhead = sum(r["overhead_s"] for r in rows)
     return {
         "run_dir": str(run_dir),
         "run_wall_s": run_wall_seconds(events),
+        "busy": run_busy_share(events, samples),
         "iterations": rows,
         "overhead_share_total": round(total_overhead / total_wall, 4),
         "target_met": all(r["overhead_share"] <= TARGET for r in rows),
@@ -165,11 +220,16 @@ def measure_run(run_dir: Path) -> dict:
 def print_table(result: dict) -> None:
     columns = ["iteration", "wall_s", "generation_s", "training_s", "scoring_s", "server_start_s", "ratio"]
     columns += ["overhead_s", "overhead_share", "train_launch_s", "select_s"]
+    if result["busy"] is not None:
+        columns += ["busy", "busy_generation", "busy_training"]
     print("scoring_s: LM-loss scoring not hidden behind generation; ratio: wall / (generation + training)")
     print(" | ".join(columns))
     for row in result["iterations"]:
-        print(" | ".join(f"{row[c]:.1%}" if c == "overhead_share" else str(row[c]) for c in columns))
+        print(" | ".join(f"{row[c]:.1%}" if c == "overhead_share" else str(row.get(c)) for c in columns))
     print(f"run wall (driver log): {result['run_wall_s']} s | overhead overall {result['overhead_share_total']:.1%}")
+    if result["busy"] is not None:
+        met = "met" if result["busy"] >= BUSY_TARGET else "MISSED"
+        print(f"busy share of the cores over the run (/proc/stat): {result['busy']:.1%} (target >= {BUSY_TARGET:.0%}: {met})")
     met = "met" if result["ratio_target_met"] else "MISSED"
     print(f"target: wall / (generation + training) <= {RATIO_TARGET} in every iteration: {met}")
     if "baseline" in result:
@@ -189,8 +249,19 @@ def compare_with(result: dict, baseline_dir: Path) -> dict:
     return {"run_dir": str(baseline_dir), "run_wall_s": base["run_wall_s"], "wall_ratio": ratio, "run": base}
 
 
+def run_sampled(command: list[str], run_dir: Path) -> int:
+    """Run ``command`` while sampling ``/proc/stat`` into the run directory; its exit code."""
+    with CpuSampler(run_dir / SAMPLES):
+        return subprocess.call(command)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.command:
+        code = run_sampled(args.command, Path(args.run_dir))
+        if code != 0:
+            print(f"{' '.join(args.command)} exited with {code}", file=sys.stderr)
+            return code
     result = measure_run(Path(args.run_dir))
     if args.baseline:
         result["baseline"] = compare_with(result, Path(args.baseline))

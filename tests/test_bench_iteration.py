@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_iteration", REPO / "bench" / "iteration.py")
 bench_iteration = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_iteration)
+cpu_busy = sys.modules["cpu_busy"]
 
 LOG = """\
 2026-12-01 10:00:00,000 INFO optima.manifest: iteration 1/1 | generate
@@ -51,3 +54,48 @@ def test_ratio_counts_scoring_that_generation_did_not_hide(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "<= 1.1 in every iteration: MISSED" in out
     assert "whole run: 301.0 s vs 481.0 s" in out and "0.626x (target <= 0.75x: met)" in out
+
+
+def epoch(clock: str) -> float:
+    return datetime.strptime(f"2026-12-01 {clock}", "%Y-%m-%d %H:%M:%S").timestamp()
+
+
+def write_samples(path: Path, points: list[tuple[str, int, int]]) -> None:
+    path.write_text("".join(json.dumps({"t": epoch(c), "busy": b, "total": t}) + "\n" for c, b, t in points))
+
+
+def test_busy_share_per_run_iteration_and_phase(tmp_path, capsys):
+    run = make_run(tmp_path / "new", LOG, wait_s=4.0)
+    # jiffies: generation (10:00:00-10:02:30) half busy, training (10:02:33-10:05:00) fully busy
+    points = [("09:59:59", 0, 0), ("10:00:00", 0, 0), ("10:02:30", 150, 300), ("10:02:33", 153, 306)]
+    points += [("10:05:00", 447, 600), ("10:05:01", 449, 602), ("10:05:02", 449, 700)]
+    write_samples(run / "logs" / "cpu_busy.jsonl", points)
+    result = bench_iteration.measure_run(run)
+    row = result["iterations"][0]
+    assert row["busy_generation"] == 0.5 and row["busy_training"] == 1.0
+    assert row["busy"] == round(447 / 600, 3)
+    assert result["busy"] == round(449 / 602, 3)  # first log line to "done | final model", not the idle tail
+    bench_iteration.print_table(result)
+    assert "busy share of the cores over the run (/proc/stat): 74.6% (target >= 80%: MISSED)" in capsys.readouterr().out
+
+
+def test_without_samples_no_busy_columns(tmp_path, capsys):
+    result = bench_iteration.measure_run(make_run(tmp_path / "run", LOG, wait_s=None))
+    assert result["busy"] is None and "busy" not in result["iterations"][0]
+    bench_iteration.print_table(result)
+    assert "busy" not in capsys.readouterr().out
+
+
+def test_command_after_dashes_runs_sampled_and_its_failure_is_the_exit_code(tmp_path):
+    run = make_run(tmp_path / "run", LOG, wait_s=None)
+    script = "import time; [sum(range(10**6)) for _ in range(30)]; time.sleep(1.2)"
+    assert bench_iteration.main(["--run-dir", str(run), "--", sys.executable, "-c", script]) == 0
+    samples = cpu_busy.read_samples(run / "logs" / "cpu_busy.jsonl")
+    assert len(samples) >= 3 and samples[-1]["total"] > samples[0]["total"]
+    assert all(0 <= s["busy"] <= s["total"] for s in samples)
+    assert bench_iteration.main(["--run-dir", str(run), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
+def test_read_cpu_jiffies_counts_user_nice_system_irq_softirq():
+    stat = "cpu  10 1 5 100 7 2 3 4 0 0\ncpu0 5 0 2 50 3 1 1 2 0 0\nintr 1\n"
+    assert cpu_busy.read_cpu_jiffies(stat) == (10 + 1 + 5 + 2 + 3, 132)
