@@ -17,7 +17,8 @@ Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manif
 * training: TRL's ``train_runtime`` (the training loop);
 * start-ups: the ``ready after N s`` of every vLLM server started inside the iteration (servers that load in
   parallel are each counted);
-* ratio: wall / (generation + training). Target: <= 1.10 for every iteration.
+* ratio: wall / (generation + training). Target: <= 1.15 for the first iteration (both servers start), <= 1.05
+  from the second on.
 * busy share: with a command after ``--``, the command runs first while ``bench/cpu_busy.py`` samples
   ``/proc/stat`` every second into ``logs/cpu_busy.jsonl`` of the run directory; the share of the cores at work is
   then given for the run, each iteration, its generation (``| generate`` to ``| score``) and its training
@@ -46,7 +47,7 @@ from cpu_busy import CpuSampler, busy_share, read_samples  # noqa: E402
 LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ ([\w.]+): (.*)$")
 TARGET = 0.10
 SCORE_LOGGERS = ("optima.stages.reward_stage", "optima.rewarding")  # the score stage's module, now and before
-RATIO_TARGET = 1.10  # wall / (generation + training)
+FIRST_RATIO_TARGET, RATIO_TARGET = 1.15, 1.05  # wall / (generation + training): the first iteration, the others
 RUN_TARGET = 0.75  # whole-run wall time against the run before scoring while generating
 BUSY_TARGET = 0.80  # share of the cores at work over the run
 SAMPLES = Path("logs") / "cpu_busy.jsonl"
@@ -57,9 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], usage="%(prog)s [options] [-- COMMAND ...]"
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="%(prog)s [options] [-- COMMAND ...]")
     parser.add_argument("--run-dir", default=str(REPO / "runs" / "demo_arc_sft"))
     parser.add_argument("--json", default=None, help="also write the results here (used by bench/run_all.py)")
     parser.add_argument("--baseline", default=None, help="a run directory of the same recipe to compare wall time to")
@@ -194,6 +193,11 @@ def run_busy_share(events, samples: list[dict]) -> float | None:
     return round(value, 3) if value is not None else None
 
 
+def ratio_target(iteration: int) -> float:
+    """The ratio's target: the first iteration starts both servers, the later ones reuse them."""
+    return FIRST_RATIO_TARGET if iteration == 0 else RATIO_TARGET
+
+
 def measure_run(run_dir: Path) -> dict:
     events = read_driver_log(run_dir / "logs" / "driver.log")
     samples = read_samples(run_dir / SAMPLES)
@@ -213,7 +217,7 @@ def measure_run(run_dir: Path) -> dict:
         "iterations": rows,
         "overhead_share_total": round(total_overhead / total_wall, 4),
         "target_met": all(r["overhead_share"] <= TARGET for r in rows),
-        "ratio_target_met": all(r["ratio"] is not None and r["ratio"] <= RATIO_TARGET for r in rows),
+        "ratio_target_met": all(r["ratio"] is not None and r["ratio"] <= ratio_target(r["iteration"]) for r in rows),
     }
 
 
@@ -229,9 +233,10 @@ def print_table(result: dict) -> None:
     print(f"run wall (driver log): {result['run_wall_s']} s | overhead overall {result['overhead_share_total']:.1%}")
     if result["busy"] is not None:
         met = "met" if result["busy"] >= BUSY_TARGET else "MISSED"
-        print(f"busy share of the cores over the run (/proc/stat): {result['busy']:.1%} (target >= {BUSY_TARGET:.0%}: {met})")
+        share = f"{result['busy']:.1%} (target >= {BUSY_TARGET:.0%}: {met})"
+        print(f"busy share of the cores over the run (/proc/stat): {share}")
     met = "met" if result["ratio_target_met"] else "MISSED"
-    print(f"target: wall / (generation + training) <= {RATIO_TARGET} in every iteration: {met}")
+    print(f"target: wall / (generation + training) <= {FIRST_RATIO_TARGET} first, <= {RATIO_TARGET} after: {met}")
     if "baseline" in result:
         base = result["baseline"]
         met = "met" if base["wall_ratio"] is not None and base["wall_ratio"] <= RUN_TARGET else "MISSED"

@@ -52,7 +52,7 @@ def test_ratio_counts_scoring_that_generation_did_not_hide(tmp_path, capsys):
     assert row["scoring_s"] == 6.0  # 4 s waiting for streamed losses + 2 s score stage
     assert row["server_start_s"] == 38.0 and row["ratio"] == round(300 / 230, 3)
     out = capsys.readouterr().out
-    assert "<= 1.1 in every iteration: MISSED" in out
+    assert "<= 1.15 first, <= 1.05 after: MISSED" in out  # 1.304 at iteration 0
     assert "whole run: 301.0 s vs 481.0 s" in out and "0.626x (target <= 0.75x: met)" in out
 
 
@@ -76,7 +76,8 @@ def test_busy_share_per_run_iteration_and_phase(tmp_path, capsys):
     assert row["busy"] == round(447 / 600, 3)
     assert result["busy"] == round(449 / 602, 3)  # first log line to "done | final model", not the idle tail
     bench_iteration.print_table(result)
-    assert "busy share of the cores over the run (/proc/stat): 74.6% (target >= 80%: MISSED)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "busy share of the cores over the run (/proc/stat): 74.6% (target >= 80%: MISSED)" in out
 
 
 def test_without_samples_no_busy_columns(tmp_path, capsys):
@@ -99,3 +100,7 @@ def test_command_after_dashes_runs_sampled_and_its_failure_is_the_exit_code(tmp_
 def test_read_cpu_jiffies_counts_user_nice_system_irq_softirq():
     stat = "cpu  10 1 5 100 7 2 3 4 0 0\ncpu0 5 0 2 50 3 1 1 2 0 0\nintr 1\n"
     assert cpu_busy.read_cpu_jiffies(stat) == (10 + 1 + 5 + 2 + 3, 132)
+
+
+def test_ratio_target_is_looser_for_the_first_iteration_only():
+    assert bench_iteration.ratio_target(0) == 1.15 and bench_iteration.ratio_target(1) == 1.05

@@ -28,7 +28,7 @@ from optima.training.common import (
     resolve_attn_implementation,
     save_checkpoint,
 )
-from optima.training.launch_config import ACCELERATE_CONFIGS, TrainLaunch
+from optima.training.launch_config import ACCELERATE_CONFIGS, CPU_ALLOCATOR_ENV, TrainLaunch, cpu_allocator_env
 from optima.weights_probe import PROBE_KEY, record_probe
 
 
@@ -140,7 +140,26 @@ def test_a_cpu_config_with_several_processes_uses_the_torchrun_launcher(config, 
         "sft", resolve_env(sys.executable, "train"), ACCELERATE_CONFIGS / f"{config}.yaml", Path("t.yaml"), processes
     )
     assert ("--multi_gpu" in launch.argv()) is multi_cpu
-    assert launch.env_vars() == ({"ACCELERATE_USE_CPU": "true"} if multi_cpu else {})
+    env = launch.env_vars()
+    assert ("ACCELERATE_USE_CPU" in env) is multi_cpu
+    allocator = {k: v for k, v in env.items() if k.startswith("MALLOC_")}
+    assert allocator == (cpu_allocator_env() if config == "cpu" else {})  # the CPU trainer's heap settings
+
+
+def test_the_users_allocator_settings_win(monkeypatch):
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TOP_PAD_", raising=False)
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")
+    assert sorted(cpu_allocator_env()) == ["MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_"]
+    assert (
+        cpu_allocator_env({})
+        == CPU_ALLOCATOR_ENV
+        == {
+            "MALLOC_MMAP_MAX_": "0",
+            "MALLOC_TRIM_THRESHOLD_": str(64 * 1024**3),
+            "MALLOC_TOP_PAD_": str(1024**3),
+        }
+    )
 
 
 def test_flash_attention_falls_back_to_sdpa_with_one_warning(caplog):

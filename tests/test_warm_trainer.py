@@ -24,7 +24,7 @@ import pytest
 from optima.environments import resolve_env
 from optima.serving.processes import group_members
 from optima.training.launch import TrainingError, run_training
-from optima.training.launch_config import ACCELERATE_CONFIGS, TrainLaunch
+from optima.training.launch_config import ACCELERATE_CONFIGS, CPU_ALLOCATOR_ENV, TrainLaunch
 from optima.training.nodes import NodeRanks, TrainingPlacement
 from optima.training.warm import WarmTrainer, warm_trainer_for
 from tests.helpers import child_groups, read_stat, wait_for, with_default_signals
@@ -82,6 +82,15 @@ def test_each_stage_is_a_fresh_fork_with_its_env_argv_and_log(tmp_path):
     assert "stage says hello" in log and "stage warns" in log
     assert warm.import_s is not None and "stage stage 1" in (tmp_path / "warm.log").read_text()
     assert warm.proc.returncode is not None and group_members(server) == []  # closed with the run
+
+
+def test_the_warm_trainer_starts_with_the_cpu_allocator_settings(tmp_path, monkeypatch):
+    """glibc reads them when the process starts: the server's own environment must have them, not only the child's."""
+    for name in CPU_ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with WarmTrainer(ENV, tmp_path / "warm.log", preload=()) as warm:
+        environ = Path(f"/proc/{warm.proc.pid}/environ").read_bytes().split(b"\0")
+    assert {f"{k}={v}".encode() for k, v in CPU_ALLOCATOR_ENV.items()} <= set(environ)
 
 
 @pytest.mark.parametrize(

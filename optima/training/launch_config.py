@@ -15,6 +15,8 @@ command.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,6 +33,21 @@ logger = logging.getLogger(__name__)
 HANDBOOK = REPO_ROOT / "alignment-handbook"
 ACCELERATE_CONFIGS = HANDBOOK / "recipes" / "accelerate_configs"
 SCRIPTS = {"sft": HANDBOOK / "scripts" / "run_sft.py", "dpo": HANDBOOK / "scripts" / "run_dpo.py"}
+# glibc serves each large tensor (activations, logits, gradients) with its own mmap and gives its pages back at
+# free, so every training step faults the same gigabytes in again: 15-20% of a CPU trainer's time went into the
+# kernel. Served from the heap and never trimmed, the pages stay mapped from one step to the next (the same
+# losses, 11% less train_runtime, up to 8% more peak memory; docs/cpu.md#the-trainers-allocator). Read by glibc at
+# process start, so they are in the environment the trainer (or the warm trainer) starts with.
+CPU_ALLOCATOR_ENV = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(64 * 1024**3),
+    "MALLOC_TOP_PAD_": str(1024**3),
+}
+
+
+def cpu_allocator_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """``CPU_ALLOCATOR_ENV`` without the variables the user's environment sets already (theirs win)."""
+    return {name: value for name, value in CPU_ALLOCATOR_ENV.items() if name not in environ}
 
 
 def resolve_accelerate_config(name: str | None, gpu: bool) -> Path:
@@ -175,8 +192,11 @@ class TrainLaunch:
         return simple and one_node and self.processes() == 1
 
     def env_vars(self) -> dict[str, str]:
-        """Environment the launch needs on top of the training env's: CPU processes for a multi-CPU run, the GPUs."""
+        """Environment the launch needs on top of the training env's: CPU processes for a multi-CPU run, the GPUs,
+        the allocator settings of a CPU trainer (``CPU_ALLOCATOR_ENV``)."""
         env = {"ACCELERATE_USE_CPU": "true"} if self.is_multi_cpu() else {}
+        if read_accelerate_config(self.accelerate_config).get("use_cpu"):
+            env |= cpu_allocator_env()
         return env | (self.placement.local_env() if self.placement is not None else {})
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from optima.environments import REPO_ROOT, PythonEnv
 from optima.serving.processes import PARENT_ENV, stop_group
 from optima.training.launch import STOP_TIMEOUT_S, TrainingError, failure_message
-from optima.training.launch_config import TrainLaunch, launch_for
+from optima.training.launch_config import TrainLaunch, cpu_allocator_env, launch_for
 
 if TYPE_CHECKING:
     from optima.config.types import TrainingFields
@@ -77,7 +77,7 @@ class WarmTrainer:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                env=self.env.process_env({PARENT_ENV: str(os.getpid())}),
+                env=self.env.process_env({PARENT_ENV: str(os.getpid())} | cpu_allocator_env()),
                 cwd=REPO_ROOT,
                 start_new_session=True,
                 text=True,
