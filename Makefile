@@ -25,8 +25,8 @@ test-slow: setup
 	$(TRAIN_PY) -m pytest -m slow
 
 demo: setup
-	$(TRAIN_PY) sft_script.py --train_config_path train/sft_recipes/demo_arc.yaml
-	$(TRAIN_PY) bench/iteration.py --run-dir runs/demo_arc_sft
+	$(TRAIN_PY) bench/iteration.py --run-dir runs/demo_arc_sft -- \
+		$(TRAIN_PY) sft_script.py --train_config_path train/sft_recipes/demo_arc.yaml
 	$(TRAIN_PY) -m optima report runs/demo_arc_sft
 
 demo-hotpot: setup
