@@ -19,6 +19,7 @@ from optima.plan import Plan, PlanPart
 from optima.run_context import RunContext, write_iteration_report
 from optima.serving.processes import sigterm_as_exit
 from optima.stage_identity import link, part_keys
+from optima.stages.common import StageCall
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +38,19 @@ def handle_empty(ctx: RunContext, label: str, message: str, model: str) -> None:
     logger.warning("%s%s; carrying %s forward", label, message, model)
 
 
-def run_part(part: PlanPart, model: str, keys: dict[str, StageKey] | None = None) -> str | None:
-    """Run the stages of one iteration (or iSFT-DPO part) from ``model``; the new checkpoint, or None if none.
+def run_part(part: PlanPart, call: StageCall, keys: dict[str, StageKey] | None = None) -> str | None:
+    """Run the stages of one iteration (or iSFT-DPO part) from ``call.model``; the new checkpoint, or None if none.
 
-    Finished stages are skipped (their recorded results reused); the first whose key changed (``keys``; default:
-    the part's keys with no previous part) is redone with every stage after it. When the stage that builds the
-    training set leaves nothing to train on, the part stops there (``handle_empty``).
+    Args:
+        part: The part's stages.
+        call: The part's context for the model it really starts from (``part.call.starting_from(model)``).
+        keys: The stages' keys (default: the part's keys with no previous part).
+
+    Finished stages are skipped (their recorded results reused); the first whose key changed is redone with every
+    stage after it. When the stage that builds the training set leaves nothing to train on, the part stops there
+    (``handle_empty``).
     """
-    call = part.call.starting_from(model)
-    ctx, recipe = call.ctx, call.recipe
+    ctx, recipe, model = call.ctx, call.recipe, call.model
     manifest = Manifest(call.sp.manifest, keys or part_keys(call, part.stages))
     outputs = {stage.name: [call.output(name) for name in stage.outputs] for stage in part.stages}
     keep = tuple(stage.name for stage in part.stages if stage.set_aside)
@@ -89,7 +94,7 @@ def run_plan(plan: Plan) -> str:
             keys = part_keys(call, part.stages, upstream)
             upstream = link(call, part.stages[-1].name, keys[part.stages[-1].name])
             # A part that trained nothing (carry_forward) hands its own starting model on.
-            model = run_part(part, model, keys) or model
+            model = run_part(part, call, keys) or model
     if recipe.push_to_hub:
         from optima.hub import push_run
 

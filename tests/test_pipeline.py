@@ -47,7 +47,8 @@ def finished_until_select(tmp_path: Path, **overrides) -> Plan:
 
 def run_sft_iteration(plan: Plan, iteration: int, model: str) -> str | None:
     """The iteration's stages, as ``run_plan`` runs them."""
-    return run_part(plan.parts[iteration], model)
+    part = plan.parts[iteration]
+    return run_part(part, part.call.starting_from(model))
 
 
 def test_nothing_selected_stops_with_the_reasons(tmp_path):
