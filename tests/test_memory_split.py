@@ -2,16 +2,23 @@
 
 The box: 24 GB, ~20.6 GiB available when the run starts; the policy is kept through training (``sleep_mode``), the
 loss server starts beside it, the trainer forks later. ``optima.serving.capacity`` has the rule, docs/cpu.md the
-reasoning; this test is the arithmetic the demo recipe relies on to leave ``cpu_kvcache_space_gb`` unset.
+reasoning; the first test is the arithmetic the demo recipe relies on to leave ``cpu_kvcache_space_gb`` unset, the
+second the train stage's estimate from its saved rows (``optima.stages.common.trainer_peak``), which the server
+holder weighs against the memory available before training (``tests/test_holder.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
 
 from optima.agents.footprint import policy_demand
 from optima.config import SFTRecipe, load_recipe
 from optima.hardware.training import cpu_trainer_peak_bytes
+from optima.paths import RunPaths
+from optima.selection.io import save_splits
 from optima.serving.capacity import (
     AVAILABLE_SHARE,
     DRIVER_RESERVE_BYTES,
@@ -26,6 +33,7 @@ from optima.serving.capacity import (
 )
 from optima.serving.replicas import ReplicaLayout, memory_share
 from optima.serving.vllm_server import Placement
+from optima.stages import common
 from optima.tasks import get_task
 from tests.conftest import requires_smollm2
 
@@ -80,3 +88,23 @@ def test_the_demo_policy_gets_the_3_gib_its_32_conversations_need_on_a_24_gb_box
     # 3 GiB hold the 32 conversations at once (vLLM keeps whole 16-token blocks).
     tokens = policy_gb * GIB // per_token // BLOCK * BLOCK
     assert fit_in_flight(recipe.thread_count, tokens, per_conversation) == recipe.thread_count == 32
+
+
+@requires_smollm2
+def test_the_train_stage_weighs_its_rows_only_beside_a_policy_idling_on_the_cpu(tmp_path):
+    from transformers import AutoTokenizer
+
+    recipe = load_recipe(SFTRecipe, DEMO, {"output_dir": str(tmp_path / "run")})
+    sp = RunPaths.from_recipe(recipe).stage(0)
+    turns = [{"role": "user", "content": "Which gas do plants take in? (A) oxygen (B) carbon dioxide"}]
+    save_splits({"train": [{"messages": turns + [{"role": "assistant", "content": "Alice: <A>B</A>"}]}]}, sp.dataset)
+    servers = SimpleNamespace(idles_on_cpu=True)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.initial_model_path)
+    call = SimpleNamespace(ctx=SimpleNamespace(servers=servers, tokenizer=lambda: tokenizer), recipe=recipe, sp=sp)
+    config = yaml.safe_load(Path(recipe.origin_yaml_path).read_text()) | {
+        "model_name_or_path": recipe.initial_model_path
+    }
+    peak = common.trainer_peak(call, config, "sft")
+    assert 20 < peak.row_tokens < 80 and peak.peak_bytes == cpu_trainer_peak_bytes(recipe, peak.row_tokens)
+    servers.idles_on_cpu = False  # stopped, asleep on a GPU, or external endpoints: nothing to weigh
+    assert common.trainer_peak(call, config, "sft") is None
