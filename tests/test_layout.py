@@ -84,9 +84,7 @@ def test_one_core_is_shared(tmp_path):
 def test_the_policy_is_kept_across_checkpoints_by_default_on_cpu_too(tmp_path, sleep_mode, kept):
     layout = plan_layout(sft_recipe(tmp_path, sleep_mode=sleep_mode), [], [0, 1])
     assert layout.policy[0].carry_over is kept and layout.loss.carry_over is False
-    assert (
-        describe_layout(sft_recipe(tmp_path), "/m", layout)["policy replica 0"].endswith("(weights reloaded)") is kept
-    )
+    assert ("(weights reloaded)" in describe_layout(sft_recipe(tmp_path), "/m", layout)["policy replica 0"]) is kept
 
 
 def test_on_a_shared_gpu_the_loss_server_takes_its_share_from_the_first_replica(tmp_path):
@@ -126,9 +124,14 @@ def test_dry_run_lines_name_both_servers(tmp_path):
     recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
     lines = describe_layout(recipe, "/models/judge", plan_layout(recipe, [], [0, 1]))
     assert lines == {
-        "policy replica 0": "CPU cores 0, kept across iterations (weights reloaded)",
-        "loss server": "/models/judge on CPU cores 1, started once per run",
+        "policy replica 0": "CPU cores 0, kept across iterations (weights reloaded), KV cache sized at start: what 64 "
+        "conversations need, within the memory available",
+        "loss server": "/models/judge on CPU cores 1, KV cache 1 GiB (one scoring batch), started once per run",
     }
+    fixed = sft_recipe(tmp_path, loss_model_path="/models/judge", cpu_kvcache_space_gb=3)
+    lines = describe_layout(fixed, "/models/judge", plan_layout(fixed, [], [0, 1]))
+    assert lines["policy replica 0"].endswith(", KV cache 3 GiB (cpu_kvcache_space_gb)")
+    assert "KV cache 1 GiB (one scoring batch)" in lines["loss server"]  # the recipe's budget is the policy's only
     gpu = describe_layout(recipe, "/models/judge", plan_layout(recipe, ["0"], [0, 1], loss_share=0.1))
     assert gpu["policy replica 0"] == "GPUs 0 (memory share 0.8, sleeps during training)"
     assert gpu["loss server"] == "/models/judge on GPUs 0 (memory share 0.1), started once per run"
