@@ -24,7 +24,7 @@ from optima.paths import RunPaths
 from optima.selection.io import save_splits
 from optima.serving import holder as holder_module
 from optima.serving import vllm_server
-from optima.serving.capacity import GIB
+from optima.serving.capacity import GIB, PolicyDemand
 from optima.serving.holder import ServerHolder
 from optima.serving.layout import ServerLayout, plan_layout
 from optima.serving.processes import group_members, wait_group_exit
@@ -179,6 +179,21 @@ def test_a_trainer_that_does_not_fit_beside_the_idle_cpu_policy_stops_it(
     numbers = ("6.0 GiB", "416 tokens", "1.0 GiB margin", f"{available_gib:.1f} GiB available")
     assert all(number in record.getMessage() for number in numbers)
     assert ("stopping the policy for this training" in caplog.text) is not kept
+
+
+@pytest.mark.parametrize(
+    ("layout", "overrides", "sized_here"),
+    [(CPU_KEPT, {}, True), (CPU_KEPT, {"cpu_kvcache_space_gb": 2}, False), (GPU_KEPT, {}, False)],
+)
+def test_what_the_conversations_ask_goes_to_an_automatic_cpu_cache_only(
+    tmp_path, scripted, layout, overrides, sized_here
+):
+    holder, stage = holder_for(tmp_path, layout, **overrides)
+    demand = PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
+    holder.demand = lambda model: demand
+    with holder:
+        holder.endpoints("/models/base", stage)
+    assert scripted.starts[0][1].demand == (demand if sized_here else None)
 
 
 def test_on_a_gpu_the_trainer_peak_does_not_decide_the_sleep(tmp_path, scripted):

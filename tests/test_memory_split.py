@@ -9,6 +9,7 @@ holder weighs against the memory available before training (``tests/test_holder.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ import yaml
 
 from optima.agents.footprint import policy_demand
 from optima.config import SFTRecipe, load_recipe
+from optima.environments import PythonEnv
 from optima.hardware.training import cpu_trainer_peak_bytes
 from optima.paths import RunPaths
 from optima.selection.io import save_splits
@@ -108,3 +110,14 @@ def test_the_train_stage_weighs_its_rows_only_beside_a_policy_idling_on_the_cpu(
     assert 20 < peak.row_tokens < 80 and peak.peak_bytes == cpu_trainer_peak_bytes(recipe, peak.row_tokens)
     servers.idles_on_cpu = False  # stopped, asleep on a GPU, or external endpoints: nothing to weigh
     assert common.trainer_peak(call, config, "sft") is None
+
+
+@requires_smollm2
+def test_the_runs_servers_measure_what_the_conversations_ask_on_the_training_questions(tmp_path):
+    from optima.plan import build_plan
+
+    recipe = load_recipe(SFTRecipe, DEMO, {"output_dir": str(tmp_path / "run")})
+    env = PythonEnv(sys.executable, "python", (sys.executable,))
+    servers = build_plan(recipe, {"train": env, "vllm": env}, gpu=False).ctx.servers
+    examples = get_task(recipe.dataset_type).load_train(data_dir=recipe.data_dir, seed=recipe.seed)
+    assert servers.demand(recipe.initial_model_path) == policy_demand(recipe, examples, recipe.initial_model_path)
