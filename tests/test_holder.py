@@ -196,6 +196,17 @@ def test_what_the_conversations_ask_goes_to_an_automatic_cpu_cache_only(
     assert scripted.starts[0][1].demand == (demand if sized_here else None)
 
 
+def test_a_policy_stopped_for_a_trainer_restarts_with_room_for_the_rows_it_saw(tmp_path, scripted):
+    holder, stage = holder_for(tmp_path, CPU_KEPT)
+    holder.demand = lambda model: PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
+    holder.available_memory = lambda: 5 * GIB
+    with holder:
+        holder.endpoints("/models/base", stage)
+        holder.sleep_for_training(TrainerPeak(peak_bytes=9 * GIB, row_tokens=900))  # does not fit: stopped
+        holder.endpoints("/ckpt/iteration_0", stage)
+    assert [start[1].demand.row_tokens for start in scripted.starts] == [500, 900]
+
+
 def test_on_a_gpu_the_trainer_peak_does_not_decide_the_sleep(tmp_path, scripted):
     holder, stage = holder_for(tmp_path, GPU_KEPT)
     holder.available_memory = lambda: 0  # the host's memory is not the trainer's: GPU memory is planned instead

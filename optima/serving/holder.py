@@ -28,6 +28,7 @@ weights than the checkpoint's probe still stops the run (``WeightsMismatch``): t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -161,6 +162,7 @@ class ServerHolder:
         self._loss: LossServer | None = None
         self.demand: Callable[[str], PolicyDemand] | None = None
         self.available_memory: Callable[[], int] = available_memory_bytes
+        self.trained_rows: int | None = None  # the longest row of the last training weighed here (its tokens)
 
     @property
     def layout(self) -> ServerLayout:
@@ -270,9 +272,16 @@ class ServerHolder:
         return self.urls
 
     def _demand(self, model: str) -> PolicyDemand | None:
-        """What the conversations ask of ``model``'s server, when its KV cache is sized here (CPU, automatic)."""
+        """What the conversations ask of ``model``'s server, when its KV cache is sized here (CPU, automatic).
+
+        Once a training was weighed, its real rows replace the estimate of a row (a policy stopped because the
+        trainer did not fit then starts with a cache that leaves it room).
+        """
         automatic = self.layout.policy[0].on_cpu and self.recipe.cpu_kvcache_space_gb is None
-        return self.demand(model) if automatic and self.demand is not None else None
+        if not automatic or self.demand is None:
+            return None
+        demand = self.demand(model)
+        return demand if self.trained_rows is None else dataclasses.replace(demand, row_tokens=self.trained_rows)
 
     def loss_endpoints(self) -> list[str] | None:
         """The loss server's URLs (waiting until it is ready), or None without a loss server."""
@@ -304,6 +313,7 @@ class ServerHolder:
 
     def _trainer_fits(self, trainer: TrainerPeak) -> bool:
         """Whether the trainer fits in the memory available now beside the idle policy (logged either way)."""
+        self.trained_rows = trainer.row_tokens
         available = self.available_memory()
         figures = (
             trainer.peak_bytes / GIB,
