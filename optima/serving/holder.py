@@ -302,7 +302,10 @@ class ServerHolder:
         if self._stack is None or self.asleep:
             return
         on_cpu = self.layout.policy[0].on_cpu
-        if self.kept and not (on_cpu and trainer is not None and not self._trainer_fits(trainer)):
+        weigh = self.kept and on_cpu and trainer is not None  # an idle CPU policy keeps its memory
+        if weigh:
+            self.trained_rows = trainer.row_tokens
+        if self.kept and (not weigh or self._trainer_fits(trainer)):
             try:
                 put_to_sleep(self.urls, self.recipe, gpu=not on_cpu)
                 self.asleep = True
@@ -313,7 +316,6 @@ class ServerHolder:
 
     def _trainer_fits(self, trainer: TrainerPeak) -> bool:
         """Whether the trainer fits in the memory available now beside the idle policy (logged either way)."""
-        self.trained_rows = trainer.row_tokens
         available = self.available_memory()
         figures = (
             trainer.peak_bytes / GIB,

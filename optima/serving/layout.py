@@ -116,11 +116,8 @@ def describe_placement(placement: Placement, recipe: ServingFields) -> str:
     """``GPUs 0 (memory share 0.8)`` / ``CPU cores 0`` / ``CPU (vLLM's automatic binding)``."""
     if placement.on_cpu:
         where = f"CPU cores {placement.cpu_bind}" if placement.cpu_bind else "CPU (vLLM's automatic binding)"
-        return (
-            where
-            + (", kept across iterations (weights reloaded)" if placement.carry_over else "")
-            + (cpu_cache_text(placement, recipe))
-        )
+        kept = ", kept across iterations (weights reloaded)" if placement.carry_over else ""
+        return where + kept + cpu_cache_text(placement, recipe)
     share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
     sleep = ", sleeps during training" if placement.carry_over else ""
     return f"GPUs {','.join(placement.gpus)} (memory share {share}{sleep})"
