@@ -29,6 +29,7 @@ from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
     from optima.config.types import BaseRecipe, MethodRecipe
+    from optima.serving.capacity import PolicyDemand
     from optima.training.warm import WarmTrainer
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,16 @@ class RunContext:
             self.recipe, self.envs.get("vllm"), loss_model(self.recipe), self.paths.driver_log.parent
         )
         holder.layout = self.hardware.layout
+        holder.demand = self.policy_demand
         return holder
+
+    def policy_demand(self, model: str) -> PolicyDemand:
+        """What the run's conversations ask of a policy server of ``model``: measured on a sample of the training
+        split, the questions every stage draws its slice from (``optima.agents.footprint.policy_demand``)."""
+        from optima.agents.footprint import policy_demand
+
+        recipe = self.recipe
+        return policy_demand(recipe, self.task.load_train(data_dir=recipe.data_dir, seed=recipe.seed), model)
 
     @cached_property
     def trainer(self) -> WarmTrainer:

@@ -22,7 +22,8 @@ from tests.test_layout import FAKE_ENV, sft_recipe  # noqa: E402
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the suite may run with SIGINT ignored
-    recipe = sft_recipe(Path(sys.argv[1]))
+    # A fixed policy cache: sized from this machine's memory, a warning could come before READY on a busy box.
+    recipe = sft_recipe(Path(sys.argv[1]), cpu_kvcache_space_gb=1)
     holder = ServerHolder(
         recipe, FAKE_ENV, "/models/base", Path(sys.argv[1]) / "logs", layout=plan_layout(recipe, [], [0, 1])
     )

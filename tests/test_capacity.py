@@ -91,6 +91,30 @@ def test_policy_kv_gets_what_the_loss_server_and_the_trainer_leave(available_gib
     assert cpu_kvcache_gb(int(available_gib * GIB), int(weights_gib * GIB), share) == expected
 
 
+@pytest.mark.parametrize(
+    ("share", "expected"),
+    [
+        # The memory allows 5 GiB (0.5 x (22 - 2 - 7) - 1); 32 conversations of 2,028 tokens need 2.8 GiB: 3.
+        (MemoryShare(loss_kv_gb=1, need_bytes=32 * 2028 * 46_080), 3),
+        (MemoryShare(loss_kv_gb=1, need_bytes=5 * GIB + 1), 5),  # more than the memory allows: the memory's 5
+        (MemoryShare(loss_kv_gb=1, need_bytes=GIB // 10), 1),  # a tiny need still gets the minimum
+        # Two replicas each get half the need, rounded up: 1.5 GiB each, 2 (the memory allows 0.5 x 13 / 2 = 3 each).
+        (MemoryShare(policy_replicas=2, need_bytes=3 * GIB), 2),
+        (MemoryShare(loss_kv_gb=1, need_bytes=None), 5),  # unknown need: the memory's share
+    ],
+)
+def test_the_policy_gets_at_most_what_its_conversations_in_flight_can_use(share, expected):
+    assert cpu_kvcache_gb(22 * GIB, GIB // 2, share) == expected
+
+
+def test_memory_the_generator_cannot_use_is_left_free_and_logged(caplog):
+    share = MemoryShare(loss_kv_gb=1, reserve_bytes=6 * GIB, need_bytes=int(2.5 * GIB))
+    with caplog.at_level("INFO", logger="optima.serving.capacity"):
+        assert cpu_kvcache_gb(22 * GIB, GIB // 2, share) == 3
+    for value in ("3 GiB", "(2.5 GiB in all)", "would allow 5 GiB", "22.0 GiB available", "6.0 GiB kept"):
+        assert value in caplog.text
+
+
 def test_servers_sharing_memory_are_counted_once():
     assert MemoryShare().servers == 1
     assert MemoryShare(policy_replicas=2).servers == 2
@@ -135,7 +159,7 @@ def test_the_loss_server_gets_what_scoring_needs(tmp_path):
     (bare / "config.json").write_text("{}")
     assert loss_kvcache_gb(big, bare) == 1  # no layer or head counts: the minimum (vLLM refuses it at start-up)
     recipe.cpu_kvcache_space_gb = 4
-    assert loss_kvcache_gb(recipe, model) == 4  # an explicit budget wins
+    assert loss_kvcache_gb(recipe, model) == 1  # the recipe's budget is the policy's: the loss server keeps its need
 
 
 def test_an_explicit_budget_wins(tmp_path):

@@ -12,14 +12,19 @@ import json
 import logging
 import os
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
+from optima.hardware.training import TrainerPeak, row_messages, rows_trainer_peak
 from optima.identity import COMPLETE_MARKER
 from optima.paths import RunPaths
+from optima.selection.io import save_splits
 from optima.serving import holder as holder_module
 from optima.serving import vllm_server
+from optima.serving.capacity import GIB, PolicyDemand
 from optima.serving.holder import ServerHolder
 from optima.serving.layout import ServerLayout, plan_layout
 from optima.serving.processes import group_members, wait_group_exit
@@ -27,6 +32,7 @@ from optima.serving.reload_check import WeightsMismatch
 from optima.serving.replicas import ReplicaLayout
 from optima.serving.vllm_server import Placement
 from optima.weights_probe import PROBE_KEY, Probe
+from tests.conftest import SMOLLM2, requires_smollm2
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import child_groups
 from tests.test_layout import FAKE_ENV, server_log_lines, sft_recipe
@@ -154,6 +160,88 @@ def test_a_gpu_policy_that_cannot_sleep_is_stopped(tmp_path, scripted, caplog):
         holder.sleep_for_training()  # the memory must be free for the trainer either way
         assert holder.model is None and not holder.asleep
     assert "could not be put to sleep" in caplog.text
+
+
+@pytest.mark.parametrize(("available_gib", "kept"), [(20, True), (5, False)])
+def test_a_trainer_that_does_not_fit_beside_the_idle_cpu_policy_stops_it(
+    tmp_path, scripted, caplog, available_gib, kept
+):
+    holder, stage = holder_for(tmp_path, CPU_KEPT)
+    holder.available_memory = lambda: available_gib * GIB  # MemAvailable at training time
+    with holder, caplog.at_level(logging.INFO, logger="optima.serving.holder"):
+        holder.endpoints("/models/base", stage)
+        assert holder.idles_on_cpu
+        holder.sleep_for_training(TrainerPeak(peak_bytes=6 * GIB, row_tokens=416))
+        assert holder.asleep is kept and (holder.model == "/models/base") is kept and not holder.idles_on_cpu
+        holder.endpoints("/ckpt/iteration_0", stage)  # reloaded in place, or a fresh start
+    assert len(scripted.starts) == (1 if kept else 2)
+    record = caplog.records[-1] if kept else next(r for r in caplog.records if r.levelno == logging.WARNING)
+    numbers = ("6.0 GiB", "416 tokens", "1.0 GiB margin", f"{available_gib:.1f} GiB available")
+    assert all(number in record.getMessage() for number in numbers)
+    assert ("stopping the policy for this training" in caplog.text) is not kept
+
+
+@pytest.mark.parametrize(
+    ("layout", "overrides", "sized_here"),
+    [(CPU_KEPT, {}, True), (CPU_KEPT, {"cpu_kvcache_space_gb": 2}, False), (GPU_KEPT, {}, False)],
+)
+def test_what_the_conversations_ask_goes_to_an_automatic_cpu_cache_only(
+    tmp_path, scripted, layout, overrides, sized_here
+):
+    holder, stage = holder_for(tmp_path, layout, **overrides)
+    demand = PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
+    holder.demand = lambda model: demand
+    with holder:
+        holder.endpoints("/models/base", stage)
+    assert scripted.starts[0][1].demand == (demand if sized_here else None)
+
+
+def test_a_policy_stopped_for_a_trainer_restarts_with_room_for_the_rows_it_saw(tmp_path, scripted):
+    holder, stage = holder_for(tmp_path, CPU_KEPT)
+    holder.demand = lambda model: PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
+    holder.available_memory = lambda: 5 * GIB
+    with holder:
+        holder.endpoints("/models/base", stage)
+        holder.sleep_for_training(TrainerPeak(peak_bytes=9 * GIB, row_tokens=900))  # does not fit: stopped
+        holder.endpoints("/ckpt/iteration_0", stage)
+    assert [start[1].demand.row_tokens for start in scripted.starts] == [500, 900]
+
+
+def test_on_a_gpu_the_trainer_peak_does_not_decide_the_sleep(tmp_path, scripted):
+    holder, stage = holder_for(tmp_path, GPU_KEPT)
+    holder.available_memory = lambda: 0  # the host's memory is not the trainer's: GPU memory is planned instead
+    with holder:
+        holder.endpoints("/models/base", stage)
+        assert not holder.idles_on_cpu
+        holder.sleep_for_training(TrainerPeak(peak_bytes=60 * GIB, row_tokens=4096))
+        assert holder.asleep and scripted.starts[0][2].posts == ["/sleep?level=2"]
+
+
+@requires_smollm2
+@pytest.mark.parametrize(("words", "kept"), [(20, True), (3000, False)])
+def test_the_real_rows_decide_whether_the_policy_stays_up_through_training(tmp_path, scripted, words, kept):
+    """Rows of a few dozen tokens need ~3.4 GiB of trainer; rows cut at max_length 1024 ~10 GiB: 9 GiB holds one."""
+    from transformers import AutoTokenizer
+
+    holder, stage = holder_for(tmp_path, CPU_KEPT, initial_model_path=str(SMOLLM2))
+    holder.available_memory = lambda: 9 * GIB
+    question = " ".join(["word"] * words)
+    rows = [{"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "Alice: B"}]}]
+    save_splits({"train": rows * 3}, stage.dataset)
+    config = yaml.safe_load(Path(holder.recipe.origin_yaml_path).read_text()) | {"model_name_or_path": str(SMOLLM2)}
+    peak = rows_trainer_peak(holder.recipe, config, False, stage.dataset, AutoTokenizer.from_pretrained(SMOLLM2))
+    assert (peak.row_tokens < 100) is kept and peak.row_tokens <= 1024
+    with holder:
+        holder.endpoints("/models/base", stage)
+        holder.sleep_for_training(peak)
+        assert holder.asleep is kept
+
+
+def test_a_dpo_row_is_weighed_at_its_longer_completion():
+    prompt = [{"role": "user", "content": "question"}]
+    short, long = [{"role": "assistant", "content": "A"}], [{"role": "assistant", "content": "a longer answer"}]
+    assert row_messages({"prompt": prompt, "chosen": short, "rejected": long}) == prompt + long
+    assert row_messages({"messages": prompt + short}) == prompt + short
 
 
 def test_a_reload_that_serves_other_weights_stops_the_run(tmp_path, scripted):

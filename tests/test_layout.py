@@ -21,11 +21,11 @@ from optima.environments import PythonEnv
 from optima.hardware import memory
 from optima.hardware.training import cpu_trainer_peak_bytes, trainer_shape
 from optima.paths import RunPaths
-from optima.serving.capacity import GIB, MemoryShare
+from optima.serving.capacity import GIB, MemoryShare, PolicyDemand
 from optima.serving.holder import ServerHolder
 from optima.serving.layout import ServerLayout, describe_layout, plan_layout
 from optima.serving.processes import group_members
-from optima.serving.replicas import memory_share
+from optima.serving.replicas import ReplicaLayout, memory_share
 from optima.serving.sleep_mode import put_to_sleep, wake_with_weights
 from optima.serving.vllm_server import Placement, build_serve_command, build_serve_env
 from tests.fake_openai import FakeOpenAIServer
@@ -84,9 +84,7 @@ def test_one_core_is_shared(tmp_path):
 def test_the_policy_is_kept_across_checkpoints_by_default_on_cpu_too(tmp_path, sleep_mode, kept):
     layout = plan_layout(sft_recipe(tmp_path, sleep_mode=sleep_mode), [], [0, 1])
     assert layout.policy[0].carry_over is kept and layout.loss.carry_over is False
-    assert (
-        describe_layout(sft_recipe(tmp_path), "/m", layout)["policy replica 0"].endswith("(weights reloaded)") is kept
-    )
+    assert ("(weights reloaded)" in describe_layout(sft_recipe(tmp_path), "/m", layout)["policy replica 0"]) is kept
 
 
 def test_on_a_shared_gpu_the_loss_server_takes_its_share_from_the_first_replica(tmp_path):
@@ -126,9 +124,14 @@ def test_dry_run_lines_name_both_servers(tmp_path):
     recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
     lines = describe_layout(recipe, "/models/judge", plan_layout(recipe, [], [0, 1]))
     assert lines == {
-        "policy replica 0": "CPU cores 0, kept across iterations (weights reloaded)",
-        "loss server": "/models/judge on CPU cores 1, started once per run",
+        "policy replica 0": "CPU cores 0, kept across iterations (weights reloaded), KV cache sized at start: what 64 "
+        "conversations need, within the memory available",
+        "loss server": "/models/judge on CPU cores 1, KV cache 1 GiB (one scoring batch), started once per run",
     }
+    fixed = sft_recipe(tmp_path, loss_model_path="/models/judge", cpu_kvcache_space_gb=3)
+    lines = describe_layout(fixed, "/models/judge", plan_layout(fixed, [], [0, 1]))
+    assert lines["policy replica 0"].endswith(", KV cache 3 GiB (cpu_kvcache_space_gb)")
+    assert "KV cache 1 GiB (one scoring batch)" in lines["loss server"]  # the recipe's budget is the policy's only
     gpu = describe_layout(recipe, "/models/judge", plan_layout(recipe, ["0"], [0, 1], loss_share=0.1))
     assert gpu["policy replica 0"] == "GPUs 0 (memory share 0.8, sleeps during training)"
     assert gpu["loss server"] == "/models/judge on GPUs 0 (memory share 0.1), started once per run"
@@ -280,21 +283,53 @@ def test_search_and_score_stage_use_the_loss_server_never_the_driver(tmp_path, m
         assert holder.model == "/ckpt/iteration_0"  # the policy kept serving
 
 
-def test_a_policy_kept_through_training_leaves_the_trainers_peak_free(tmp_path):
-    model = tmp_path / "smollm2"
-    model.mkdir()
+def smollm2_config(folder: Path) -> Path:
+    """A folder with SmolLM2-135M's ``config.json`` (no weights): what the memory estimates read."""
+    folder.mkdir()
     config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
     config |= {"vocab_size": 49152, "intermediate_size": 1536, "max_position_embeddings": 8192}
-    (model / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    return folder
+
+
+def test_a_policy_kept_through_training_leaves_the_trainers_peak_free(tmp_path):
+    model = smollm2_config(tmp_path / "smollm2")
     recipe = sft_recipe(tmp_path, initial_model_path=str(model))
     size = memory.model_size(model)
     sft_yaml = yaml.safe_load(Path(recipe.origin_yaml_path).read_text())
     peak = memory.trainer_peak_bytes(size, trainer_shape("cpu", 1, sft_yaml))
-    assert cpu_trainer_peak_bytes(recipe) == peak > 10 * GIB  # SmolLM2 fp32, batch 4 x 1024 tokens: ~11 GiB
+    assert cpu_trainer_peak_bytes(recipe) == peak > 10 * GIB  # SmolLM2 fp32, batch 4 x 1024 tokens: ~10 GiB
     kept, stopped = Placement(cpu_bind="0", carry_over=True), Placement(cpu_bind="0")
-    assert memory_share(recipe, [kept], loss_starting=True) == MemoryShare(1, loss_kv_gb=1, reserve_bytes=peak)
-    assert memory_share(recipe, [stopped], loss_starting=True) == MemoryShare(1, loss_kv_gb=1)  # stopped first
-    assert memory_share(recipe, [stopped, stopped], loss_starting=False) == MemoryShare(2)
+    share = memory_share(recipe, ReplicaLayout([kept], loss_starting=True))
+    assert share == MemoryShare(1, loss_kv_gb=1, reserve_bytes=peak)  # no demand measured: the worst case
+    assert memory_share(recipe, ReplicaLayout([stopped], loss_starting=True)) == MemoryShare(1, loss_kv_gb=1)
+    assert memory_share(recipe, ReplicaLayout([stopped, stopped])) == MemoryShare(2)
+
+
+def test_the_reserve_at_start_is_the_trainer_at_the_estimated_row_and_the_need_caps_the_cache(tmp_path):
+    model = smollm2_config(tmp_path / "smollm2")
+    recipe = sft_recipe(tmp_path, initial_model_path=str(model))
+    sft_yaml = yaml.safe_load(Path(recipe.origin_yaml_path).read_text())
+    at_500 = memory.trainer_peak_bytes(
+        memory.model_size(model), trainer_shape("cpu", 1, sft_yaml | {"max_length": 500})
+    )
+    assert cpu_trainer_peak_bytes(recipe, 500) == at_500 < cpu_trainer_peak_bytes(recipe) - 3 * GIB
+    assert cpu_trainer_peak_bytes(recipe, 5000) == cpu_trainer_peak_bytes(recipe)  # capped at max_length
+    demand = PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
+    kept = Placement(cpu_bind="0", carry_over=True)
+    share = memory_share(recipe, ReplicaLayout([kept], loss_starting=True, demand=demand))
+    assert share == MemoryShare(1, loss_kv_gb=1, reserve_bytes=at_500, need_bytes=3 * GIB)
+    # A policy stopped before training reserves nothing; its cache is still capped by the need.
+    assert memory_share(recipe, ReplicaLayout([Placement()], demand=demand)) == MemoryShare(1, need_bytes=3 * GIB)
+
+
+def test_the_recipes_kv_budget_is_the_policys_and_the_loss_server_keeps_its_need(tmp_path):
+    model = smollm2_config(tmp_path / "smollm2")
+    recipe = sft_recipe(tmp_path, initial_model_path=str(model), cpu_kvcache_space_gb=3)
+    layout = plan_layout(recipe, [], [0, 1])
+    assert layout.loss.cpu_kvcache_gb == 1  # one scoring batch of SmolLM2: 16,000 tokens, 0.7 GiB
+    assert build_serve_env(recipe, VENV, layout.loss, tmp_path, str(model))["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert build_serve_env(recipe, VENV, layout.policy[0], tmp_path, str(model))["VLLM_CPU_KVCACHE_SPACE"] == "3"
 
 
 def test_the_cpu_default_is_the_measured_one(tmp_path):

@@ -4,7 +4,9 @@ The prompt of an information-exchange task carries the agent's half of the conte
 the same ``max_tokens``/``max_turns`` cost very different amounts of cache on ARC and on HotpotQA. The estimate
 renders both agents' first request, exactly as the generator sends it, for a sample of the stage's questions with
 the served tokenizer and its chat template, and takes the 90th percentile; ``optima.serving.capacity`` turns it
-into a worst-case footprint and an in-flight bound.
+into a worst-case footprint and an in-flight bound. Before a policy server starts, ``policy_demand`` measures the
+same on the run's questions: the KV cache its conversations in flight can use (the cap of its CPU cache) and a
+first estimate of a training row (the trainer's memory reserve beside a kept policy).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 from optima.agents.prompts import AGENT_NAMES, build_agent_messages
 from optima.config.rules import tokenizer_path
 from optima.quantiles import nearest_rank_quantile
-from optima.serving.capacity import conversation_kv_tokens, load_model_config
+from optima.serving.capacity import PolicyDemand, conversation_kv_tokens, cpu_kv_bytes_per_token, load_model_config
 from optima.tasks import Example, get_task
 
 if TYPE_CHECKING:
@@ -66,6 +68,16 @@ def _count(tokenizer, messages: list[dict]) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def footprint_of(recipe: BaseRecipe, prompt: int, model_path: str | None) -> int:
+    """``conversation_kv_tokens`` of agents' prompts of ``prompt`` tokens under the recipe's turn budget, within the
+    served context length (``max_model_len``, else the model's ``max_position_embeddings``)."""
+    max_model_len = recipe.max_model_len
+    if max_model_len is None and model_path:
+        config = load_model_config(model_path) or {}
+        max_model_len = (config.get("text_config") or config).get("max_position_embeddings")
+    return conversation_kv_tokens(prompt, recipe.max_tokens, recipe.max_turns, max_model_len)
+
+
 def conversation_footprint(recipe: BaseRecipe, examples: Sequence[Example], model_path: str | None = None) -> int:
     """Worst-case KV tokens of one conversation of this stage (both agents' views, every turn at ``max_tokens``).
 
@@ -75,9 +87,24 @@ def conversation_footprint(recipe: BaseRecipe, examples: Sequence[Example], mode
         model_path: The served model (tokenizer and context length; default ``initial_model_path``).
     """
     model_path = model_path or recipe.initial_model_path
-    max_model_len = recipe.max_model_len
-    if max_model_len is None and model_path:
-        config = load_model_config(model_path) or {}
-        max_model_len = (config.get("text_config") or config).get("max_position_embeddings")
+    return footprint_of(recipe, prompt_tokens(recipe, examples, model_path), model_path)
+
+
+def policy_demand(recipe: BaseRecipe, examples: Sequence[Example], model_path: str) -> PolicyDemand:
+    """What the run's conversations ask of a policy server of ``model_path``, measured on the run's questions.
+
+    ``need_bytes``: ``thread_count`` conversations at the bound of ``conversation_footprint`` (the one the generator
+    keeps them under), in fp32 (the CPU's KV dtype); None without the model's layer and head counts.
+    ``row_tokens``: a training row before any exists: an agent's prompt (the same 90th percentile) plus one
+    utterance of ``max_tokens``.
+
+    Args:
+        recipe: Its ``thread_count`` and conversation fields.
+        examples: The questions the run's stages draw from (a sample is rendered).
+        model_path: The served model.
+    """
     prompt = prompt_tokens(recipe, examples, model_path)
-    return conversation_kv_tokens(prompt, recipe.max_tokens, recipe.max_turns, max_model_len)
+    per_conversation = footprint_of(recipe, prompt, model_path)
+    per_token = cpu_kv_bytes_per_token(model_path)
+    need = recipe.thread_count * per_conversation * per_token if per_token else None
+    return PolicyDemand(need, prompt + recipe.max_tokens)

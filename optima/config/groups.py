@@ -130,7 +130,10 @@ class ServingFields:
     request_timeout_s: float = field(600.0, help="timeout of one chat request")
     max_retries: int = field(3, help="retries of a transient request failure (with backoff)")
     cpu_kvcache_space_gb: int | None = field(
-        None, help="VLLM_CPU_KVCACHE_SPACE (GiB) on a CPU-only machine; null = a share of the memory available"
+        None,
+        help="the policy server's VLLM_CPU_KVCACHE_SPACE (GiB) on a CPU-only machine; null = a share of the memory "
+        "available (in a training loop at most what thread_count conversations need); the loss server's is always "
+        "one scoring batch",
     )
     vllm_extra_args: list[str] = field([], help="extra arguments appended to 'vllm serve'")
     sleep_mode: bool | None = field(

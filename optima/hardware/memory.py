@@ -23,7 +23,9 @@ The trainer's peak per GPU (``trainer_peak_bytes``), for P parameters, N trainin
   logits in fp32 with their log-softmax and gradient ``3 x b s vocab x 4``; with activation checkpointing one saved
   input per layer ``b s hidden layers w`` plus one layer recomputed ``2 b s (4 hidden + 2 intermediate) w``;
   without it ``b s layers (10 hidden + 2 intermediate) w``;
-* plus ``TRAINER_OVERHEAD``: CUDA context, NCCL buffers and allocator fragmentation (10% on top of 2 GiB).
+* plus ``TRAINER_OVERHEAD``: CUDA context, NCCL buffers and allocator fragmentation (10% on top of 2 GiB); a CPU
+  process (strategy ``cpu``) has no CUDA context nor NCCL: 10% on top of ``CPU_TRAINER_OVERHEAD`` (1 GiB, the
+  Python stack: torch, transformers, TRL and datasets take ~0.35 GB once imported).
 
 Every figure is an estimate for planning (an upper bound where the frameworks leave a choice), not a measurement:
 docs/gpu.md says what was verified where.
@@ -90,6 +92,10 @@ SERVER_OVERHEAD = 2 * GIB
 # What a sleeping vLLM server (sleep level 2: weights and KV cache released) still holds on each of its GPUs.
 SLEEPING_SERVER = 2 * GIB
 TRAINER_OVERHEAD, TRAINER_OVERHEAD_SHARE = 2 * GIB, 0.10
+# A CPU trainer's fixed cost beyond its tensors. Checked against docs/cpu.md's measurements of SmolLM2-135M SFT
+# (fp32, batch 4): 3.7 GB at ~115-token rows (estimate 4.0 GiB), 5.6 GB at the demo's rows of up to 416 tokens
+# (estimate 6.0 GiB; with the GPU overhead 7.0 GiB).
+CPU_TRAINER_OVERHEAD = GIB
 ZERO3_LIVE_PARAMETERS = 10**9  # DeepSpeed's stage3_max_live_parameters default
 OPTIMIZER_BYTES = 16  # ZeRO's K + 4: bf16 weight and gradient, fp32 master weight and two Adam moments
 
@@ -213,7 +219,7 @@ class TrainerShape:
     """What the trainer's peak depends on (from the accelerate config and the trainer YAML).
 
     Args:
-        strategy: ``ddp``, ``fsdp`` or ``zero3``.
+        strategy: ``ddp``, ``fsdp``, ``zero3``, or ``cpu`` (training on the CPU: no CUDA context).
         processes: Training processes in all (N).
         dtype_bytes: Bytes per weight (the trainer YAML's ``dtype``).
         batch: ``per_device_train_batch_size``.
@@ -251,9 +257,8 @@ def trainer_peak_bytes(size: ModelSize, shape: TrainerShape) -> int:
     reference = 0.0
     if shape.dpo and not shape.lora_rank and not shape.precomputed_reference:
         reference = w * p / (n if sharded else 1)
-    return math.ceil((states + reference + activation_bytes(size, shape)) * (1 + TRAINER_OVERHEAD_SHARE)) + (
-        TRAINER_OVERHEAD
-    )
+    overhead = CPU_TRAINER_OVERHEAD if shape.strategy == "cpu" else TRAINER_OVERHEAD
+    return math.ceil((states + reference + activation_bytes(size, shape)) * (1 + TRAINER_OVERHEAD_SHARE)) + overhead
 
 
 def activation_bytes(size: ModelSize, shape: TrainerShape) -> int:

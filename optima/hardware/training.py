@@ -6,12 +6,19 @@ is what the plan says (the shipped accelerate configs' 8 never applies). The nod
 ``train_hosts`` (or ``train_hostfile``), started by ``train_launcher``; with ``train_launcher: srun`` and no hosts,
 the nodes of the Slurm allocation (as many as the hardware has). Hardware with more nodes than the recipe names
 trains on node 0 only (a note says so).
+
+On a CPU the trainer shares the machine's memory with a policy server kept through training:
+``cpu_trainer_peak_bytes`` estimates the trainer's peak for rows of a given length (at start, before any row
+exists, for the estimate the policy's KV cache leaves room for), and ``rows_trainer_peak`` for a train stage's real
+rows (its longest row, tokenised in the driver), which the server holder compares with the memory available before
+training.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from optima.hardware import memory
 from optima.hardware.memory import ModelSize, TrainerShape, gib
@@ -58,17 +65,92 @@ def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
     )
 
 
-def cpu_trainer_peak_bytes(recipe: MethodRecipe) -> int:
-    """The trainer's estimated peak on a CPU (one process, ``trainer_peak_bytes`` of its largest stage; 0 for an
-    evaluation recipe or a model of unknown size): what a policy server kept through training must leave free."""
+def cpu_trainer_peak_bytes(
+    recipe: MethodRecipe, row_tokens: int | None = None, yamls: list[dict] | None = None
+) -> int:
+    """The trainer's estimated peak on a CPU: what a policy server kept through training must leave free.
+
+    One process per ``num_processes``; ``trainer_peak_bytes`` of its largest stage; 0 for an evaluation recipe or a
+    model of unknown size.
+
+    Args:
+        recipe: The run's recipe (its trainer YAMLs, its model).
+        row_tokens: The longest row, capped at each YAML's ``max_length`` (None: ``max_length``, the worst case).
+        yamls: The trainer YAMLs (default: the recipe's base YAMLs, ``optima.hardware.plan.trainer_yamls``).
+    """
     from optima.hardware.plan import policy_size, trainer_yamls
 
-    yamls = trainer_yamls(recipe)
+    yamls = trainer_yamls(recipe) if yamls is None else yamls
     size = policy_size(recipe, yamls) if yamls else None
     if size is None:
         return 0
     processes = recipe.num_processes or 1
-    return max(memory.trainer_peak_bytes(size, trainer_shape("cpu", processes, y)) for y in yamls)
+    shapes = [trainer_shape("cpu", processes, y) for y in yamls]
+    if row_tokens is not None:
+        shapes = [replace(s, seq=max(1, min(s.seq, row_tokens))) for s in shapes]
+    return max(memory.trainer_peak_bytes(size, s) for s in shapes)
+
+
+# Kept free beyond the trainer's estimated peak when it trains beside a kept policy: the driver and the idle servers
+# may still grow a little meanwhile (the estimate itself is an upper bound, memory.CPU_TRAINER_OVERHEAD).
+TRAINER_MARGIN_BYTES = memory.GIB
+LONGEST_ROWS = 32  # rows tokenised to find the longest: the longest in characters
+
+
+@dataclass(frozen=True)
+class TrainerPeak:
+    """The trainer's estimated peak on a train stage's real rows (``rows_trainer_peak``).
+
+    Args:
+        peak_bytes: ``trainer_peak_bytes`` at the longest row.
+        row_tokens: Tokens of the longest row (at most the trainer's ``max_length``).
+    """
+
+    peak_bytes: int
+    row_tokens: int
+
+    def fits(self, available_bytes: int) -> bool:
+        """Whether the trainer fits in ``available_bytes`` with ``TRAINER_MARGIN_BYTES`` to spare."""
+        return self.peak_bytes + TRAINER_MARGIN_BYTES <= available_bytes
+
+
+def row_messages(row: dict[str, Any]) -> list[dict]:
+    """The chat a saved training row trains on: an SFT row's ``messages``; a DPO row's ``prompt`` and the longer of
+    its two completions."""
+    if "messages" in row:
+        return list(row["messages"])
+    longer = max(row["chosen"], row["rejected"], key=lambda turns: sum(len(m["content"]) for m in turns))
+    return [*row["prompt"], *longer]
+
+
+def longest_row_tokens(dataset: Path, tokenizer, limit: int) -> int:
+    """Tokens of the longest row of a saved training set (its ``train`` split) rendered with the chat template, at
+    most ``limit`` (the trainer's ``max_length``); 0 for an empty set.
+
+    Only the ``LONGEST_ROWS`` rows longest in characters are tokenised: a few dozen rows take a fraction of a second.
+    """
+    from datasets import load_from_disk
+
+    splits = load_from_disk(str(dataset))
+    chats = [row_messages(row) for row in splits["train"]] if "train" in splits else []
+    chats.sort(key=lambda chat: sum(len(m["content"]) for m in chat), reverse=True)
+    texts = [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats[:LONGEST_ROWS]]
+    counts = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    return min(limit, max(counts, default=0))
+
+
+def rows_trainer_peak(recipe: MethodRecipe, config: dict, dpo: bool, dataset: Path, tokenizer) -> TrainerPeak:
+    """The trainer's estimated peak on a train stage's real rows (``cpu_trainer_peak_bytes`` at its longest row).
+
+    Args:
+        recipe: The run's recipe.
+        config: The stage's rendered trainer YAML (batch size, ``max_length``, dtype, its model).
+        dpo: A DPO stage (chosen and rejected in one batch, a reference model).
+        dataset: The stage's saved training set.
+        tokenizer: The run's tokenizer (its chat template renders the rows as the trainer does).
+    """
+    tokens = longest_row_tokens(dataset, tokenizer, int(config.get("max_length") or 1024))
+    return TrainerPeak(cpu_trainer_peak_bytes(recipe, tokens, [config | {"_dpo": dpo}]), tokens)
 
 
 def node_hosts(recipe: TrainingFields, hardware: Hardware, plan) -> list[str]:

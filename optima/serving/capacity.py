@@ -5,14 +5,18 @@ running requests, evicts the cached prefixes of the others and re-reads them tur
 a 2 GB cache (46,592 SmolLM2 tokens) 52 six-turn HotpotQA conversations ran at 0-17 tokens/s with a 12% prefix-cache
 hit rate; with room for them, ~50 tokens/s. So generation is sized to the cache:
 
-* **CPU KV budget** (``cpu_kvcache_gb``): ``cpu_kvcache_space_gb: null`` (the default) sizes the caches from the
-  memory available now (``MemAvailable``). The loss server beside the policy gets what scoring needs
-  (``loss_kv_tokens``: one batch of LM-loss texts, ``loss_kvcache_gb``); the policy gets the rest: a share of what
-  is left after a reserve for the driver and, per server starting now (``MemoryShare.servers``), vLLM's own
-  footprint plus the model weights, and after the trainer's estimated peak when the policy stays up through
-  training (``MemoryShare.reserve_bytes``); a short machine gets a smaller cache, down to the minimum, and a
-  warning naming the numbers. A server that runs already (the loss server from the second iteration on) is not
-  counted again: its memory is already missing from ``MemAvailable``.
+* **CPU KV budget** (``cpu_kvcache_gb``): ``cpu_kvcache_space_gb`` fixes the policy's cache; null (the default)
+  sizes it from the memory available now (``MemAvailable``). The loss server beside the policy always gets what
+  scoring needs (``loss_kv_tokens``: one batch of LM-loss texts, ``loss_kvcache_gb``). The policy gets at most what
+  its conversations in flight can use (``MemoryShare.need_bytes``: ``thread_count`` x the per-conversation bound
+  below, measured on the run's questions, in whole GiB rounded up), and within that a share of what is left after
+  a reserve for the driver and, per server starting now (``MemoryShare.servers``), vLLM's own footprint plus the
+  model weights, and after the trainer's estimated peak when the policy stays up through training
+  (``MemoryShare.reserve_bytes``); a short machine gets a smaller cache, down to the minimum, and a warning naming
+  the numbers. Memory the generator cannot use stays free for the trainer. A server that runs already (the loss
+  server from the second iteration on) is not counted again: its memory is already missing from ``MemAvailable``.
+  At training time the trainer's peak is estimated again from the real rows and compared with the memory available
+  then (``optima.hardware.training.TrainerPeak``, ``optima.serving.holder``).
 * **Conversation footprint** (``conversation_kv_tokens``): the worst case of one conversation: the speaking view
   (its system prompt and private context, then the whole history) resident, and every other view's prompt kept in
   the cache so that its next turn re-reads only the new utterances:
@@ -130,6 +134,23 @@ def read_available_bytes(meminfo: str) -> int:
 
 
 @dataclass(frozen=True)
+class PolicyDemand:
+    """What the run's conversations ask of a policy server, measured on its questions before the server starts
+    (``optima.agents.footprint.policy_demand``).
+
+    Args:
+        need_bytes: KV cache of ``thread_count`` conversations at their bound (``conversation_kv_tokens``, what the
+            KV monitor logs as "up to N tokens per conversation"), in the CPU's fp32; None: the model's KV shape is
+            unknown (no cap).
+        row_tokens: A training row as estimated before any exists: an agent's prompt plus one utterance of
+            ``max_tokens`` (``optima.hardware.training.cpu_trainer_peak_bytes`` caps it at ``max_length``).
+    """
+
+    need_bytes: int | None
+    row_tokens: int
+
+
+@dataclass(frozen=True)
 class MemoryShare:
     """What the policy replicas starting now share the machine's memory with (sizes their CPU KV caches).
 
@@ -139,11 +160,14 @@ class MemoryShare:
             already holds its memory, which is missing from ``MemAvailable``).
         reserve_bytes: Memory left free for the trainer (its estimated peak) when the policy stays up through
             training; 0 when the policy is stopped before training.
+        need_bytes: KV cache the policy's conversations in flight can use, all replicas together (``PolicyDemand``);
+            None: unknown, no cap but the memory.
     """
 
     policy_replicas: int = 1
     loss_kv_gb: int = 0
     reserve_bytes: int = 0
+    need_bytes: int | None = None
 
     def __post_init__(self):
         if self.policy_replicas < 1:
@@ -155,43 +179,67 @@ class MemoryShare:
         replicas, plus the loss server when it starts with them."""
         return self.policy_replicas + (1 if self.loss_kv_gb else 0)
 
+    @property
+    def need_gb(self) -> int | None:
+        """Each replica's share of ``need_bytes`` in whole GiB, rounded up (None: no cap)."""
+        if self.need_bytes is None:
+            return None
+        return math.ceil(self.need_bytes / self.policy_replicas / GIB)
+
 
 def cpu_kvcache_gb(available_bytes: int, weight_bytes: int = 0, share: MemoryShare | None = None) -> int:
     """KV-cache budget of each policy replica on a CPU (``VLLM_CPU_KVCACHE_SPACE``, whole GiB).
 
     ``free = available - driver reserve - servers x (vLLM footprint + weights)``; the caches together get
     ``min(AVAILABLE_SHARE x free, free - trainer reserve)``; the loss server starting beside takes its
-    ``loss_kv_gb`` of that, the policy replicas split the rest; each within [``MIN_CPU_KVCACHE_GB``,
-    ``MAX_CPU_KVCACHE_GB``].
+    ``loss_kv_gb`` of that, the policy replicas split the rest; each gets at most its share of what the
+    conversations in flight need (``share.need_gb``), within [``MIN_CPU_KVCACHE_GB``, ``MAX_CPU_KVCACHE_GB``].
 
     Args:
         available_bytes: Memory available to new processes (``MemAvailable``).
         weight_bytes: Size of the served model's weights (each server holds a copy).
-        share: Who shares the memory: replicas and loss server starting now, the trainer's reserve (None: one
-            policy server alone).
+        share: Who shares the memory: replicas and loss server starting now, the trainer's reserve, the
+            conversations' need (None: one policy server alone, no cap).
     """
     share = share or MemoryShare()
     free = available_bytes - DRIVER_RESERVE_BYTES - share.servers * (SERVER_BASE_BYTES + weight_bytes)
     room = min(AVAILABLE_SHARE * free, free - share.reserve_bytes) / GIB - share.loss_kv_gb
     budget = math.floor(room / share.policy_replicas)
     if share.reserve_bytes and budget < MIN_CPU_KVCACHE_GB:
-        logger.warning(
-            "CPU memory is short for a policy server that stays up through training: %.1f GiB available, "
-            "minus the driver (%.1f GiB), %d server(s) at %.1f GiB each, the trainer's estimated peak (%.1f GiB) "
-            "and the loss server's KV cache (%d GiB) leave %.1f GiB of KV cache for %d policy replica(s); each "
-            "gets the minimum, %d GiB (set cpu_kvcache_space_gb, or sleep_mode: false to stop the policy for "
-            "training)",
+        _warn_short(available_bytes, weight_bytes, share, room)
+    size = max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, budget))
+    if share.need_gb is not None and share.need_gb < size:
+        logger.info(
+            "CPU KV cache of each policy replica: %d GiB, what its conversations in flight need (%.1f GiB in all); "
+            "the memory would allow %d GiB (%.1f GiB available, %.1f GiB kept for the trainer's estimated peak): "
+            "the rest stays free",
+            max(MIN_CPU_KVCACHE_GB, share.need_gb),
+            share.need_bytes / GIB,
+            size,
             available_bytes / GIB,
-            DRIVER_RESERVE_BYTES / GIB,
-            share.servers,
-            (SERVER_BASE_BYTES + weight_bytes) / GIB,
             share.reserve_bytes / GIB,
-            share.loss_kv_gb,
-            max(room, 0.0),
-            share.policy_replicas,
-            MIN_CPU_KVCACHE_GB,
         )
-    return max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, budget))
+        size = max(MIN_CPU_KVCACHE_GB, share.need_gb)
+    return size
+
+
+def _warn_short(available_bytes: int, weight_bytes: int, share: MemoryShare, room: float) -> None:
+    logger.warning(
+        "CPU memory is short for a policy server that stays up through training: %.1f GiB available, "
+        "minus the driver (%.1f GiB), %d server(s) at %.1f GiB each, the trainer's estimated peak (%.1f GiB) "
+        "and the loss server's KV cache (%d GiB) leave %.1f GiB of KV cache for %d policy replica(s); each "
+        "gets the minimum, %d GiB (set cpu_kvcache_space_gb, or sleep_mode: false to stop the policy for "
+        "training)",
+        available_bytes / GIB,
+        DRIVER_RESERVE_BYTES / GIB,
+        share.servers,
+        (SERVER_BASE_BYTES + weight_bytes) / GIB,
+        share.reserve_bytes / GIB,
+        share.loss_kv_gb,
+        max(room, 0.0),
+        share.policy_replicas,
+        MIN_CPU_KVCACHE_GB,
+    )
 
 
 def loss_kv_tokens(loss_batch_size: int, max_total_tokens: int, max_model_len: int) -> int:
@@ -203,24 +251,30 @@ def loss_kv_tokens(loss_batch_size: int, max_total_tokens: int, max_model_len: i
     return loss_batch_size * min(max_total_tokens, max_model_len)
 
 
+def cpu_kv_bytes_per_token(model_path: str | Path) -> int | None:
+    """KV-cache bytes per token of a local model served on a CPU (fp32); None for a model without a local
+    ``config.json`` or whose config lacks the layer or head counts (vLLM refuses it at start-up with its own
+    message)."""
+    config = load_model_config(model_path)
+    try:
+        return kv_shape(config, DTYPE_BYTES["float32"]).bytes_per_token if config is not None else None
+    except ValueError:
+        return None
+
+
 def loss_kvcache_gb(recipe: LoopRecipe, model_path: str | Path) -> int:
     """KV-cache budget of the loss server on a CPU (whole GiB, at least ``MIN_CPU_KVCACHE_GB``).
 
-    ``cpu_kvcache_space_gb`` when the recipe sets it, else ``loss_kv_tokens`` of the loss model in fp32; a model
-    without a local ``config.json``, or whose config lacks the layer or head counts, gets the minimum.
+    Always its own need, ``loss_kv_tokens`` of the loss model in fp32 (``cpu_kvcache_space_gb`` is the policy's
+    cache only: the loss server's is one scoring batch whatever the policy gets); a model without a local
+    ``config.json``, or whose config lacks the layer or head counts, gets the minimum.
     """
-    if recipe.cpu_kvcache_space_gb is not None:
-        return recipe.cpu_kvcache_space_gb
-    config = load_model_config(model_path)
-    try:
-        shape = kv_shape(config, DTYPE_BYTES["float32"]) if config is not None else None
-    except ValueError:  # no layer or head counts: vLLM will refuse it at start-up with its own message
-        shape = None
-    if shape is None:
+    per_token = cpu_kv_bytes_per_token(model_path)
+    if per_token is None:
         return MIN_CPU_KVCACHE_GB
+    config = load_model_config(model_path)
     max_len = int(recipe.max_model_len or config.get("max_position_embeddings") or recipe.max_total_tokens)
-    tokens = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, max_len)
-    need = tokens * shape.bytes_per_token
+    need = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, max_len) * per_token
     return max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, math.ceil(need / GIB)))
 
 
@@ -360,7 +414,8 @@ def available_memory_bytes(meminfo_path: Path = Path("/proc/meminfo")) -> int:
 
 
 def resolve_cpu_kvcache_gb(explicit: int | None, model_path: str | Path, share: MemoryShare | None = None) -> int:
-    """``cpu_kvcache_space_gb`` when the recipe sets it, else ``cpu_kvcache_gb`` of the memory available now.
+    """The policy's CPU KV cache: ``cpu_kvcache_space_gb`` when the recipe sets it, else ``cpu_kvcache_gb`` of the
+    memory available now.
 
     Args:
         explicit: The recipe's ``cpu_kvcache_space_gb`` (None: size it to the machine).

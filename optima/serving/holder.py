@@ -7,8 +7,11 @@ generating. Placement: ``optima.serving.layout``. Its verbs say what happens to 
 
 * ``endpoints(model, stage_paths)``: URLs serving ``model``: the running replicas when they serve it already, the
   kept replicas given its weights in place after training (``reload``), else replicas started now;
-* ``sleep_for_training()``: give the policy's resources back for training (or an in-process scorer): with
-  ``sleep_mode`` (on by default, CPU and GPU) it sleeps (GPU) or idles (CPU) and keeps its process, else it stops;
+* ``sleep_for_training(trainer)``: give the policy's resources back for training (or an in-process scorer): with
+  ``sleep_mode`` (on by default, CPU and GPU) it sleeps (GPU) or idles (CPU) and keeps its process, else it stops.
+  On a CPU an idle policy keeps its memory: when the trainer's peak estimated on the stage's rows does not fit in
+  the memory available now (``available_memory``, with a margin), the policy is stopped for that training
+  instead, and the next stage starts a fresh one;
 * ``reload(model)``: load a checkpoint into the kept replicas (``optima.serving.sleep_mode``), prefix cache reset
   and weights probe checked (``optima.serving.reload_check``);
 * ``stop_policy()``: stop the policy replicas; ``stop_all()``: every server (the end of the run, or any error).
@@ -25,13 +28,17 @@ weights than the checkpoint's probe still stops the run (``WeightsMismatch``): t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
+from optima.hardware.training import TRAINER_MARGIN_BYTES, TrainerPeak
 from optima.paths import RunPaths, StagePaths
+from optima.serving.capacity import GIB, PolicyDemand, available_memory_bytes
 from optima.serving.layout import ServerLayout, loss_server_wanted
 from optima.serving.replicas import ReplicaLayout, serve
 from optima.serving.vllm_server import (
@@ -131,6 +138,10 @@ class ServerHolder:
         vllm_env: The vLLM environment (``None``: only external endpoints).
         loss_model: The fixed loss model.
         log_dir: Where the loss server's log goes (the run's ``logs/``).
+
+    Set by the run after construction: ``layout`` (the hardware plan's placements), ``demand`` (what the run's
+    conversations ask of a policy server of a model, ``optima.agents.footprint.policy_demand``; None: unknown) and
+    ``available_memory`` (the reader of the memory available now, ``MemAvailable``; tests give their own).
     """
 
     def __init__(
@@ -149,6 +160,9 @@ class ServerHolder:
         self._stack: contextlib.ExitStack | None = None
         self._layout = layout
         self._loss: LossServer | None = None
+        self.demand: Callable[[str], PolicyDemand] | None = None
+        self.available_memory: Callable[[], int] = available_memory_bytes
+        self.trained_rows: int | None = None  # the longest row of the last training weighed here (its tokens)
 
     @property
     def layout(self) -> ServerLayout:
@@ -170,6 +184,11 @@ class ServerHolder:
     def kept(self) -> bool:
         """Whether the policy replicas carry over from checkpoint to checkpoint (``sleep_mode``; never external)."""
         return not self.recipe.endpoints and self.layout.policy[0].carry_over
+
+    @property
+    def idles_on_cpu(self) -> bool:
+        """Whether a policy server is up that training would leave idle on the CPU, holding its memory."""
+        return self._stack is not None and not self.asleep and self.kept and self.layout.policy[0].on_cpu
 
     @property
     def loss(self) -> LossServer | None:
@@ -247,33 +266,77 @@ class ServerHolder:
                 loss.urls()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
         stack = contextlib.ExitStack()
         # The planned placements always: they carry the sleep-mode flag that opens vLLM's reload routes.
-        layout = ReplicaLayout(policy, busy_ports=starting, loss_starting=bool(starting))
+        layout = ReplicaLayout(policy, starting, bool(starting), self._demand(model))
         self.urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
         self._stack, self.model = stack, model
         return self.urls
+
+    def _demand(self, model: str) -> PolicyDemand | None:
+        """What the conversations ask of ``model``'s server, when its KV cache is sized here (CPU, automatic).
+
+        Once a training was weighed, its real rows replace the estimate of a row (a policy stopped because the
+        trainer did not fit then starts with a cache that leaves it room).
+        """
+        automatic = self.layout.policy[0].on_cpu and self.recipe.cpu_kvcache_space_gb is None
+        if not automatic or self.demand is None:
+            return None
+        demand = self.demand(model)
+        return demand if self.trained_rows is None else dataclasses.replace(demand, row_tokens=self.trained_rows)
 
     def loss_endpoints(self) -> list[str] | None:
         """The loss server's URLs (waiting until it is ready), or None without a loss server."""
         return self.loss.urls() if self.loss is not None else None
 
-    def sleep_for_training(self) -> None:
+    def sleep_for_training(self, trainer: TrainerPeak | None = None) -> None:
         """Give the policy's cores and memory back for training: kept replicas sleep (GPU) or idle (CPU), others stop.
 
         The loss server stays up. A sleep request that fails stops the replicas instead (the next stage starts
-        fresh ones).
+        fresh ones), as does, on a CPU, a ``trainer`` peak that the memory available now cannot hold beside the
+        idle policy (a warning names the numbers).
+
+        Args:
+            trainer: The trainer's estimated peak on the stage's rows (None: not checked, e.g. an in-process scorer).
         """
         from optima.serving.sleep_mode import ReloadFailed, put_to_sleep
 
         if self._stack is None or self.asleep:
             return
-        if self.kept:
+        on_cpu = self.layout.policy[0].on_cpu
+        weigh = self.kept and on_cpu and trainer is not None  # an idle CPU policy keeps its memory
+        if weigh:
+            self.trained_rows = trainer.row_tokens
+        if self.kept and (not weigh or self._trainer_fits(trainer)):
             try:
-                put_to_sleep(self.urls, self.recipe, gpu=not self.layout.policy[0].on_cpu)
+                put_to_sleep(self.urls, self.recipe, gpu=not on_cpu)
                 self.asleep = True
                 return
             except ReloadFailed as exc:
                 logger.warning("serve | the policy could not be put to sleep (%s); stopping it instead", exc)
         self.stop_policy()
+
+    def _trainer_fits(self, trainer: TrainerPeak) -> bool:
+        """Whether the trainer fits in the memory available now beside the idle policy (logged either way)."""
+        available = self.available_memory()
+        figures = (
+            trainer.peak_bytes / GIB,
+            trainer.row_tokens,
+            TRAINER_MARGIN_BYTES / GIB,
+            available / GIB,
+        )
+        if trainer.fits(available):
+            logger.info(
+                "serve | the policy stays up through training: the trainer's estimated peak %.1f GiB (rows of up to "
+                "%d tokens) + %.1f GiB margin fits in the %.1f GiB available",
+                *figures,
+            )
+            return True
+        logger.warning(
+            "serve | the trainer's estimated peak %.1f GiB (rows of up to %d tokens) + %.1f GiB margin does not fit "
+            "in the %.1f GiB available beside the idle policy server: stopping the policy for this training (the "
+            "next stage starts a fresh one; cpu_kvcache_space_gb sets a smaller policy cache)",
+            *figures,
+        )
+        return False
 
     def stop_policy(self) -> None:
         """Stop the policy replicas (no-op when none is up)."""

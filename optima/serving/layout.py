@@ -116,10 +116,20 @@ def describe_placement(placement: Placement, recipe: ServingFields) -> str:
     """``GPUs 0 (memory share 0.8)`` / ``CPU cores 0`` / ``CPU (vLLM's automatic binding)``."""
     if placement.on_cpu:
         where = f"CPU cores {placement.cpu_bind}" if placement.cpu_bind else "CPU (vLLM's automatic binding)"
-        return where + (", kept across iterations (weights reloaded)" if placement.carry_over else "")
+        kept = ", kept across iterations (weights reloaded)" if placement.carry_over else ""
+        return where + kept + cpu_cache_text(placement, recipe)
     share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
     sleep = ", sleeps during training" if placement.carry_over else ""
     return f"GPUs {','.join(placement.gpus)} (memory share {share}{sleep})"
+
+
+def cpu_cache_text(placement: Placement, recipe: ServingFields) -> str:
+    """The KV cache of a CPU server as the dry-run names it (``optima.serving.capacity``)."""
+    if placement.cpu_kvcache_gb is not None:  # the loss server: what scoring needs
+        return f", KV cache {placement.cpu_kvcache_gb} GiB (one scoring batch)"
+    if recipe.cpu_kvcache_space_gb is not None:
+        return f", KV cache {recipe.cpu_kvcache_space_gb} GiB (cpu_kvcache_space_gb)"
+    return f", KV cache sized at start: what {recipe.thread_count} conversations need, within the memory available"
 
 
 def describe_layout(recipe: LoopRecipe, loss_model: str, layout: ServerLayout | None) -> dict[str, str]:

@@ -28,7 +28,7 @@ from optima.config.fields import RecipeError
 from optima.config.rules import loss_model
 from optima.environments import PythonEnv
 from optima.paths import RunPaths, StagePaths
-from optima.serving.capacity import MemoryShare, loss_kvcache_gb
+from optima.serving.capacity import MemoryShare, PolicyDemand, loss_kvcache_gb
 from optima.serving.endpoints import normalize_base_url, sync_endpoints
 from optima.serving.gpus import visible_gpus
 from optima.serving.processes import sigterm_as_exit
@@ -83,21 +83,45 @@ def plan_replicas(
     return [Placement(cpu_bind=",".join(map(str, s))) for s in slices]
 
 
-def memory_share(recipe: Recipe, placements: Sequence[Placement], loss_starting: bool) -> MemoryShare:
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where the replicas of one model start, and what starts beside them now.
+
+    Args:
+        placements: One per replica.
+        busy_ports: Ports of servers starting beside them that may not listen yet (kept free).
+        loss_starting: The loss server starts beside them now (its KV cache comes out of the memory they share).
+        demand: What the run's conversations ask of them (caps an automatic CPU KV cache and sizes the trainer's
+            reserve; None: unknown, the cap is the memory and the reserve the trainer's worst case).
+    """
+
+    placements: Sequence[Placement]
+    busy_ports: Sequence[int] = ()
+    loss_starting: bool = False
+    demand: PolicyDemand | None = None
+
+
+def memory_share(recipe: Recipe, layout: ReplicaLayout) -> MemoryShare:
     """Who the policy replicas starting now share the machine's memory with: the one count of servers sharing it.
+
+    The loss server starting with them (one that runs already holds its memory: not counted) takes its own need;
+    a policy kept through training leaves the trainer's peak free, estimated for rows of ``demand.row_tokens`` (an
+    agent's prompt plus one utterance: rows run longer only when conversations do, and the train stage checks the
+    real rows against the memory available then, stopping the policy for that training when they do not fit),
+    else at ``max_length`` (the worst case); the policy's cache is capped by what its conversations can use.
 
     Args:
         recipe: Serving and reward fields (the loss server's KV cache; the trainer's peak).
-        placements: The policy replicas starting now.
-        loss_starting: The loss server starts with them (one that runs already holds its memory: not counted).
+        layout: The policy replicas starting now, what starts beside them, what their conversations ask.
     """
-    loss_kv = loss_kvcache_gb(recipe, loss_model(recipe)) if loss_starting else 0
+    placements, demand = layout.placements, layout.demand
+    loss_kv = loss_kvcache_gb(recipe, loss_model(recipe)) if layout.loss_starting else 0
     reserve = 0
     if placements and placements[0].on_cpu and placements[0].carry_over:  # the policy stays up through training
         from optima.hardware.training import cpu_trainer_peak_bytes
 
-        reserve = cpu_trainer_peak_bytes(recipe)
-    return MemoryShare(len(placements), loss_kv, reserve)
+        reserve = cpu_trainer_peak_bytes(recipe, demand.row_tokens if demand is not None else None)
+    return MemoryShare(len(placements), loss_kv, reserve, demand.need_bytes if demand is not None else None)
 
 
 def build_replica_specs(
@@ -107,16 +131,16 @@ def build_replica_specs(
     stage_paths: StagePaths,
     placements: Sequence[Placement],
     exclude_ports: Sequence[int] = (),
-    loss_starting: bool = False,
+    share: MemoryShare | None = None,
 ) -> list[ServerSpec]:
     """Command line, environment, port and log file of each replica (ports are probed, nothing starts).
 
-    ``exclude_ports`` are taken by servers that are starting and may not listen yet (the loss server);
-    ``loss_starting``: the loss server starts with these replicas, and its KV cache is taken from the memory they
-    share (``memory_share``).
+    ``exclude_ports`` are taken by servers that are starting and may not listen yet (the loss server); ``share``:
+    who the replicas share the memory with (``memory_share``; None: the replicas alone).
     """
     cache_root = RunPaths(Path(recipe.output_dir)).vllm_cache  # evaluation recipes have no checkpoint root
-    share = memory_share(recipe, placements, loss_starting)
+    if share is None:
+        share = memory_share(recipe, ReplicaLayout(placements, exclude_ports))
     specs, taken = [], list(exclude_ports)
     for replica, placement in enumerate(placements):
         port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
@@ -126,21 +150,6 @@ def build_replica_specs(
         log = stage_paths.server_log(replica)
         specs.append(ServerSpec(replica, tuple(argv), env, recipe.host, port, log))
     return specs
-
-
-@dataclass(frozen=True)
-class ReplicaLayout:
-    """Where the replicas of one model start, and what starts beside them now.
-
-    Args:
-        placements: One per replica.
-        busy_ports: Ports of servers starting beside them that may not listen yet (kept free).
-        loss_starting: The loss server starts beside them now (its KV cache comes out of the memory they share).
-    """
-
-    placements: Sequence[Placement]
-    busy_ports: Sequence[int] = ()
-    loss_starting: bool = False
 
 
 @contextlib.contextmanager
@@ -177,8 +186,9 @@ def serve(
             cpus = sorted(os.sched_getaffinity(0))
             layout = ReplicaLayout(plan_replicas(recipe, visible_gpus(), cpus, cpu_replicas))
         placements = layout.placements
+        share = memory_share(recipe, layout)
         specs = build_replica_specs(
-            recipe, str(model_path), vllm_env, stage_paths, placements, layout.busy_ports, layout.loss_starting
+            recipe, str(model_path), vllm_env, stage_paths, placements, layout.busy_ports, share
         )
         where = "GPU"
         if placements[0].on_cpu:  # the KV budget: the recipe's, or sized to the memory available now

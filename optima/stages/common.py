@@ -5,10 +5,11 @@ Every stage function takes one ``StageCall`` (the stage tables of ``optima.plan`
 dry-run describes the stage from, and returns a small JSON-able result that the iteration's manifest records.
 
 ``train_checkpoint`` is the whole train stage of either method: a finished checkpoint is reused, a partial one (a
-killed run) is deleted except the trainer's resumable ``checkpoint-N`` states, the servers are stopped (training
-needs the cores or the GPU memory), the trainer YAML is rendered from the recipe's base YAML and written, TRL runs
-under accelerate (a progress bar on the console unless ``--quiet``), and the result is what the trainer wrote
-with its completion marker.
+killed run) is deleted except the trainer's resumable ``checkpoint-N`` states, the trainer YAML is rendered from the
+recipe's base YAML, the servers give their resources back (training needs the cores or the GPU memory; a policy
+kept idle on the CPU keeps its memory, so the trainer's peak is estimated on the stage's rows first and the policy
+is stopped instead when that does not fit), the YAML is written, TRL runs under accelerate (a progress bar on the
+console unless ``--quiet``), and the result is what the trainer wrote with its completion marker.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from optima.training.progress import console_stream
 
 if TYPE_CHECKING:
     from optima.config.types import MethodRecipe
+    from optima.hardware.training import TrainerPeak
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +178,16 @@ def trainer_launch(call: StageCall, kind: Literal["sft", "dpo"]) -> TrainLaunch:
     return launch_for(ctx.recipe, kind, ctx.envs["train"], call.sp.trainer_yaml, ctx.gpu, ctx.hardware.training)
 
 
+def trainer_peak(call: StageCall, config: dict[str, Any], kind: Literal["sft", "dpo"]) -> TrainerPeak | None:
+    """The trainer's estimated peak on the stage's saved rows, when a policy server would idle on the CPU beside it
+    (None otherwise: nothing to weigh, nothing tokenised)."""
+    if not call.ctx.servers.idles_on_cpu or not call.sp.dataset.is_dir():
+        return None
+    from optima.hardware.training import rows_trainer_peak
+
+    return rows_trainer_peak(call.recipe, config, kind == "dpo", call.sp.dataset, call.ctx.tokenizer())
+
+
 def train_checkpoint(
     call: StageCall,
     kind: Literal["sft", "dpo"],
@@ -196,7 +208,6 @@ def train_checkpoint(
     if is_complete(out):
         return read_completion(out)
     clear_partial_output(out)  # a killed run's files go; its resumable trainer checkpoints (checkpoint-N) stay
-    ctx.servers.sleep_for_training()
     base = trainer_base_yaml(recipe, kind)
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}
     # The run's trackers and a run name per iteration (optima.tracking), then this method's own values.
@@ -204,6 +215,7 @@ def train_checkpoint(
     config = render_trainer_config(Path(base), values | (overrides or {}), trainer_overrides_for(recipe, kind))
     if check is not None:
         check(config)
+    ctx.servers.sleep_for_training(trainer_peak(call, config, kind))
     write_trainer_config(config, sp.trainer_yaml)
     launch = trainer_launch(call, kind)
     label = f"train iteration {call.iteration + 1}" + (f" {call.part}" if call.part else "")
