@@ -24,8 +24,8 @@ The trainer's peak per GPU (``trainer_peak_bytes``), for P parameters, N trainin
   input per layer ``b s hidden layers w`` plus one layer recomputed ``2 b s (4 hidden + 2 intermediate) w``;
   without it ``b s layers (10 hidden + 2 intermediate) w``;
 * plus ``TRAINER_OVERHEAD``: CUDA context, NCCL buffers and allocator fragmentation (10% on top of 2 GiB); a CPU
-  process (strategy ``cpu``) has no CUDA context nor NCCL: 10% on top of ``CPU_TRAINER_OVERHEAD`` (1 GiB, the
-  Python stack: torch, transformers, TRL and datasets take ~0.35 GB once imported).
+  process (strategy ``cpu``) has no CUDA context nor NCCL, but its heap keeps what it freed (the allocator
+  settings of ``optima.training.launch_config.CPU_ALLOCATOR_ENV``): 10% on top of ``CPU_TRAINER_OVERHEAD``.
 
 Every figure is an estimate for planning (an upper bound where the frameworks leave a choice), not a measurement:
 docs/gpu.md says what was verified where.
@@ -92,10 +92,11 @@ SERVER_OVERHEAD = 2 * GIB
 # What a sleeping vLLM server (sleep level 2: weights and KV cache released) still holds on each of its GPUs.
 SLEEPING_SERVER = 2 * GIB
 TRAINER_OVERHEAD, TRAINER_OVERHEAD_SHARE = 2 * GIB, 0.10
-# A CPU trainer's fixed cost beyond its tensors. Checked against docs/cpu.md's measurements of SmolLM2-135M SFT
-# (fp32, batch 4): 3.7 GB at ~115-token rows (estimate 4.0 GiB), 5.6 GB at the demo's rows of up to 416 tokens
-# (estimate 6.0 GiB; with the GPU overhead 7.0 GiB).
-CPU_TRAINER_OVERHEAD = GIB
+# A CPU trainer's fixed cost beyond its tensors: the Python stack (~0.35 GB), the heap the allocator keeps and
+# fragmentation. Checked against the peak resident memory (ru_maxrss) of SmolLM2-135M SFT (fp32, batch 4, one
+# epoch, CPU_ALLOCATOR_ENV) on the demo's rows: 6.93 GiB at rows of up to 416 tokens, 7.08 GiB at 415 (estimate
+# 7.0 GiB; with 1 GiB it was 6.0, under the measurement).
+CPU_TRAINER_OVERHEAD = 2 * GIB
 ZERO3_LIVE_PARAMETERS = 10**9  # DeepSpeed's stage3_max_live_parameters default
 OPTIMIZER_BYTES = 16  # ZeRO's K + 4: bf16 weight and gradient, fp32 master weight and two Adam moments
 
