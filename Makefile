@@ -1,5 +1,5 @@
 # Optima: the two commands of the README, and their parts.
-#   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU: about 14 min after set-up)
+#   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU: about 12 min after set-up)
 #   make demo-hotpot   the same on HotpotQA (information exchange; CPU: about 15 min after set-up)
 #   make test   set up (if needed) and run the default test suite (about 6 min on a quiet 2-core box)
 #   (set-up: about 2 min with the wheels on local disk, about 6 min downloading them; 4.8 GB of disk)
