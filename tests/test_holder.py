@@ -175,7 +175,10 @@ def test_a_trainer_that_does_not_fit_beside_the_idle_cpu_policy_stops_it(
         assert holder.asleep is kept and (holder.model == "/models/base") is kept and not holder.idles_on_cpu
         holder.endpoints("/ckpt/iteration_0", stage)  # reloaded in place, or a fresh start
     assert len(scripted.starts) == (1 if kept else 2)
-    record = caplog.records[-1] if kept else next(r for r in caplog.records if r.levelno == logging.WARNING)
+    said = "the policy stays up through training" if kept else "does not fit"
+    level = logging.INFO if kept else logging.WARNING
+    holder_records = [r for r in caplog.records if r.name == "optima.serving.holder" and r.levelno == level]
+    record = next(r for r in holder_records if said in r.getMessage())  # other loggers may write after it
     numbers = ("6.0 GiB", "416 tokens", "1.0 GiB margin", f"{available_gib:.1f} GiB available")
     assert all(number in record.getMessage() for number in numbers)
     assert ("stopping the policy for this training" in caplog.text) is not kept
