@@ -181,3 +181,8 @@ def test_nothing_kept_writes_the_record_but_no_dataset(tmp_path):
     summary = save_pairs([line], RECIPE, tmp_path / "dpo", tmp_path / "pairs.jsonl", iteration=0)
     assert summary["pairs_kept"] == 0 and summary["rows"] == {}
     assert not (tmp_path / "dpo").exists() and (tmp_path / "pairs.jsonl").exists()
+
+
+def test_the_order_the_search_finished_the_questions_in_changes_nothing():
+    groups = _groups(8)
+    assert split_pairs(groups[::-1], 0.75, seed=1, iteration=0) == split_pairs(groups, 0.75, seed=1, iteration=0)

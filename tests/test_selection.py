@@ -118,3 +118,16 @@ def test_the_rule_that_drops_every_other_conversation_is_recorded():
         "3": "unfinished (status too_long)",
     }
     assert decisions["q1"]["dropped"] == {"0": "unfinished (status error)"}
+
+
+def test_the_order_the_questions_finished_in_changes_nothing():
+    """Generation writes questions as they finish (timing decides); what is trained on must not follow it."""
+    import random
+
+    lines = [line(f"q{i}", 0.9 if i % 3 else 0.7, 0.5) for i in range(12)]  # ties at the rank slice's edge
+    shuffled = list(lines)
+    random.Random(3).shuffle(shuffled)
+    decide = lambda ls: [d.to_record() for d in select_questions(ls, recipe(initial_epsilon=0.0))]  # noqa: E731
+    assert decide(shuffled) == decide(lines) == decide(lines[::-1])
+    kept = [d.best for d in select_questions(lines, recipe(initial_epsilon=0.0)) if d.reason == KEPT]
+    assert split_rows(kept[::-1], 0.8, seed=1, iteration=0) == split_rows(kept, 0.8, seed=1, iteration=0)

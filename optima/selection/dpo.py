@@ -188,7 +188,8 @@ def split_pairs(
         seed: Recipe ``seed``.
         iteration: The iteration (a different shuffle each iteration).
     """
-    groups = [list(group) for group in pairs_by_question if group]
+    # From question order, not the order the search finished them in: the split and the rows' order stay the same.
+    groups = sorted((list(group) for group in pairs_by_question if group), key=lambda group: str(group[0]["task_id"]))
     random.Random(f"{seed}:dpo-split:{iteration}").shuffle(groups)
     n_test = int(round(len(groups) * (1 - train_fraction)))
     if train_fraction < 1 and n_test == 0 and len(groups) >= 4:

@@ -3,8 +3,9 @@
 See docs/method.md#isft-selection; D11, D12, D18.
 
 1. Per question, the top-1 conversation by reward (ties: the lower sample index).
-2. Questions ranked by that reward, best first; the ``[start, end)`` slice of the ranking is kept (default top
-   70%, MATH ranks 10-80%, dropping MATH's top 10%: docs/method.md D18; recipe ``selection_range``).
+2. Questions ranked by that reward, best first (ties: by question id); the ``[start, end)`` slice of the ranking
+   is kept (default top 70%, MATH ranks 10-80%, dropping MATH's top 10%: docs/method.md D18; recipe
+   ``selection_range``).
 3. Only conversations with reward >= epsilon.
 4. Each kept conversation gives two rows, Alice's view and Bob's view, rendered with the one renderer used by
    generation (``build_agent_messages``) and the base system prompts, never the iteration-0 pool prompts.
@@ -89,7 +90,13 @@ def other_rules(line: dict, best: dict | None) -> dict[str, str]:
 
 
 def select_questions(lines: Sequence[dict], recipe: SFTLoopRecipe) -> list[Decision]:
-    """Decide, for every rewarded question, whether its best conversation is trained on."""
+    """Decide, for every rewarded question, whether its best conversation is trained on.
+
+    The decisions come in question order (``task_id``), whatever order the lines were written in (generation
+    finishes questions in an order that timing decides): equal rewards rank by question, so the rank slice and
+    everything trained on do not depend on it.
+    """
+    lines = sorted(lines, key=lambda line: str(line["task_id"]))
     best = [(str(line["task_id"]), best_conversation(line)) for line in lines]
     others = {task_id: other_rules(line, conv) for line, (task_id, conv) in zip(lines, best, strict=True)}
     ranked = sorted([b for b in best if b[1] is not None], key=lambda b: -b[1]["reward"])
@@ -133,8 +140,12 @@ def conversation_rows(record: dict, compat: str = "default") -> list[dict]:
 def split_rows(
     kept: Sequence[dict], train_fraction: float, seed: int, iteration: int, compat: str = "default"
 ) -> dict[str, list[dict]]:
-    """Seeded shuffle of the kept conversations, split into train/test, expanded into per-agent rows."""
-    order = list(kept)
+    """Seeded shuffle of the kept conversations, split into train/test, expanded into per-agent rows.
+
+    The shuffle starts from the conversations in (question, sample) order, so the rows and their order depend on
+    what was kept, not on the order it came in.
+    """
+    order = sorted(kept, key=lambda r: (str(r["example"]["id"]), r.get("sample_index", 0)))
     random.Random(f"{seed}:sft-split:{iteration}").shuffle(order)
     n_test = int(round(len(order) * (1 - train_fraction)))
     if train_fraction < 1 and n_test == 0 and len(order) >= 4:
