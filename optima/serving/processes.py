@@ -94,6 +94,14 @@ def stop_group(proc: subprocess.Popen, timeout_s: float, label: str) -> int:
     return proc.wait()
 
 
+def set_pdeathsig(sig: signal.Signals) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (elsewhere: nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
 def die_with_parent() -> None:
     """SIGTERM this process when the driver named by ``OPTIMA_PARENT_PID`` dies (Linux; elsewhere a no-op)."""
     parent = os.environ.get(PARENT_ENV)
@@ -102,9 +110,7 @@ def die_with_parent() -> None:
     if os.getppid() != int(parent):
         # Started through a wrapper (``conda run``): the wrapper is the parent, and it is not watched.
         return
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    set_pdeathsig(signal.SIGTERM)
     if os.getppid() != int(parent):  # the driver died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
 

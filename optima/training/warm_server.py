@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from optima.logging_utils import setup_logging
-from optima.serving.processes import PR_SET_PDEATHSIG, die_with_parent
+from optima.serving.processes import die_with_parent, set_pdeathsig
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +102,6 @@ def accelerate_env(launch_args: Sequence[str], argv: Sequence[str]) -> dict[str,
         raise SimpleLaunchOnly(f"accelerate flags {list(launch_args)} ask for {multi or 'several processes'}")
     _cmd, env = prepare_simple_launcher_cmd_env(args)
     return env
-
-
-def set_pdeathsig(sig: signal.Signals) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies (elsewhere: nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
 
 
 def run_stage(request: dict[str, Any]) -> int:
