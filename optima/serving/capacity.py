@@ -255,7 +255,11 @@ def cpu_kv_bytes_per_token(model_path: str | Path) -> int | None:
     """KV-cache bytes per token of a local model served on a CPU (fp32); None for a model without a local
     ``config.json`` or whose config lacks the layer or head counts (vLLM refuses it at start-up with its own
     message)."""
-    config = load_model_config(model_path)
+    return fp32_bytes_per_token(load_model_config(model_path))
+
+
+def fp32_bytes_per_token(config: Mapping | None) -> int | None:
+    """``cpu_kv_bytes_per_token`` of a model config already read (None: no config, or no layer or head counts)."""
     try:
         return kv_shape(config, DTYPE_BYTES["float32"]).bytes_per_token if config is not None else None
     except ValueError:
@@ -269,10 +273,10 @@ def loss_kvcache_gb(recipe: LoopRecipe, model_path: str | Path) -> int:
     cache only: the loss server's is one scoring batch whatever the policy gets); a model without a local
     ``config.json``, or whose config lacks the layer or head counts, gets the minimum.
     """
-    per_token = cpu_kv_bytes_per_token(model_path)
+    config = load_model_config(model_path)
+    per_token = fp32_bytes_per_token(config)
     if per_token is None:
         return MIN_CPU_KVCACHE_GB
-    config = load_model_config(model_path)
     max_len = int(recipe.max_model_len or config.get("max_position_embeddings") or recipe.max_total_tokens)
     need = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, max_len) * per_token
     return max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, math.ceil(need / GIB)))
