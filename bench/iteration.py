@@ -131,8 +131,7 @@ def busy_shares(events, window: tuple[int, int] | None, samples: list[dict]) -> 
     def share(a: int | None, b: int | None) -> float | None:
         if a is None or b is None:
             return None
-        value = busy_share(samples, events[a][0].timestamp(), events[b][0].timestamp())
-        return round(value, 3) if value is not None else None
+        return rounded_share(samples, events[a][0].timestamp(), events[b][0].timestamp())
 
     score = find_event(events, window[0], lambda _, m: m.endswith("| score"))
     train = find_event(events, window[0], lambda _, m: m.endswith("| train"))
@@ -189,6 +188,11 @@ def run_busy_share(events, samples: list[dict]) -> float | None:
     done = find_event(events, 0, lambda name, m: m.startswith("done | final model"))
     start = events[0][0].timestamp() if events else None
     end = events[done][0].timestamp() if done is not None else None
+    return rounded_share(samples, start, end)
+
+
+def rounded_share(samples: list[dict], start: float | None, end: float | None) -> float | None:
+    """``busy_share`` between the two instants, to three decimals (None: too few samples)."""
     value = busy_share(samples, start, end)
     return round(value, 3) if value is not None else None
 
