@@ -54,8 +54,29 @@ PROXY_VARS = ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_pro
 NO_MATCH = re.compile(r"No matching distribution found for (\S+)")
 
 
+# The project uses Python 3.11's standard library (enum.StrEnum) and pyproject.toml's requires-python.
+MIN_PYTHON = (3, 11)
+
+
 class SetupError(Exception):
     """Setup cannot go on; the message says what is missing and which flag or variable changes it."""
+
+
+def check_python(version: tuple[int, ...] | None = None, executable: str | None = None) -> None:
+    """Refuse a Python older than ``MIN_PYTHON``: the environments are built with the Python running setup.
+
+    Raises:
+        SetupError: naming the version found, the one needed and how to pick another (Ubuntu 22.04's python3 is
+            3.10).
+    """
+    version, executable = tuple(version or sys.version_info), executable or sys.executable
+    if tuple(version[:2]) < MIN_PYTHON:
+        found, needed = ".".join(map(str, version[:3])), ".".join(map(str, MIN_PYTHON))
+        raise SetupError(
+            f"Python {found} ({executable}) is too old: Optima needs Python >= {needed}. Run setup with a newer "
+            f"one, e.g. `python{needed} -m optima setup` or `make setup PYTHON=python{needed}` (on Ubuntu 22.04: "
+            f"apt install python{needed} python{needed}-venv)"
+        )
 
 
 @dataclass
@@ -251,8 +272,10 @@ def setup(
         index: The ``--torch-index`` flag (None: ``$OPTIMA_TORCH_INDEX``, else PyTorch's CPU index).
 
     Raises:
-        SetupError: pip could not install a requirement (the message names the package and the flag).
+        SetupError: the Python running setup is older than ``MIN_PYTHON``, or pip could not install a requirement
+            (the message names the package and the flag).
     """
+    check_python()
     gpu = has_gpu()
     logger.info("machine: %s", "NVIDIA GPU found" if gpu else "no NVIDIA GPU (CPU builds)")
     index = torch_index(index)

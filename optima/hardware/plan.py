@@ -96,10 +96,12 @@ class HardwarePlan:
         self.claims.setdefault((node, gpu), []).append(item)
 
     def check(self) -> None:
-        """Raise the first problem as a ``RecipeError`` (nothing has started yet)."""
+        """Raise every problem, numbered, as one ``RecipeError`` (nothing has started yet)."""
+        if len(self.problems) == 1:
+            raise RecipeError("hardware plan", self.problems[0])
         if self.problems:
-            more = f" ({len(self.problems) - 1} more: see --dry-run)" if len(self.problems) > 1 else ""
-            raise RecipeError("hardware plan", self.problems[0] + more)
+            listed = " ".join(f"({i}) {problem}" for i, problem in enumerate(self.problems, 1))
+            raise RecipeError("hardware plan", f"{len(self.problems)} problems: {listed}")
 
     def render(self) -> list[str]:
         """The plan as ``--dry-run`` prints it."""
@@ -145,6 +147,9 @@ def policy_size(recipe: Recipe, yamls: list[dict]) -> ModelSize | None:
 def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwarePlan:
     """The plan of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs)."""
     plan = HardwarePlan(hardware)
+    if hardware.has_gpu and hardware.gpu_gib <= 0:
+        plan.problems.append(unknown_memory_problem(hardware))
+        return plan
     yamls = trainer_yamls(recipe)
     if yamls:  # evaluation serves each model once: no sleep mode, no reload routes
         check_dev_mode_bind(recipe, hardware, plan)
@@ -160,6 +165,15 @@ def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = N
 
         plan_training(recipe, hardware, size, yamls, plan)
     return plan
+
+
+def unknown_memory_problem(hardware: Hardware) -> str:
+    """The GPUs are visible but their memory is not (no ``nvidia-smi``): nothing can be sized."""
+    return (
+        f"{hardware.gpus_per_node} GPU(s) visible ({','.join(hardware.gpu_ids)}) but their memory is unknown "
+        f"({hardware.source}: nvidia-smi gave no memory.total): name the machine with --hardware, e.g. --hardware "
+        f"{hardware.gpus_per_node}x80GB for 80 GB cards"
+    )
 
 
 def _describe_size(size: ModelSize) -> str:

@@ -39,10 +39,14 @@ def read_hosts(recipe: TrainingFields) -> list[str]:
 
 
 def strategy_of(config: dict) -> str:
-    """``cpu``, ``ddp``, ``fsdp`` or ``zero3`` from an accelerate config (ZeRO stages 1-2 are planned as DDP)."""
+    """``cpu``, ``single``, ``ddp``, ``fsdp`` or ``zero3`` from an accelerate config (ZeRO stages 1-2 are planned as
+    DDP). ``single``: ``distributed_type: "NO"`` on a GPU, which accelerate starts with its simple launcher: one
+    process whatever ``--num_processes`` says."""
     kind = config.get("distributed_type")
     if config.get("use_cpu") and kind in ("NO", "MULTI_CPU", None):
         return "cpu"
+    if kind in ("NO", None):
+        return "single"
     if kind == "DEEPSPEED":
         return "zero3" if int((config.get("deepspeed_config") or {}).get("zero_stage", 0)) == 3 else "ddp"
     return "fsdp" if kind == "FSDP" else "ddp"
@@ -189,6 +193,15 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
     per_node = min(len(f) for f in free)
     if recipe.num_processes is not None:
         per_node = min(per_node, max(1, recipe.num_processes // len(hosts)))
+    if strategy == "single":
+        per_node = min(per_node, 1)
+        if len(hosts) > 1:
+            plan.problems.append(
+                f"training: accelerate_config {recipe.accelerate_config} (distributed_type NO) runs one process on "
+                f"one node (accelerate's simple launcher ignores --num_processes and --num_machines), so each of the "
+                f"{len(hosts)} nodes would train alone into one folder: use multi_gpu, fsdp or deepspeed_zero3 for "
+                "several nodes, or name one host"
+            )
     if per_node == 0:
         holders = ", ".join(sorted(resident))
         plan.problems.append(
@@ -213,26 +226,42 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
         f"{plan.training.num_processes} process(es) ({per_node} per node, launcher {launcher}): {where}; "
         f"peak ~{gib(peak)} GiB per GPU"
     )
-    claim_training(plan, nodes, peak, strategy)
+    claim_training(plan, nodes, peak, strategy, any(s.lora_rank for s in shapes))
 
 
 def _resident(claims) -> bool:
     return any(c.resident for c in claims)
 
 
-def claim_training(plan, nodes, peak: int, strategy: str) -> None:
+def claim_training(plan, nodes, peak: int, strategy: str, lora: bool = False) -> None:
     """Claim the trainer's peak on its GPUs; a GPU over its memory in the training phase is a problem."""
     from optima.hardware.plan import Claim, phase_total
 
     total = int(plan.hardware.gpu_gib * memory.GIB)
+    over = []
     for node in nodes:
         for gpu in node.gpus:
             plan.claim(node.machine_rank, gpu, Claim(f"trainer ({strategy})", peak, generation=False, training=True))
             held = phase_total(plan.claims[(node.machine_rank, gpu)], "training")
-            if held > total and not plan.problems:
-                plan.problems.append(
-                    f"training: ~{gib(peak)} GiB per process ({strategy}, {plan.training.num_processes} processes) "
-                    f"+ {gib(held - peak)} GiB of sleeping servers = {gib(held)} GiB on GPU {gpu} of node "
-                    f"{node.machine_rank}, which has {plan.hardware.gpu_gib:g} GiB: train on more GPUs (or nodes), "
-                    "use deepspeed_zero3, or LoRA (use_peft: true in the trainer YAML)"
-                )
+            if held > total:
+                over.append((node.machine_rank, gpu, held))
+    if over:  # one problem for the training (the worst GPU), however many GPUs are over
+        rank, gpu, held = max(over, key=lambda item: item[2])
+        plan.problems.append(
+            f"training: ~{gib(peak)} GiB per process ({strategy}, {plan.training.num_processes} processes) "
+            f"+ {gib(held - peak)} GiB of sleeping servers = {gib(held)} GiB on GPU {gpu} of node {rank}, which has "
+            f"{plan.hardware.gpu_gib:g} GiB: {training_fixes(strategy, lora)}"
+        )
+
+
+def training_fixes(strategy: str, lora: bool) -> str:
+    """The fixes of a trainer over its GPU's memory that apply to its strategy (none it already uses)."""
+    fixes = []
+    if strategy in ("zero3", "fsdp"):
+        fixes.append("train on more GPUs (or nodes): the states are sharded over the processes")
+    else:
+        fixes.append(f"shard the states with deepspeed_zero3 or fsdp ({strategy} keeps a full copy per process)")
+    if not lora:
+        fixes.append("LoRA (use_peft: true in the trainer YAML)")
+    fixes.append("a smaller per_device_train_batch_size or max_length")
+    return ", or ".join(fixes)
