@@ -7,6 +7,7 @@ python -m optima report runs/demo_arc_sft  # redraw report.md and report.png of 
 python -m optima show runs/demo_arc_sft    # write conversations.html: every conversation, kept or dropped and why
 python -m optima compare --model M --dataset_type arc --limit 40 [--methods ...] [--optima NAME=CHECKPOINT]
                                         # baselines and Optima checkpoints on the same questions: one table + plot
+python -m optima recipe-keys all [--write docs/recipes.md]  # every recipe key (--write: docs/recipes.md's table)
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keys = sub.add_parser("recipe-keys", help="list the recipe keys of a method (default and meaning)")
     keys.add_argument("method", choices=[*sorted(RECIPE_CLASSES), "all"])
+    keys.add_argument(
+        "--write", type=Path, default=None, metavar="DOC", help="replace the table between the markers of DOC instead"
+    )
     report = sub.add_parser("report", help="redraw report.md and report.png of a loop's run directory (and print it)")
     report.add_argument("run_dir", type=Path, help="the run directory (output_dir of an iSFT/iDPO/iSFT-DPO recipe)")
     show = sub.add_parser(
@@ -86,6 +90,21 @@ def render_recipe_keys(method: str) -> str:
     return "\n".join(lines)
 
 
+def recipe_keys_markers(method: str) -> tuple[str, str]:
+    """The comments around the generated key table in a Markdown file (docs/recipes.md)."""
+    return f"<!-- recipe-keys {method}: start -->", f"<!-- recipe-keys {method}: end -->"
+
+
+def write_recipe_keys(doc: Path, method: str) -> None:
+    """Replace the key table between ``doc``'s markers with ``render_recipe_keys(method)``."""
+    start, end = recipe_keys_markers(method)
+    text = doc.read_text()
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise ValueError(f"{doc}: needs one line {start!r} and, after it, one line {end!r}")
+    head, rest = text.split(start)
+    doc.write_text(f"{head}{start}\n{render_recipe_keys(method)}\n{end}{rest.split(end)[1]}")
+
+
 def _default_text(f) -> str:
     import dataclasses
 
@@ -114,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("optima.install").error("setup stopped: %s", error)
             return 2
     elif args.command == "recipe-keys":
-        sys.stdout.write(render_recipe_keys(args.method) + "\n")
+        if args.write is None:
+            sys.stdout.write(render_recipe_keys(args.method) + "\n")
+            return 0
+        try:
+            write_recipe_keys(args.write, args.method)
+        except ValueError as error:
+            logging.getLogger("optima").error("%s", error)
+            return 2
     elif args.command == "report":
         from optima.cli import run_report_command
 

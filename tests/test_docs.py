@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,27 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+def outside_code(text: str) -> list[str]:
+    """The lines of a Markdown text outside fenced code blocks (a ``# comment`` there is no heading)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
 def anchors(doc: str) -> set[str]:
-    """Every heading anchor of docs/<doc>.md (GitHub numbers repeated headings -1, -2, ...)."""
+    """Every heading anchor of docs/<doc>.md."""
+    return markdown_anchors(REPO / "docs" / f"{doc}.md")
+
+
+def markdown_anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file (GitHub numbers repeated headings -1, -2, ...)."""
     seen: dict[str, int] = {}
     out = set()
-    for line in (REPO / "docs" / f"{doc}.md").read_text().splitlines():
+    for line in outside_code(path.read_text()):
         if match := re.match(r"#{1,6} (.+)", line):
             base = slug(match[1])
             count = seen.get(base, 0)
@@ -155,7 +172,88 @@ def test_files_the_docs_name_exist():
 
 def test_docs_are_linked_from_the_readme():
     readme = (REPO / "README.md").read_text()
-    assert "](docs/method.md)" in readme and "](docs/cpu.md)" in readme
+    missing = [p.name for p in sorted((REPO / "docs").glob("*.md")) if f"](docs/{p.name})" not in readme]
+    assert not missing, f"README.md's documentation index lacks {missing}"
+
+
+README_LIMIT = 10 * 1024  # bytes: the README is a front door; everything else lives in docs/
+
+
+def test_readme_is_a_front_door():
+    readme = (REPO / "README.md").read_text()
+    size = len(readme.encode())
+    assert size <= README_LIMIT, f"README.md is {size} bytes (limit {README_LIMIT}): move detail into docs/"
+    for needed in ("make demo", "make test", "Python >= 3.11", *(f"{name}.py" for name in SCRIPTS)):
+        assert needed in readme, needed
+
+
+LINK = re.compile(r"\]\(([^()\s]+)\)")
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative links of a Markdown file whose file or ``#anchor`` (a heading of the target) does not exist."""
+    broken = []
+    for line in outside_code(path.read_text()):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            resolved = (path.parent / file).resolve() if file else path
+            if not resolved.exists():
+                broken.append(f"{path.relative_to(REPO)}: {target} (no file {file})")
+            elif anchor and resolved.suffix == ".md" and anchor not in markdown_anchors(resolved):
+                broken.append(f"{path.relative_to(REPO)}: {target} (no heading #{anchor} in {file or path.name})")
+    return broken
+
+
+def test_the_link_check_sees_a_missing_file_and_a_missing_heading(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (tmp_path / "a.md").write_text("# Top\n## Two words\n```\n# not a heading\n[x](nowhere.md)\n```\n")
+    (tmp_path / "b.md").write_text(
+        "[ok](a.md#two-words) [ok](#b) [ok](https://x.org/y) ![ok](a.md)\n# B\n"
+        "[bad](a.md#not-a-heading) [bad](c.md) [bad](#top)\n"
+    )
+    assert broken_links(tmp_path / "a.md") == []
+    assert broken_links(tmp_path / "b.md") == [
+        "b.md: a.md#not-a-heading (no heading #not-a-heading in a.md)",
+        "b.md: c.md (no file c.md)",
+        "b.md: #top (no heading #top in b.md)",
+    ]
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = [entry for page in pages for entry in broken_links(page)]
+    assert not broken, "links to missing files or headings:\n" + "\n".join(broken)
+
+
+def test_the_recipe_key_table_of_docs_recipes_is_current():
+    """docs/recipes.md holds, between its markers, what `python -m optima recipe-keys all` prints."""
+    from optima.__main__ import recipe_keys_markers, render_recipe_keys
+
+    start, end = recipe_keys_markers("all")
+    text = (REPO / "docs/recipes.md").read_text()
+    assert text.count(start) == 1 and text.count(end) == 1, f"docs/recipes.md lacks the lines {start} / {end}"
+    table = text.split(start)[1].split(end)[0].strip()
+    assert table == render_recipe_keys("all"), (
+        "docs/recipes.md's key table is out of date: rewrite it with "
+        "`python -m optima recipe-keys all --write docs/recipes.md`"
+    )
+
+
+def test_recipe_keys_write_replaces_only_the_table(tmp_path):
+    from optima.__main__ import main, render_recipe_keys
+
+    doc = tmp_path / "keys.md"
+    doc.write_text("# Keys\nbefore\n<!-- recipe-keys sft: start -->\n| old |\n<!-- recipe-keys sft: end -->\nafter\n")
+    assert main(["recipe-keys", "sft", "--write", str(doc)]) == 0
+    assert doc.read_text() == (
+        "# Keys\nbefore\n<!-- recipe-keys sft: start -->\n"
+        + render_recipe_keys("sft")
+        + "\n<!-- recipe-keys sft: end -->\nafter\n"
+    )
+    doc.write_text("no markers\n")
+    assert main(["recipe-keys", "sft", "--write", str(doc)]) == 2 and doc.read_text() == "no markers\n"
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

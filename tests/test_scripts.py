@@ -174,13 +174,6 @@ def test_scripts_run_as_commands(in_repo):
     assert "deepspeed_zero3.yaml" in out.stdout and "temperature: 0.7" in out.stdout  # gsm8k starts at 0.7
 
 
-def test_readme_recipe_reference_is_current():
-    """README's key table is the output of `python -m optima recipe-keys all` (regenerate it when fields change)."""
-    from optima.__main__ import render_recipe_keys
-
-    assert render_recipe_keys("all") in (REPO / "README.md").read_text()
-
-
 def test_dry_run_shows_process_count_and_multi_node_flags(in_repo, envs, capsys):
     path = REPO / "train/sft_recipes/arc.yaml"
     extra = ["--set", "num_processes=16", "--set", "train_hosts=[n1, n2]", "--hardware", "2x8x141GB"]
