@@ -1,9 +1,12 @@
 # Optima: the two commands of the README, and their parts.
-#   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU: about 12 min after set-up)
+#   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU: about 12 min after set-up),
+#               then print its time per iteration and its report (python -m optima demo)
 #   make demo-hotpot   the same on HotpotQA (information exchange; CPU: about 15 min after set-up)
 #   make test   set up (if needed) and run the default test suite (about 6 min on a quiet 2-core box)
 #   (set-up: about 2 min with the wheels on local disk, about 6 min downloading them; 4.8 GB of disk)
 #   make gpu-check  on one NVIDIA GPU: set up, one iSFT + one iDPO iteration (bf16, ZeRO-3), reload, PASS/FAIL
+#                   (python3 -m optima gpu-check)
+#   make bench  the benchmarks of bench/ (python -m bench.run_all), written to bench/RESULTS.md
 PYTHON ?= python3
 TRAIN_PY := .venvs/train/bin/python
 # Data: the demos, tests and benchmarks read the samples in data/ (data/README.md); OPTIMA_DATA_DIR=<folder> in
@@ -25,15 +28,13 @@ test-slow: setup
 	$(TRAIN_PY) -m pytest -m slow
 
 demo: setup
-	$(TRAIN_PY) bench/iteration.py --run-dir runs/demo_arc_sft -- \
-		$(TRAIN_PY) sft_script.py --train_config_path train/sft_recipes/demo_arc.yaml
-	$(TRAIN_PY) -m optima report runs/demo_arc_sft
+	$(TRAIN_PY) -m optima demo
 
 demo-hotpot: setup
-	$(TRAIN_PY) sft_script.py --train_config_path train/sft_recipes/demo_hotpot_qa.yaml
+	$(TRAIN_PY) -m optima demo --recipe train/sft_recipes/demo_hotpot_qa.yaml
 
 bench: setup
-	$(TRAIN_PY) bench/run_all.py
+	$(TRAIN_PY) -m bench.run_all
 
 gpu-check:
-	$(PYTHON) bench/gpu_check.py
+	$(PYTHON) -m optima gpu-check

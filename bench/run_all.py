@@ -32,7 +32,7 @@ PYTHON = sys.executable
 KEPT_MARKER = "<!-- measured separately: run_all.py keeps what follows -->"
 # Small settings that keep a full run near 20 minutes on this box (see each script for its defaults).
 BENCHMARKS = {
-    "iteration": ["bench/iteration.py"],
+    "iteration": ["-m", "optima", "times"],
     "scoring": ["bench/scoring.py", "--conversations", "48", "--rounds", "2"],
     "sft": ["bench/sft.py", "--max-steps", "3", "--rounds", "3"],
     "generation": ["bench/generation.py", "--questions", "12", "--samples", "2"],
@@ -89,7 +89,7 @@ def run_benchmark(name: str, args, workdir: Path) -> dict:
     argv = [PYTHON, *BENCHMARKS[name]]
     json_path = workdir / f"{name}.json"
     if name == "iteration":
-        argv += ["--run-dir", args.run_dir]
+        argv += [args.run_dir]
     if not name.startswith("generation"):
         argv += ["--json", str(json_path)]
     log_path = workdir / f"{name}.log"

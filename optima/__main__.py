@@ -8,6 +8,9 @@ python -m optima show runs/demo_arc_sft    # write conversations.html: every con
 python -m optima compare --model M --dataset_type arc --limit 40 [--methods ...] [--optima NAME=CHECKPOINT]
                                         # baselines and Optima checkpoints on the same questions: one table + plot
 python -m optima recipe-keys all [--write docs/recipes.md]  # every recipe key (--write: docs/recipes.md's table)
+python -m optima demo                   # make demo: the iSFT CPU demo, its time per iteration and its report
+python -m optima times runs/demo_arc_sft   # the time per iteration of a finished iSFT run
+python3 -m optima gpu-check             # make gpu-check: on one NVIDIA GPU, iSFT + iDPO in bf16, reload, PASS/FAIL
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ RECIPE_CLASSES = {
 }
 
 
+# Commands whose own parser in optima.cli reads the rest of the command line.
+OWN_PARSERS = {
+    "compare": "CoT, CoT-SC, MAD, AutoForm and Optima checkpoints on the same questions: table and plot",
+    "demo": "the iSFT CPU demo (make demo): the run, its time per iteration and its report",
+    "times": "time per iteration of a finished iSFT run (generation, training, start-ups, busy share)",
+    "gpu-check": "on one NVIDIA GPU: set up, one iSFT + one iDPO iteration in bf16, reload, PASS/FAIL",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m optima", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,11 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare-model", help="convert an embedded GGUF model into a Hugging Face folder")
     prep.add_argument("model", choices=["smollm2"])
     prep.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
-    sub.add_parser(
-        "compare",
-        add_help=False,  # its own parser (optima.cli) reads the rest, --help included
-        help="CoT, CoT-SC, MAD, AutoForm and Optima checkpoints on the same questions: table and plot",
-    )
+    for name, text in OWN_PARSERS.items():
+        sub.add_parser(name, add_help=False, help=text)  # its own parser (optima.cli) reads the rest, --help included
     keys = sub.add_parser("recipe-keys", help="list the recipe keys of a method (default and meaning)")
     keys.add_argument("method", choices=[*sorted(RECIPE_CLASSES), "all"])
     keys.add_argument(
@@ -115,12 +124,24 @@ def _default_text(f) -> str:
     return "required"
 
 
+def run_own_parser(command: str, argv: list[str]) -> int:
+    """A command of ``OWN_PARSERS``, its arguments read by its own parser."""
+    if command == "gpu-check":  # runs before set-up: its module imports only the standard library at the top
+        from optima.cli.gpu_check import run_gpu_check_command
+
+        return run_gpu_check_command(argv)
+    from optima import cli
+
+    if command == "compare":
+        return cli.run_compare_script(argv)
+    setup_logging()
+    return cli.run_demo_command(argv) if command == "demo" else cli.run_times_command(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["compare"]:
-        from optima.cli import run_compare_script
-
-        return run_compare_script(argv[1:])
+    if argv[:1] and argv[0] in OWN_PARSERS:
+        return run_own_parser(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging()
     if args.command == "setup":

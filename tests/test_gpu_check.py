@@ -1,4 +1,4 @@
-"""``make gpu-check`` (``bench/gpu_check.py``): its dry run, and that the loop scripts accept what it passes them.
+"""``make gpu-check`` (``python3 -m optima gpu-check``): its dry run, and that the loop scripts accept what it passes.
 
 The check itself needs an NVIDIA GPU; here only its plan is tested: the stages, their order and settings, nothing
 written, and each loop command validated by the script's own ``--dry-run`` (recipe overrides, trainer YAMLs).
@@ -7,22 +7,19 @@ written, and each loop command validated by the script's own ``--dry-run`` (reci
 from __future__ import annotations
 
 import importlib.util
+import re
+import subprocess
+import sys
 
 import pytest
 
+from optima.cli import gpu_check
 from tests.conftest import REPO
-
-
-def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_dry_run_prints_the_stages_and_starts_nothing(tmp_path, capsys):
     out = tmp_path / "gpu_check"
-    assert load_gpu_check().main(["--dry-run", "--output-dir", str(out)]) == 0
+    assert gpu_check.run_gpu_check_command(["--dry-run", "--output-dir", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = ["setup", "trainer-yamls", "plan", "isft", "idpo", "reload"]
     assert [line.split(":")[0] for line in lines[1:]] == names
@@ -41,21 +38,21 @@ def test_dry_run_prints_the_stages_and_starts_nothing(tmp_path, capsys):
 @pytest.mark.parametrize(("hardware", "feasible"), [("1x80GB", True), ("2x80GB", True), ("1x2GB", False)])
 def test_dry_run_on_given_hardware_prints_the_planners_plan(hardware, feasible, tmp_path, capsys):
     """The plan step is the planner's: one GPU is enough (loss model served after generation, not kept beside)."""
-    assert load_gpu_check().main(["--dry-run", "--hardware", hardware, "--output-dir", str(tmp_path / "o")]) == 0
+    argv = ["--dry-run", "--hardware", hardware, "--output-dir", str(tmp_path / "o")]
+    assert gpu_check.run_gpu_check_command(argv) == 0
     out = capsys.readouterr().out
     assert f"--dry-run --hardware {hardware}" in out
     assert ("plan: feasible" in out) is feasible and "training: zero3, 1 process(es)" in out
 
 
 def test_skip_setup_drops_the_setup_stage(tmp_path):
-    stages = load_gpu_check().build_stages(tmp_path, skip_setup=True)
+    stages = gpu_check.build_stages(tmp_path, skip_setup=True)
     assert [name for name, _ in stages] == ["trainer-yamls", "plan", "isft", "idpo", "reload"]
 
 
 @pytest.mark.parametrize("stage", ["isft", "idpo"])
 def test_the_loop_scripts_accept_the_gpu_settings(stage, tmp_path, capsys, monkeypatch):
-    gpu_check = load_gpu_check()
-    assert gpu_check.main(["--write-trainer-yamls", str(tmp_path)]) == 0  # the stage before the loops
+    assert gpu_check.run_gpu_check_command(["--write-trainer-yamls", str(tmp_path)]) == 0  # the stage before
     command = dict(gpu_check.build_stages(tmp_path, skip_setup=True))[stage]
     monkeypatch.chdir(REPO)
     monkeypatch.syspath_prepend(str(REPO))
@@ -66,3 +63,23 @@ def test_the_loop_scripts_accept_the_gpu_settings(stage, tmp_path, capsys, monke
     plan = capsys.readouterr().out
     assert "accelerate_configs/deepspeed_zero3.yaml --num_processes 1" in plan
     assert f"trainer_{stage[1:]}_gpu.yaml" in plan
+
+
+def test_the_check_starts_before_set_up_with_the_standard_library_only(tmp_path):
+    """make gpu-check runs `python3 -m optima gpu-check` before any environment exists (`-S`: no site-packages)."""
+    argv = [sys.executable, "-S", "-m", "optima", "gpu-check", "--dry-run", "--output-dir", str(tmp_path / "o")]
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "trainer-yamls: " in result.stdout and "-m optima gpu-check --write-trainer-yamls" in result.stdout
+
+
+def test_stages_run_in_order_each_logged_and_the_first_failure_stops_the_check(tmp_path, capsys):
+    stages = [
+        ("one", [sys.executable, "-c", "print('first')"]),
+        ("two", [sys.executable, "-c", "raise SystemExit(3)"]),
+        ("three", [sys.executable, "-c", "open('three-ran', 'w')"]),
+    ]
+    times, failure = gpu_check.run_stages(stages, tmp_path)
+    assert list(times) == ["one", "two"] and failure == f"two exited with 3, see {tmp_path / 'two.log'}"
+    assert (tmp_path / "one.log").read_text() == "first\n" and not (REPO / "three-ran").exists()
+    assert re.search(r"gpu-check \| two \| \d+ s \| exit 3", capsys.readouterr().out)

@@ -20,6 +20,7 @@ _EXPORTS = {
     "ReplicaPool": "client",
     "RequestFailed": "client",
     "Sampling": "client",
+    "run_to_end": "processes",
     "serve": "replicas",
     "sigterm_as_exit": "processes",
     "ServerStartupError": "vllm_server",

@@ -7,6 +7,8 @@ Standard library only, so that the serving launcher and the training guard can i
   /proc, ``wait_group_exit`` waits for it to empty.
 * ``die_with_parent``: a child started with ``OPTIMA_PARENT_PID`` asks Linux for SIGTERM when the driver dies,
   even by ``kill -9`` (``PR_SET_PDEATHSIG``): nothing else would stop a process in its own group.
+* ``run_to_end``: a command the user waits for (the demo's training script, a gpu-check stage), run to its end in
+  the foreground; its exit code.
 * ``sigterm_as_exit``: Python turns Ctrl-C (SIGINT) into ``KeyboardInterrupt`` but lets SIGTERM end the
   process at once, skipping every ``__exit__``, so servers in their own groups would survive the driver. Inside
   ``sigterm_as_exit()`` the first SIGTERM raises ``SystemExit(143)`` in the main thread instead; further
@@ -137,3 +139,11 @@ def sigterm_as_exit() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_to_end(argv: list[str], cwd: Path | None = None, log: Path | None = None) -> int:
+    """Run ``argv`` to its end and return its exit code; its output goes to ``log`` when given, else to ours."""
+    if log is None:
+        return subprocess.call(argv, cwd=cwd)
+    with Path(log).open("w") as handle:
+        return subprocess.run(argv, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode

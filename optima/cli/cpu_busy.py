@@ -4,8 +4,8 @@ A process's ``rusage`` misses the vLLM servers and the trainer's children, so th
 read from the kernel's per-machine counters instead. ``CpuSampler`` is a thread that appends one line per
 ``interval_s`` to a JSON-lines file: ``{"t": epoch seconds, "busy": jiffies, "total": jiffies}`` (the ``cpu``
 line of ``/proc/stat``; busy = user + nice + system + irq + softirq, total adds idle, iowait and steal). The
-share between two instants is the busy jiffies over all jiffies between the samples nearest them. Imported by
-``bench/iteration.py`` (``--`` runs the command and samples it).
+share between two instants is the busy jiffies over all jiffies between the samples nearest them. Used by
+``python -m optima demo`` and ``python -m optima times -- COMMAND`` (``optima/cli/iteration_times.py``).
 """
 
 from __future__ import annotations

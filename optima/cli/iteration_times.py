@@ -1,9 +1,8 @@
 """Per-iteration cost of a finished iSFT run: wall time against generation + training, and what is not hidden.
 
-    .venvs/train/bin/python bench/iteration.py                        # runs/demo_arc_sft
-    .venvs/train/bin/python bench/iteration.py --run-dir runs/my_run --json /tmp/iteration.json
-    .venvs/train/bin/python bench/iteration.py --run-dir NEW --baseline OLD   # whole-run wall time, side by side
-    .venvs/train/bin/python bench/iteration.py --run-dir runs/demo_arc_sft -- .venvs/train/bin/python sft_script.py ...
+    python -m optima times runs/demo_arc_sft                     # what python -m optima demo prints after the run
+    python -m optima times runs/my_run --json times.json
+    python -m optima times NEW --baseline OLD                     # whole-run wall time, side by side
 
 Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manifest.json``), per iteration:
 
@@ -19,11 +18,11 @@ Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manif
   parallel are each counted);
 * ratio: wall / (generation + training). Target: <= 1.15 for the first iteration (both servers start), <= 1.05
   from the second on.
-* busy share: with a command after ``--``, the command runs first while ``bench/cpu_busy.py`` samples
-  ``/proc/stat`` every second into ``logs/cpu_busy.jsonl`` of the run directory; the share of the cores at work is
-  then given for the run, each iteration, its generation (``| generate`` to ``| score``) and its training
-  (``| train`` to the report). Target: >= 0.80 over the run. A run directory with such a file from before gets
-  the same columns.
+* busy share: ``python -m optima demo`` (or ``times`` with a command after ``--``) runs the command while
+  ``optima/cli/cpu_busy.py`` samples ``/proc/stat`` every second into ``logs/cpu_busy.jsonl`` of the run
+  directory; the share of the cores at work is then given for the run, each iteration, its generation
+  (``| generate`` to ``| score``) and its training (``| train`` to the report). Target: >= 0.80 over the run.
+  A run directory with such a file from before gets the same columns.
 * overhead = wall - generation - scoring not hidden - training, broken down into start-ups, the training launch
   outside the loop (stage ``elapsed_s`` - ``train_runtime``: accelerate, imports, loading, tokenising, saving),
   selection, and the rest (tokenizer loads, server stops, reports).
@@ -31,18 +30,12 @@ Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manif
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-
-from cpu_busy import CpuSampler, busy_share, read_samples  # noqa: E402
+from optima.cli.cpu_busy import busy_share, read_samples
 
 LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ ([\w.]+): (.*)$")
 TARGET = 0.10
@@ -51,20 +44,6 @@ FIRST_RATIO_TARGET, RATIO_TARGET = 1.15, 1.05  # wall / (generation + training):
 RUN_TARGET = 0.75  # whole-run wall time against the run before scoring while generating
 BUSY_TARGET = 0.80  # share of the cores at work over the run
 SAMPLES = Path("logs") / "cpu_busy.jsonl"
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The options, and the command after ``--`` (``args.command``, [] without one)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="%(prog)s [options] [-- COMMAND ...]")
-    parser.add_argument("--run-dir", default=str(REPO / "runs" / "demo_arc_sft"))
-    parser.add_argument("--json", default=None, help="also write the results here (used by bench/run_all.py)")
-    parser.add_argument("--baseline", default=None, help="a run directory of the same recipe to compare wall time to")
-    args = parser.parse_args(argv)
-    args.command = command
-    return args
 
 
 def read_driver_log(path: Path) -> list[tuple[datetime, str, str]]:
@@ -207,7 +186,7 @@ def measure_run(run_dir: Path) -> dict:
     samples = read_samples(run_dir / SAMPLES)
     manifests = sorted(run_dir.glob("iteration_*/manifest.json"), key=lambda p: int(p.parent.name.split("_")[1]))
     if not manifests:
-        raise SystemExit(f"{run_dir}: no iteration_<i>/manifest.json (is it an iSFT run directory?)")
+        raise ValueError(f"{run_dir}: no iteration_<i>/manifest.json (is it an iSFT run directory?)")
     rows = []
     for path in manifests:
         iteration = int(path.parent.name.split("_")[1])
@@ -225,29 +204,33 @@ def measure_run(run_dir: Path) -> dict:
     }
 
 
-def print_table(result: dict) -> None:
+def render_times(result: dict) -> str:
+    """The table of ``measure_run``'s result and its target lines, as printed by ``python -m optima times``."""
     columns = ["iteration", "wall_s", "generation_s", "training_s", "scoring_s", "server_start_s", "ratio"]
     columns += ["overhead_s", "overhead_share", "train_launch_s", "select_s"]
     if result["busy"] is not None:
         columns += ["busy", "busy_generation", "busy_training"]
-    print("scoring_s: LM-loss scoring not hidden behind generation; ratio: wall / (generation + training)")
-    print(" | ".join(columns))
+    lines = ["scoring_s: LM-loss scoring not hidden behind generation; ratio: wall / (generation + training)"]
+    lines.append(" | ".join(columns))
     for row in result["iterations"]:
-        print(" | ".join(f"{row[c]:.1%}" if c == "overhead_share" else str(row.get(c)) for c in columns))
-    print(f"run wall (driver log): {result['run_wall_s']} s | overhead overall {result['overhead_share_total']:.1%}")
+        lines.append(" | ".join(f"{row[c]:.1%}" if c == "overhead_share" else str(row.get(c)) for c in columns))
+    overall = f"{result['overhead_share_total']:.1%}"
+    lines.append(f"run wall (driver log): {result['run_wall_s']} s | overhead overall {overall}")
     if result["busy"] is not None:
         met = "met" if result["busy"] >= BUSY_TARGET else "MISSED"
         share = f"{result['busy']:.1%} (target >= {BUSY_TARGET:.0%}: {met})"
-        print(f"busy share of the cores over the run (/proc/stat): {share}")
+        lines.append(f"busy share of the cores over the run (/proc/stat): {share}")
     met = "met" if result["ratio_target_met"] else "MISSED"
-    print(f"target: wall / (generation + training) <= {FIRST_RATIO_TARGET} first, <= {RATIO_TARGET} after: {met}")
+    targets = f"<= {FIRST_RATIO_TARGET} first, <= {RATIO_TARGET} after"
+    lines.append(f"target: wall / (generation + training) {targets}: {met}")
     if "baseline" in result:
         base = result["baseline"]
         met = "met" if base["wall_ratio"] is not None and base["wall_ratio"] <= RUN_TARGET else "MISSED"
-        print(
+        lines.append(
             f"whole run: {result['run_wall_s']} s vs {base['run_wall_s']} s ({base['run_dir']}): "
             f"{base['wall_ratio']}x (target <= {RUN_TARGET}x: {met})"
         )
+    return "\n".join(lines)
 
 
 def compare_with(result: dict, baseline_dir: Path) -> dict:
@@ -256,29 +239,3 @@ def compare_with(result: dict, baseline_dir: Path) -> dict:
     both = result["run_wall_s"] and base["run_wall_s"]
     ratio = round(result["run_wall_s"] / base["run_wall_s"], 3) if both else None
     return {"run_dir": str(baseline_dir), "run_wall_s": base["run_wall_s"], "wall_ratio": ratio, "run": base}
-
-
-def run_sampled(command: list[str], run_dir: Path) -> int:
-    """Run ``command`` while sampling ``/proc/stat`` into the run directory; its exit code."""
-    with CpuSampler(run_dir / SAMPLES):
-        return subprocess.call(command)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.command:
-        code = run_sampled(args.command, Path(args.run_dir))
-        if code != 0:
-            print(f"{' '.join(args.command)} exited with {code}", file=sys.stderr)
-            return code
-    result = measure_run(Path(args.run_dir))
-    if args.baseline:
-        result["baseline"] = compare_with(result, Path(args.baseline))
-    print_table(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,11 @@
 r"""One-GPU check of the GPU path: set up, one iSFT and one iDPO iteration of SmolLM2 in bf16, reload, PASS/FAIL.
 
-    make gpu-check                                  # = python3 bench/gpu_check.py
-    python3 bench/gpu_check.py --dry-run            # print the stages and their commands; start nothing
-    python3 bench/gpu_check.py --skip-setup --output-dir runs/gpu_check
+    make gpu-check                                  # = python3 -m optima gpu-check
+    python3 -m optima gpu-check --dry-run           # print the stages and their commands; start nothing
+    python3 -m optima gpu-check --skip-setup --output-dir runs/gpu_check
 
-For a machine with one NVIDIA GPU and the package registries reachable. The stages:
+For a machine with one NVIDIA GPU and the package registries reachable; it starts before set-up, so this module
+imports only the standard library at the top. The stages:
 
 1. ``setup``: ``python3 -m optima setup`` (the CUDA builds of torch and vLLM, DeepSpeed, flash-attn where a
    wheel for the installed torch/CUDA exists, the SmolLM2 folder).
@@ -29,12 +30,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 TRAIN_PY = REPO / ".venvs" / "train" / "bin" / "python"
 SMOLLM2 = REPO / "alignment-handbook" / "recipes" / "smollm2-135m"
 GPU_TRAINER = {"bf16": True, "use_cpu": False, "dtype": "bfloat16", "attn_implementation": "flash_attention_2"}
@@ -74,7 +74,7 @@ def build_stages(out: Path, skip_setup: bool, hardware: str | None = None) -> li
         "initial_model_path": sft_checkpoint,
         "origin_dpo_yaml_path": out / "trainer_dpo_gpu.yaml",
     }
-    yamls = [str(TRAIN_PY), str(Path(__file__).resolve()), "--write-trainer-yamls", str(out)]
+    yamls = [str(TRAIN_PY), "-m", "optima", "gpu-check", "--write-trainer-yamls", str(out)]
     isft = [
         str(TRAIN_PY),
         "sft_script.py",
@@ -90,7 +90,7 @@ def build_stages(out: Path, skip_setup: bool, hardware: str | None = None) -> li
         ("isft", isft),
         ("idpo", [str(TRAIN_PY), "dpo_script.py", "--train_config_path", "train/dpo_recipes/demo_arc.yaml",
                   *overrides(dpo), "--set", SERVE_BF16]),
-        ("reload", [str(TRAIN_PY), str(Path(__file__).resolve()), "--reload", str(sft_checkpoint),
+        ("reload", [str(TRAIN_PY), "-m", "optima", "gpu-check", "--reload", str(sft_checkpoint),
                     str(dpo_checkpoint)]),
     ]  # fmt: skip
     return stages
@@ -108,7 +108,6 @@ def reload_checkpoints(paths: list[str]) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, str(REPO))
     from optima.training.checkpoint import verify_saved_weights
 
     for path in paths:
@@ -118,13 +117,12 @@ def reload_checkpoints(paths: list[str]) -> int:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2 + 3 = ?"}], add_generation_prompt=True)
         output = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False)
         reply = tokenizer.decode(output[0, len(prompt) :], skip_special_tokens=True)
-        print(f"reload | {path} | {tensors} tensors checked | bf16 on cuda | reply {reply!r}", flush=True)
+        say(f"reload | {path} | {tensors} tensors checked | bf16 on cuda | reply {reply!r}")
     return 0
 
 
 def render_plan(hardware: str) -> list[str]:
     """The hardware plan of the iSFT stage on ``hardware`` (needs the training env's PyYAML: dry runs only)."""
-    sys.path.insert(0, str(REPO))
     from optima.config import SFTRecipe, load_recipe
     from optima.hardware.plan import plan_hardware
     from optima.hardware.spec import parse_hardware
@@ -135,22 +133,32 @@ def render_plan(hardware: str) -> list[str]:
 
 def run_stages(stages: list[tuple[str, list[str]]], out: Path) -> tuple[dict[str, float], str | None]:
     """Run the stages in order, each logged to ``<out>/<name>.log``; stop at the first failure."""
+    from optima.serving import run_to_end  # standard library only: works before setup
+
     times: dict[str, float] = {}
     for name, argv in stages:
         start = time.monotonic()
         log = out / f"{name}.log"
-        print(f"gpu-check | {name} | {' '.join(argv)} | log {log}", flush=True)
-        with log.open("w") as handle:
-            result = subprocess.run(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, check=False)
+        say(f"gpu-check | {name} | {' '.join(argv)} | log {log}")
+        code = run_to_end(argv, cwd=REPO, log=log)
         times[name] = time.monotonic() - start
-        print(f"gpu-check | {name} | {times[name]:.0f} s | exit {result.returncode}", flush=True)
-        if result.returncode != 0:
-            return times, f"{name} exited with {result.returncode}, see {log}"
+        say(f"gpu-check | {name} | {times[name]:.0f} s | exit {code}")
+        if code != 0:
+            return times, f"{name} exited with {code}, see {log}"
     return times, None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def say(line: str) -> None:
+    """One line of the check's output on stdout (the library never prints through ``print``)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def run_gpu_check_command(argv: list[str] | None = None) -> int:
+    """``python3 -m optima gpu-check``: the stages below, or one internal stage, or ``--dry-run``."""
+    parser = argparse.ArgumentParser(
+        prog="python3 -m optima gpu-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--output-dir", type=Path, default=REPO / "runs" / "gpu_check", help="logs and checkpoints")
     parser.add_argument("--skip-setup", action="store_true", help="use the environments as they are")
     parser.add_argument("--dry-run", action="store_true", help="print the stages and their commands; start nothing")
@@ -165,26 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     out = args.output_dir.resolve()
     stages = build_stages(out, args.skip_setup, args.hardware)
     if args.dry_run:
-        print(f"gpu-check (dry run) | output {out} | trainer YAML settings {GPU_TRAINER} | recipe {GPU_RECIPE}")
+        say(f"gpu-check (dry run) | output {out} | trainer YAML settings {GPU_TRAINER} | recipe {GPU_RECIPE}")
         for name, command in stages:
-            print(f"{name}: {' '.join(command)}")
+            say(f"{name}: {' '.join(command)}")
         if args.hardware:
-            print("\n".join(render_plan(args.hardware)))
+            say("\n".join(render_plan(args.hardware)))
         return 0
-    sys.path.insert(0, str(REPO))
     from optima.serving.gpus import has_gpu  # standard library only: works before setup
 
     if not has_gpu():
-        print("GPU CHECK: FAIL (no NVIDIA GPU visible: nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)")
+        say("GPU CHECK: FAIL (no NVIDIA GPU visible: nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)")
         return 1
     if out.exists():
         shutil.rmtree(out)  # a fresh run each time: the loop scripts would resume from an old one
     out.mkdir(parents=True)
     times, failure = run_stages(stages, out)
-    print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items()))
-    print(f"GPU CHECK: FAIL ({failure})" if failure else f"GPU CHECK: PASS ({sum(times.values()):.0f} s)")
+    say("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items()))
+    say(f"GPU CHECK: FAIL ({failure})" if failure else f"GPU CHECK: PASS ({sum(times.values()):.0f} s)")
     return 1 if failure else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
