@@ -94,7 +94,7 @@ def test_on_a_shared_gpu_the_loss_server_takes_its_share_from_the_first_replica(
         Placement(gpus=("0",), gpu_memory_utilization=0.75, carry_over=True),
         Placement(gpus=("1",), carry_over=True),
     )
-    assert layout.loss == Placement(gpus=("0",), gpu_memory_utilization=0.15)
+    assert layout.loss == Placement(gpus=("0",), gpu_memory_utilization=0.15, scoring=True)
     commands = [" ".join(build_serve_command(recipe, "/m", 8000, VENV, p)) for p in (*layout.policy, layout.loss)]
     assert "--gpu-memory-utilization 0.75 --enable-sleep-mode" in commands[0]
     assert "--gpu-memory-utilization 0.9 --enable-sleep-mode" in commands[1]
@@ -107,7 +107,7 @@ def test_on_a_shared_gpu_the_loss_server_takes_its_share_from_the_first_replica(
 def test_named_loss_devices_keep_every_share_whole(tmp_path):
     recipe = sft_recipe(tmp_path, devices=[0], loss_devices="1", sleep_mode=False)
     layout = plan_layout(recipe, ["4", "5"], [0, 1])
-    assert layout == ServerLayout((Placement(gpus=("4",)),), Placement(gpus=("5",)))
+    assert layout == ServerLayout((Placement(gpus=("4",)),), Placement(gpus=("5",), scoring=True))
     with pytest.raises(RecipeError, match="loss_devices.*GPU 3 is not visible"):
         plan_layout(sft_recipe(tmp_path, loss_devices=[3]), ["0"], [0])
 

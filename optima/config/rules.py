@@ -24,6 +24,12 @@ ORIGINAL_MCTS_SELECTIONS = 8
 # Texts per request to a vLLM server scoring LM loss, per text of an HF forward pass (``loss_batch_size``):
 # a request is cheap to batch on the server, so it carries several forward passes' worth.
 VLLM_LOSS_BATCH_FACTOR = 4
+# A scored text is one utterance rendered as a lone assistant message: its tokens plus the chat template's.
+SCORING_TEMPLATE_TOKENS = 64
+# Tokens per step of the loss server on a GPU: each step's prompt log-probabilities are full-vocabulary logits of
+# up to this many tokens (about 1.2 GiB for a 128k vocabulary), so it stays small; longer texts are prefilled in
+# chunks.
+SCORING_BATCHED_TOKENS = 1024
 
 
 def default_output_dir(recipe: RunFields) -> str:
@@ -97,6 +103,20 @@ def vllm_dtype_arg(vllm_extra_args: list[str]) -> str | None:
 def vllm_loss_batch_size(recipe: RewardFields) -> int:
     """Texts per request when a vLLM server scores LM loss (``loss_batch_size`` is per HF forward pass)."""
     return VLLM_LOSS_BATCH_FACTOR * recipe.loss_batch_size
+
+
+def loss_server_limits(recipe: LoopRecipe, model_max_len: int | None) -> tuple[int, int, int]:
+    """``--max-model-len``, ``--max-num-seqs`` and ``--max-num-batched-tokens`` of the loss server on a GPU.
+
+    It scores single utterances (at most ``max_tokens`` tokens, and never more than ``max_total_tokens`` in a
+    conversation that gets a loss term) in requests of ``vllm_loss_batch_size`` texts: it needs neither vLLM's
+    1,024 sequences nor the policy's context, and each of them costs memory at start-up (the sampler pass, vLLM's
+    KV floor of one ``max_model_len`` request). Capped by ``max_model_len`` and the model's own context.
+    """
+    length = max(recipe.max_total_tokens, recipe.max_tokens) + SCORING_TEMPLATE_TOKENS
+    length = min([length, *(cap for cap in (recipe.max_model_len, model_max_len) if cap)])
+    seqs = vllm_loss_batch_size(recipe)
+    return length, seqs, max(seqs, min(SCORING_BATCHED_TOKENS, seqs * length))
 
 
 def train_start(recipe: LoopRecipe, model: str, stage: str | None = None) -> str:

@@ -7,7 +7,8 @@ Sizes come from the model's ``config.json`` (a local folder) or, for a hub name 
              + layers x (2 x hidden^2 + 2 x hidden x kv_heads x head_dim      # q, o and k, v projections
                          + 3 x hidden x intermediate + 2 x hidden)            # gated MLP, two norms
 
-(Llama-3-8B: 8.03e9). Every estimate is in bytes; ``optima.hardware.plan`` turns them into per-GPU claims.
+(Llama-3-8B: 8.03e9). Every estimate is in bytes; ``optima.hardware.plan`` turns them into per-GPU claims (a vLLM
+server's, from its arguments: ``optima.hardware.vllm_memory``).
 
 The trainer's peak per GPU (``trainer_peak_bytes``), for P parameters, N training processes, w bytes per weight
 (the trainer YAML's ``dtype``: 2 for bf16, 4 for fp32):
@@ -86,9 +87,6 @@ REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate
 AUTO_DTYPE_BYTES = 2
 # Tokens of an agent's first request (system prompt, question, private context) when nothing is measured yet.
 PROMPT_TOKENS = 1024
-# Inside a vLLM server's memory share besides weights and KV: CUDA context, the profile run's activations,
-# CUDA graphs and the sampler's buffers.
-SERVER_OVERHEAD = 2 * GIB
 # What a sleeping vLLM server (sleep level 2: weights and KV cache released) still holds on each of its GPUs.
 SLEEPING_SERVER = 2 * GIB
 TRAINER_OVERHEAD, TRAINER_OVERHEAD_SHARE = 2 * GIB, 0.10
@@ -208,11 +206,6 @@ def loss_kv_min_bytes(size: ModelSize, recipe: LoopRecipe, dtype_bytes: int) -> 
     """KV cache for one batch of LM-loss texts: ``loss_batch_size x min(max_total_tokens, max_model_len)`` tokens."""
     tokens = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, recipe.max_model_len or size.max_len)
     return tokens * size.kv_bytes_per_token(dtype_bytes)
-
-
-def server_need_bytes(size: ModelSize, kv_bytes: int, tp: int, dtype_bytes: int) -> int:
-    """Memory one GPU of a vLLM server needs within its share: its slice of weights and KV, plus vLLM's own."""
-    return math.ceil((size.weight_bytes(dtype_bytes) + kv_bytes) / tp) + SERVER_OVERHEAD
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 from optima.config.fields import RecipeError
 from optima.config.groups import LOOPBACK_HOSTS
 from optima.config.rules import loss_model
-from optima.hardware import memory
+from optima.hardware import memory, vllm_memory
 from optima.hardware.memory import GIB, ModelSize, gib
 from optima.hardware.spec import Hardware
+from optima.hardware.vllm_memory import ServerNeed
 from optima.serving.layout import ServerLayout, carry_over_on, loss_server_wanted, plan_layout
 from optima.serving.vllm_server import Placement
 from optima.training.nodes import TrainingPlacement
@@ -210,9 +211,10 @@ def plan_servers(
     loss_need = None
     if loss_size is not None and gpus:
         loss_kv = memory.loss_kv_min_bytes(loss_size, recipe, dtype)
-        loss_need = (memory.server_need_bytes(loss_size, loss_kv, len(recipe.loss_devices or [0]), dtype), loss_kv)
+        tp = len(recipe.loss_devices or [0])
+        loss_need = vllm_memory.server_need(loss_size, loss_kv, tp, dtype, vllm_memory.loss_args(recipe, loss_size))
         if recipe.loss_gpu_memory_utilization is None and recipe.loss_devices is None:
-            plan.loss_share = loss_share_for(loss_need[0], hardware.gpu_gib)
+            plan.loss_share = loss_share_for(loss_need.total, hardware.gpu_gib)
     shared = beside and gpus and recipe.loss_devices is None
     if shared and recipe.loss_gpu_memory_utilization is None and plan.loss_share is None:
         plan.problems.append(
@@ -235,9 +237,12 @@ def plan_servers(
     if size is None:
         plan.notes.append(f"the size of {recipe.initial_model_path} is unknown: the servers' memory is not checked")
     for i, placement in enumerate(plan.layout.policy):
-        kv = memory.policy_kv_min_bytes(size, recipe, dtype) if size else 0
-        need = memory.server_need_bytes(size, kv, len(placement.gpus), dtype) if size else None
-        claim_server(plan, recipe, f"policy replica {i}", placement, (need, kv) if need else None)
+        need = None
+        if size is not None:
+            kv = memory.policy_kv_min_bytes(size, recipe, dtype)
+            args = vllm_memory.policy_args(recipe.max_model_len, size, hardware.gpu_gib, recipe.vllm_extra_args)
+            need = vllm_memory.server_need(size, kv, len(placement.gpus), dtype, args)
+        claim_server(plan, recipe, f"policy replica {i}", placement, need)
     if plan.layout.loss is not None:
         plan.lines.append(f"loss model: {_describe_size(loss_size)}" if loss_size else "loss model: size unknown")
         claim_server(plan, recipe, "loss server", plan.layout.loss, loss_need)
@@ -271,7 +276,7 @@ def check_overlap(recipe: Recipe, layout: ServerLayout, plan: HardwarePlan) -> N
 
 
 def claim_server(
-    plan: HardwarePlan, recipe: ServingFields, name: str, placement: Placement, need: tuple[int, int] | None
+    plan: HardwarePlan, recipe: ServingFields, name: str, placement: Placement, need: ServerNeed | None
 ) -> None:
     """Claim a server's share on each of its GPUs; a share below its need is a problem (with the share that fits)."""
     share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
@@ -284,21 +289,20 @@ def claim_server(
         f"{name}: GPUs {','.join(placement.gpus)} (tensor parallel {tp}), share {share} = {gib(budget)} GiB, {after}"
     )
     if need is not None:
-        text += f"; needs ~{gib(need[0])} GiB per GPU ({gib(need[1])} GiB of it minimum KV cache)"
+        text += f"; needs ~{gib(need.total)} GiB per GPU: {need.describe()}"
     plan.lines.append(text)
     for gpu in placement.gpus:
         plan.claim(0, gpu, Claim(name, budget, training=resident))
         if sleeps:
             plan.claim(0, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, generation=False, training=True))
-    if need is not None and need[0] > budget:
+    if need is not None and need.total > budget:
         plan.problems.append(_share_problem(name, placement, need, share, plan.hardware.gpu_gib))
 
 
-def _share_problem(name: str, placement: Placement, need: tuple[int, int], share: float, gpu_gib: float) -> str:
-    """``loss server: needs ~15.0 GiB of weights + 2.0 GiB KV + 2.0 GiB vLLM per GPU; 0.1 x 80 GiB = 8.0 GiB on
-    GPU 0: set loss_gpu_memory_utilization >= 0.24 or loss_devices: [a GPU outside devices]``."""
-    weights = need[0] - need[1] - memory.SERVER_OVERHEAD
-    wanted = loss_share_for(need[0], gpu_gib)
+def _share_problem(name: str, placement: Placement, need: ServerNeed, share: float, gpu_gib: float) -> str:
+    """``loss server: needs ~20.5 GiB per GPU (weights 15.0 + KV 2.0 + ...); 0.1 x 80 GiB = 8.0 GiB on GPU 0: set
+    loss_gpu_memory_utilization >= 0.26 or loss_devices: [a GPU outside devices]``."""
+    wanted = loss_share_for(need.total, gpu_gib)
     if wanted > 1:
         fix = "it does not fit on one GPU: use tensor_parallel_size > 1 (policy) or GPUs with more memory"
     elif name == "loss server":
@@ -309,6 +313,6 @@ def _share_problem(name: str, placement: Placement, need: tuple[int, int], share
             "on the GPU it shares), or use tensor_parallel_size > 1, or more GPU memory"
         )
     return (
-        f"{name}: needs ~{gib(weights)} GiB of weights + {gib(need[1])} GiB KV + {gib(memory.SERVER_OVERHEAD)} GiB "
-        f"vLLM per GPU; {share} x {gpu_gib:g} GiB = {round(share * gpu_gib, 1)} GiB on GPU {placement.gpus[0]}: {fix}"
+        f"{name}: needs ~{gib(need.total)} GiB per GPU ({need.describe()}); {share} x {gpu_gib:g} GiB = "
+        f"{round(share * gpu_gib, 1)} GiB on GPU {placement.gpus[0]}: {fix}"
     )

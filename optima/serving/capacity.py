@@ -107,6 +107,13 @@ def load_model_config(model_path: str | Path) -> dict | None:
     return json.loads(path.read_text())
 
 
+def model_max_len(model_path: str | Path) -> int | None:
+    """The context length of a local model folder (``max_position_embeddings``); None for a hub id or no value."""
+    config = load_model_config(model_path)
+    value = (config.get("text_config") or config).get("max_position_embeddings") if config else None
+    return int(value) if value else None
+
+
 def model_weight_bytes(model_path: str | Path) -> int:
     """Bytes of the weight files of a local model folder (0 for a hub id)."""
     folder = Path(model_path)

@@ -81,7 +81,9 @@ def plan_layout(
             bad = [d for d in recipe.loss_devices if d >= len(gpus)]
             if bad:
                 raise RecipeError("loss_devices", f"GPU {bad[0]} is not visible (visible: {list(gpus)})")
-            return ServerLayout(tuple(policy), Placement(gpus=tuple(gpus[d] for d in recipe.loss_devices)))
+            return ServerLayout(
+                tuple(policy), Placement(gpus=tuple(gpus[d] for d in recipe.loss_devices), scoring=True)
+            )
         share = recipe.loss_gpu_memory_utilization or loss_share
         if share is None:
             raise ValueError("loss_gpu_memory_utilization is null: the hardware plan computes the share")
@@ -93,7 +95,8 @@ def plan_layout(
                 "on the GPU they share; lower it or name loss_devices",
             )
         policy[0] = dataclasses.replace(policy[0], gpu_memory_utilization=left)
-        return ServerLayout(tuple(policy), Placement(gpus=policy[0].gpus[:1], gpu_memory_utilization=share))
+        loss = Placement(gpus=policy[0].gpus[:1], gpu_memory_utilization=share, scoring=True)
+        return ServerLayout(tuple(policy), loss)
     if not beside:
         return ServerLayout((Placement(carry_over=carry),), None)
     return plan_cpu_beside(recipe, sorted(cpus), carry)

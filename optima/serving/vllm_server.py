@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from optima.config.rules import loss_server_limits
 from optima.environments import PythonEnv
-from optima.serving.capacity import MemoryShare, resolve_cpu_kvcache_gb
+from optima.serving.capacity import MemoryShare, model_max_len, resolve_cpu_kvcache_gb
 from optima.serving.cpu_reload import EXTENSION as CPU_RELOAD_EXTENSION
 from optima.serving.pinning import SERVICE_CPUS_ENV, pin_service_processes
 from optima.serving.processes import PARENT_ENV, stop_group
@@ -64,6 +65,8 @@ class Placement:
         carry_over: The process carries over to the next checkpoint (``optima.serving.sleep_mode``): the
             development endpoints (``/collective_rpc``, ``/reset_prefix_cache``; ``/sleep``, ``/wake_up``), and on a
             GPU ``--enable-sleep-mode``.
+        scoring: The loss server: on a GPU it gets the context, sequences and batched tokens scoring needs
+            (``optima.config.rules.loss_server_limits``) instead of vLLM's defaults and the recipe's ``max_model_len``.
     """
 
     gpus: tuple[str, ...] | None = None
@@ -72,6 +75,7 @@ class Placement:
     cpu_kvcache_gb: int | None = None
     gpu_memory_utilization: float | None = None
     carry_over: bool = False
+    scoring: bool = False
 
     @property
     def on_cpu(self) -> bool:
@@ -126,7 +130,10 @@ def build_serve_command(
     # --generation-config vllm: sampling is exactly what each request sends (no defaults from the model
     # folder's generation_config.json), the behaviour of vLLM 0.5.
     argv += ["--enable-prefix-caching", "--seed", str(recipe.seed), "--generation-config", "vllm"]
-    if recipe.max_model_len is not None:
+    if placement.scoring and not placement.on_cpu:
+        length, seqs, batched = loss_server_limits(recipe, model_max_len(model_path))
+        argv += ["--max-model-len", str(length), "--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(batched)]
+    elif recipe.max_model_len is not None:
         argv += ["--max-model-len", str(recipe.max_model_len)]
     if placement.on_cpu:
         # fp32 (bf16 is ~4x slower on AVX2), eager (start-up 50 s instead of 3-4 min: the compile cache does
