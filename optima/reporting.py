@@ -66,6 +66,9 @@ def build_row(iteration: int, stage: str, metrics: dict) -> dict:
         "kind": kind,
         "answer_rate": conversations.get("answer_rate"),
         "task_score": conversations.get("accuracy"),
+        # The answer named in words where the format is missing (optima.tasks.flexible; older runs: not recorded).
+        "flexible_answer_rate": conversations.get("flexible_answer_rate"),
+        "flexible_score": conversations.get("flexible_accuracy"),
         "mean_tokens": conversations.get("mean_tokens"),
         "cut_rate": conversations.get("cut_rate"),  # share cut for length (older runs: not recorded)
         "conversations": conversations.get("conversations", conversations.get("rollouts")),
@@ -156,6 +159,8 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
         return "\n".join([*lines, "No iteration has finished yet (no metrics.json found).", ""])
     lines += [
         "Task score and answer rate are over the sampled conversations (SFT) or the tree-search rollouts (DPO); "
+        "strict: the answer in the answer format (what the reward scores); flexible: the strict answer, else the "
+        "one the replies name in words (an option, the last number: the `flexible-extract` of lm-eval-harness); "
         "kept = conversations kept by selection (SFT) or preference pairs kept (DPO). Iteration k is the folder "
         "`iteration_<k-1>`; its checkpoint `checkpoints/iteration_<k-1>` is the model after iteration k.",
         "",
@@ -167,6 +172,8 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
                 "label",
                 "answer_rate",
                 "task_score",
+                "flexible_answer_rate",
+                "flexible_score",
                 "mean_tokens",
                 "cut_rate",
                 "conversations",
@@ -178,6 +185,8 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
                 "iteration",
                 "answer rate",
                 "task score",
+                "answer rate (flexible)",
+                "task score (flexible)",
                 "mean tokens",
                 "cut share",
                 "conversations",
@@ -234,6 +243,11 @@ def plot_report(rows: list[dict], path: Path, title: str):
     labels = [row["label"] for row in rows]
     score_axis.plot(x, [row["task_score"] for row in rows], marker="o", label="task score")
     score_axis.plot(x, [row["answer_rate"] for row in rows], marker="^", linestyle=":", label="answer rate")
+    if any(row.get("flexible_score") is not None for row in rows):
+        score_axis.plot(x, [row.get("flexible_score") for row in rows], marker="o", mfc="none", linestyle="-.",
+                        color="tab:blue", label="task score (flexible)")  # fmt: skip
+        score_axis.plot(x, [row.get("flexible_answer_rate") for row in rows], marker="^", mfc="none", linestyle=":",
+                        color="tab:orange", label="answer rate (flexible)")  # fmt: skip
     if any(row.get("cut_rate") is not None for row in rows):
         cut = [row.get("cut_rate") for row in rows]
         score_axis.plot(x, cut, marker="v", linestyle="--", color="tab:gray", label="cut for length")

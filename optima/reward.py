@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
 from optima.quantiles import interpolated_quantile
+from optima.tasks.flexible import flexible_answer as flexible_reply_answer
 
 if TYPE_CHECKING:
     from optima.config.types import RewardFields
@@ -98,6 +99,25 @@ def has_answer(record: dict) -> bool:
         record: A generation record, rewarded result or tree-search rollout (``final_answer``, ``status``).
     """
     return scored_answer(record.get("final_answer"), record.get("status", "")) is not None
+
+
+def flexible_answer(record: dict) -> str | None:
+    """The answer a conversation record names, in the answer format or not (docs/method.md#metrics).
+
+    Its strict answer (``scored_answer``) when it has one, else the flexible answer of its replies
+    (``optima.tasks.flexible``: an option named in words, the last number, ...); None for a cut or failed
+    conversation, as for the strict answer.
+
+    Args:
+        record: A generation record (``final_answer``, ``status``, ``utterances``, ``example``).
+    """
+    strict = scored_answer(record.get("final_answer"), record.get("status", ""))
+    if strict is not None or record.get("status") != OK:
+        return strict
+    example = record["example"]
+    options = tuple((str(label), str(text)) for label, text in example.get("options", ()))
+    texts = [utterance["text"] for utterance in record.get("utterances", ())]
+    return flexible_reply_answer(texts, example["score_type"], options)
 
 
 def is_cut(record: dict) -> bool:

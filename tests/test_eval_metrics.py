@@ -24,7 +24,9 @@ GSM8K = Example("gsm-1", "gsm8k", "How many?", "18", "number")
 MATH = Example("math-1", "math", "Half of one?", "\\frac{1}{2}", "math")
 
 
-def rec(example: Example, answer: str | None, status: str = "ok", tokens: int = 10, sample: int = 0) -> dict:
+def rec(
+    example: Example, answer: str | None, status: str = "ok", tokens: int = 10, sample: int = 0, replies=()
+) -> dict:
     """A result record as generate_conversations writes it (only the fields the metrics read)."""
     return {
         "task_id": example.id,
@@ -33,6 +35,7 @@ def rec(example: Example, answer: str | None, status: str = "ok", tokens: int = 
         "status": status,
         "token_count": tokens,
         "example": example.to_dict(),
+        "utterances": [{"speaker": "Alice", "text": text, "tokens": 1} for text in replies],
     }
 
 
@@ -104,8 +107,8 @@ def test_summary_of_a_greedy_file():
     records = [
         rec(arc[0], "B", tokens=10),
         rec(arc[1], "A", tokens=20),
-        rec(arc[2], "", tokens=30),
-        rec(arc[3], "B", "too_long", tokens=40),
+        rec(arc[2], "", tokens=30, replies=["<A>{letter}) {option text}</A> The answer is B."]),  # named in words
+        rec(arc[3], "B", "too_long", tokens=40, replies=["The answer is B"]),  # cut: no answer, strict or flexible
         rec(arc[4], None, "error", tokens=0),
     ]
     summary = summarize_records(records, SCORER)
@@ -114,6 +117,9 @@ def test_summary_of_a_greedy_file():
         "conversations": 5,
         "accuracy": 0.2,
         "accuracy_original": 0.0,
+        "accuracy_flexible": 0.4,
+        "answer_rate": 0.4,
+        "flexible_answer_rate": 0.6,
         "mean_tokens": 20.0,
         "mean_tokens_original": 12.0,  # too long / failed: 0 tokens, still counted
         "cut_rate": 0.2,

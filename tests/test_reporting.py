@@ -12,6 +12,7 @@ from optima.manifest import Manifest
 from optima.reporting import collect_rows, write_run_report
 from optima.run_context import iteration_metrics
 from optima.stages.reward_stage import RewardStats
+from optima.tasks import Example
 from optima.tracking import (
     parse_report_to,
     resolve_report_to,
@@ -86,13 +87,34 @@ def test_report_files_are_written_and_redrawn_by_the_command(sft_run, capsys):
     markdown, image = write_run_report(sft_run)
     text = markdown.read_text()
     assert "method iSFT, task `arc`" in text
-    assert "| 2 | 0.75 | 0.75 | 50.0 | 0 | 4 | 3 | 1.25 | 42.5 |" in text  # per-iteration table, second row
+    # per-iteration table, second row: answer rate and task score, strict then flexible, tokens, cut, ...
+    assert "| 2 | 0.75 | 0.75 | 0.75 | 0.75 | 50.0 | 0 | 4 | 3 | 1.25 | 42.5 |" in text
     assert "| 1 | 0.5 | -0.9 | 0.5 | 0 | 0.1 |" in text  # mean reward parts of the first iteration
     assert "## DPO pairs" not in text
     assert image.read_bytes().startswith(b"\x89PNG")
     image.unlink()
     assert optima_main(["report", str(sft_run)]) == 0
     assert image.exists() and "## Stage times (s)" in capsys.readouterr().out
+
+
+def test_the_score_stage_counts_answers_named_in_words():
+    example = Example("q", "arc", "?", "sand", "choice", options=(("A", "water"), ("C", "sand"))).to_dict()
+    parts = {"task_score": 0.0, "token_term": 0.0, "loss_term": 0.0, "penalty": 0.0, "reward": 0.0}
+
+    def result(final: str, status: str, reply: str) -> dict:
+        utterances = [{"speaker": "Alice", "text": reply, "tokens": 4}]
+        return {"final_answer": final, "status": status, "token_count": 4, "reward_parts": parts, "reward": 0.0,
+                "example": example, "utterances": utterances}  # fmt: skip
+
+    stats = RewardStats()
+    stats.add({"task_id": "q", "results": [
+        result("", "ok", "<A>{letter}) {option text}</A> The answer is C."),  # right, in words only
+        result("", "too_long", "The answer is C."),  # cut: no answer either way
+        result("A", "ok", "<A>A</A>"),  # a strict answer (wrong) is also the flexible one
+    ]})  # fmt: skip
+    numbers = stats.to_dict()
+    assert numbers["answer_rate"] == round(1 / 3, 4) and numbers["accuracy"] == 0.0
+    assert numbers["flexible_answer_rate"] == round(2 / 3, 4) and numbers["flexible_accuracy"] == round(1 / 3, 4)
 
 
 def write_generations(folder: Path, answers: list[str], cut: int = 0) -> None:

@@ -26,7 +26,7 @@ from optima.config.fields import RecipeError
 from optima.evaluation.autoform import autoform_request_texts, generate_autoform
 from optima.evaluation.cot import build_cot_messages, generate_cot_answers
 from optima.evaluation.debate import DebateSettings, debate_prompts, generate_debates
-from optima.evaluation.metrics import RecordScorer, metric_names, record_example, summarize_records
+from optima.evaluation.metrics import RecordScorer, flexible_name, metric_names, record_example, summarize_records
 from optima.evaluation.runs import GenerationJob
 from optima.evaluation.voting import analyze_self_consistency
 
@@ -41,8 +41,9 @@ LABELS = {
     "autoform_sc": "AutoForm SC",
 }
 # Tokens and the share of records with a cut reply side by side (docs/method.md#token-count).
-ROW_COLUMNS = ("method", "model", "questions", "{metric}", "answer_rate", "mean_tokens", "cut_rate",
-               "too_long_rate", "error_rate")  # fmt: skip
+# Strict (the answer format) and flexible (``optima.tasks.flexible``) side by side, as lm-eval-harness shows them.
+ROW_COLUMNS = ("method", "model", "questions", "{metric}", "{metric}_flexible", "answer_rate", "flexible_answer_rate",
+               "mean_tokens", "cut_rate", "too_long_rate", "error_rate")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -106,16 +107,21 @@ def method_row(records: list[dict], samples: int, scorer: RecordScorer, cluster_
     """One comparison row: questions, the task metric, answer rate, tokens per question and cut share, failure rates.
 
     A method with several samples per question scores the majority vote of all of them and costs their summed
-    tokens; the answer rate is the share of records (answers, conversations, debates) that state an answer.
+    tokens; the answer rate is the share of records (answers, conversations, debates) that state an answer, in the
+    answer format (``answer_rate``) or in words (``flexible_answer_rate``); ``<metric>_flexible`` scores (votes on)
+    the flexible answers.
     """
     summary = summarize_records(records, scorer)
     if not summary["questions"]:
         return {"questions": 0}
     metric, _ = metric_names(record_example(records[0]).score_type)
-    row = {"questions": summary["questions"], metric: summary[metric], "mean_tokens": summary["mean_tokens"]}
-    row["cut_rate"] = summary["cut_rate"]
+    flexible = flexible_name(metric)
+    row = {"questions": summary["questions"], metric: summary[metric], flexible: summary[flexible]}
+    row |= {"mean_tokens": summary["mean_tokens"], "cut_rate": summary["cut_rate"]}
     if samples > 1:
         voted = analyze_self_consistency(records, samples, scorer, cluster_f1)[-1]
-        row |= {metric: voted["majority_vote"], "mean_tokens": voted["tokens"]}
-    row["answer_rate"] = round(1 - summary["no_answer_rate"], 4)
+        voted_flexible = analyze_self_consistency(records, samples, scorer, cluster_f1, flexible=True)[-1]
+        row |= {metric: voted["majority_vote"], flexible: voted_flexible["majority_vote"]}
+        row["mean_tokens"] = voted["tokens"]
+    row |= {"answer_rate": summary["answer_rate"], "flexible_answer_rate": summary["flexible_answer_rate"]}
     return row | {"too_long_rate": summary["too_long_rate"], "error_rate": summary["error_rate"]}

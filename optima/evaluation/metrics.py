@@ -8,6 +8,11 @@ For one result file (one JSONL record per conversation, as ``generate_conversati
   - ``accuracy`` and ``accuracy_original`` for the four debate tasks. ``accuracy_original`` (docs/method.md#metrics)
     is option-text equality for arc/mmlu, the *first number* of the final answer for gsm8k (its eval-only ``gsm8k``
     score type), and symbolic equivalence for math (as ours);
+* ``<metric>_flexible`` (``accuracy_flexible``, ``f1_flexible``): the same score of the *flexible* answer, as
+  lm-eval-harness reports ``flexible-extract`` beside ``strict-match``: the strict answer (the tag) when there is
+  one, else what the replies name in words (an option, the last number, the last sentence:
+  ``optima.tasks.flexible``), so a model that answers outside the format is not scored as if it had not answered;
+  ``answer_rate`` and ``flexible_answer_rate`` are the shares of records with a strict / flexible answer;
 * ``mean_tokens``: the paper's #Tok, the mean ``token_count`` per question (every generated token, cut replies
   included: docs/method.md#token-count), and ``mean_tokens_original``: the same mean where too-long and
   failed conversations add 0 tokens but still count in the denominator;
@@ -26,7 +31,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from optima.reward import has_answer, is_cut
+from optima.reward import flexible_answer, has_answer, is_cut
 from optima.store import group_by_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
@@ -44,6 +49,11 @@ def metric_names(score_type: str) -> tuple[str, str]:
         score_type: ``f1``, ``choice``, ``number`` or ``math``.
     """
     return ("f1", "f1_original_subword") if score_type == "f1" else ("accuracy", "accuracy_original")
+
+
+def flexible_name(metric: str) -> str:
+    """The key of a metric's flexible variant (``accuracy`` -> ``accuracy_flexible``)."""
+    return f"{metric}_flexible"
 
 
 def record_example(record: dict) -> Example:
@@ -77,6 +87,11 @@ class RecordScorer:
             raise ValueError("f1_original_subword needs the model tokenizer's tokenize function")
         return score_example(example, prediction, "original", self.tokenize, verifier=self.verifier)
 
+    def score_flexible(self, record: dict) -> float:
+        """Our score of the record's flexible answer (``optima.reward.flexible_answer``; 0 when it names none)."""
+        answer = flexible_answer(record)
+        return score_example(record_example(record), answer, verifier=self.verifier) if answer else 0.0
+
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
@@ -90,8 +105,9 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
         scorer: Scores a record (ours and its ``_original`` variant).
 
     Returns:
-        ``{"questions", "conversations", <metric>, <metric>_original..., "mean_tokens", "mean_tokens_original",
-        "cut_rate", "no_answer_rate", "too_long_rate", "error_rate"}``; the metric keys follow ``metric_names``.
+        ``{"questions", "conversations", <metric>, <metric>_original..., <metric>_flexible, "answer_rate",
+        "flexible_answer_rate", "mean_tokens", "mean_tokens_original", "cut_rate", "no_answer_rate",
+        "too_long_rate", "error_rate"}``; the metric keys follow ``metric_names`` and ``flexible_name``.
     """
     groups = group_by_question(records)
     if not groups:
@@ -99,6 +115,7 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
     name, original_name = metric_names(record_example(groups[0][0]).score_type)
     ours = [_mean([scorer.score(r) for r in group]) for group in groups]
     theirs = [_mean([scorer.score(r, original=True) for r in group]) for group in groups]
+    flexible = [_mean([scorer.score_flexible(r) for r in group]) for group in groups]
     tokens = [_mean([r["token_count"] for r in group]) for group in groups]
     # The ``_original`` variant leaves too long and failed results out of the token sum but not out of the count.
     tokens_original = [_mean([r["token_count"] if r["status"] == "ok" else 0 for r in group]) for group in groups]
@@ -108,6 +125,9 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
         "conversations": count,
         name: round(_mean(ours), 4),
         original_name: round(_mean(theirs), 4),
+        flexible_name(name): round(_mean(flexible), 4),
+        "answer_rate": round(sum(has_answer(r) for r in records) / count, 4),
+        "flexible_answer_rate": round(sum(flexible_answer(r) is not None for r in records) / count, 4),
         "mean_tokens": round(_mean(tokens), 2),
         "mean_tokens_original": round(_mean(tokens_original), 2),
         "cut_rate": round(sum(is_cut(r) for r in records) / count, 4),

@@ -89,8 +89,8 @@ def cut_share(row: Mapping) -> float | None:
 
 
 def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str):
-    """Task metric (ours and its ``_original`` variant), answer rate, share cut for length and mean tokens per
-    question, per checkpoint (named "after iteration k"); returns the figure.
+    """Task metric (ours, its ``_original`` variant and its flexible variant), answer rate (strict and flexible),
+    share cut for length and mean tokens per question, per checkpoint (named "after iteration k"); returns the figure.
 
     Args:
         rows: Summary rows in checkpoint order (``model`` plus the metric keys and ``mean_tokens``).
@@ -104,9 +104,16 @@ def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path:
     names = [checkpoint_label(row["model"]) for row in rows]
     score_axis.plot(x, [row.get(metric) for row in rows], marker="o", label=metric)
     score_axis.plot(x, [row.get(original_metric) for row in rows], marker="s", linestyle="--", label=original_metric)
+    if any(row.get(f"{metric}_flexible") is not None for row in rows):
+        flexible = [row.get(f"{metric}_flexible") for row in rows]
+        score_axis.plot(x, flexible, marker="o", mfc="none", linestyle="-.", label=f"{metric} (flexible answer)")
     # The share of conversations that end with an answer: the first thing training changes in a small model.
     answered = [None if row.get("no_answer_rate") is None else 1 - row["no_answer_rate"] for row in rows]
     score_axis.plot(x, answered, marker="^", linestyle=":", color="tab:gray", label="answer rate")
+    if any(row.get("flexible_answer_rate") is not None for row in rows):
+        flexible_rate = [row.get("flexible_answer_rate") for row in rows]
+        score_axis.plot(x, flexible_rate, marker="^", mfc="none", linestyle=":", color="tab:olive",
+                        label="answer rate (flexible)")  # fmt: skip
     cut = [cut_share(row) for row in rows]
     if any(value is not None for value in cut):
         score_axis.plot(x, cut, marker="v", linestyle="--", color="tab:brown", label="cut for length")
@@ -204,8 +211,17 @@ def place_labels(axis, points: Sequence[tuple[float, float]], labels: Sequence[s
     return placed
 
 
+def scatter_flexible(axis, row: Mapping, key: str, index: int) -> None:
+    """A hollow marker (the row's colour and marker) at the row's flexible value ``key``, when it has one."""
+    if row.get(key) is None:
+        return
+    axis.scatter([row["mean_tokens"]], [row[key]], facecolors="none", edgecolors=f"C{index % 10}",
+                 marker="osD^vP*X"[index // 10 % 8], s=60, zorder=3)  # fmt: skip
+
+
 def plot_comparison(rows: Sequence[Mapping], metric: str, path: Path, title: str):
-    """Task metric and answer rate against tokens per question, one labelled point per method (paper Fig. 1 style).
+    """Task metric and answer rate against tokens per question, one labelled point per method (paper Fig. 1 style);
+    a hollow marker of the same colour beside each shows the flexible answer's value.
 
     Labels never overlap (``place_labels``); the legend, outside the panels, names every point. Returns the figure.
 
@@ -219,11 +235,15 @@ def plot_comparison(rows: Sequence[Mapping], metric: str, path: Path, title: str
     shown = [row for row in rows if row.get("mean_tokens") is not None]
     labels = comparison_labels(shown)
     panels = ((axes[0], metric, metric), (axes[1], "answer_rate", "answer rate"))
+    flexible_keys = {metric: f"{metric}_flexible", "answer_rate": "flexible_answer_rate"}
     for axis, key, name in panels:
         for index, (row, label) in enumerate(zip(shown, labels, strict=True)):
             marker = "osD^vP*X"[index // 10 % 8]  # colours repeat after ten points, markers tell them apart
             axis.scatter([row["mean_tokens"]], [row.get(key) or 0.0], color=f"C{index % 10}", marker=marker, s=60,
                          zorder=3, label=label)  # fmt: skip
+            scatter_flexible(axis, row, flexible_keys[key], index)
+        if any(row.get(flexible_keys[key]) is not None for row in shown):
+            axis.set_title("filled: strict answer (tag), hollow: flexible answer", fontsize="small")
         tokens = [row["mean_tokens"] for row in shown]
         if tokens and min(tokens) > 0 and max(tokens) >= 10 * min(tokens):
             axis.set_xscale("log")  # a log axis only across a decade or more: plain tick numbers otherwise

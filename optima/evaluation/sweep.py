@@ -58,10 +58,12 @@ TABLE_COLUMNS = (
     "checkpoint",
     "questions",
     "{metric}",
+    "{metric}_flexible",
     "{original}",
+    "answer_rate",
+    "flexible_answer_rate",
     "mean_tokens",
     "cut_rate",
-    "no_answer_rate",
     "error_rate",
 )
 

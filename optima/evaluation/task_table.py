@@ -3,9 +3,11 @@
 ``python -m optima compare --tasks a,b,...`` compares the methods on each task (``optima.evaluation.compare``,
 one folder per task) and then joins the rows here:
 
-    <output>/table.md     | method | arc | gsm8k |, each cell "metric / tokens" (e.g. "0.412 / 87")
-    <output>/table.csv    one row per method: <task>_<metric>, <task>_tokens, <task>_cut (share of records with
-                          a reply cut at max_tokens: ``cut_rate``), <task>_answer_rate
+    <output>/table.md     | method | arc | gsm8k |, each cell "strict metric / flexible metric / tokens"
+                          (e.g. "0.412 / 0.530 / 87"; strict: the answer format, flexible: ``optima.tasks.flexible``)
+    <output>/table.csv    one row per method: <task>_<metric>, <task>_<metric>_flexible, <task>_tokens, <task>_cut
+                          (share of records with a reply cut at max_tokens: ``cut_rate``), <task>_answer_rate,
+                          <task>_flexible_answer_rate
     <output>/table.json   {"tasks": {task: {"metric", "rows"}}, "producers": ...}
     <output>/table.png    one panel per task: the task metric against tokens per question, one point per method
 """
@@ -16,8 +18,16 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from optima.evaluation.metrics import metric_names
-from optima.evaluation.report import _new_figure, cut_share, place_labels, render_markdown_table, write_csv, write_json
+from optima.evaluation.metrics import flexible_name, metric_names
+from optima.evaluation.report import (
+    _new_figure,
+    cut_share,
+    place_labels,
+    render_markdown_table,
+    scatter_flexible,
+    write_csv,
+    write_json,
+)
 from optima.store import atomic_write_text
 from optima.tasks import get_task
 
@@ -30,10 +40,13 @@ def task_metric(task: str) -> str:
 
 
 def cell(row: Mapping | None, metric: str) -> str:
-    """One table cell: ``metric / tokens`` (``-`` for a method the task did not run)."""
+    """One table cell: ``strict metric / flexible metric / tokens`` (``-`` for a method the task did not run; the
+    flexible part is left out of rows that have none)."""
     if not row or row.get(metric) is None:
         return "-"
-    return f"{row[metric]:.3f} / {row.get('mean_tokens') or 0:.0f}"
+    flexible = row.get(flexible_name(metric))
+    middle = "" if flexible is None else f"{flexible:.3f} / "
+    return f"{row[metric]:.3f} / {middle}{row.get('mean_tokens') or 0:.0f}"
 
 
 def wide_rows(per_task: Mapping[str, Sequence[Mapping]]) -> list[dict]:
@@ -44,7 +57,9 @@ def wide_rows(per_task: Mapping[str, Sequence[Mapping]]) -> list[dict]:
         for row in task_rows:
             wide = rows.setdefault(row["method"], {"method": row["method"]})
             wide |= {f"{task}_{metric}": row.get(metric), f"{task}_tokens": row.get("mean_tokens")}
+            wide |= {f"{task}_{flexible_name(metric)}": row.get(flexible_name(metric))}
             wide |= {f"{task}_cut": cut_share(row), f"{task}_answer_rate": row.get("answer_rate")}
+            wide |= {f"{task}_flexible_answer_rate": row.get("flexible_answer_rate")}
             wide[f"{task}_cell"] = cell(row, metric)
     return list(rows.values())
 
@@ -66,10 +81,13 @@ def plot_task_table(per_task: Mapping[str, Sequence[Mapping]], path: Path, title
             index = methods.index(row["method"])
             axis.scatter([row["mean_tokens"]], [row.get(metric) or 0.0], color=f"C{index % 10}",
                          marker="osD^vP*X"[index // 10 % 8], s=60, zorder=3, label=row["method"])  # fmt: skip
+            scatter_flexible(axis, row, flexible_name(metric), index)
         tokens = [row["mean_tokens"] for row in shown]
         if tokens and min(tokens) > 0 and max(tokens) >= 10 * min(tokens):
             axis.set_xscale("log")  # a log axis only across a decade or more
-        axis.set(title=task, xlabel="tokens per question", ylabel=metric, ylim=(-0.02, 1.02))
+        flexible = any(row.get(flexible_name(metric)) is not None for row in shown)
+        name = f"{task} (filled: strict, hollow: flexible)" if flexible else task
+        axis.set(title=name, xlabel="tokens per question", ylabel=metric, ylim=(-0.02, 1.02))
         axis.grid(alpha=0.3)
         points.append((axis, [(row["mean_tokens"], row.get(metric) or 0.0) for row in shown], shown))
     handles = {label: handle for axis in axes for handle, label in zip(*axis.get_legend_handles_labels(), strict=True)}
@@ -91,9 +109,12 @@ def write_task_table(out_root: Path, per_task: Mapping[str, Sequence[Mapping]], 
     markdown = render_markdown_table(rows, ["method", *(f"{t}_cell" for t in tasks)], ["method", *tasks])
     metrics = ", ".join(f"{t}: {task_metric(t)}" for t in tasks)
     atomic_write_text(
-        out_root / "table.md", f"{markdown}\n\nEach cell: task metric / tokens per question ({metrics}).\n"
+        out_root / "table.md",
+        f"{markdown}\n\nEach cell: task metric of the strict answer (the answer format) / of the flexible answer "
+        f"(named in words: an option, the last number) / tokens per question ({metrics}).\n",
     )
-    columns = ["method"] + [f"{t}_{k}" for t in tasks for k in (task_metric(t), "tokens", "cut", "answer_rate")]
+    kinds = ("{metric}", "{metric}_flexible", "tokens", "cut", "answer_rate", "flexible_answer_rate")
+    columns = ["method"] + [f"{t}_{k.format(metric=task_metric(t))}" for t in tasks for k in kinds]
     write_csv(out_root / "table.csv", rows, columns)
     tables = {t: {"metric": task_metric(t), "rows": list(per_task[t])} for t in tasks}
     write_json(out_root / "table.json", dict(header) | {"tasks": tables})

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from optima.evaluation.metrics import RecordScorer, record_example
-from optima.reward import has_answer, is_cut
+from optima.reward import flexible_answer, has_answer, is_cut
 from optima.store import group_by_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
@@ -94,11 +94,19 @@ def majority_score(clusters: Sequence[Sequence[int]], scores: Sequence[float]) -
     return sum(scores[i] for i in winner) / len(winner)
 
 
-def question_curves(group: Sequence[dict], max_k: int, scorer: RecordScorer, cluster_f1: float) -> list[tuple]:
-    """(majority_vote, coverage, tokens, cut share) of one question for k = 1..min(max_k, samples)."""
+def question_curves(
+    group: Sequence[dict], max_k: int, scorer: RecordScorer, cluster_f1: float, flexible: bool = False
+) -> list[tuple]:
+    """(majority_vote, coverage, tokens, cut share) of one question for k = 1..min(max_k, samples).
+
+    With ``flexible`` the samples vote with their flexible answers (``optima.reward.flexible_answer``).
+    """
     samples = list(group[:max_k])
-    scores = [scorer.score(r) for r in samples]
-    answers = [r["final_answer"] if has_answer(r) else None for r in samples]
+    if flexible:
+        scores, answers = [scorer.score_flexible(r) for r in samples], [flexible_answer(r) for r in samples]
+    else:
+        scores = [scorer.score(r) for r in samples]
+        answers = [r["final_answer"] if has_answer(r) else None for r in samples]
     matcher = AnswerMatcher(record_example(samples[0]), cluster_f1, scorer.verifier)
     curves, tokens, cut = [], 0, 0
     for k, clusters in enumerate(cluster_answers(answers, matcher), start=1):
@@ -109,7 +117,7 @@ def question_curves(group: Sequence[dict], max_k: int, scorer: RecordScorer, clu
 
 
 def analyze_self_consistency(
-    records: Sequence[dict], max_k: int, scorer: RecordScorer, cluster_f1: float = 0.9
+    records: Sequence[dict], max_k: int, scorer: RecordScorer, cluster_f1: float = 0.9, flexible: bool = False
 ) -> list[dict]:
     """Majority vote, coverage and tokens per question, averaged over questions, for k = 1..K.
 
@@ -121,12 +129,14 @@ def analyze_self_consistency(
         max_k: Largest k to report.
         scorer: Scores a record against its gold answer (its verifier also matches math answers).
         cluster_f1: F1 at or above which two answers of an F1 task vote together.
+        flexible: Vote with the flexible answers (strict ones where there are) instead of the strict ones.
 
     Returns:
         One row per k: ``{"k", "majority_vote", "coverage", "tokens", "cut_rate", "questions"}`` (tokens: mean per
         question of the summed tokens of its k samples; cut_rate: mean per question of its cut share).
     """
-    per_question = [question_curves(group, max_k, scorer, cluster_f1) for group in group_by_question(records)]
+    groups = group_by_question(records)
+    per_question = [question_curves(group, max_k, scorer, cluster_f1, flexible) for group in groups]
     if not per_question:
         return []
     rows = []

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from optima.agents.prompts import Utterance
 from optima.loss_stream import conversation_texts, needs_losses, to_json_losses
-from optima.reward import Conversation, is_cut, question_t_max, score_conversation, scored_answer
+from optima.reward import Conversation, flexible_answer, is_cut, question_t_max, score_conversation, scored_answer
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
 from optima.tasks.scoring import score_example
@@ -59,11 +59,14 @@ class RewardStats:
     questions: int = 0
     conversations: int = 0
     answered: int = 0
+    flexible_answered: int = 0
     task_score_sum: float = 0.0
+    flexible_score_sum: float = 0.0
     token_sum: int = 0
     cut: int = 0  # conversations cut for length
     best_rewards: list[float] = field(default_factory=list)
     parts_sum: Counter = field(default_factory=Counter)
+    verifier: object | None = None  # the stage's MathVerifier (flexible MATH answers)
 
     def add(self, line: dict) -> None:
         results = line["results"]
@@ -73,9 +76,23 @@ class RewardStats:
         self.conversations += len(results)
         self.answered += sum(scored_answer(r.get("final_answer"), r.get("status", "ok")) is not None for r in results)
         self.task_score_sum += sum(r["reward_parts"]["task_score"] for r in results)
+        for r in results:
+            self.add_flexible(r)
         self.token_sum += sum(r["token_count"] for r in results)
         self.cut += sum(is_cut(r) for r in results)
         self.best_rewards.append(max(r["reward"] for r in results))
+
+    def add_flexible(self, result: dict) -> None:
+        """Count a rewarded conversation's flexible answer: its strict one scores as the reward scored it."""
+        if scored_answer(result.get("final_answer"), result.get("status", "ok")) is not None:
+            self.flexible_answered += 1
+            self.flexible_score_sum += result["reward_parts"]["task_score"]
+            return
+        answer = flexible_answer(result)
+        if answer is not None:
+            self.flexible_answered += 1
+            example = Example.from_dict(result["example"])
+            self.flexible_score_sum += score_example(example, answer, verifier=self.verifier)
 
     def to_dict(self) -> dict:
         n = max(self.conversations, 1)
@@ -85,6 +102,9 @@ class RewardStats:
             "conversations": self.conversations,
             "answer_rate": round(self.answered / n, 4),
             "accuracy": round(self.task_score_sum / n, 4),
+            # The answer named in words when not in the format (optima.tasks.flexible): reported, never rewarded.
+            "flexible_answer_rate": round(self.flexible_answered / n, 4),
+            "flexible_accuracy": round(self.flexible_score_sum / n, 4),
             "mean_tokens": round(self.token_sum / n, 2),
             "cut_rate": round(self.cut / n, 4),
             "best_reward_max": round(best[-1], 4) if best else None,
@@ -158,7 +178,7 @@ def reward_generations(
     groups = group_by_question(records)
     # One line per question (no sample_index): the question's id is the resume key.
     done = prepare_resume(out_path, retry_errors=False, key=lambda line: str(line["task_id"]))
-    stats = RewardStats()
+    stats = RewardStats(verifier=scorers.verifier)
     for line in load_records(out_path)[0]:
         stats.add(line)
     todo = [g for g in groups if str(g[0]["task_id"]) not in done]
