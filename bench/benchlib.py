@@ -1,7 +1,6 @@
 """Helpers shared by the benchmark scripts: process-tree memory sampling and a description of the machine.
 
-Not a benchmark itself; imported by ``bench/scoring.py``, ``bench/sft.py`` and ``bench/run_all.py`` (they run with
-``bench/`` first on ``sys.path``).
+Not a benchmark itself; imported by the others (``python -m bench.<name>``, run from the repository root).
 
 Memory is measured two ways, and each table says which:
 
@@ -25,6 +24,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "openai")
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
+
+
+def shown(path) -> str:
+    """``path`` as the results name it: relative to the repository when inside it (no machine's absolute paths).
+
+    Symbolic links are not followed: ``models/`` may link to a copy elsewhere and is still ``models/...``.
+    """
+    absolute = Path(os.path.abspath(path))
+    return str(absolute.relative_to(REPO)) if absolute.is_relative_to(REPO) else str(path)
 
 
 def add_model_args(parser, data_dir: bool = True) -> None:

@@ -1,8 +1,8 @@
 """Generation throughput: our two-agent conversation generator vs a plain concurrent client, same server.
 
-    .venvs/train/bin/python bench/generation.py                      # SmolLM2 on CPU, 12 ARC questions x 2
-    .venvs/train/bin/python bench/generation.py --questions 64 --threads 64 --max-tokens 256
-    .venvs/train/bin/python bench/generation.py --task hotpot_qa --questions 12 --samples 2 --max-turns 6 \
+    .venvs/train/bin/python -m bench.generation                      # SmolLM2 on CPU, 12 ARC questions x 2
+    .venvs/train/bin/python -m bench.generation --questions 64 --threads 64 --max-tokens 256
+    .venvs/train/bin/python -m bench.generation --task hotpot_qa --questions 12 --samples 2 --max-turns 6 \
         --max-tokens 128 --threads 64                              # information exchange: long contexts
 
 1. Serve the model (``optima.serving.serve`` with the default KV-cache sizing; the dev API is enabled to reset the
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -33,20 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib import add_model_args  # noqa: E402
-
-from optima.agents.generation import ConversationRunner, GenerationHooks, GenerationPlan, generate_conversations  # noqa: E402
-from optima.config import InferenceRecipe, load_recipe  # noqa: E402
-from optima.environments import resolve_env  # noqa: E402
-from optima.logging_utils import setup_logging  # noqa: E402
-from optima.paths import RunPaths  # noqa: E402
-from optima.serving import serve  # noqa: E402
-from optima.serving.capacity import CacheCounters  # noqa: E402
-from optima.serving.kv_monitor import fetch_metrics  # noqa: E402
-from optima.tasks import TASKS  # noqa: E402
+from bench.benchlib import add_model_args, shown
+from optima.agents import ConversationRunner, GenerationHooks, GenerationPlan, generate_conversations
+from optima.config import InferenceRecipe, load_recipe
+from optima.environments import resolve_env
+from optima.logging_utils import setup_logging
+from optima.paths import RunPaths
+from optima.serving import CacheCounters, fetch_metrics, serve
+from optima.tasks import TASKS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -233,10 +226,10 @@ def main(argv=None) -> int:
     plain = plain_tokens / plain_s
     turns = hit_rates_by_turn(log.turns)
     print(
-        f"model {args.model} | {args.task} | {len(examples)} questions x {args.samples} | {args.threads} threads, "
-        f"KV bound {stats.kv.get('in_flight')}, {in_flight} conversations in flight (plain client: {in_flight} "
-        f"threads) | {args.max_turns} turns x {args.max_tokens} tokens | {len(requests)} requests | "
-        f"KV cache {stats.kv.get('kv_cache_tokens')} tokens"
+        f"model {shown(args.model)} | {args.task} | {len(examples)} questions x {args.samples} | "
+        f"{args.threads} threads, KV bound {stats.kv.get('in_flight')}, {in_flight} conversations in flight "
+        f"(plain client: {in_flight} threads) | {args.max_turns} turns x {args.max_tokens} tokens | "
+        f"{len(requests)} requests | KV cache {stats.kv.get('kv_cache_tokens')} tokens"
     )
     if log.prefills:
         prompt, cached = (sum(column) for column in zip(*log.prefills, strict=True))

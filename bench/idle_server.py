@@ -1,7 +1,7 @@
 """Does an idle vLLM server kept through training slow the trainer? SFT launches with the servers idle or frozen.
 
-    .venvs/train/bin/python bench/idle_server.py                   # SmolLM2, demo layout, max_steps 3, 2 rounds
-    .venvs/train/bin/python bench/idle_server.py --rounds 1 --max-steps 1
+    .venvs/train/bin/python -m bench.idle_server                   # SmolLM2, demo layout, max_steps 3, 2 rounds
+    .venvs/train/bin/python -m bench.idle_server --rounds 1 --max-steps 1
 
 The servers of the CPU demo start once, as a run places them (``ServerHolder`` with the hardware plan's layout:
 policy bound to core 0, the loss server to core 1 on two cores), each answers one request (so that its threads
@@ -22,23 +22,16 @@ import argparse
 import json
 import os
 import signal
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from benchlib import add_model_args, load_average  # noqa: E402
-from serving import child_groups, cpu_seconds  # noqa: E402
-from sft import BASE_YAML, run_side, write_configs  # noqa: E402
-
-from optima.config import SFTRecipe, load_recipe  # noqa: E402
-from optima.environments import resolve_env  # noqa: E402
-from optima.paths import RunPaths  # noqa: E402
-from optima.serving.holder import ServerHolder  # noqa: E402
-from optima.serving.layout import plan_layout  # noqa: E402
+from bench.benchlib import REPO, add_model_args, load_average
+from bench.serving import child_groups, cpu_seconds
+from bench.sft import BASE_YAML, run_side, write_configs
+from optima.config import SFTRecipe, load_recipe
+from optima.environments import resolve_env
+from optima.paths import RunPaths
+from optima.serving import ServerHolder, plan_layout
 
 SIDES = ("frozen", "loss idle", "both idle")
 DEMO_RECIPE = REPO / "train" / "sft_recipes" / "demo_arc.yaml"

@@ -1,6 +1,8 @@
-"""Render ``bench/RESULTS.md`` from the results ``bench/run_all.py`` collected (pure: dicts in, Markdown out).
+"""Render ``bench/RESULTS.md`` from the results ``python -m bench.run_all`` collected (pure: dicts in, Markdown out).
 
-.venvs/train/bin/python bench/run_all.py        # calls render_results(); not run on its own
+.venvs/train/bin/python -m bench.run_all        # calls render_results(); not run on its own
+
+Everything rendered comes from the results: each section and each target line names the date its benchmark ran.
 """
 
 from __future__ import annotations
@@ -27,13 +29,20 @@ def failed(name: str, result: dict) -> list[str]:
     return [f"**{name} failed** ({data['error']}); last lines:", "", "```", *data["tail"], "```", ""]
 
 
-def render_machine(meta: dict, demo_wall: float | None) -> list[str]:
+def ran(result: dict) -> str:
+    """When a benchmark ran, and the load around it (results of older versions may lack them)."""
+    text = f"run {result.get('date', '(date not recorded)')}"
+    if "load_before" in result:
+        text += f", load average before / after {result['load_before']} / {result['load_after']}"
+    return text
+
+
+def render_machine(meta: dict, results: dict, demo_wall: float | None) -> list[str]:
     lines = ["## Machine and conditions", ""]
     rows = [[k, v] for k, v in meta["machine"].items()]
-    rows += [
-        ["load average (1/5/15 min) before / after", f"{meta['load_before']} / {meta['load_after']}"],
-        ["benchmarks run", f"{meta['date']}, {meta['total_s']:.0f} s in all; outputs in `{meta['workdir']}`"],
-    ]
+    for name, result in results.items():
+        where = f"; outputs in `{result['outputs']}`" if "outputs" in result else ""
+        rows.append([f"`{name}`", f"{ran(result)} (1/5/15 min), {result['wall_s']:.0f} s{where}"])
     if demo_wall is not None:
         rows.append(
             ["demo run wall time (runs/demo_arc_sft, driver log)", f"{demo_wall:.0f} s ({demo_wall / 60:.1f} min)"]
@@ -189,10 +198,6 @@ def render_generation(result: dict, name: str = "generation") -> list[str]:
             f" {verdict(ok)}; over turns 3..N (each agent's own later turns): {d.get('hit_rate_turns_3_n')}",
             f"- by turn: {d.get('hit_rate_by_turn', '')}",
         ]
-    if name == "generation_ie" and "date" in result:
-        lines += [
-            f"- run {result['date']}, load average before / after {result['load_before']} / {result['load_after']}"
-        ]
     return lines + [""]
 
 
@@ -274,25 +279,35 @@ def iteration_finding(d: dict) -> str:
     return text
 
 
+def generation_finding(d: dict) -> str | None:
+    if d.get("ratio") is None:
+        return None
+    ok = d["ratio"] >= TARGETS["generation"]
+    return (
+        f"- Generation, generator >= {TARGETS['generation']} of a plain client: {verdict(ok)} "
+        f"({d['ratio']:.3f}; one pass each side, seconds-long, so noisy on a shared box)."
+    )
+
+
 def render_findings(results: dict) -> list[str]:
+    """One line per benchmark that ran without error: its target, met or missed, and the date it ran."""
     lines = ["## Targets", ""]
-    findings = {"scoring": scoring_finding, "sft": sft_finding, "iteration": iteration_finding}
+    findings = {
+        "scoring": scoring_finding,
+        "sft": sft_finding,
+        "iteration": iteration_finding,
+        "generation": generation_finding,
+        "generation_ie": generation_ie_finding,
+    }
     for name, finding in findings.items():
         if name in results and "error" not in results[name]["data"]:
-            lines.append(finding(results[name]["data"]))
-    generation = results.get("generation", {}).get("data", {})
-    if generation.get("ratio") is not None:
-        ok = generation["ratio"] >= TARGETS["generation"]
-        lines.append(
-            f"- Generation, generator >= {TARGETS['generation']} of a plain client: {verdict(ok)} "
-            f"({generation['ratio']:.3f}; one pass each side, seconds-long, so noisy on a shared box)."
-        )
-    lines += [line for line in [generation_ie_finding(results)] if line]
+            line = finding(results[name]["data"])
+            if line:
+                lines.append(f"{line.removesuffix('.')} ({ran(results[name])}).")
     return lines + [""]
 
 
-def generation_ie_finding(results: dict) -> str | None:
-    d = results.get("generation_ie", {}).get("data", {})
+def generation_ie_finding(d: dict) -> str | None:
     if d.get("ratio") is None:
         return None
     hit = d.get("hit_rate_turns_2_n")
@@ -305,16 +320,17 @@ def generation_ie_finding(results: dict) -> str | None:
 
 
 def render_results(results: dict, meta: dict) -> str:
-    """The whole RESULTS.md."""
+    """The whole generated part of RESULTS.md."""
     demo = results.get("iteration", {}).get("data", {}).get("run_wall_s")
     lines = [
         "# Benchmarks",
         "",
-        "Written by `bench/run_all.py` (do not edit by hand; rerun it). Small settings, chosen to keep the whole",
-        "run under 20 minutes on this 2-core box; each script's docstring gives its full-size command.",
+        "Written by `python -m bench.run_all` from `bench/results.json` (do not edit by hand; rerun it). Small",
+        "settings, chosen to keep the whole run under 20 minutes on a 2-core box; each script's docstring gives",
+        "its full-size command. Each benchmark's section and target line name the date it ran.",
         "",
     ]
-    lines += render_machine(meta, demo)
+    lines += render_machine(meta, results, demo)
     lines += render_findings(results)
     renderers = {
         "scoring": render_scoring,
@@ -325,30 +341,7 @@ def render_results(results: dict, meta: dict) -> str:
     }
     for name, render in renderers.items():
         if name in results:
-            lines += render(results[name])
+            section = render(results[name])
+            lines += [*section[:-1], f"- {ran(results[name])}", ""]
     lines += render_memory(results)
     return "\n".join(lines)
-
-
-def update_sections(text: str, results: dict, meta: dict) -> str:
-    """``text`` (an earlier RESULTS.md) with the sections of ``results`` replaced or added before the memory table.
-
-    Only the generation benchmarks render on their own; their target line in "Targets" is replaced too.
-    """
-    sections = text.split("\n## ")
-    for name, result in results.items():
-        result = result | {"date": meta["date"], "load_before": meta["load_before"], "load_after": meta["load_after"]}
-        new = "\n".join(render_generation(result, name)).removeprefix("## ")
-        title = GENERATION_TITLES[name]
-        found = [i for i, section in enumerate(sections) if section.startswith(title)]
-        if found:
-            sections[found[0]] = new
-        else:
-            memory = [i for i, section in enumerate(sections) if section.startswith("Peak memory")]
-            sections.insert(memory[0] if memory else len(sections), new)
-    targets = [i for i, section in enumerate(sections) if section.startswith("Targets")]
-    finding = generation_ie_finding(results)
-    if targets and finding:
-        kept = [ln for ln in sections[targets[0]].rstrip("\n").splitlines() if not ln.startswith("- Generation, inf")]
-        sections[targets[0]] = "\n".join([*kept, finding]) + "\n"
-    return "\n## ".join(sections)

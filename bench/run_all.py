@@ -1,14 +1,18 @@
 """Run every benchmark with small settings and write ``bench/RESULTS.md`` (9-10 min on a quiet 2-core box).
 
-    .venvs/train/bin/python bench/run_all.py
-    .venvs/train/bin/python bench/run_all.py --only iteration scoring --out /tmp/RESULTS.md
-    .venvs/train/bin/python bench/run_all.py --render /tmp/optima_bench_all_XXXX/results.json
+    .venvs/train/bin/python -m bench.run_all
+    .venvs/train/bin/python -m bench.run_all --only iteration scoring
+    .venvs/train/bin/python -m bench.run_all --render        # rewrite RESULTS.md from bench/results.json only
 
 Each benchmark runs as its own subprocess, one after the other (so at most one vLLM server is up at a time),
 while a sampler here records the peak summed ``VmRSS`` of its whole process tree (benchmark, vLLM server,
 trainer launches). ``iteration``, ``scoring`` and ``sft`` hand their numbers over as JSON; ``generation``'s
-printed summary is parsed. The output files, and ``results.json`` with everything RESULTS.md shows, are kept in
-a temporary folder named in RESULTS.md; ``--render <that folder>/results.json`` rewrites RESULTS.md from it.
+printed summary is parsed. Their outputs and logs go to ``runs/bench/<date>_<random>/``.
+
+Every run merges the results of the benchmarks it ran into ``bench/results.json`` (each with the date it ran) and
+rewrites the whole generated part of RESULTS.md from it, the headline included (machine, targets): no line there
+is left from an older run, and every path it names is relative to the repository. What follows the marker
+(``KEPT_MARKER``, measured by hand with the commands given there) is kept as it is.
 """
 
 from __future__ import annotations
@@ -22,10 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib import REPO, TreeMemorySampler, describe_machine, load_average  # noqa: E402
-from report import render_results, update_sections  # noqa: E402
+from bench.benchlib import REPO, TreeMemorySampler, describe_machine, load_average, shown
+from bench.report import render_results
 
 PYTHON = sys.executable
 # Sections after this line come from longer, one-off measurements (commands given there); run_all keeps them.
@@ -47,10 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
     parser.add_argument("--run-dir", default=str(REPO / "runs" / "demo_arc_sft"))
     parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
-    parser.add_argument("--render", default=None, help="only re-render --out from this earlier run's results.json")
-    parser.add_argument(
-        "--update", action="store_true", help="replace only the sections of --only in the existing --out"
-    )
+    parser.add_argument("--results", default=str(REPO / "bench" / "results.json"), help="the merged results")
+    parser.add_argument("--render", action="store_true", help="only rewrite --out from --results (no benchmark)")
     return parser.parse_args(argv)
 
 
@@ -86,14 +86,15 @@ def parse_generation(stdout: str) -> dict:
 
 def run_benchmark(name: str, args, workdir: Path) -> dict:
     """Run one benchmark script; its parsed results, wall time, exit code and the tree's peak memory."""
-    argv = [PYTHON, *BENCHMARKS[name]]
+    argv = [PYTHON, *BENCHMARKS[name]]  # run in the repository: its paths are given relative to it
     json_path = workdir / f"{name}.json"
     if name == "iteration":
-        argv += [args.run_dir]
+        argv += [shown(args.run_dir)]
     if not name.startswith("generation"):
-        argv += ["--json", str(json_path)]
+        argv += ["--json", shown(json_path)]
     log_path = workdir / f"{name}.log"
-    print(f"{name}: {' '.join(argv[1:])} (log {log_path}) | load {load_average()}", flush=True)
+    load_before, date = load_average(), time.strftime("%Y-%m-%d %H:%M")
+    print(f"{name}: {' '.join(argv[1:])} (log {shown(log_path)}) | load {load_before}", flush=True)
     started = time.monotonic()
     with TreeMemorySampler(include_self=False) as memory, log_path.open("w") as log:
         code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, check=False).returncode
@@ -112,6 +113,9 @@ def run_benchmark(name: str, args, workdir: Path) -> dict:
         "command": " ".join([".venvs/train/bin/python", *argv[1:]]),
         "wall_s": round(wall, 1),
         "tree_peak_rss_mib": round(memory.peak_mib),
+        "date": date,
+        "outputs": shown(workdir),
+        "load_before": load_before,
         "load_after": load_average(),
     }
 
@@ -124,32 +128,34 @@ def write_results(path: Path, rendered: str) -> None:
     path.write_text(rendered.rstrip("\n") + "\n\n" + kept if kept else rendered)
 
 
+def merge_results(path: Path, results: dict, machine: dict) -> dict:
+    """The stored results (``bench/results.json``) with this run's benchmarks replaced; written back."""
+    saved = json.loads(path.read_text()) if path.exists() else {"results": {}}
+    missing = [name for name in BENCHMARKS if name not in saved["results"] and name not in results]
+    if missing:
+        raise SystemExit(f"{shown(path)} has no results of {missing}: run them (or all) first")
+    merged = {"results": saved["results"] | results, "meta": {"machine": machine}}
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    return merged
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    results_path, out = Path(args.results), Path(args.out)
     if args.render:  # report wording changed: no need to measure again
-        saved = json.loads(Path(args.render).read_text())
-        write_results(Path(args.out), render_results(saved["results"], saved["meta"]))
+        saved = json.loads(results_path.read_text())
+        write_results(out, render_results(saved["results"], saved["meta"]))
         return 0
-    workdir = Path(tempfile.mkdtemp(prefix="optima_bench_all_"))
+    bench_runs = REPO / "runs" / "bench"
+    bench_runs.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M_"), dir=bench_runs))
     machine = describe_machine()
-    load_before = load_average()
     started = time.monotonic()
     results = {name: run_benchmark(name, args, workdir) for name in args.only}
-    meta = {
-        "machine": machine,
-        "load_before": load_before,
-        "load_after": load_average(),
-        "total_s": round(time.monotonic() - started, 1),
-        "workdir": str(workdir),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
-    (workdir / "results.json").write_text(json.dumps({"results": results, "meta": meta}, indent=2) + "\n")
-    out = Path(args.out)
-    if args.update and out.exists():
-        out.write_text(update_sections(out.read_text(), results, meta))
-    else:
-        write_results(out, render_results(results, meta))
-    print(f"wrote {args.out} ({meta['total_s']:.0f} s in all)")
+    (workdir / "results.json").write_text(json.dumps({"results": results}, indent=2) + "\n")
+    merged = merge_results(results_path, results, machine)
+    write_results(out, render_results(merged["results"], merged["meta"]))
+    print(f"wrote {shown(out)} and {shown(results_path)} ({time.monotonic() - started:.0f} s in all)")
     return 0 if all("error" not in r["data"] for r in results.values()) else 1
 
 

@@ -1,7 +1,7 @@
 """LM-loss scoring throughput: our scorer (vLLM and HF backends) vs the original's per-conversation HF forward.
 
-    .venvs/train/bin/python bench/scoring.py                          # demo utterances, 2 interleaved rounds
-    .venvs/train/bin/python bench/scoring.py --rounds 1 --conversations 48
+    .venvs/train/bin/python -m bench.scoring                          # demo utterances, 2 interleaved rounds
+    .venvs/train/bin/python -m bench.scoring --rounds 1 --conversations 48
 
 The texts are every utterance of the demo run's ``generations.jsonl`` (rendered ``Name: text``, as the score stage
 renders them). Each method scores all of them, interleaved round by round (vllm, vllm_prefill, hf, original,
@@ -31,19 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib import TreeMemorySampler, add_model_args, load_average, self_maxrss_mib  # noqa: E402
-
-from optima.agents.prompts import Utterance, render_utterance  # noqa: E402
-from optima.lm_loss import build_loss_input  # noqa: E402
-from optima.training.masking import SENTINEL  # noqa: E402
+from bench.benchlib import REPO, TreeMemorySampler, add_model_args, load_average, self_maxrss_mib
+from optima.agents import Utterance, render_utterance
+from optima.lm_loss import build_loss_input
+from optima.training import SENTINEL
 
 METHODS = ("vllm", "vllm_prefill", "hf", "original")
 

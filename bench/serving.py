@@ -1,7 +1,7 @@
 """How to use the cores during generation + LM-loss scoring: the arrangements side by side, same questions.
 
-    .venvs/train/bin/python bench/serving.py                                   # 6 ARC questions x 4, demo settings
-    .venvs/train/bin/python bench/serving.py --only both two beside_pinned beside --rounds 2 --json /tmp/s.json
+    .venvs/train/bin/python -m bench.serving                                   # 6 ARC questions x 4, demo settings
+    .venvs/train/bin/python -m bench.serving --only both two beside_pinned beside --rounds 2 --json /tmp/s.json
 
 Arrangements (each generates the same conversations with the demo's recipe (``train/sft_recipes/demo_arc.yaml``,
 iteration 0) and SmolLM2, and has every utterance's LM loss scored; the loss model is the policy model, as at
@@ -41,24 +41,17 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib import add_model_args  # noqa: E402
-
-from optima.agents.generation import GenerationHooks, generate_conversations, plan_generation  # noqa: E402
-from optima.config import SFTRecipe, load_recipe  # noqa: E402
-from optima.environments import resolve_env  # noqa: E402
-from optima.lm_loss import VLLMLossScorer  # noqa: E402
-from optima.logging_utils import setup_logging  # noqa: E402
-from optima.loss_stream import StreamingLosses, conversation_texts  # noqa: E402
-from optima.paths import RunPaths  # noqa: E402
-from optima.serving.holder import ServerHolder  # noqa: E402
-from optima.serving.layout import ServerLayout  # noqa: E402
-from optima.serving.processes import group_members  # noqa: E402
-from optima.serving.vllm_server import Placement  # noqa: E402
-from optima.store import load_records  # noqa: E402
-from optima.tasks import TASKS  # noqa: E402
+from bench.benchlib import REPO, add_model_args
+from optima.agents import GenerationHooks, generate_conversations, plan_generation
+from optima.config import SFTRecipe, load_recipe
+from optima.environments import resolve_env
+from optima.lm_loss import VLLMLossScorer
+from optima.logging_utils import setup_logging
+from optima.loss_stream import StreamingLosses, conversation_texts
+from optima.paths import RunPaths
+from optima.serving import Placement, ServerHolder, ServerLayout, group_members
+from optima.store import load_records
+from optima.tasks import TASKS
 
 ARRANGEMENTS = ("after", "both", "two", "beside", "beside_pinned", "beside_unbound", "restart", "threads")
 AFTER = ("after", "both", "two", "restart", "threads")  # arrangements that score on the policy server(s)

@@ -1,7 +1,7 @@
 """SFT throughput: our per-agent masked SFT (``optima.training.sft_train``) vs plain TRL on the same rows.
 
-    .venvs/train/bin/python bench/sft.py                              # demo dataset, max_steps 6, 2 rounds
-    .venvs/train/bin/python bench/sft.py --max-steps 3 --rounds 1
+    .venvs/train/bin/python -m bench.sft                              # demo dataset, max_steps 6, 2 rounds
+    .venvs/train/bin/python -m bench.sft --max-steps 3 --rounds 1
 
 Both sides get the trainer YAML the pipeline renders (the SmolLM2 arc_sft ``base.yaml`` + model, dataset,
 output folder, seed) with ``max_steps`` added, and run under the same ``accelerate launch`` command line:
@@ -24,20 +24,15 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib import TreeMemorySampler, add_model_args, load_average  # noqa: E402
-
-from optima.environments import resolve_env  # noqa: E402
-from optima.training.launch_config import (  # noqa: E402
+from bench.benchlib import REPO, TreeMemorySampler, add_model_args, load_average, shown
+from optima.environments import resolve_env
+from optima.training import (
     SCRIPTS,
     TrainLaunch,
     render_trainer_config,
@@ -181,7 +176,7 @@ def main(argv=None) -> int:
                 f"{result['train_runtime']:.1f} s | wall {result['wall_s']:.1f} s | load {load_average()}",
                 flush=True,
             )
-    result = summarize(runs) | {"max_steps": args.max_steps, "rounds": args.rounds, "dataset": args.dataset}
+    result = summarize(runs) | {"max_steps": args.max_steps, "rounds": args.rounds, "dataset": shown(args.dataset)}
     result["logs"] = str(workdir)
     print_summary(result)
     if args.json:

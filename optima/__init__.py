@@ -4,3 +4,19 @@ Importing the package does nothing else: no logging setup, no environment change
 """
 
 __version__ = "0.1.0"
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A package's ``__getattr__``: each name of ``exports`` (name -> module of the package) imported on first use.
+
+    A package's public names (what ``bench/`` and the scripts may import) without importing its modules, and their
+    dependencies, when the package is imported.
+    """
+    import importlib
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+
+    return __getattr__

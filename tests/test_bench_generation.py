@@ -1,32 +1,16 @@
-"""bench/generation.py's recording of the generator against a scripted server: requests as sent, concurrency."""
+"""bench.generation's recording of the generator against a scripted server: requests as sent, concurrency."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
-import pytest
-
+import bench.generation as bench
 from optima.agents.generation import GenerationHooks, GenerationPlan, generate_conversations
 from tests.fake_openai import FakeOpenAIServer, agreeing_reply
 from tests.test_generation import hotpot_examples
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-@pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the script imports benchlib from its own folder
-    spec = importlib.util.spec_from_file_location("bench_generation", REPO / "bench" / "generation.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_generation", module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_plain_client_gets_the_conversations_the_generator_had_in_flight(bench, make_recipe, tmp_path):
+def test_plain_client_gets_the_conversations_the_generator_had_in_flight(make_recipe, tmp_path):
     """3 conversations under a KV bound of 8: the plain client gets 3 threads; prefills are recorded apart."""
 
     def respond(body):

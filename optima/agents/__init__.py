@@ -2,3 +2,18 @@
 
 See docs/method.md#conversations.
 """
+
+from optima import lazy_exports
+
+# Public names, imported on first use (the conversation loop pulls in the serving client).
+_EXPORTS = {
+    "ConversationRunner": "generation",
+    "GenerationHooks": "generation",
+    "GenerationPlan": "generation",
+    "generate_conversations": "generation",
+    "plan_generation": "generation",
+    "Utterance": "prompts",
+    "render_utterance": "prompts",
+}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,26 +12,28 @@ pull in the process code.
 
 from __future__ import annotations
 
-import importlib
+from optima import lazy_exports
 
 _EXPORTS = {
+    "CacheCounters": "capacity",
     "ChatReply": "client",
     "NoReplicaLeft": "client",
     "ReplicaPool": "client",
     "RequestFailed": "client",
     "Sampling": "client",
+    "ServerHolder": "holder",
+    "fetch_metrics": "kv_monitor",
+    "ServerLayout": "layout",
+    "plan_layout": "layout",
+    "group_members": "processes",
     "run_to_end": "processes",
     "serve": "replicas",
     "sigterm_as_exit": "processes",
+    "Placement": "vllm_server",
     "ServerStartupError": "vllm_server",
     "VLLMServer": "vllm_server",
     "build_serve_command": "vllm_server",
     "start_replicas": "vllm_server",
 }
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
