@@ -86,7 +86,10 @@ def recipe_output_dir(recipe: Path) -> Path:
 
 def run_demo_command(argv: list[str]) -> int:
     """``python -m optima demo``: the iSFT demo recipe under the busy sampler, its times, then its report."""
-    parser = argparse.ArgumentParser(prog="python -m optima demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m optima demo",
+        description="the iSFT CPU demo (make demo): the run, sampled for the busy share; its times; its report",
+    )
     parser.add_argument("--recipe", type=Path, default=DEMO_RECIPE, help=f"an iSFT recipe (default {DEMO_RECIPE})")
     args = parser.parse_args(argv)
     recipe = args.recipe if args.recipe.is_absolute() else REPO / args.recipe
