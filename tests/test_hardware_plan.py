@@ -80,7 +80,8 @@ def test_every_shipped_recipe_is_feasible_or_refused_before_start(path, machine,
     assert plan.training is not None and plan.training.num_processes >= 1
     llama = "demo" not in path.name
     if llama and machine == "8x80GB":  # the shipped Llama-3-8B recipes run on one 8x80 GB machine
-        assert plan.training.num_processes == 7 and plan.layout.loss.gpus == ("0",)
+        # 4 of the 7 GPUs beside the loss server: the released global batches (16, 64) are multiples of 4, not 7
+        assert plan.training.num_processes == 4 and plan.layout.loss.gpus == ("0",)
 
 
 @pytest.mark.parametrize("path", [p for p in RECIPES if "demo" not in p.name], ids=lambda p: p.stem)
@@ -135,40 +136,45 @@ def test_defect4_every_node_is_started_by_a_launcher():
     recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "n2"])
     plan = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0])
     assert not plan.problems
-    assert [(n.host, n.machine_rank, len(n.gpus)) for n in plan.training.nodes] == [("n1", 0, 7), ("n2", 1, 7)]
+    # 4 per node: the released global batch 16 is a multiple of 8 processes, not 14 (optima.hardware.batch)
+    assert [(n.host, n.machine_rank, len(n.gpus)) for n in plan.training.nodes] == [("n1", 0, 4), ("n2", 1, 4)]
     train_env = resolve_env(sys.executable, "train")
     launch = launch_for(recipe, "sft", train_env, Path("/run/t.yaml"), True, plan.training)
     argv = " ".join(launch.argv())
-    assert "-m optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4,5,6,7/0,1,2,3,4,5,6 --" in argv
-    assert "--num_processes 14 --num_machines 2 --machine_rank {machine_rank} --main_process_ip n1" in argv
+    assert "-m optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4/0,1,2,3 --" in argv
+    assert "--num_processes 8 --num_machines 2 --machine_rank {machine_rank} --main_process_ip n1" in argv
     srun = recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun")
     plan = plan_hardware(srun, parse_hardware("2x8x80GB"), [0])
     argv = " ".join(launch_for(srun, "sft", train_env, Path("/t.yaml"), True, plan.training).argv())
     assert "--launcher srun" in argv and "--main_process_ip {main_host}" in argv
 
 
-@pytest.mark.parametrize(("gpus", "loss_placement", "processes"), [(4, "beside", 3), (4, "after", 4), (2, "after", 2)])
-def test_defect5_num_processes_comes_from_the_training_gpus(gpus, loss_placement, processes):
+@pytest.mark.parametrize(
+    ("gpus", "loss_placement", "visible"), [(4, "beside", "1,2"), (4, "after", "0,1,2,3"), (2, "after", "0,1")]
+)
+def test_defect5_num_processes_comes_from_the_training_gpus(gpus, loss_placement, visible):
     """Defect 5: on 1-7 GPUs the shipped accelerate configs (``num_processes: 8``) still asked for 8 processes:
-    nothing passed ``--num_processes``. Now it is always the plan's training GPUs."""
+    nothing passed ``--num_processes``. Now it is always the plan's training GPUs (as many of the free ones as keep
+    the released global batch 16: 2 of 3 beside the loss server)."""
     recipe = recipe_at("train/sft_recipes/arc.yaml", devices=None, loss_placement=loss_placement)
     plan = plan_hardware(recipe, parse_hardware(f"{gpus}x141GB"), [0])
     assert not plan.problems, plan.problems
     launch = launch_for(recipe, "sft", VENV, Path("/t.yaml"), True, plan.training)
     argv = launch.argv()
-    assert argv[argv.index("--num_processes") + 1] == str(processes)
-    assert launch.env_vars()["CUDA_VISIBLE_DEVICES"] == ",".join(str(g) for g in range(gpus - processes, gpus))
+    assert argv[argv.index("--num_processes") + 1] == str(len(visible.split(",")))
+    assert launch.env_vars()["CUDA_VISIBLE_DEVICES"] == visible
 
 
 def test_defect6_training_never_shares_a_gpu_with_the_resident_loss_server():
     """Defect 6: training inherited every GPU, the loss server's included (which keeps its memory through training:
     an OOM by design), and ``loss_devices`` overlapping the policy's GPUs were accepted. Now training runs on the
     other GPUs, an overlap is refused, and one GPU with a resident loss server is refused with the fix."""
-    plan = plan_hardware(recipe_at("train/sft_recipes/arc.yaml"), parse_hardware("8x80GB"), [0])
+    own_batch = {"trainer_overrides": {"gradient_accumulation_steps": 2}}  # every free GPU trains (batch 14)
+    plan = plan_hardware(recipe_at("train/sft_recipes/arc.yaml", **own_batch), parse_hardware("8x80GB"), [0])
     assert plan.training.nodes[0].gpus == tuple("1234567")
     overlap = plan_hardware(recipe_at("train/sft_recipes/arc.yaml", loss_devices=[3]), parse_hardware("8x80GB"))
     assert any("loss_devices [3] overlap the policy's GPUs on GPU 3" in p for p in overlap.problems)
-    separate = recipe_at("train/sft_recipes/arc.yaml", devices=[0, 1, 2, 3, 4, 5, 6], loss_devices=[7])
+    separate = recipe_at("train/sft_recipes/arc.yaml", devices=[0, 1, 2, 3, 4, 5, 6], loss_devices=[7], **own_batch)
     plan = plan_hardware(separate, parse_hardware("8x80GB"), [0])
     assert not plan.problems and plan.training.nodes[0].gpus == tuple("0123456")
     one = plan_hardware(
@@ -275,6 +281,6 @@ def test_dry_run_prints_the_plan_and_a_refused_run_stops_before_start(tmp_path, 
     assert run_loop_script(SFTRecipe, "", [*argv, "--dry-run", "--hardware", "8x80GB"]) == 0
     out = capsys.readouterr().out
     assert "hardware: 1 node(s) x 8 GPU(s) x 80 GiB (--hardware 8x80GB)" in out and "plan: feasible" in out
-    assert "--num_processes 7" in out
+    assert "--num_processes 4" in out
     assert run_loop_script(SFTRecipe, "", [*argv, "--hardware", "8x24GB"]) == 2
     assert not (tmp_path / "run").exists()  # nothing started, nothing written

@@ -82,6 +82,10 @@ class HardwarePlan:
         lines: What ``render`` shows about each process.
         problems: Why the plan cannot run (empty: it can).
         notes: Remarks that do not stop the run.
+        loss_share: The loss server's memory share the plan computed (None: the recipe's, or no loss server).
+        accumulation: ``gradient_accumulation_steps`` per trainer (``sft``, ``dpo``) that keeps the released
+            global batch on the planned processes, where it differs from the trainer YAML's
+            (``optima.hardware.batch``).
     """
 
     hardware: Hardware
@@ -92,6 +96,7 @@ class HardwarePlan:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     loss_share: float | None = None
+    accumulation: dict[str, int] = field(default_factory=dict)
 
     def claim(self, node: int, gpu: str, item: Claim) -> None:
         self.claims.setdefault((node, gpu), []).append(item)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.hardware import memory
+from optima.hardware.batch import keep_global_batch, trainer_batches
 from optima.hardware.memory import ModelSize, TrainerShape, gib
 from optima.hardware.spec import Hardware
 from optima.training.launch_config import read_accelerate_config, resolve_accelerate_config
@@ -174,9 +175,10 @@ def node_hosts(recipe: TrainingFields, hardware: Hardware, plan) -> list[str]:
 
 def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], plan) -> None:
     """Place the training processes and claim their peak on each GPU (see the module docstring)."""
-    strategy = strategy_of(
-        read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))
-    )
+    config = read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))
+    strategy = strategy_of(config)
+    released = int(config.get("num_processes") or 1) * int(config.get("num_machines") or 1)
+    batches = trainer_batches(recipe, yamls, released)
     hosts = node_hosts(recipe, hardware, plan)
     launcher = "local" if len(hosts) == 1 else recipe.train_launcher
     port, exe = recipe.main_process_port, recipe.train_launcher_executable
@@ -187,6 +189,7 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
         plan.lines.append(
             f"training: {strategy}, {plan.training.num_processes} CPU process(es) on {len(hosts)} node(s)"
         )
+        plan.lines += [b.describe(plan.training.num_processes, len(hosts)) for b in batches]  # reported only
         return
     resident = {gpu for (node, gpu), claims in plan.claims.items() if node == 0 and _resident(claims)}
     free = [[g for g in hardware.gpu_ids if g not in resident]] + [list(hardware.gpu_ids)] * (len(hosts) - 1)
@@ -202,6 +205,10 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
                 f"{len(hosts)} nodes would train alone into one folder: use multi_gpu, fsdp or deepspeed_zero3 for "
                 "several nodes, or name one host"
             )
+    if per_node:
+        per_node = keep_global_batch(batches, per_node, len(hosts), plan)
+        if not per_node:
+            return
     if per_node == 0:
         holders = ", ".join(sorted(resident))
         plan.problems.append(
@@ -226,6 +233,7 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
         f"{plan.training.num_processes} process(es) ({per_node} per node, launcher {launcher}): {where}; "
         f"peak ~{gib(peak)} GiB per GPU"
     )
+    plan.lines += [b.describe(plan.training.num_processes, len(hosts)) for b in batches]
     claim_training(plan, nodes, peak, strategy, any(s.lora_rank for s in shapes))
 
 

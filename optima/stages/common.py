@@ -188,6 +188,19 @@ def trainer_peak(call: StageCall, config: dict[str, Any], kind: Literal["sft", "
     return rows_trainer_peak(call.recipe, config, kind == "dpo", call.sp.dataset, call.ctx.tokenizer())
 
 
+def iteration_values(call: StageCall, kind: Literal["sft", "dpo"], start: str) -> dict[str, Any]:
+    """The trainer YAML values of this iteration: model, data, output, seed, the run's trackers and a run name
+    (``optima.tracking``), and the ``gradient_accumulation_steps`` that keeps the released global batch on the
+    planned processes (``optima.hardware.batch``; only where it differs from the YAML's)."""
+    ctx, sp = call.ctx, call.sp
+    values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(call.out)}
+    values |= {"seed": call.recipe.seed + call.iteration}
+    values |= trainer_overrides(ctx.report_to, ctx.paths.output_dir, sp.root)
+    if kind in ctx.hardware.accumulation:
+        values["gradient_accumulation_steps"] = ctx.hardware.accumulation[kind]
+    return values
+
+
 def train_checkpoint(
     call: StageCall,
     kind: Literal["sft", "dpo"],
@@ -209,10 +222,8 @@ def train_checkpoint(
         return read_completion(out)
     clear_partial_output(out)  # a killed run's files go; its resumable trainer checkpoints (checkpoint-N) stay
     base = trainer_base_yaml(recipe, kind)
-    values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(out)}
-    # The run's trackers and a run name per iteration (optima.tracking), then this method's own values.
-    values |= {"seed": recipe.seed + call.iteration} | trainer_overrides(ctx.report_to, ctx.paths.output_dir, sp.root)
-    config = render_trainer_config(Path(base), values | (overrides or {}), trainer_overrides_for(recipe, kind))
+    values = iteration_values(call, kind, start) | (overrides or {})
+    config = render_trainer_config(Path(base), values, trainer_overrides_for(recipe, kind))
     if check is not None:
         check(config)
     ctx.servers.sleep_for_training(trainer_peak(call, config, kind))

@@ -1,0 +1,116 @@
+"""The paper's global batch on any number of training processes (issue 32, item 2; optima/hardware/batch.py).
+
+Each shipped Llama recipe on 8x80GB, 4x80GB and 2x8x80GB: the global batch it trains with equals the released one
+(the trainer YAML's per-device batch x accumulation x the accelerate config's 8 processes), through the plan's
+process count and ``gradient_accumulation_steps``, or the plan is refused with the reason. Pure but for the dry runs.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe, load_recipe
+from optima.config.rules import trainer_base_yaml
+from optima.hardware.batch import TrainerBatch, processes_per_node
+from optima.hardware.plan import HardwarePlan, plan_hardware
+from optima.hardware.spec import parse_hardware
+from optima.stages.common import StageCall, iteration_values
+
+REPO = Path(__file__).resolve().parent.parent
+CLASSES = {"sft_recipes": SFTRecipe, "dpo_recipes": DPORecipe, "sft_dpo_recipes": SFTDPORecipe}
+LLAMA = sorted(p for p in (REPO / "train").glob("*/*.yaml") if "demo" not in p.name)
+MACHINES = {"8x80GB": {}, "4x80GB": {"devices": None}, "2x8x80GB": {"train_hosts": ["n1", "n2"]}}
+LINE = re.compile(
+    r"(sft|dpo) global batch (\d+) = (\d+) per device x (\d+) accumulation x (\d+) processes .* released (\d+)"
+)
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def load(path: Path, **overrides):
+    return load_recipe(CLASSES[path.parent.name], path, overrides, check_paths=False)
+
+
+def released(recipe, kind: str) -> int:
+    """The released global batch: the base YAML's per-device batch x accumulation x the original's 8 GPUs."""
+    base = yaml.safe_load(Path(trainer_base_yaml(recipe, kind)).read_text())
+    return base["per_device_train_batch_size"] * base["gradient_accumulation_steps"] * 8
+
+
+@pytest.mark.parametrize("machine", sorted(MACHINES))
+@pytest.mark.parametrize("path", LLAMA, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_llama_recipe_keeps_its_released_global_batch(path, machine):
+    """With the loss server on GPU 0, 7 processes trained (global batch 14 / 56 instead of 16 / 64, 28 / 112 on two
+    nodes): now the processes and the accumulation keep the released batch, or the plan says why it cannot run."""
+    recipe = load(path, **MACHINES[machine])
+    plan = plan_hardware(recipe, parse_hardware(machine), [0])
+    if plan.training is None:  # refused before training was placed (e.g. devices beyond the machine)
+        assert plan.problems
+        return
+    found = {m.group(1): m for m in map(LINE.search, plan.lines) if m}
+    kinds = {"sft_recipes": ["sft"], "dpo_recipes": ["dpo"], "sft_dpo_recipes": ["sft", "dpo"]}[path.parent.name]
+    assert sorted(found) == sorted(kinds), plan.lines
+    for kind, m in found.items():
+        value, per_device, steps, processes, shown = (int(m.group(i)) for i in range(2, 7))
+        assert value == per_device * steps * processes == shown == released(recipe, kind)
+        assert processes == plan.training.num_processes
+        assert plan.accumulation.get(kind, steps) == steps
+    if machine == "8x80GB":
+        assert not plan.problems, plan.problems
+        assert plan.training.num_processes == 4  # of the 7 free GPUs: 16 and 64 are multiples of 4, not 7
+
+
+def test_the_plans_accumulation_goes_into_the_trainer_yaml(tmp_path):
+    recipe = load(REPO / "train/sft_dpo_recipes/arc.yaml")
+    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert plan.accumulation == {"sft": 4, "dpo": 16}  # base YAMLs: 2 and 8 on 8 processes; 4 train here
+    ctx = SimpleNamespace(recipe=recipe, hardware=plan, report_to=[], paths=SimpleNamespace(output_dir=tmp_path))
+    sp = SimpleNamespace(dataset=tmp_path / "data", root=tmp_path / "iteration_0")
+    call = StageCall(ctx=ctx, iteration=0, part="dpo", model="m", sp=sp, out=tmp_path / "out")
+    assert iteration_values(call, "dpo", "m")["gradient_accumulation_steps"] == 16
+    ctx.hardware = HardwarePlan(plan.hardware)  # nothing to adjust: the YAML's value stays
+    assert "gradient_accumulation_steps" not in iteration_values(call, "sft", "m")
+
+
+def test_the_users_accumulation_is_kept_and_the_difference_shown():
+    recipe = load(REPO / "train/sft_recipes/arc.yaml", trainer_overrides={"gradient_accumulation_steps": 2})
+    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert plan.training.num_processes == 7 and plan.accumulation == {}
+    line = next(line for line in plan.lines if "global batch" in line)
+    assert "sft global batch 14 = 1 per device x 2 accumulation x 7 processes" in line and "released 16" in line
+    assert "set in trainer_overrides" in line
+
+
+def test_a_batch_that_no_process_count_keeps_is_refused():
+    batches = [TrainerBatch("sft", 1, 2, 16, False)]
+    assert processes_per_node(batches, 7, 1) == 4
+    assert processes_per_node(batches, 8, 2) == 8
+    assert processes_per_node(batches, 7, 3) == 0  # 16 is no multiple of 3 nodes
+    recipe = load(REPO / "train/sft_recipes/arc.yaml", train_hosts=["a", "b", "c"], loss_placement="after")
+    plan = plan_hardware(recipe, parse_hardware("3x8x80GB"), [0])
+    assert any("released global batch (sft 16 (1 per device)) cannot be split evenly over 3 node(s)" in p
+               for p in plan.problems)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", LLAMA, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_dry_run_prints_the_released_global_batch(path, tmp_path, capsys):
+    from optima.cli import run_loop_script
+
+    argv = ["--train_config_path", str(path.relative_to(REPO)), "--vllm_env", sys.executable]
+    argv += ["--alignment_env", sys.executable, "--set", f"output_dir={tmp_path / 'run'}"]
+    assert run_loop_script(CLASSES[path.parent.name], "", [*argv, "--dry-run", "--hardware", "8x80GB"]) == 0
+    out = capsys.readouterr().out
+    recipe = load(path)
+    for m in (LINE.search(line) for line in out.splitlines()):
+        if m:
+            assert int(m.group(2)) == int(m.group(6)) == released(recipe, m.group(1))
+    assert "global batch" in out and "loss server: GPUs 0" in out and "prompt logprobs" in out
