@@ -13,8 +13,11 @@ server's, from its arguments: ``optima.hardware.vllm_memory``).
 The trainer's peak per GPU (``trainer_peak_bytes``), for P parameters, N training processes, w bytes per weight
 (the trainer YAML's ``dtype``: 2 for bf16, 4 for fp32):
 
-* states: DDP ``4 w P`` (weights, gradients and AdamW's two moments, all in the weights' dtype); FSDP
-  ``4 w P / N + w (2 P_layer + vocab x hidden)`` (a shard, plus the units gathered for compute and prefetch);
+* states: one process ``4 w P`` (weights, gradients and AdamW's two moments, all in the weights' dtype); DDP
+  ``5 w P`` (and its gradient buckets: DDP's reducer copies every gradient into flat buckets, ``w P`` in all);
+  FSDP2 ``16 P / N + w (2 P_layer + vocab x hidden)`` under mixed precision (accelerate 1.15 upcasts every trainable
+  parameter to fp32 before ``fully_shard``, ``fsdp2_prepare_model``: fp32 shard, gradients and moments; the units
+  gathered for compute and prefetch in the weights' dtype), ``4 w P / N + ...`` without it;
   ZeRO-3 ``16 P / N + w min(P, 1e9)`` (bf16 weights and gradients, fp32 master weights and moments, sharded; plus
   DeepSpeed's live parameters, ``stage3_max_live_parameters``); LoRA: the frozen base ``w P`` (``/ N`` when
   sharded) plus ``16 P_lora`` for the adapter;
@@ -222,6 +225,8 @@ class TrainerShape:
         dpo: A DPO trainer (chosen and rejected in one batch; a reference model unless LoRA or precomputed).
         lora_rank: LoRA rank, 0 without LoRA.
         precomputed_reference: ``precompute_ref_log_probs``.
+        mixed_precision: The accelerate config's ``mixed_precision`` is not ``no`` (FSDP2 then trains fp32 master
+            weights).
     """
 
     strategy: str
@@ -233,6 +238,7 @@ class TrainerShape:
     dpo: bool = False
     lora_rank: int = 0
     precomputed_reference: bool = False
+    mixed_precision: bool = False
 
 
 def trainer_peak_bytes(size: ModelSize, shape: TrainerShape) -> int:
@@ -245,7 +251,10 @@ def trainer_peak_bytes(size: ModelSize, shape: TrainerShape) -> int:
     elif shape.strategy == "zero3":
         states = OPTIMIZER_BYTES * p / n + w * min(p, ZERO3_LIVE_PARAMETERS)
     elif shape.strategy == "fsdp":
-        states = 4 * w * p / n + w * (2 * size.layer_params + size.embedding_params)
+        master = OPTIMIZER_BYTES if shape.mixed_precision else 4 * w  # fp32 upcast of the trainable parameters
+        states = master * p / n + w * (2 * size.layer_params + size.embedding_params)
+    elif shape.strategy == "ddp":
+        states = 4 * w * p + w * p  # plus the gradient buckets
     else:
         states = 4 * w * p
     reference = 0.0

@@ -53,8 +53,8 @@ def strategy_of(config: dict) -> str:
     return "fsdp" if kind == "FSDP" else "ddp"
 
 
-def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
-    """The estimate's inputs from a trainer YAML."""
+def trainer_shape(strategy: str, processes: int, yaml: dict, mixed_precision: bool = False) -> TrainerShape:
+    """The estimate's inputs from a trainer YAML (and the accelerate config's ``mixed_precision``)."""
     dtype = memory.dtype_bytes(str(yaml.get("dtype") or yaml.get("torch_dtype") or "float32"), 4)
     checkpointing = bool(yaml.get("activation_checkpointing", yaml.get("gradient_checkpointing", True)))
     return TrainerShape(
@@ -67,6 +67,7 @@ def trainer_shape(strategy: str, processes: int, yaml: dict) -> TrainerShape:
         dpo=bool(yaml.get("_dpo")),
         lora_rank=int(yaml.get("lora_r", 16)) if yaml.get("use_peft") else 0,
         precomputed_reference=bool(yaml.get("precompute_ref_log_probs")),
+        mixed_precision=mixed_precision,
     )
 
 
@@ -225,7 +226,8 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
             "nodes train only. To sample on them too, start vLLM there (e.g. its data parallel mode) and list the "
             "servers in endpoints"
         )
-    shapes = [trainer_shape(strategy, plan.training.num_processes, y) for y in yamls]
+    mixed = str(config.get("mixed_precision") or "no") != "no"
+    shapes = [trainer_shape(strategy, plan.training.num_processes, y, mixed) for y in yamls]
     peak = max(memory.trainer_peak_bytes(size, s) for s in shapes) if size else 0
     where = "; ".join(f"node {n.machine_rank} ({n.host or 'Slurm'}) GPUs {','.join(n.gpus)}" for n in nodes)
     plan.lines.append(
