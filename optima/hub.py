@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.paths import RunPaths, checkpoint_label
+from optima.report_rows import build_row
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe, TrainingFields
@@ -54,7 +55,7 @@ readable tokens): {{ method }} on `{{ task }}`, from `{{ base_label }}`.
 |---|---|
 {% for name, value in numbers %}| {{ name }} | {{ value }} |
 {% endfor %}"""
-# Report-row numbers shown in the card (``optima.reporting.build_row``).
+# Report-row numbers shown in the card (``optima.report_rows.build_row``).
 CARD_NUMBERS = ("answer_rate", "task_score", "mean_tokens", "conversations", "kept", "train_loss", "train_rows")
 
 
@@ -107,7 +108,6 @@ def build_model_card(recipe: LoopRecipe, iteration: int, metrics: dict, versions
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    from optima.reporting import build_row
     from optima.tasks import get_task
 
     base = base_model_id(str(recipe.initial_model_path))

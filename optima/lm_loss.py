@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from optima.chat_spans import trained_char_spans
 from optima.config.rules import vllm_loss_batch_size, workers
-from optima.training.masking import trained_char_spans
+from optima.serving.client import prompt_logprobs
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe
@@ -64,25 +65,6 @@ def mean_nll(logprobs: Sequence[float | None], scored: Sequence[int]) -> float:
     if not values:
         return math.nan
     return sum(values) / len(values)
-
-
-def prompt_logprobs(client: Any, model: str, prompts: Sequence[Sequence[int]], top: int = 0) -> list[Any]:
-    """The served log-probabilities of each prompt's tokens, nothing generated (one choice per prompt, in order).
-
-    ``/v1/completions`` with the token ids as prompts, ``echo`` and ``max_tokens: 0``: each choice's
-    ``logprobs.token_logprobs`` holds the log-probability of every prompt token given the ones before it (the first
-    is None), and with ``top`` > 0 ``logprobs.top_logprobs`` the ``top`` most likely tokens at each position.
-
-    Args:
-        client: An ``openai.OpenAI`` client of the server.
-        model: Its served model name.
-        prompts: Token ids of each prompt.
-        top: Alternatives per position.
-    """
-    response = client.completions.create(
-        model=model, prompt=[list(p) for p in prompts], max_tokens=0, echo=True, logprobs=top, temperature=0.0
-    )
-    return sorted(response.choices, key=lambda c: c.index)
 
 
 class VLLMLossScorer:

@@ -18,3 +18,14 @@ def setup_logging(level: int = logging.INFO, log_file: Path | None = None) -> No
     # One line per HTTP request drowns the stage lines; keep the clients' warnings only.
     for noisy in ("httpx", "httpx2", "httpcore", "openai", "urllib3"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+
+
+def attach_driver_log(path: Path) -> None:
+    """Also write the driver's log to ``path`` (a run's ``logs/driver.log``), appending across resumptions."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(handler)

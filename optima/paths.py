@@ -19,6 +19,7 @@ D3). Nothing is written into the source tree, and no other module builds run pat
         trainer.yaml                  the rendered TRL trainer recipe
         metrics.json                  per-iteration metrics
         logs/                         vllm_<replica>.log, train.log
+      conversations.html              the conversation browser (``optima.browser``), beside report.md
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+PAGE = "conversations.html"  # the conversation browser's page, in a run or an evaluation folder
 
 
 class RunLocation(Protocol):

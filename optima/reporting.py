@@ -23,17 +23,15 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from optima.browser import PAGE
 from optima.evaluation.report import _new_figure, render_markdown_table
-from optima.paths import StagePaths, stage_folders
+from optima.paths import PAGE, StagePaths, stage_folders
+from optima.report_rows import PART_NAMES, STAGE_ORDER, build_row
 from optima.store import atomic_write_text, load_records
 
 logger = logging.getLogger(__name__)
 
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
-PART_NAMES = ("task_score", "token_term", "loss_term", "penalty", "reward")
-STAGE_ORDER = ("generate", "score", "select", "probe", "search", "pairs", "train")
 TOP_ANSWERS = 10
 
 
@@ -44,54 +42,6 @@ def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
         run_dir: The run directory (``output_dir`` of the recipe).
     """
     return [(iteration, part, sp.metrics) for iteration, part, sp in stage_folders(run_dir) if sp.metrics.is_file()]
-
-
-def build_row(iteration: int, stage: str, metrics: dict) -> dict:
-    """One report row from one ``metrics.json``: headline numbers, reward parts, pairs, loss and stage times.
-
-    Args:
-        iteration: The iteration number.
-        stage: ``sft``/``dpo`` inside an iSFT-DPO iteration, else empty.
-        metrics: The parsed ``metrics.json``.
-    """
-    stages = metrics.get("stages", {})
-    kind = "dpo" if "search" in stages or "probe" in stages or "pairs" in stages else "sft"
-    conversations = stages.get("score") or stages.get("search") or {}
-    train = stages.get("train") or {}
-    timings = metrics.get("timings_s", {})
-    row = {
-        "label": f"{iteration + 1}" + (f" {stage}" if stage else ""),  # counted from 1, as the logs count them
-        "iteration": iteration,
-        "stage": stage,
-        "kind": kind,
-        "answer_rate": conversations.get("answer_rate"),
-        "task_score": conversations.get("accuracy"),
-        # The answer named in words where the format is missing (optima.tasks.flexible; older runs: not recorded).
-        "flexible_answer_rate": conversations.get("flexible_answer_rate"),
-        "flexible_score": conversations.get("flexible_accuracy"),
-        "mean_tokens": conversations.get("mean_tokens"),
-        "cut_rate": conversations.get("cut_rate"),  # share cut for length (older runs: not recorded)
-        "conversations": conversations.get("conversations", conversations.get("rollouts")),
-        "train_loss": train.get("train_loss"),
-        "train_rows": train.get("train_rows"),
-        "total_s": round(sum(timings.values()), 1) if timings else None,
-    }
-    row |= {f"part_{name}": (conversations.get("mean_reward_parts") or {}).get(name) for name in PART_NAMES}
-    row |= {f"time_{name}": timings.get(name) for name in STAGE_ORDER}
-    if kind == "sft":
-        row["kept"] = (stages.get("select") or {}).get("kept_conversations")
-    else:
-        pairs, probe = stages.get("pairs") or {}, stages.get("probe") or {}
-        row |= {
-            "kept": pairs.get("pairs_kept"),
-            "pairs_found": pairs.get("pairs_found"),
-            "pairs_kept": pairs.get("pairs_kept"),
-            "questions_with_pairs": pairs.get("questions_with_pairs"),
-            "search_questions": conversations.get("questions"),
-            "t_max": probe.get("t_max", conversations.get("t_max")),
-            "probe_conversations": probe.get("conversations"),
-        }
-    return row
 
 
 def collect_rows(run_dir: Path) -> list[dict]:

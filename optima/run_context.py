@@ -16,19 +16,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.config.fields import RecipeError
+from optima.config.recipe_file import save_recipe
 from optima.config.rules import loss_model, tokenizer_path
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
 from optima.hardware.plan import HardwarePlan
-from optima.logging_utils import LOG_FORMAT
+from optima.logging_utils import attach_driver_log
 from optima.manifest import Manifest
 from optima.paths import RunPaths, StagePaths
 from optima.serving.holder import ServerHolder
-from optima.store import write_json, write_yaml
+from optima.store import write_json
 from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, MethodRecipe
+    from optima.config.types import MethodRecipe
     from optima.serving.capacity import PolicyDemand
     from optima.training.warm import WarmTrainer
 
@@ -127,38 +128,6 @@ def check_writable(folder: Path) -> None:
         probe.unlink()
     except OSError as exc:
         raise RecipeError("output_dir", f"cannot write the run directory {folder}: {exc.strerror or exc}") from exc
-
-
-SECRET_FIELDS = ("api_key",)
-
-
-def redacted(values: dict[str, Any]) -> dict[str, Any]:
-    """A recipe dict fit for disk and logs: secrets replaced by a marker."""
-    return {k: ("<redacted>" if k in SECRET_FIELDS and v else v) for k, v in values.items()}
-
-
-def save_recipe(recipe: BaseRecipe, path: Path) -> None:
-    """Write the validated recipe (secrets redacted); say which fields changed when resuming under another one."""
-    import yaml
-
-    current = redacted(recipe.to_dict())
-    if path.exists():
-        previous = yaml.safe_load(path.read_text()) or {}
-        changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-        if changed:
-            logger.warning("resuming %s with changed recipe fields: %s", path.parent, ", ".join(changed))
-    write_yaml(path, current)
-
-
-def attach_driver_log(path: Path) -> None:
-    """Also write the driver's log to ``logs/driver.log`` of the run (appending across resumptions)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
-        return
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    root.addHandler(handler)
 
 
 def iteration_metrics(manifest: Manifest) -> dict[str, Any]:

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from optima.config.fields import RecipeError
+from optima.config.trackers import parse_report_to
 
 logger = logging.getLogger(__name__)
 
-TRACKERS = ("tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
 ITERATION_LOG = "optima"
 # Report-row keys logged as scalars (tag = optima/<group>/<key>).
@@ -37,22 +37,6 @@ SCALAR_GROUPS = {
     "dpo": ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs"),
 }
 SAMPLES_PER_STAGE = 3  # conversations per stage output logged as TensorBoard text
-
-
-def parse_report_to(value: str | list[str] | None) -> list[str] | str:
-    """Validate the recipe's ``report_to``: ``auto``, ``none``, a tracker, or a list of trackers.
-
-    Returns ``"auto"`` or the list of trackers (empty for ``none``).
-    """
-    if value in (None, "none", []):
-        return []
-    if value == "auto":
-        return "auto"
-    names = [value] if isinstance(value, str) else list(value)
-    for name in names:
-        if name not in TRACKERS:
-            raise RecipeError("report_to", f"expected auto, none or one of {list(TRACKERS)}, got {name!r}")
-    return names
 
 
 def resolve_report_to(value: str | list[str] | None, train_env) -> list[str]:

@@ -18,8 +18,8 @@ import pytest
 
 from optima.__main__ import main as optima_main
 from optima.agents.generation import GenerationPlan, generate_conversations
-from optima.browser import PAGE, sample_conversations, write_conversations_page
-from optima.paths import RunPaths
+from optima.browser import sample_conversations, write_conversations_page
+from optima.paths import PAGE, RunPaths
 from optima.store import load_records
 from optima.tracking import publish_iteration, write_tensorboard_scalars
 from tests.browser_run import HOSTILE, build_browser_run, build_recipe, scripted_reply

@@ -118,7 +118,7 @@ def served_answers(urls: list[str], recipe) -> tuple[list, list]:
     from openai import OpenAI
     from transformers import AutoTokenizer
 
-    from optima.lm_loss import prompt_logprobs
+    from optima.serving.client import prompt_logprobs
 
     tokenizer = AutoTokenizer.from_pretrained(recipe.initial_model_path)
     with OpenAI(base_url=urls[0], api_key="EMPTY", timeout=120) as client:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from optima.agents.prompts import Utterance, build_agent_messages
+from optima.chat_spans import MaskError
 from optima.tasks import Example
-from optima.training.masking import IGNORE_INDEX, MaskError, decode_trained, tokenize_with_mask
+from optima.training.masking import IGNORE_INDEX, decode_trained, tokenize_with_mask
 from tests._task_fixtures import LLAMA3_CHAT_TEMPLATE
 
 transformers = pytest.importorskip("transformers")

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
+from optima.config.trackers import parse_report_to
 from optima.manifest import Manifest
 from optima.reporting import collect_rows, write_run_report
 from optima.run_context import iteration_metrics
 from optima.stages.reward_stage import RewardStats
 from optima.tasks import Example
 from optima.tracking import (
-    parse_report_to,
     resolve_report_to,
     trainer_env,
     trainer_overrides,

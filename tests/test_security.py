@@ -14,9 +14,9 @@ import yaml
 
 from optima.config import SFTRecipe, load_recipe
 from optima.config.fields import RecipeError
+from optima.config.recipe_file import save_recipe
 from optima.environments import PythonEnv
 from optima.paths import RunPaths
-from optima.run_context import save_recipe
 from optima.serving import build_serve_command, serve
 from optima.serving.processes import group_members
 from optima.serving.vllm_server import Placement, find_free_port

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from optima.browser.collect import ConversationView, QuestionView, Section, collect_sections
 from optima.browser.render import render_page
+from optima.paths import PAGE
 from optima.store import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
-PAGE = "conversations.html"
 LINKED_FILES = ("report.md", "report.png", "summary.csv", "comparison.md", "sc_analysis.md")
 # Questions shown per stage output: a paper-scale iteration (2000 questions x 8 conversations) would make a page
 # no browser opens comfortably; ``show --max-questions 0`` writes them all.

@@ -95,11 +95,16 @@ def run_compare_script(argv: list[str] | None) -> int:
         if args.tasks:
             from optima.evaluation.compare import run_compare_tasks
 
-            emit(run_compare_tasks(recipes, envs, options, Path(args.output_path)))
+            text = run_compare_tasks(recipes, envs, options, Path(args.output_path))
         else:
             from optima.evaluation.compare import run_compare
 
-            emit(run_compare(recipes[0], envs, options))
+            text = run_compare(recipes[0], envs, options)
+        from optima.browser import write_conversations_page
+
+        for recipe in recipes:  # every answer, debate and conversation behind each task's table
+            write_conversations_page(Path(recipe.output_root_path))
+        emit(text)
         return 0
 
     return guarded(body)

@@ -4,6 +4,7 @@ self-consistency) and the evaluation flags ``python -m optima compare`` shares w
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.cli.common import add_control_args, add_env_args, emit, guarded, overrides_from_flags, resolve_envs
@@ -176,9 +177,12 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
 
             emit(run_self_consistency(recipe, envs, SCOptions(baselines, args.max_k, settings.debate)))
         else:
+            from optima.browser import write_conversations_page
             from optima.evaluation.sweep import run_sweep
 
-            emit(run_sweep(recipe, envs, baselines, settings))
+            table = run_sweep(recipe, envs, baselines, settings)
+            write_conversations_page(Path(recipe.output_root_path))  # every conversation of every model and method
+            emit(table)
         return 0
 
     return guarded(body)

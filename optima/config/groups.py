@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 from optima.config.devices import parse_devices
 from optima.config.fields import field, require
 from optima.config.stage_names import Stage
+from optima.config.trackers import parse_report_to
 
 DATA_DIR_ENV = "OPTIMA_DATA_DIR"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -357,8 +358,6 @@ class TrainingFields:
     )
 
     def validate(self) -> None:
-        from optima.tracking import parse_report_to
-
         if self.num_processes is not None:
             _positive(self, "num_processes")
         _in("main_process_port", self.main_process_port, 1, 65535)

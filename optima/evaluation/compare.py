@@ -12,7 +12,8 @@ files are complete, and recomputes a file whose producer changed. Then, in the o
     comparison.json          {"task", "metric", "questions", "settings", "rows": [...]}
     comparison.csv / .md     one row per method: task metric, answer rate, tokens per question, failure rates
     comparison.png           task metric and answer rate against tokens per question, one point per method
-    conversations.html       every answer, debate and conversation behind the table (``optima.browser``)
+    conversations.html       every answer, debate and conversation behind the table (``optima.browser``, written by
+                             the ``compare`` command)
 
 With ``--tasks a,b,...`` each task gets its own folder ``<output>/<task>/`` with those files, and the methods x
 tasks table joins them (``optima.evaluation.task_table``: ``table.md/.csv/.json/.png``).
@@ -27,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.browser import write_conversations_page
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.fingerprint import read_producer
@@ -212,9 +212,7 @@ def run_compare(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], options: Comp
         options: Methods, Optima rows, sampling settings.
     """
     results, header = compare_rows(recipe, envs, options)
-    table = write_comparison(Path(recipe.output_root_path), recipe.dataset_type, results, header)
-    write_conversations_page(Path(recipe.output_root_path))  # every answer, debate and conversation behind it
-    return table
+    return write_comparison(Path(recipe.output_root_path), recipe.dataset_type, results, header)
 
 
 def run_compare_tasks(
@@ -232,7 +230,6 @@ def run_compare_tasks(
     for recipe in recipes:
         results, header = compare_rows(recipe, envs, options)
         texts.append(write_comparison(Path(recipe.output_root_path), recipe.dataset_type, results, header))
-        write_conversations_page(Path(recipe.output_root_path))
         per_task[recipe.dataset_type] = results
         producers[recipe.dataset_type] = header["producers"]
     from optima.evaluation.task_table import write_task_table

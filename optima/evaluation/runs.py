@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.config.recipe_file import save_recipe
 from optima.config.rules import tokenizer_path
 from optima.environments import PythonEnv, check_env
 from optima.evaluation.fingerprint import claim_result_file, model_fingerprint, producer_fingerprint
 from optima.evaluation.metrics import RecordScorer
+from optima.logging_utils import attach_driver_log
 from optima.paths import StagePaths
-from optima.run_context import attach_driver_log, save_recipe
 from optima.store import load_records, record_key
 from optima.tasks import Example, get_task
 from optima.tasks.math_equiv import MathVerifier

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.agents.generation import GenerationPlan
-from optima.browser import write_conversations_page
 from optima.environments import PythonEnv
 from optima.evaluation.compare import write_comparison
 from optima.evaluation.fingerprint import read_producer
@@ -161,6 +160,5 @@ def run_sweep(
         if baselines:
             compared = comparison_rows(recipe, models, baselines, settings, scorer_of)
             table += "\n\n" + write_comparison(out_root, recipe.dataset_type, compared, {"questions": len(examples)})
-    write_conversations_page(out_root)  # every conversation of every model and method, browsable
     logger.info("eval | done | %d models, %d servers started", len(models), session.servers_started)
     return table

@@ -12,6 +12,9 @@ client (SDK retries off, our own policy on top), shared by all threads:
   lone surrogates in the text are replaced (they could not be written to the UTF-8 JSONL).
 
 Backoff waits on ``ReplicaPool.stop_event``, so a shutdown interrupts them instead of sleeping through.
+
+``prompt_logprobs`` is the other request a server answers: the log-probabilities of given token ids, nothing
+generated (the LM loss, ``optima.lm_loss``, and the reload check, ``optima.serving.reload_check``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from optima.config.types import ServingFields
@@ -241,3 +244,22 @@ class ReplicaPool:
 
 class _ReplicaDown(Exception):
     """Internal: the replica refused connections through every retry."""
+
+
+def prompt_logprobs(client: Any, model: str, prompts: Sequence[Sequence[int]], top: int = 0) -> list[Any]:
+    """The served log-probabilities of each prompt's tokens, nothing generated (one choice per prompt, in order).
+
+    ``/v1/completions`` with the token ids as prompts, ``echo`` and ``max_tokens: 0``: each choice's
+    ``logprobs.token_logprobs`` holds the log-probability of every prompt token given the ones before it (the first
+    is None), and with ``top`` > 0 ``logprobs.top_logprobs`` the ``top`` most likely tokens at each position.
+
+    Args:
+        client: An ``openai.OpenAI`` client of the server.
+        model: Its served model name.
+        prompts: Token ids of each prompt.
+        top: Alternatives per position.
+    """
+    response = client.completions.create(
+        model=model, prompt=[list(p) for p in prompts], max_tokens=0, echo=True, logprobs=top, temperature=0.0
+    )
+    return sorted(response.choices, key=lambda c: c.index)

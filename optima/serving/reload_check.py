@@ -4,7 +4,7 @@ Called after every wake with new weights (GPU sleep mode, a CPU server kept thro
 ``optima.serving.sleep_mode``) and after every reload of an external endpoint (``optima.serving.endpoints``),
 which also uses it to tell whether an endpoint started with a checkpoint's path still holds what that path holds
 now. The served model scores the recorded probe's token ids with the LM-loss scorer's request
-(``optima.lm_loss.prompt_logprobs``); a mismatch stops the run, naming the server and the checkpoint.
+(``optima.serving.client.prompt_logprobs``); a mismatch stops the run, naming the server and the checkpoint.
 
 A folder without a recorded probe (a base model, or a checkpoint written before probes existed) is not checked:
 its reload is logged as unchecked.
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config.rules import vllm_dtype_arg
+from optima.serving.client import prompt_logprobs
 from optima.serving.vllm_server import ServerStartupError
 from optima.weights_probe import Probe, compare_probe, read_probe, tolerance_for
 
@@ -50,8 +51,6 @@ def probe_server(url: str, probe: Probe, recipe: ServingFields) -> tuple[list, l
         recipe: ``served_model_name``, ``api_key``, ``request_timeout_s``, ``max_retries``.
     """
     from openai import OpenAI
-
-    from optima.lm_loss import prompt_logprobs
 
     key, timeout_s = recipe.api_key or "EMPTY", recipe.request_timeout_s
     client = OpenAI(base_url=url, api_key=key, timeout=timeout_s, max_retries=recipe.max_retries)
