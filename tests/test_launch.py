@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from optima.environments import resolve_env
-from optima.training.launch import TrainingError, run_training
+from optima.training.errors import TrainingError
+from optima.training.launch import run_training
 from optima.training.launch_config import (
     ACCELERATE_CONFIGS,
     TrainLaunch,

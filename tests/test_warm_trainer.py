@@ -23,7 +23,8 @@ import pytest
 
 from optima.environments import resolve_env
 from optima.serving.processes import group_members
-from optima.training.launch import TrainingError, run_training
+from optima.training.errors import TrainingError
+from optima.training.launch import run_training
 from optima.training.launch_config import ACCELERATE_CONFIGS, CPU_ALLOCATOR_ENV, TrainLaunch
 from optima.training.nodes import NodeRanks, TrainingPlacement
 from optima.training.warm import WarmTrainer, warm_trainer_for

@@ -70,7 +70,7 @@ def expected_failures() -> tuple[type[BaseException], ...]:
     from optima.pipeline import NothingSelected
     from optima.serving import NoReplicaLeft, ServerStartupError
     from optima.tasks import DataError
-    from optima.training.launch import TrainingError
+    from optima.training.errors import TrainingError
 
     return (NothingSelected, ServerStartupError, NoReplicaLeft, DataError, TrainingError)
 

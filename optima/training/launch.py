@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING
 
 from optima.environments import REPO_ROOT
 from optima.serving.processes import PARENT_ENV, die_with_parent, group_members, stop_group
+from optima.training.errors import STOP_TIMEOUT_S, TrainingError, failure_message
 from optima.training.launch_config import TrainLaunch
 from optima.training.progress import STATE_ENV, TrainingProgress
 
@@ -38,11 +39,6 @@ logger = logging.getLogger(__name__)
 
 GUARD_MODULE = "optima.training.launch"
 STATE_FILE = "trainer_state.json"  # the trainer's state, beside its log, while it runs
-STOP_TIMEOUT_S = 30.0  # grace period between SIGTERM and SIGKILL of the trainer's process group
-
-
-class TrainingError(RuntimeError):
-    """A fine-tuning stage failed; the message names the stage and its log file and ends with the log's tail."""
 
 
 def run_training(
@@ -89,12 +85,6 @@ def run_training(
         returncode = run_guarded(argv, env, log_path, bar)
     if returncode != 0:
         raise TrainingError(failure_message(f"{desc}: {launch.kind} training exited with {returncode}", log_path))
-
-
-def failure_message(what: str, log_path: Path) -> str:
-    """``what; log: PATH`` and the log's last 30 lines."""
-    tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.is_file() else []
-    return f"{what}; log: {log_path}\n" + "\n".join(tail)
 
 
 def run_guarded(argv: list[str], env: dict[str, str], log_path: Path, bar) -> int:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from optima.environments import REPO_ROOT, PythonEnv
 from optima.serving.processes import PARENT_ENV, stop_group
-from optima.training.launch import STOP_TIMEOUT_S, TrainingError, failure_message
+from optima.training.errors import STOP_TIMEOUT_S, TrainingError, failure_message
 from optima.training.launch_config import TrainLaunch, cpu_allocator_env, launch_for
 
 if TYPE_CHECKING:
