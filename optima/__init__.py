@@ -7,7 +7,10 @@ __version__ = "0.1.0"
 
 
 def lazy_exports(package: str, exports: dict[str, str]):
-    """A package's ``__getattr__``: each name of ``exports`` (name -> module of the package) imported on first use.
+    """A package's ``__getattr__``: each name of ``exports`` imported on first use.
+
+    ``exports`` maps a name to its module: one of the package (``"holder"``), or any other module by its full name
+    (``"optima.hardware.layout"``).
 
     A package's public names (what ``bench/`` and the scripts may import) without importing its modules, and their
     dependencies, when the package is imported.
@@ -17,6 +20,7 @@ def lazy_exports(package: str, exports: dict[str, str]):
     def __getattr__(name: str):
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        module = exports[name] if exports[name].startswith("optima.") else f"{package}.{exports[name]}"
+        return getattr(importlib.import_module(module), name)
 
     return __getattr__

@@ -20,7 +20,7 @@ from optima.config.recipe_file import save_recipe
 from optima.config.rules import loss_model, tokenizer_path
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
-from optima.hardware.plan import HardwarePlan
+from optima.hardware.claims import HardwarePlan
 from optima.logging_utils import attach_driver_log
 from optima.manifest import Manifest
 from optima.paths import RunPaths, StagePaths

@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from optima.hardware.layout import plan_layout  # noqa: E402
 from optima.paths import RunPaths  # noqa: E402
 from optima.serving.holder import ServerHolder  # noqa: E402
-from optima.serving.layout import plan_layout  # noqa: E402
 from optima.serving.processes import sigterm_as_exit  # noqa: E402
 from tests.test_layout import FAKE_ENV, sft_recipe  # noqa: E402
 

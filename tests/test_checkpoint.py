@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from optima.environments import resolve_env
+from optima.hardware.accelerate import ACCELERATE_CONFIGS
 from optima.training.checkpoint import (
     CheckpointError,
     clear_partial_output,
@@ -28,7 +29,7 @@ from optima.training.common import (
     resolve_attn_implementation,
     save_checkpoint,
 )
-from optima.training.launch_config import ACCELERATE_CONFIGS, CPU_ALLOCATOR_ENV, TrainLaunch, cpu_allocator_env
+from optima.training.launch_config import CPU_ALLOCATOR_ENV, TrainLaunch, cpu_allocator_env
 from optima.weights_probe import PROBE_KEY, record_probe
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from optima.config import RecipeError
 from optima.config.devices import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag, parse_devices
-from optima.serving.replicas import plan_replicas
+from optima.hardware.layout import plan_replicas
 from tests.test_scripts import load_script
 
 EIGHT = [str(i) for i in range(8)]

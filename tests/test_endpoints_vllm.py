@@ -15,11 +15,12 @@ import pytest
 import requests
 
 from optima.environments import resolve_env
+from optima.hardware.layout import plan_replicas
 from optima.identity import model_identity
 from optima.paths import RunPaths
 from optima.serving import start_replicas
 from optima.serving.endpoints import EndpointMismatch, server_root, sync_endpoints
-from optima.serving.replicas import build_replica_specs, plan_replicas
+from optima.serving.replicas import build_replica_specs
 from optima.serving.vllm_server import find_free_port
 from tests.conftest import requires_vllm
 from tests.helpers import build_test_recipe

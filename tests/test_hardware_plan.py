@@ -15,9 +15,11 @@ from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe, load_recipe
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv, resolve_env
 from optima.hardware import memory
-from optima.hardware.plan import phase_total, plan_hardware
+from optima.hardware.claims import phase_total
+from optima.hardware.placement import Placement
+from optima.hardware.plan import plan_hardware
 from optima.hardware.spec import Hardware, detect_hardware, parse_hardware
-from optima.serving.vllm_server import Placement, build_serve_command
+from optima.serving.vllm_server import build_serve_command
 from optima.training.launch_config import launch_for
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from optima.hardware.layout import ServerLayout, plan_layout
+from optima.hardware.placement import Placement
 from optima.hardware.training import TrainerPeak, row_messages, rows_trainer_peak
 from optima.identity import COMPLETE_MARKER
 from optima.paths import RunPaths
@@ -26,11 +28,9 @@ from optima.serving import holder as holder_module
 from optima.serving import vllm_server
 from optima.serving.capacity import GIB, PolicyDemand
 from optima.serving.holder import ServerHolder
-from optima.serving.layout import ServerLayout, plan_layout
 from optima.serving.processes import group_members, wait_group_exit
 from optima.serving.reload_check import WeightsMismatch
 from optima.serving.replicas import ReplicaLayout
-from optima.serving.vllm_server import Placement
 from optima.weights_probe import PROBE_KEY, Probe
 from tests.conftest import SMOLLM2, requires_smollm2
 from tests.fake_openai import FakeOpenAIServer

@@ -9,15 +9,10 @@ import pytest
 import yaml
 
 from optima.environments import resolve_env
+from optima.hardware.accelerate import ACCELERATE_CONFIGS, resolve_accelerate_config
 from optima.training.errors import TrainingError
 from optima.training.launch import run_training
-from optima.training.launch_config import (
-    ACCELERATE_CONFIGS,
-    TrainLaunch,
-    render_trainer_config,
-    resolve_accelerate_config,
-    write_trainer_config,
-)
+from optima.training.launch_config import TrainLaunch, render_trainer_config, write_trainer_config
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_YAMLS = sorted((REPO / "alignment-handbook/recipes").glob("*/*/base.yaml")) + sorted(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.serving.gpus import has_gpu, visible_gpus
+from optima.hardware.gpus import has_gpu, visible_gpus
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "optima"

@@ -19,15 +19,16 @@ from optima.config import SFTRecipe, load_recipe
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.hardware import memory
+from optima.hardware.layout import ServerLayout, describe_layout, plan_layout
+from optima.hardware.placement import Placement
 from optima.hardware.training import cpu_trainer_peak_bytes, trainer_shape
 from optima.paths import RunPaths
 from optima.serving.capacity import GIB, MemoryShare, PolicyDemand
 from optima.serving.holder import ServerHolder
-from optima.serving.layout import ServerLayout, describe_layout, plan_layout
 from optima.serving.processes import group_members
 from optima.serving.replicas import ReplicaLayout, memory_share
 from optima.serving.sleep_mode import put_to_sleep, wake_with_weights
-from optima.serving.vllm_server import Placement, build_serve_command, build_serve_env
+from optima.serving.vllm_server import build_serve_command, build_serve_env
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import child_groups
 

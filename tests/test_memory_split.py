@@ -18,6 +18,7 @@ import yaml
 from optima.agents.footprint import policy_demand
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import PythonEnv
+from optima.hardware.placement import Placement
 from optima.hardware.training import cpu_trainer_peak_bytes
 from optima.paths import RunPaths
 from optima.selection.io import save_splits
@@ -34,7 +35,6 @@ from optima.serving.capacity import (
     model_weight_bytes,
 )
 from optima.serving.replicas import ReplicaLayout, memory_share
-from optima.serving.vllm_server import Placement
 from optima.stages import common
 from optima.tasks import get_task
 from tests.conftest import requires_smollm2

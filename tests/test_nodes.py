@@ -11,16 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from optima.training.nodes import (
-    MAIN_HOST,
-    RANK,
-    NodeRanks,
-    TrainingPlacement,
-    forwarded_env,
-    node_argv,
-    srun_command,
-    ssh_command,
-)
+from optima.hardware.placement import MAIN_HOST, RANK, NodeRanks, TrainingPlacement
+from optima.training.nodes import forwarded_env, node_argv, srun_command, ssh_command
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_SSH = """#!{python}

@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
+from optima.hardware.placement import Placement
 from optima.serving.pinning import SERVICE_CPUS_ENV, parse_cpu_list, pin_service_processes, service_processes
-from optima.serving.vllm_server import Placement, build_serve_env
+from optima.serving.vllm_server import build_serve_env
 from tests.test_layout import VENV, sft_recipe
 
 LEADER = """

@@ -16,10 +16,11 @@ from optima.config import SFTRecipe, load_recipe
 from optima.config.fields import RecipeError
 from optima.config.recipe_file import save_recipe
 from optima.environments import PythonEnv
+from optima.hardware.placement import Placement
 from optima.paths import RunPaths
 from optima.serving import build_serve_command, serve
 from optima.serving.processes import group_members
-from optima.serving.vllm_server import Placement, find_free_port
+from optima.serving.vllm_server import find_free_port
 from tests.helpers import child_groups
 
 REPO = Path(__file__).resolve().parent.parent

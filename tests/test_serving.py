@@ -13,12 +13,14 @@ import pytest
 
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
+from optima.hardware.layout import plan_replicas
+from optima.hardware.placement import Placement
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, VLLMServer, build_serve_command, serve, start_replicas
 from optima.serving.endpoints import normalize_base_url, sync_endpoints
 from optima.serving.processes import group_members
-from optima.serving.replicas import build_replica_specs, plan_replicas
-from optima.serving.vllm_server import Placement, ServerSpec, build_serve_env, find_free_port
+from optima.serving.replicas import build_replica_specs
+from optima.serving.vllm_server import ServerSpec, build_serve_env, find_free_port
 from tests.fake_vllm import CRASH_MARKER
 from tests.helpers import child_groups
 

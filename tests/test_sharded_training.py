@@ -28,12 +28,13 @@ import pytest
 import yaml
 
 from optima.environments import resolve_env
+from optima.hardware.accelerate import ACCELERATE_CONFIGS
 from optima.selection.io import save_splits
 from optima.training.checkpoint import clear_partial_output, trainer_checkpoints
 from optima.training.common import is_complete, read_completion
 from optima.training.errors import TrainingError
 from optima.training.launch import GUARD_MODULE, run_training, stop_trainer
-from optima.training.launch_config import ACCELERATE_CONFIGS, TrainLaunch
+from optima.training.launch_config import TrainLaunch
 from tests.helpers import tiny_trainer_yaml
 from tests.test_dpo_train import PAIRS
 

@@ -16,8 +16,9 @@ import yaml
 from optima.config import RecipeError, SFTDPORecipe, SFTRecipe, load_recipe
 from optima.config.fields import apply_overrides, stage_fields
 from optima.config.rules import trainer_overrides_for
+from optima.hardware.accelerate import ACCELERATE_CONFIGS
 from optima.manifest import fields_hash
-from optima.training.launch_config import ACCELERATE_CONFIGS, describe_trainer_overrides, render_trainer_config
+from optima.training.launch_config import describe_trainer_overrides, render_trainer_config
 
 REPO = Path(__file__).resolve().parent.parent
 SFT_BASE = REPO / "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml"

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from optima.environments import resolve_env
+from optima.hardware.accelerate import ACCELERATE_CONFIGS
 from optima.training.launch import STATE_FILE, run_training
-from optima.training.launch_config import ACCELERATE_CONFIGS, TrainLaunch
+from optima.training.launch_config import TrainLaunch
 from optima.training.progress import STATE_ENV, TrainingProgress, console_stream, last_loss, read_state, state_callback
 
 

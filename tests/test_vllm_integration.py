@@ -18,10 +18,11 @@ import pytest
 
 from optima.agents.generation import GenerationHooks, GenerationPlan, generate_conversations
 from optima.environments import resolve_env
+from optima.hardware.layout import plan_replicas
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, serve, start_replicas
 from optima.serving.processes import group_members
-from optima.serving.replicas import build_replica_specs, plan_replicas
+from optima.serving.replicas import build_replica_specs
 from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
 from tests.conftest import requires_vllm

@@ -22,11 +22,12 @@ from types import SimpleNamespace
 import pytest
 
 from optima.environments import resolve_env
+from optima.hardware.accelerate import ACCELERATE_CONFIGS
+from optima.hardware.placement import NodeRanks, TrainingPlacement
 from optima.serving.processes import group_members
 from optima.training.errors import TrainingError
 from optima.training.launch import run_training
-from optima.training.launch_config import ACCELERATE_CONFIGS, CPU_ALLOCATOR_ENV, TrainLaunch
-from optima.training.nodes import NodeRanks, TrainingPlacement
+from optima.training.launch_config import CPU_ALLOCATOR_ENV, TrainLaunch
 from optima.training.warm import WarmTrainer, warm_trainer_for
 from tests.helpers import child_groups, read_stat, wait_for, with_default_signals
 from tests.warm_driver import ScriptLaunch

@@ -179,7 +179,7 @@ def run_gpu_check_command(argv: list[str] | None = None) -> int:
         if args.hardware:
             say("\n".join(render_plan(args.hardware)))
         return 0
-    from optima.serving.gpus import has_gpu  # standard library only: works before setup
+    from optima.hardware.gpus import has_gpu  # standard library only: works before setup
 
     if not has_gpu():
         say("GPU CHECK: FAIL (no NVIDIA GPU visible: nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)")

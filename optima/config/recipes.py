@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from optima.config.defaults import default_mcts_selections, default_output_dir
 from optima.config.fields import (
     RecipeError,
     apply_overrides,
@@ -43,7 +44,6 @@ from optima.config.groups import (
     SFTFields,
     TrainingFields,
 )
-from optima.config.rules import default_mcts_selections, default_output_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,8 @@
 """Values derived from a recipe, one function each, used alike by the plan, the stages and the evaluation.
 
-Pure: no process, no file. The reward's own rule, ``T_max``, lives with the formula (``optima.reward``).
+Pure: no process, no file. The reward's own rule, ``T_max``, lives with the formula (``optima.reward``); the
+defaults a recipe fills in while it is built live in ``optima.config.defaults`` (the recipes import them, and this
+module names the recipe types).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ if TYPE_CHECKING:
     )
 
 MATH_TASKS = ("gsm8k", "math")
-# Node selections per question of a tree search whose recipe sets no ``mcts_selections`` (docs/method.md D20).
-ORIGINAL_MCTS_SELECTIONS = 8
 # Texts per request to a vLLM server scoring LM loss, per text of an HF forward pass (``loss_batch_size``):
 # a request is cheap to batch on the server, so it carries several forward passes' worth.
 VLLM_LOSS_BATCH_FACTOR = 4
@@ -30,15 +30,6 @@ SCORING_TEMPLATE_TOKENS = 64
 # up to this many tokens (about 1.2 GiB for a 128k vocabulary), so it stays small; longer texts are prefilled in
 # chunks.
 SCORING_BATCHED_TOKENS = 1024
-
-
-def default_output_dir(recipe: RunFields) -> str:
-    """Where a run writes (its vLLM cache, logs) when the recipe sets no ``output_dir``.
-
-    A training loop: ``runs/<dataset_type>_<method>`` (relative to the working directory). An evaluation: its
-    output folder (``output_root_path``).
-    """
-    return getattr(recipe, "output_root_path", None) or f"runs/{recipe.dataset_type}_{recipe.method}"
 
 
 def generation_temperature(recipe: LoopRecipe, iteration: int) -> float:
@@ -55,15 +46,6 @@ def selection_range(recipe: SFTLoopRecipe) -> list[float]:
     if recipe.selection_range is not None:
         return list(recipe.selection_range)
     return [0.1, 0.8] if recipe.dataset_type == "math" else [0.0, 0.7]
-
-
-def default_mcts_selections(method: str, explore_count: int) -> int:
-    """Node selections per question when ``mcts_selections`` is null.
-
-    iDPO reads ``explore_count`` (docs/method.md, D20); in iSFT-DPO ``explore_count`` belongs to the SFT stage, so
-    the search keeps 8 (``ORIGINAL_MCTS_SELECTIONS``).
-    """
-    return explore_count if method == "dpo" else ORIGINAL_MCTS_SELECTIONS
 
 
 def loss_model(recipe: LoopRecipe) -> str:

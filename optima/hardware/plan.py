@@ -1,8 +1,8 @@
 """The hardware plan of a run: (recipe, hardware) -> where every process runs and what it holds, checked before start.
 
-One plan places the policy replicas and the loss server (``optima.serving.layout``, whose memory share for the loss
+One plan places the policy replicas and the loss server (``optima.hardware.layout``, whose memory share for the loss
 server is computed here from its weights when the recipe leaves ``loss_gpu_memory_utilization`` null), and the
-training processes (``optima.training.nodes.TrainingPlacement``: GPUs, ``num_processes``, machine ranks per node).
+training processes (``optima.hardware.placement.TrainingPlacement``: GPUs, ``num_processes``, machine ranks per node).
 Each claim on a GPU carries an estimate (``optima.hardware.memory``), in the two phases of an iteration:
 
 * generation: every server's memory share (vLLM takes all of it at start-up) must hold its weights, a minimum KV
@@ -19,135 +19,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
 from optima.config.groups import LOOPBACK_HOSTS
 from optima.config.rules import loss_model
 from optima.hardware import memory, vllm_memory
+from optima.hardware.claims import Claim, HardwarePlan, describe_claims, phase_total
+from optima.hardware.layout import ServerLayout, carry_over_on, loss_server_wanted, plan_layout
 from optima.hardware.memory import GIB, ModelSize, gib
+from optima.hardware.placement import Placement
 from optima.hardware.spec import Hardware
+from optima.hardware.training import plan_training, policy_size, trainer_yamls
 from optima.hardware.vllm_memory import ServerNeed
-from optima.serving.layout import ServerLayout, carry_over_on, loss_server_wanted, plan_layout
-from optima.serving.vllm_server import Placement
-from optima.training.nodes import TrainingPlacement
 
 if TYPE_CHECKING:
     from optima.config.types import Recipe, ServingFields
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-TRAINER_YAML_FIELDS = {
-    "sft": ("origin_yaml_path",),
-    "dpo": ("origin_dpo_yaml_path",),
-    "sft_dpo": ("origin_yaml_path", "origin_dpo_yaml_path"),
-}
 MIN_LOSS_SHARE = 0.05
-
-
-@dataclass(frozen=True)
-class Claim:
-    """One process's hold on a GPU: what (``loss server``), how much (bytes), and in which phases it holds it.
-
-    ``generation``: while the policy samples; ``training``: while the trainer runs. A resident server holds its
-    share in both.
-    """
-
-    what: str
-    size: int
-    generation: bool = True
-    training: bool = False
-
-    @property
-    def resident(self) -> bool:
-        """Held through both phases: a server that stays up (no trainer may share its GPU)."""
-        return self.generation and self.training
-
-
-def phase_total(claims: list[Claim], phase: str) -> int:
-    """Bytes held on one GPU in ``phase`` (``generation`` or ``training``)."""
-    return sum(c.size for c in claims if getattr(c, phase))
-
-
-@dataclass
-class HardwarePlan:
-    """Placements and claims of a run on some hardware (see the module docstring).
-
-    Args:
-        hardware: The machine(s).
-        layout: Placements of the servers on node 0 (None: external endpoints).
-        training: The training processes (None: an evaluation recipe).
-        claims: ``(node, gpu id) -> claims`` on that GPU.
-        lines: What ``render`` shows about each process.
-        problems: Why the plan cannot run (empty: it can).
-        notes: Remarks that do not stop the run.
-        loss_share: The loss server's memory share the plan computed (None: the recipe's, or no loss server).
-        accumulation: ``gradient_accumulation_steps`` per trainer (``sft``, ``dpo``) that keeps the released
-            global batch on the planned processes, where it differs from the trainer YAML's
-            (``optima.hardware.batch``).
-    """
-
-    hardware: Hardware
-    layout: ServerLayout | None = None
-    training: TrainingPlacement | None = None
-    claims: dict[tuple[int, str], list[Claim]] = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    loss_share: float | None = None
-    accumulation: dict[str, int] = field(default_factory=dict)
-
-    def claim(self, node: int, gpu: str, item: Claim) -> None:
-        self.claims.setdefault((node, gpu), []).append(item)
-
-    def check(self) -> None:
-        """Raise every problem, numbered, as one ``RecipeError`` (nothing has started yet)."""
-        if len(self.problems) == 1:
-            raise RecipeError("hardware plan", self.problems[0])
-        if self.problems:
-            listed = " ".join(f"({i}) {problem}" for i, problem in enumerate(self.problems, 1))
-            raise RecipeError("hardware plan", f"{len(self.problems)} problems: {listed}")
-
-    def render(self) -> list[str]:
-        """The plan as ``--dry-run`` prints it."""
-        out = [f"  hardware: {self.hardware.describe()}", *(f"      {line}" for line in self.lines)]
-        for (node, gpu), claims in sorted(self.claims.items()):
-            gen = [c for c in claims if c.generation]
-            train = [c for c in claims if c.training]
-            out.append(f"      node {node} GPU {gpu}: generation {_sum(gen)}; training {_sum(train)}")
-        out += [f"      note: {note}" for note in self.notes]
-        out += [f"      REFUSED: {problem}" for problem in self.problems] or ["      plan: feasible"]
-        return out
-
-
-def _sum(claims: list[Claim]) -> str:
-    if not claims:
-        return "-"
-    total = sum(c.size for c in claims)
-    return f"{gib(total)} GiB (" + ", ".join(f"{c.what} {gib(c.size)}" for c in claims) + ")"
-
-
-def _read_yaml(path: str | None) -> dict:
-    import yaml
-
-    if not path or not Path(path).is_file():
-        return {}
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    return data if isinstance(data, dict) else {}
-
-
-def trainer_yamls(recipe: Recipe) -> list[dict]:
-    """The base trainer YAMLs of the recipe's training stages (none for an evaluation recipe)."""
-    names = TRAINER_YAML_FIELDS.get(recipe.method, ())
-    return [_read_yaml(getattr(recipe, name)) | {"_dpo": "dpo" in name} for name in names]
-
-
-def policy_size(recipe: Recipe, yamls: list[dict]) -> ModelSize | None:
-    """The served model's size: the initial model, else (a checkpoint not written yet) the trainer's base model."""
-    base = [y.get("model_name_or_path") for y in yamls]
-    evaluated = [recipe.model_root_path] if hasattr(recipe, "model_root_path") else []  # evaluation recipes
-    return memory.model_size(recipe.initial_model_path, *evaluated, *base, recipe.tokenizer_first_path)
 
 
 def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwarePlan:
@@ -167,8 +57,6 @@ def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = N
     else:
         plan_servers(recipe, hardware, size, plan, cpus or [0])
     if yamls:
-        from optima.hardware.training import plan_training
-
         plan_training(recipe, hardware, size, yamls, plan)
     return plan
 
@@ -262,7 +150,7 @@ def check_generation_totals(plan: HardwarePlan) -> None:
         if held > total:
             plan.problems.append(
                 f"GPU {gpu} of node {node}: the servers' shares add up to {gib(held)} GiB of "
-                f"{plan.hardware.gpu_gib:g} GiB ({_sum([c for c in claims if c.generation])}): lower "
+                f"{plan.hardware.gpu_gib:g} GiB ({describe_claims([c for c in claims if c.generation])}): lower "
                 "gpu_memory_utilization or loss_gpu_memory_utilization, or move loss_devices"
             )
 

@@ -1,7 +1,7 @@
 """The machine a run is planned for: nodes x GPUs x memory, given (``--hardware 2x8x141GB``) or detected.
 
 Given, any machine can be planned from a laptop (``--dry-run --hardware 8x80GB``); detected, it is the GPUs this
-process sees (``optima.serving.gpus``: ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi``) with their memory, on one
+process sees (``optima.hardware.gpus``: ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi``) with their memory, on one
 node, or inside a Slurm allocation on ``SLURM_JOB_NUM_NODES`` such nodes (a multi-node run names its nodes in the
 recipe: ``train_hosts``, or ``train_launcher: srun``). Memory is in GiB: ``80GB`` is taken as
 80 GiB, the size printed on the card (an 80 GB card reports 79.6 GiB; the estimates leave more than that spare).
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from optima.config.fields import RecipeError
-from optima.serving.gpus import gpu_memory_mib, visible_gpus
+from optima.hardware.gpus import gpu_memory_mib, visible_gpus
 
 _SPEC = re.compile(r"^(?:(\d+)x)?(\d+)x(\d+(?:\.\d+)?)\s*(?:GB|GiB|G)?$", re.IGNORECASE)
 

@@ -21,14 +21,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.hardware import memory
+from optima.hardware.accelerate import read_accelerate_config, resolve_accelerate_config, strategy_of
 from optima.hardware.batch import keep_global_batch, trainer_batches
+from optima.hardware.claims import Claim, phase_total
 from optima.hardware.memory import ModelSize, TrainerShape, gib
+from optima.hardware.placement import NodeRanks, TrainingPlacement
 from optima.hardware.spec import Hardware
-from optima.training.launch_config import read_accelerate_config, resolve_accelerate_config
-from optima.training.nodes import NodeRanks, TrainingPlacement
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, MethodRecipe, TrainingFields
+    from optima.config.types import LoopRecipe, MethodRecipe, Recipe, TrainingFields
+
+TRAINER_YAML_FIELDS = {
+    "sft": ("origin_yaml_path",),
+    "dpo": ("origin_dpo_yaml_path",),
+    "sft_dpo": ("origin_yaml_path", "origin_dpo_yaml_path"),
+}
 
 
 def read_hosts(recipe: TrainingFields) -> list[str]:
@@ -39,18 +46,26 @@ def read_hosts(recipe: TrainingFields) -> list[str]:
     return list(recipe.train_hosts)
 
 
-def strategy_of(config: dict) -> str:
-    """``cpu``, ``single``, ``ddp``, ``fsdp`` or ``zero3`` from an accelerate config (ZeRO stages 1-2 are planned as
-    DDP). ``single``: ``distributed_type: "NO"`` on a GPU, which accelerate starts with its simple launcher: one
-    process whatever ``--num_processes`` says."""
-    kind = config.get("distributed_type")
-    if config.get("use_cpu") and kind in ("NO", "MULTI_CPU", None):
-        return "cpu"
-    if kind in ("NO", None):
-        return "single"
-    if kind == "DEEPSPEED":
-        return "zero3" if int((config.get("deepspeed_config") or {}).get("zero_stage", 0)) == 3 else "ddp"
-    return "fsdp" if kind == "FSDP" else "ddp"
+def _read_yaml(path: str | None) -> dict:
+    import yaml
+
+    if not path or not Path(path).is_file():
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return data if isinstance(data, dict) else {}
+
+
+def trainer_yamls(recipe: Recipe) -> list[dict]:
+    """The base trainer YAMLs of the recipe's training stages (none for an evaluation recipe)."""
+    names = TRAINER_YAML_FIELDS.get(recipe.method, ())
+    return [_read_yaml(getattr(recipe, name)) | {"_dpo": "dpo" in name} for name in names]
+
+
+def policy_size(recipe: Recipe, yamls: list[dict]) -> ModelSize | None:
+    """The served model's size: the initial model, else (a checkpoint not written yet) the trainer's base model."""
+    base = [y.get("model_name_or_path") for y in yamls]
+    evaluated = [recipe.model_root_path] if hasattr(recipe, "model_root_path") else []  # evaluation recipes
+    return memory.model_size(recipe.initial_model_path, *evaluated, *base, recipe.tokenizer_first_path)
 
 
 def trainer_shape(strategy: str, processes: int, yaml: dict, mixed_precision: bool = False) -> TrainerShape:
@@ -82,10 +97,8 @@ def cpu_trainer_peak_bytes(
     Args:
         recipe: The run's recipe (its trainer YAMLs, its model).
         row_tokens: The longest row, capped at each YAML's ``max_length`` (None: ``max_length``, the worst case).
-        yamls: The trainer YAMLs (default: the recipe's base YAMLs, ``optima.hardware.plan.trainer_yamls``).
+        yamls: The trainer YAMLs (default: the recipe's base YAMLs, ``trainer_yamls``).
     """
-    from optima.hardware.plan import policy_size, trainer_yamls
-
     yamls = trainer_yamls(recipe) if yamls is None else yamls
     size = policy_size(recipe, yamls) if yamls else None
     if size is None:
@@ -245,8 +258,6 @@ def _resident(claims) -> bool:
 
 def claim_training(plan, nodes, peak: int, strategy: str, lora: bool = False) -> None:
     """Claim the trainer's peak on its GPUs; a GPU over its memory in the training phase is a problem."""
-    from optima.hardware.plan import Claim, phase_total
-
     total = int(plan.hardware.gpu_gib * memory.GIB)
     over = []
     for node in nodes:

@@ -48,7 +48,7 @@ from optima.agents.prompts import (
     render_utterance,
     strip_speaker_prefix,
 )
-from optima.config.rules import ORIGINAL_MCTS_SELECTIONS
+from optima.config.defaults import ORIGINAL_MCTS_SELECTIONS
 from optima.reward import RewardParts
 from optima.selection.edit_distance import merge_distance, selection_distance
 from optima.tasks import Example, Task, get_task

@@ -3,7 +3,7 @@
 ``ServerHolder`` keeps at most one policy model served across stages and, with ``loss_placement: beside``, one
 vLLM server of the fixed loss model that starts with the first policy and lives until the run ends, so that every
 conversation (and every tree-search rollout) is scored on it as soon as it finishes, while the policy keeps
-generating. Placement: ``optima.serving.layout``. Its verbs say what happens to the processes:
+generating. Placement: ``optima.hardware.layout``. Its verbs say what happens to the processes:
 
 * ``endpoints(model, stage_paths)``: URLs serving ``model``: the running replicas when they serve it already, the
   kept replicas given its weights in place after training (``reload``), else replicas started now;
@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
+from optima.hardware.layout import ServerLayout, loss_server_wanted
+from optima.hardware.placement import Placement
 from optima.hardware.training import TRAINER_MARGIN_BYTES, TrainerPeak
 from optima.paths import RunPaths, StagePaths
 from optima.serving.capacity import GIB, PolicyDemand, available_memory_bytes
-from optima.serving.layout import ServerLayout, loss_server_wanted
 from optima.serving.replicas import ReplicaLayout, serve
 from optima.serving.vllm_server import (
-    Placement,
     ServerSpec,
     VLLMServer,
     answers_health,

@@ -24,63 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.config.fields import RecipeError
 from optima.config.rules import loss_model
 from optima.environments import PythonEnv
+from optima.hardware.gpus import visible_gpus
+from optima.hardware.layout import plan_replicas
+from optima.hardware.placement import Placement
 from optima.paths import RunPaths, StagePaths
 from optima.serving.capacity import MemoryShare, PolicyDemand, loss_kvcache_gb
 from optima.serving.endpoints import normalize_base_url, sync_endpoints
-from optima.serving.gpus import visible_gpus
 from optima.serving.processes import sigterm_as_exit
-from optima.serving.vllm_server import (
-    Placement,
-    ServerSpec,
-    build_serve_command,
-    build_serve_env,
-    find_free_port,
-    start_replicas,
-)
+from optima.serving.vllm_server import ServerSpec, build_serve_command, build_serve_env, find_free_port, start_replicas
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, Recipe, ServingFields
+    from optima.config.types import BaseRecipe, Recipe
 
 logger = logging.getLogger(__name__)
-
-
-def plan_replicas(
-    recipe: ServingFields, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1
-) -> list[Placement]:
-    """Where each replica runs (pure).
-
-    Args:
-        recipe: Its ``devices`` (GPU ordinals among ``gpus``; null = all) and ``tensor_parallel_size``.
-        gpus: Visible GPU ids (empty: CPU machine).
-        cpus: CPU ids this process may run on (``os.sched_getaffinity``).
-        cpu_replicas: Replicas on a CPU machine; above 1 each gets its own slice of ``cpus``.
-    """
-    if gpus:
-        ordinals = recipe.devices if recipe.devices is not None else range(len(gpus))
-        bad = [d for d in ordinals if d >= len(gpus)]
-        if bad:
-            raise RecipeError(
-                "devices",
-                f"GPU {bad[0]} of {list(ordinals)} is not visible (visible: {list(gpus)}); "
-                "name the GPUs as a list, e.g. [0, 1]",
-            )
-        selected = [gpus[d] for d in ordinals]
-        tp = recipe.tensor_parallel_size
-        if not selected or len(selected) % tp:
-            raise RecipeError(
-                "devices", f"{len(selected)} GPUs cannot be split into replicas of tensor_parallel_size={tp}"
-            )
-        return [Placement(gpus=tuple(selected[i : i + tp])) for i in range(0, len(selected), tp)]
-    if cpu_replicas == 1:
-        return [Placement()]
-    # Contiguous slices; with fewer cores than replicas, replicas share cores round-robin.
-    cpus = sorted(cpus)
-    per = max(len(cpus) // cpu_replicas, 1)
-    slices = [cpus[(i * per) % len(cpus) :][:per] for i in range(cpu_replicas)]
-    return [Placement(cpu_bind=",".join(map(str, s))) for s in slices]
 
 
 @dataclass(frozen=True)
@@ -172,7 +130,7 @@ def serve(
         stage_paths: Stage folder; replica logs go to its ``logs/vllm_<i>.log``.
         cpu_replicas: Replicas on a machine without GPU (default 1).
         layout: Placements of the replicas, the ports and memory of servers starting beside them
-            (``ReplicaLayout``, from ``optima.serving.layout``); default: ``plan_replicas``, alone.
+            (``ReplicaLayout``, from ``optima.hardware.layout``); default: ``plan_replicas``, alone.
     """
     with sigterm_as_exit():
         if recipe.endpoints:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from optima.config.rules import loss_server_limits
 from optima.environments import PythonEnv
+from optima.hardware.placement import Placement
 from optima.serving.capacity import MemoryShare, model_max_len, resolve_cpu_kvcache_gb
 from optima.serving.cpu_reload import EXTENSION as CPU_RELOAD_EXTENSION
 from optima.serving.pinning import SERVICE_CPUS_ENV, pin_service_processes
@@ -47,39 +48,6 @@ LOG_TAIL_LINES = 40
 
 class ServerStartupError(RuntimeError):
     """A server that died, or did not answer ``/health`` in time; the message carries its log tail."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one replica runs.
-
-    Args:
-        gpus: ``CUDA_VISIBLE_DEVICES`` entries of the replica (``None`` on CPU).
-        cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` (``None``: vLLM's automatic binding).
-        service_bind: CPUs of its API server and engine core, pinned once it is ready (``optima.serving.pinning``;
-            ``None``: wherever the kernel puts them).
-        cpu_kvcache_gb: A fixed CPU KV cache in GiB (the loss server: what scoring needs,
-            ``optima.serving.capacity.loss_kvcache_gb``); ``None``: the policy's, sized when it starts.
-        gpu_memory_utilization: This server's share of each GPU (``None``: the recipe's); a loss server beside
-            the policy takes part of it.
-        carry_over: The process carries over to the next checkpoint (``optima.serving.sleep_mode``): the
-            development endpoints (``/collective_rpc``, ``/reset_prefix_cache``; ``/sleep``, ``/wake_up``), and on a
-            GPU ``--enable-sleep-mode``.
-        scoring: The loss server: on a GPU it gets the context, sequences and batched tokens scoring needs
-            (``optima.config.rules.loss_server_limits``) instead of vLLM's defaults and the recipe's ``max_model_len``.
-    """
-
-    gpus: tuple[str, ...] | None = None
-    cpu_bind: str | None = None
-    service_bind: str | None = None
-    cpu_kvcache_gb: int | None = None
-    gpu_memory_utilization: float | None = None
-    carry_over: bool = False
-    scoring: bool = False
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.gpus is None
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from optima.environments import REPO_ROOT, PythonEnv
+from optima.hardware.accelerate import read_accelerate_config, resolve_accelerate_config
+from optima.hardware.placement import TrainingPlacement
 from optima.store import write_yaml
-from optima.training.nodes import TrainingPlacement
 
 if TYPE_CHECKING:
     from optima.config.types import TrainingFields
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HANDBOOK = REPO_ROOT / "alignment-handbook"
-ACCELERATE_CONFIGS = HANDBOOK / "recipes" / "accelerate_configs"
 SCRIPTS = {"sft": HANDBOOK / "scripts" / "run_sft.py", "dpo": HANDBOOK / "scripts" / "run_dpo.py"}
 # glibc serves each large tensor (activations, logits, gradients) with its own mmap and gives its pages back at
 # free, so every training step faults the same gigabytes in again: 15-20% of a CPU trainer's time went into the
@@ -48,24 +48,6 @@ CPU_ALLOCATOR_ENV = {
 def cpu_allocator_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """``CPU_ALLOCATOR_ENV`` without the variables the user's environment sets already (theirs win)."""
     return {name: value for name, value in CPU_ALLOCATOR_ENV.items() if name not in environ}
-
-
-def resolve_accelerate_config(name: str | None, gpu: bool) -> Path:
-    """A config name (``cpu``, ``single_gpu``, ``multi_gpu``, ``deepspeed_zero3``, ``fsdp``) or YAML path -> path.
-
-    Args:
-        name: From the recipe; ``None`` picks ``cpu`` without a GPU and ``deepspeed_zero3`` with one.
-        gpu: Whether this machine has an NVIDIA GPU.
-    """
-    if name is None:
-        name = "deepspeed_zero3" if gpu else "cpu"
-    path = ACCELERATE_CONFIGS / f"{name}.yaml"
-    if not path.is_file():
-        path = Path(name).expanduser().resolve()
-    if not path.is_file():
-        known = sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml"))
-        raise FileNotFoundError(f"accelerate_config {name!r} is neither one of {known} nor an existing YAML file")
-    return path
 
 
 def read_trainer_base(base_yaml: Path) -> dict[str, Any]:
@@ -198,16 +180,6 @@ class TrainLaunch:
         if read_accelerate_config(self.accelerate_config).get("use_cpu"):
             env |= cpu_allocator_env()
         return env | (self.placement.local_env() if self.placement is not None else {})
-
-
-def read_accelerate_config(path: Path) -> dict[str, Any]:
-    """The accelerate YAML as a mapping (``distributed_type``, ``num_processes``, ``use_cpu``, ...)."""
-    import yaml
-
-    config = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: an accelerate config must be a mapping, got {type(config).__name__}")
-    return config
 
 
 def launch_for(

@@ -27,76 +27,14 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from optima.environments import REPO_ROOT
+from optima.hardware.placement import MAIN_HOST, NODES_MODULE, RANK
 from optima.serving.processes import sigterm_as_exit, stop_group
 
-NODES_MODULE = "optima.training.nodes"
-RANK = "{machine_rank}"  # placeholder in the per-node command, replaced by each node's rank
-MAIN_HOST = "{main_host}"  # placeholder for the main host when only Slurm knows it
 FORWARDED_PREFIXES = ("OPTIMA_", "HF_", "WANDB_", "ACCELERATE_", "NCCL_", "TORCH_", "OMP_", "TOKENIZERS_", "DS_")
 FORWARDED = ("PYTHONPATH", "TENSORBOARD_LOGGING_DIR")
 STOP_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class NodeRanks:
-    """One node of the training: its host, machine rank and GPUs (``CUDA_VISIBLE_DEVICES`` entries; () on CPU)."""
-
-    host: str
-    machine_rank: int
-    gpus: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TrainingPlacement:
-    """The training processes of a run.
-
-    Args:
-        nodes: One entry per node, rank 0 first.
-        processes_per_node: Processes each node runs (equal on every node: torchrun's rule).
-        launcher: ``local`` (this machine only), ``ssh`` or ``srun``.
-        executable: The ssh/srun program (``None``: the one on ``PATH``).
-        main_port: ``--main_process_port`` of a multi-node run.
-    """
-
-    nodes: tuple[NodeRanks, ...]
-    processes_per_node: int
-    launcher: str = "local"
-    executable: str | None = None
-    main_port: int = 29500
-
-    @property
-    def num_processes(self) -> int:
-        return self.processes_per_node * len(self.nodes)
-
-    @property
-    def multi_node(self) -> bool:
-        return len(self.nodes) > 1
-
-    def accelerate_args(self) -> list[str]:
-        """``accelerate launch`` flags: the process count, and on several nodes the rendezvous (rank placeholder)."""
-        args = ["--num_processes", str(self.num_processes)]
-        if self.multi_node:
-            main = MAIN_HOST if self.launcher == "srun" and not self.nodes[0].host else self.nodes[0].host
-            args += ["--num_machines", str(len(self.nodes)), "--machine_rank", RANK]
-            args += ["--main_process_ip", main, "--main_process_port", str(self.main_port)]
-        return args
-
-    def local_env(self) -> dict[str, str]:
-        """The GPUs of a one-node training (nothing on CPU)."""
-        gpus = self.nodes[0].gpus if len(self.nodes) == 1 else ()
-        return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}
-
-    def wrap(self, python: Sequence[str], argv: Sequence[str]) -> list[str]:
-        """The command that starts ``argv`` (with ``RANK``) on every node: this module with the launcher's flags."""
-        flags = ["--launcher", self.launcher, "--hosts", ",".join(n.host for n in self.nodes)]
-        if any(n.gpus for n in self.nodes):
-            flags += ["--gpus", "/".join(",".join(n.gpus) for n in self.nodes)]
-        if self.executable:
-            flags += ["--executable", self.executable]
-        return [*python, "-m", NODES_MODULE, *flags, "--", *argv]
 
 
 def node_argv(argv: Sequence[str], rank: int, main_host: str | None = None) -> list[str]:

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
 from optima.config.rules import loss_model
+from optima.hardware.placement import Placement
 from optima.serving.capacity import loss_kvcache_gb
-from optima.serving.replicas import plan_replicas
-from optima.serving.vllm_server import Placement
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe, Recipe, ServingFields
@@ -113,6 +112,42 @@ def plan_cpu_beside(recipe: LoopRecipe, cpus: list[int], carry: bool) -> ServerL
     loss_cores = max(1, len(cpus) // 4)
     policy = Placement(cpu_bind=",".join(map(str, cpus[:-loss_cores])), carry_over=carry)
     return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:])), cpu_kvcache_gb=loss_kv))
+
+
+def plan_replicas(
+    recipe: ServingFields, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1
+) -> list[Placement]:
+    """Where each replica runs (pure).
+
+    Args:
+        recipe: Its ``devices`` (GPU ordinals among ``gpus``; null = all) and ``tensor_parallel_size``.
+        gpus: Visible GPU ids (empty: CPU machine).
+        cpus: CPU ids this process may run on (``os.sched_getaffinity``).
+        cpu_replicas: Replicas on a CPU machine; above 1 each gets its own slice of ``cpus``.
+    """
+    if gpus:
+        ordinals = recipe.devices if recipe.devices is not None else range(len(gpus))
+        bad = [d for d in ordinals if d >= len(gpus)]
+        if bad:
+            raise RecipeError(
+                "devices",
+                f"GPU {bad[0]} of {list(ordinals)} is not visible (visible: {list(gpus)}); "
+                "name the GPUs as a list, e.g. [0, 1]",
+            )
+        selected = [gpus[d] for d in ordinals]
+        tp = recipe.tensor_parallel_size
+        if not selected or len(selected) % tp:
+            raise RecipeError(
+                "devices", f"{len(selected)} GPUs cannot be split into replicas of tensor_parallel_size={tp}"
+            )
+        return [Placement(gpus=tuple(selected[i : i + tp])) for i in range(0, len(selected), tp)]
+    if cpu_replicas == 1:
+        return [Placement()]
+    # Contiguous slices; with fewer cores than replicas, replicas share cores round-robin.
+    cpus = sorted(cpus)
+    per = max(len(cpus) // cpu_replicas, 1)
+    slices = [cpus[(i * per) % len(cpus) :][:per] for i in range(cpu_replicas)]
+    return [Placement(cpu_bind=",".join(map(str, s))) for s in slices]
 
 
 def describe_placement(placement: Placement, recipe: ServingFields) -> str:
