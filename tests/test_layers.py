@@ -1,42 +1,306 @@
-"""The layers say what they are: pure modules start no process, only the process layer imports subprocess, and
-every import follows the layer map of docs/layers.md."""
+"""The layers of docs/layers.md hold: every import of optima/, bench/ and the five scripts points down the layer map,
+no import circle exists, pure modules start no process, and only the process code imports subprocess.
+
+The layer map is read from the table of docs/layers.md (one source: the page a newcomer reads is the one checked).
+Every import counts: at the top of a module, inside a function, and under ``TYPE_CHECKING``.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from optima.hardware.gpus import has_gpu, visible_gpus
-
 REPO = Path(__file__).resolve().parent.parent
-PACKAGE = REPO / "optima"
+LAYERS_DOC = REPO / "docs" / "layers.md"
+# A row of the layer table: | 3 | config | `optima/config/` |
+ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*([a-z]+)\s*\|([^|]*)\|", re.MULTILINE)
+CODE = re.compile(r"`([^`]+)`")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's edge: the importing file and line, and the module it loads."""
+
+    importer: str
+    imported: str
+    path: Path
+    line: int
+
+    def where(self, root: Path) -> str:
+        return f"{self.path.relative_to(root).as_posix()}:{self.line}"
+
+
+def read_layer_map(text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """``[(layer, module prefixes), ...]`` bottom up, from the layer table of docs/layers.md.
+
+    A cell names files and folders (`` `optima/paths.py` ``, `` `optima/tasks/` ``); each becomes a module prefix.
+    """
+    layers = []
+    for number, name, cell in ROW.findall(text):
+        assert int(number) == len(layers) + 1, (
+            f"docs/layers.md: layer {name} is numbered {number}, not {len(layers) + 1}"
+        )
+        prefixes = tuple(module_of(Path(item.rstrip("/"))) for item in CODE.findall(cell))
+        layers.append((name, prefixes))
+    return layers
+
+
+def module_of(relative: Path) -> str:
+    """``optima/serving/client.py`` -> ``optima.serving.client``; ``optima/__init__.py`` -> ``optima``."""
+    parts = relative.with_suffix("").parts if relative.suffix == ".py" else relative.parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files(root: Path) -> list[Path]:
+    """Every Python file the map covers: optima/, bench/ and the top-level scripts."""
+    found = [*sorted(root.glob("*.py"))]
+    for folder in ("optima", "bench"):
+        found += sorted(p for p in (root / folder).rglob("*.py") if "__pycache__" not in p.parts)
+    return found
+
+
+def imports_of(path: Path, root: Path, modules: set[str]) -> list[Import]:
+    """Every import of ``path`` that loads one of ``modules`` (relative imports resolved; at any depth)."""
+    importer = module_of(path.relative_to(root))
+    package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+    # A folder of scripts (no __init__.py, run with the folder on sys.path): `import x` may load the file beside it.
+    script_folder = bool(package) and not (path.parent / "__init__.py").is_file()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [node.module])])
+            else:
+                base = node.module or ""
+            # `from optima import store` loads optima.store; `from optima.store import x` loads optima.store.
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            if script_folder and f"{package}.{name}" in modules:  # `import benchlib` in bench/: the file beside it
+                name = f"{package}.{name}"
+            target = known_prefix(name, modules)
+            if target and target != importer:
+                found.append(Import(importer, target, path, node.lineno))
+    return found
+
+
+def known_prefix(name: str, modules: set[str]) -> str | None:
+    """The longest module of ``modules`` that ``name`` is or lies in (None: outside the repository)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def layer_index(module: str, layers: list[tuple[str, tuple[str, ...]]]) -> int:
+    """The position of the layer the module belongs to: the one with its longest matching prefix."""
+    best = max(
+        (
+            (len(p), i)
+            for i, (_, prefixes) in enumerate(layers)
+            for p in prefixes
+            if module == p or module.startswith(p + ".")
+        ),
+        default=None,
+    )
+    if best is None:
+        raise AssertionError(f"{module} belongs to no layer of docs/layers.md")
+    return best[1]
+
+
+def all_imports(root: Path) -> list[Import]:
+    files = source_files(root)
+    modules = {module_of(p.relative_to(root)) for p in files}
+    return [edge for path in files for edge in imports_of(path, root, modules)]
+
+
+def upward_imports(root: Path, layers: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """``file:line: a (layer) imports b (layer above it)`` for every import that points up the map."""
+    bad = []
+    for edge in all_imports(root):
+        source, target = layer_index(edge.importer, layers), layer_index(edge.imported, layers)
+        if target > source:
+            bad.append(
+                f"{edge.where(root)}: {edge.importer} ({layers[source][0]}) imports {edge.imported} "
+                f"({layers[target][0]}, a layer above it)"
+            )
+    return bad
+
+
+def import_circles(root: Path) -> list[str]:
+    """Every strongly connected component of more than one module (Tarjan), with the imports that close it."""
+    edges = all_imports(root)
+    graph: dict[str, list[str]] = {}
+    for edge in edges:
+        graph.setdefault(edge.importer, []).append(edge.imported)
+        graph.setdefault(edge.imported, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in graph[node]:
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    report = []
+    for component in components:
+        inside = set(component)
+        closing = sorted(
+            {
+                f"{e.where(root)}: {e.importer} imports {e.imported}"
+                for e in edges
+                if {e.importer, e.imported} <= inside
+            }
+        )
+        report.append(f"import circle through {len(component)} modules: " + "; ".join(closing))
+    return report
+
+
+LAYERS = read_layer_map(LAYERS_DOC.read_text())
+
+
+def test_the_layer_table_is_read_and_covers_every_file():
+    names = [name for name, _ in LAYERS]
+    assert names[:3] == ["base", "tasks", "config"] and names[-1] == "bench" and len(set(names)) == len(names)
+    modules = {module_of(p.relative_to(REPO)) for p in source_files(REPO)}
+    for module in modules:
+        layer_index(module, LAYERS)  # raises for a module no row names
+    named = [p for _, prefixes in LAYERS for p in prefixes]
+    missing = [p for p in named if not any(m == p or m.startswith(p + ".") for m in modules)]
+    assert missing == [], "docs/layers.md names files that do not exist"
+
+
+def test_imports_point_down_the_layer_map():
+    assert upward_imports(REPO, LAYERS) == []
+
+
+def test_no_import_circle():
+    assert import_circles(REPO) == []
+
+
+def test_every_kind_of_import_is_seen():
+    """Module-level, function-local, TYPE_CHECKING and relative imports are all edges."""
+    modules = {module_of(p.relative_to(REPO)) for p in source_files(REPO)}
+    edges = {(e.importer, e.imported) for e in imports_of(REPO / "optima" / "lm_loss.py", REPO, modules)}
+    assert ("optima.lm_loss", "optima.config.rules") in edges  # at the top
+    assert ("optima.lm_loss", "optima.config.types") in edges  # under TYPE_CHECKING
+    edges = {(e.importer, e.imported) for e in imports_of(REPO / "optima" / "tracking.py", REPO, modules)}
+    assert ("optima.tracking", "optima.browser") in edges  # inside a function
+
+
+def plant(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+PLANTED_MAP = """
+| layer | name | files |
+|---|---|---|
+| 1 | base | `optima/__init__.py`, `optima/paths.py` |
+| 2 | serving | `optima/serving/` |
+| 3 | entry | `optima/cli.py`, `run.py` |
+| 4 | bench | `bench/` |
+"""
+
+
+def test_a_planted_upward_import_is_reported_with_its_file_and_line(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "optima/__init__.py": "",
+            "optima/paths.py": "import os\n\n\ndef f():\n    from optima.serving.replicas import serve\n",
+            "optima/serving/__init__.py": "",
+            "optima/serving/replicas.py": "from optima import paths\n",
+            "optima/cli.py": "from optima.serving import replicas\n",
+            "run.py": "from optima.cli import main\n",
+            "bench/tool.py": "from .helper import x\n",
+            "bench/helper.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from run import main\n",
+        },
+    )
+    layers = read_layer_map(PLANTED_MAP)
+    assert [name for name, _ in layers] == ["base", "serving", "entry", "bench"]
+    assert upward_imports(root, layers) == [
+        "optima/paths.py:5: optima.paths (base) imports optima.serving.replicas (serving, a layer above it)"
+    ]
+    (root / "optima" / "serving" / "replicas.py").write_text("import os\nfrom ..cli import main\n")
+    assert upward_imports(root, layers)[-1] == (
+        "optima/serving/replicas.py:2: optima.serving.replicas (serving) imports optima.cli (entry, a layer above it)"
+    )
+
+
+def test_a_planted_circle_is_reported_with_its_imports(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "optima/__init__.py": "",
+            "optima/a.py": "from optima import b\n",
+            "optima/b.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from optima.c import C\n",
+            "optima/c.py": "def f():\n    import optima.a\n",
+            "optima/d.py": "from optima import a\n",
+            "bench/x.py": "import y\n",
+            "bench/y.py": "import x\n",
+        },
+    )
+    assert import_circles(root) == [
+        "import circle through 2 modules: bench/x.py:1: bench.x imports bench.y; bench/y.py:1: bench.y imports bench.x",
+        "import circle through 3 modules: optima/a.py:1: optima.a imports optima.b; optima/b.py:4: optima.b imports "
+        "optima.c; optima/c.py:2: optima.c imports optima.a",
+    ]
+
+
 # Modules that compute and never start a process (not even through what they import).
 PURE = ("optima.selection", "optima.agents", "optima.tasks", "optima.reward", "optima.config", "optima.store")
-# The process layer: serving, the trainer launch, and the setup code (environments, `make setup`, model preparation).
-PROCESS_LAYER = (
+# The code that starts processes: serving, the trainer launch, the GPU probe and the setup code.
+PROCESS_CODE = (
     "serving/",
     "training/launch.py",
     "training/warm.py",
     "training/nodes.py",
+    "hardware/gpus.py",
     "install.py",
     "environments.py",
     "models.py",
 )
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def pure_modules() -> list[str]:
     names = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        name = module_name(path)
+    for path in sorted((REPO / "optima").rglob("*.py")):
+        name = module_of(path.relative_to(REPO))
         if any(name == p or name.startswith(p + ".") for p in PURE):
             names.append(name)
     return names
@@ -51,7 +315,7 @@ def test_the_pure_list_covers_the_packages():
 
 @pytest.mark.parametrize("package", PURE)
 def test_pure_modules_do_not_import_process_code(package):
-    """Each pure module, imported in a fresh interpreter, leaves ``subprocess`` and the process layer unimported."""
+    """Each pure module, imported in a fresh interpreter, leaves ``subprocess`` and the process code unimported."""
     modules = [m for m in pure_modules() if m == package or m.startswith(package + ".")]
     code = (
         "import importlib, sys\n"
@@ -84,144 +348,12 @@ def imports_subprocess(path: Path) -> bool:
     return False
 
 
-def test_only_the_process_layer_imports_subprocess():
+def test_only_the_process_code_imports_subprocess():
+    package = REPO / "optima"
     offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(PACKAGE).as_posix()
-        if imports_subprocess(path) and not relative.startswith(PROCESS_LAYER):
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        if imports_subprocess(path) and not relative.startswith(PROCESS_CODE):
             offenders.append(relative)
     assert offenders == []
-    assert imports_subprocess(PACKAGE / "training" / "launch.py")  # the check sees a real import
-
-
-def fake_nvidia_smi(folder: Path, gpus: int) -> Path:
-    script = folder / "nvidia-smi"
-    lines = "".join(f"echo 'GPU {i}: Fake GPU (UUID: GPU-{i})'\n" for i in range(gpus))
-    script.write_text("#!/bin/sh\n" + lines)
-    script.chmod(0o755)
-    return script
-
-
-def test_visible_gpus_honours_cuda_visible_devices(tmp_path):
-    smi = fake_nvidia_smi(tmp_path, 4)
-    assert visible_gpus({}, str(smi)) == ["0", "1", "2", "3"]  # unset: what nvidia-smi lists
-    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, str(smi)) == []  # set to nothing: no GPU
-    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, str(smi)) == []
-    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1"}, str(smi)) == ["0", "1"]
-    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}, str(smi)) == ["2", "3"]
-
-
-def test_visible_gpus_finds_nvidia_smi_on_path(tmp_path):
-    fake_nvidia_smi(tmp_path, 2)
-    assert visible_gpus({"PATH": str(tmp_path)}) == ["0", "1"]
-    assert has_gpu({"PATH": str(tmp_path)})
-    assert not has_gpu({"PATH": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""})
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert visible_gpus({"PATH": str(empty)}) == []  # no nvidia-smi: a CPU machine
-
-
-# The layer map of docs/layers.md, once, as data: each layer's modules (a module belongs to the layer of its longest
-# matching prefix) and the layers it may import (its own layer always). Checked against every import in optima/.
-LAYERS = {
-    "tasks": ("optima.tasks",),
-    "base": (
-        "optima",
-        "optima.paths",
-        "optima.store",
-        "optima.identity",
-        "optima.manifest",
-        "optima.logging_utils",
-        "optima.weights_probe",
-    ),
-    "config": ("optima.config",),
-    "clients": ("optima.serving.client", "optima.serving.kv_monitor", "optima.serving.capacity"),
-    "agents": ("optima.agents", "optima.reward", "optima.loss_stream"),
-    "selection": ("optima.selection",),
-    "process": (
-        "optima.serving",
-        "optima.hardware",
-        "optima.training",
-        "optima.lm_loss",
-        "optima.environments",
-        "optima.install",
-        "optima.models",
-    ),
-    "reports": (
-        "optima.evaluation",
-        "optima.browser",
-        "optima.reporting",
-        "optima.tracking",
-        "optima.wandb_tracking",
-        "optima.hub",
-        "optima.run_context",
-    ),
-    "stages": ("optima.stages", "optima.stage_identity", "optima.plan", "optima.pipeline"),
-    "entry": ("optima.cli", "optima.__main__"),
-}
-_BELOW_AGENTS = {"tasks", "base", "config", "clients"}
-ALLOWED = {
-    "tasks": set(),
-    "base": set(),
-    "config": {"tasks", "base"},
-    "clients": {"base", "config"},
-    "agents": _BELOW_AGENTS,
-    "selection": _BELOW_AGENTS | {"agents"},
-    "process": _BELOW_AGENTS,
-    "reports": _BELOW_AGENTS | {"agents", "selection", "process"},
-    "stages": _BELOW_AGENTS | {"agents", "selection", "process", "reports"},
-    "entry": set(LAYERS),
-}
-# Known exceptions (importer, imported module), each with its reason in docs/layers.md.
-EXCEPTIONS = {("optima.config.groups", "optima.tracking")}
-
-
-def layer_of(module: str) -> str:
-    best = max(
-        (p for members in LAYERS.values() for p in members if module == p or module.startswith(p + ".")), key=len
-    )
-    return next(name for name, members in LAYERS.items() if best in members)
-
-
-def is_module(name: str) -> bool:
-    path = REPO.joinpath(*name.split("."))
-    return path.with_suffix(".py").exists() or path.is_dir()
-
-
-def optima_imports(path: Path) -> set[str]:
-    """Every ``optima`` module the file imports, at the top or inside a function (relative imports resolved)."""
-    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            parts = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-            base = ".".join([*parts, *filter(None, [node.module])])
-            # `from optima import store` imports the module optima.store; `from optima.store import x` imports store.
-            found |= {f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names}
-    return {m for m in found if m == "optima" or m.startswith("optima.")}
-
-
-def layer_violations() -> list[str]:
-    bad = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        importer = module_name(path)
-        source = layer_of(importer)
-        for imported in sorted(optima_imports(path)):
-            target = layer_of(imported)
-            if target != source and target not in ALLOWED[source] and (importer, imported) not in EXCEPTIONS:
-                bad.append(f"{importer} ({source}) imports {imported} ({target})")
-    return bad
-
-
-def test_imports_follow_the_layer_map():
-    assert layer_violations() == []
-
-
-def test_the_layer_map_covers_every_module_and_names_only_real_exceptions():
-    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
-    assert {layer_of(m) for m in modules} == set(LAYERS)  # every layer holds a module
-    assert all(any(m == p or m.startswith(p + ".") for m in modules) for ps in LAYERS.values() for p in ps)
-    for importer, imported in EXCEPTIONS:  # an exception that no longer happens is removed from the map
-        assert imported in optima_imports(PACKAGE.parent.joinpath(*importer.split(".")).with_suffix(".py"))
+    assert imports_subprocess(package / "training" / "launch.py")  # the check sees a real import
