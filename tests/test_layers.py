@@ -276,7 +276,8 @@ def test_a_planted_circle_is_reported_with_its_imports(tmp_path):
         },
     )
     assert import_circles(root) == [
-        "import circle through 2 modules: bench/x.py:1: bench.x imports bench.y; bench/y.py:1: bench.y imports bench.x",
+        "import circle through 2 modules: bench/x.py:1: bench.x imports bench.y; bench/y.py:1: bench.y imports "
+        "bench.x",
         "import circle through 3 modules: optima/a.py:1: optima.a imports optima.b; optima/b.py:4: optima.b imports "
         "optima.c; optima/c.py:2: optima.c imports optima.a",
     ]
