@@ -73,6 +73,9 @@ def imports_of(path: Path, root: Path, modules: set[str]) -> list[Import]:
     script_folder = bool(package) and not (path.parent / "__init__.py").is_file()
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for name, line in lazy_exports(node, package):
+            if name in modules:
+                found.append(Import(importer, name, path, line))
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -91,6 +94,20 @@ def imports_of(path: Path, root: Path, modules: set[str]) -> list[Import]:
             target = known_prefix(name, modules)
             if target and target != importer:
                 found.append(Import(importer, target, path, node.lineno))
+    return found
+
+
+def lazy_exports(node: ast.AST, package: str) -> list[tuple[str, int]]:
+    """The modules a package's ``_EXPORTS`` map names (``optima.lazy_exports``: imported on first use), with lines."""
+    if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)):
+        return []
+    if not any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
+        return []
+    found = []
+    for value in node.value.values:
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            module = value.value if value.value.startswith("optima.") else f"{package}.{value.value}"
+            found.append((module, value.lineno))
     return found
 
 
@@ -217,6 +234,9 @@ def test_every_kind_of_import_is_seen():
     assert ("optima.lm_loss", "optima.config.types") in edges  # under TYPE_CHECKING
     edges = {(e.importer, e.imported) for e in imports_of(REPO / "optima" / "tracking.py", REPO, modules)}
     assert ("optima.tracking", "optima.browser") in edges  # inside a function
+    edges = {(e.importer, e.imported) for e in imports_of(REPO / "optima" / "serving" / "__init__.py", REPO, modules)}
+    assert ("optima.serving", "optima.serving.holder") in edges  # a lazy export (optima.lazy_exports)
+    assert ("optima.serving", "optima.hardware.layout") in edges  # a lazy export from another package
 
 
 def plant(root: Path, files: dict[str, str]) -> Path:
@@ -241,7 +261,7 @@ def test_a_planted_upward_import_is_reported_with_its_file_and_line(tmp_path):
     root = plant(
         tmp_path,
         {
-            "optima/__init__.py": "",
+            "optima/__init__.py": '_EXPORTS = {\n    "serve": "optima.serving.replicas",\n}\n',
             "optima/paths.py": "import os\n\n\ndef f():\n    from optima.serving.replicas import serve\n",
             "optima/serving/__init__.py": "",
             "optima/serving/replicas.py": "from optima import paths\n",
@@ -254,7 +274,8 @@ def test_a_planted_upward_import_is_reported_with_its_file_and_line(tmp_path):
     layers = read_layer_map(PLANTED_MAP)
     assert [name for name, _ in layers] == ["base", "serving", "entry", "bench"]
     assert upward_imports(root, layers) == [
-        "optima/paths.py:5: optima.paths (base) imports optima.serving.replicas (serving, a layer above it)"
+        "optima/__init__.py:2: optima (base) imports optima.serving.replicas (serving, a layer above it)",
+        "optima/paths.py:5: optima.paths (base) imports optima.serving.replicas (serving, a layer above it)",
     ]
     (root / "optima" / "serving" / "replicas.py").write_text("import os\nfrom ..cli import main\n")
     assert upward_imports(root, layers)[-1] == (

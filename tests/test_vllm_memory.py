@@ -11,9 +11,10 @@ import pytest
 from optima.config import SFTRecipe, load_recipe
 from optima.config.rules import loss_server_limits
 from optima.hardware import memory, vllm_memory
+from optima.hardware.placement import Placement
 from optima.hardware.plan import plan_hardware
 from optima.hardware.spec import parse_hardware
-from optima.serving.vllm_server import Placement, build_serve_command
+from optima.serving.vllm_server import build_serve_command
 from tests.test_hardware_plan import VENV
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,9 +7,9 @@ _EXPORTS = {
     "SCRIPTS": "launch_config",
     "TrainLaunch": "launch_config",
     "render_trainer_config": "launch_config",
-    "resolve_accelerate_config": "launch_config",
+    "resolve_accelerate_config": "optima.hardware.accelerate",
     "write_trainer_config": "launch_config",
-    "SENTINEL": "masking",
+    "SENTINEL": "optima.chat_spans",
 }
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from optima.chat_spans import SENTINEL, trained_char_spans
-
-__all__ = ["IGNORE_INDEX", "SENTINEL", "decode_trained", "tokenize_with_mask"]  # SENTINEL: read by bench/scoring.py
+from optima.chat_spans import trained_char_spans
 
 IGNORE_INDEX = -100
 
