@@ -36,9 +36,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from optima.config.rules import loss_server_limits
 from optima.hardware.memory import GIB, ModelSize, gib
+
+if TYPE_CHECKING:
+    from optima.config.types import LoopRecipe
 
 # vLLM 0.32's API-server defaults (engine/arg_utils.py), by GPU memory.
 LARGE_GPU_GIB = 70
@@ -94,7 +98,7 @@ def policy_args(max_model_len: int | None, size: ModelSize, gpu_gib: float, extr
     )
 
 
-def loss_args(recipe, size: ModelSize) -> VllmArgs:
+def loss_args(recipe: LoopRecipe, size: ModelSize) -> VllmArgs:
     """The loss server's arguments: what ``build_serve_command`` passes it (``loss_server_limits``)."""
     model_len, seqs, batched = loss_server_limits(recipe, size.max_len)
     return VllmArgs(model_len, seqs, batched, "--enforce-eager" not in recipe.vllm_extra_args, prompt_logprobs=True)
