@@ -18,7 +18,8 @@ import yaml
 from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe, load_recipe
 from optima.config.rules import trainer_base_yaml
 from optima.hardware.batch import TrainerBatch, processes_per_node
-from optima.hardware.plan import HardwarePlan, plan_hardware
+from optima.hardware.claims import HardwarePlan
+from optima.hardware.plan import plan_hardware
 from optima.hardware.spec import parse_hardware
 from optima.stages.common import StageCall, iteration_values
 
