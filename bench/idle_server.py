@@ -30,8 +30,9 @@ from bench.serving import child_groups, cpu_seconds
 from bench.sft import BASE_YAML, run_side, write_configs
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import resolve_env
+from optima.hardware import plan_layout
 from optima.paths import RunPaths
-from optima.serving import ServerHolder, plan_layout
+from optima.serving import ServerHolder
 
 SIDES = ("frozen", "loss idle", "both idle")
 DEMO_RECIPE = REPO / "train" / "sft_recipes" / "demo_arc.yaml"

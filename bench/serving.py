@@ -45,11 +45,12 @@ from bench.benchlib import REPO, add_model_args
 from optima.agents import GenerationHooks, generate_conversations, plan_generation
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import resolve_env
+from optima.hardware import Placement, ServerLayout, plan_this_machine
 from optima.lm_loss import VLLMLossScorer
 from optima.logging_utils import setup_logging
 from optima.loss_stream import StreamingLosses, conversation_texts
 from optima.paths import RunPaths
-from optima.serving import Placement, ServerHolder, ServerLayout, group_members
+from optima.serving import ServerHolder, group_members
 from optima.store import load_records
 from optima.tasks import TASKS
 
@@ -130,12 +131,18 @@ def idle_cpu_share(pgids: list[int], window_s: float) -> float:
     return round((cpu_seconds(pgids) - before) / (time.monotonic() - started), 3)
 
 
+def new_holder(args, recipe: SFTRecipe, run_dir: Path, arrange=lambda layout: layout) -> ServerHolder:
+    """The servers of ``recipe``, placed as the hardware plan of this machine says (``arrange`` changes them)."""
+    layout = arrange(plan_this_machine(recipe).layout)
+    return ServerHolder(recipe, resolve_env(None, "vllm"), args.model, run_dir / "logs", layout=layout)
+
+
 def measure_restart(args) -> dict:
     """Seconds to start a policy server, and to load weights into it instead (no restart)."""
     run_dir = Path(tempfile.mkdtemp(prefix="optima_serving_restart_"))
     recipe = build_recipe(args, run_dir, "restart", sleep_mode=True)
     stage = RunPaths.from_recipe(recipe).stage(0)
-    with ServerHolder(recipe, resolve_env(None, "vllm"), args.model, run_dir / "logs") as holder:
+    with new_holder(args, recipe, run_dir) as holder:
         started = time.monotonic()
         holder.endpoints(args.model, stage)
         start_s = time.monotonic() - started
@@ -195,8 +202,7 @@ def measure_threads(args, examples, tokenizer) -> dict:
         run_dir = Path(tempfile.mkdtemp(prefix=f"optima_serving_threads{threads}_"))
         recipe = build_recipe(args, run_dir, "threads", thread_count=threads)
         stage = RunPaths.from_recipe(recipe).stage(0)
-        with ServerHolder(recipe, resolve_env(None, "vllm"), args.model, run_dir / "logs") as holder:
-            holder.layout = fixed_kv(holder.layout, args)
+        with new_holder(args, recipe, run_dir, lambda layout: fixed_kv(layout, args)) as holder:
             run = generate_and_score("threads", recipe, examples, tokenizer, holder, stage)
         result[f"sha1_threads_{threads}"] = run["conversations_sha1"]
         result[f"generation_s_threads_{threads}"] = run["generation_s"]
@@ -211,8 +217,7 @@ def run_arrangement(args, name: str, examples, tokenizer) -> dict:
         return measure_threads(args, examples, tokenizer)
     run_dir = Path(tempfile.mkdtemp(prefix=f"optima_serving_{name}_"))
     recipe = build_recipe(args, run_dir, name)
-    holder = ServerHolder(recipe, resolve_env(None, "vllm"), args.model, run_dir / "logs")
-    holder.layout = fixed_kv(LAYOUTS.get(name, holder.layout), args)
+    holder = new_holder(args, recipe, run_dir, lambda layout: fixed_kv(LAYOUTS.get(name, layout), args))
     result: dict = {"arrangement": name, "layout": str(holder.layout), "load_before": load_average()}
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:

@@ -341,14 +341,12 @@ def build_plan(
         gpu: False plans for this machine without its GPUs (tests); default: the hardware's.
         hardware: The machine(s) (``optima.hardware.spec.Hardware``; default: detected).
     """
-    import os
+    from optima.hardware.plan import plan_this_machine
+    from optima.hardware.spec import Hardware
 
-    from optima.hardware.plan import plan_hardware
-    from optima.hardware.spec import Hardware, detect_hardware
-
-    if hardware is None:
-        hardware = Hardware(1, 0, 0.0, source="no GPU") if gpu is False else detect_hardware()
-    hardware_plan = plan_hardware(recipe, hardware, sorted(os.sched_getaffinity(0)))
+    if hardware is None and gpu is False:
+        hardware = Hardware(1, 0, 0.0, source="no GPU")
+    hardware_plan = plan_this_machine(recipe, hardware)
     ctx = RunContext(recipe=recipe, paths=RunPaths.from_recipe(recipe), envs=envs, hardware=hardware_plan)
     parts: list[PlanPart] = []
     model = recipe.initial_model_path

@@ -68,10 +68,8 @@ class RunContext:
     @cached_property
     def servers(self) -> ServerHolder:
         """The policy server (one model at a time) and the loss server beside it, placed as the hardware plan says."""
-        holder = ServerHolder(
-            self.recipe, self.envs.get("vllm"), loss_model(self.recipe), self.paths.driver_log.parent
-        )
-        holder.layout = self.hardware.layout
+        vllm_env, log_dir = self.envs.get("vllm"), self.paths.driver_log.parent
+        holder = ServerHolder(self.recipe, vllm_env, loss_model(self.recipe), log_dir, layout=self.hardware.layout)
         holder.demand = self.policy_demand
         return holder
 

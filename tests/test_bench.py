@@ -64,7 +64,7 @@ def test_bench_uses_only_public_entry_points_of_optima():
 
 def test_every_exported_name_resolves():
     """The lazy exports bench relies on point at modules and names that exist."""
-    for package in ("optima.agents", "optima.serving", "optima.training", "optima.cli"):
+    for package in ("optima.agents", "optima.hardware", "optima.serving", "optima.training", "optima.cli"):
         module = importlib.import_module(package)
         missing = [name for name in module.__all__ if not hasattr(module, name)]
         assert not missing, f"{package} exports {missing}, which do not resolve"

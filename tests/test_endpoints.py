@@ -121,7 +121,7 @@ def test_restarted_server_is_judged_by_its_root_again(make_recipe, server, model
 
 def test_every_stage_checks_again_even_for_the_same_model(make_recipe, server, models, tmp_path):
     recipe = make_recipe(endpoints=[server.root_url])
-    with ServerHolder(recipe, None) as holder:
+    with ServerHolder(recipe, None, layout=None) as holder:  # external endpoints: nothing placed
         stage = RunPaths(tmp_path / "run").stage(0)
         assert holder.endpoints(models["ckpt"], stage) == [server.base_url]
         server.weight_version = "default"  # someone restarted it between two stages

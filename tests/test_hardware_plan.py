@@ -5,6 +5,7 @@ Pure functions only (no process starts): the plan reads the recipes, the trainer
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -286,3 +287,19 @@ def test_dry_run_prints_the_plan_and_a_refused_run_stops_before_start(tmp_path, 
     assert "--num_processes 4" in out
     assert run_loop_script(SFTRecipe, "", [*argv, "--hardware", "8x24GB"]) == 2
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_this_machine_is_planned_by_one_helper(monkeypatch):
+    """``plan_this_machine``: the given machine (``--hardware``), else the detected one, with this process's cores."""
+    import optima.hardware.plan as plan_module
+    from optima.hardware.plan import plan_this_machine
+
+    recipe = recipe_at("train/sft_recipes/arc.yaml")
+    seen = []
+    monkeypatch.setattr(plan_module, "plan_hardware", lambda recipe, hardware, cpus: seen.append((hardware, cpus)))
+    monkeypatch.setattr(plan_module, "detect_hardware", lambda: "detected")
+    given = parse_hardware("1x80")
+    plan_this_machine(recipe, given)
+    plan_this_machine(recipe)
+    cores = sorted(os.sched_getaffinity(0))
+    assert seen == [(given, cores), ("detected", cores)]

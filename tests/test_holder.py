@@ -379,3 +379,21 @@ def test_a_scorer_that_cannot_be_built_is_not_built_again_by_every_conversation(
     with pytest.raises(RuntimeError, match="could not be built: loss server died"):
         score(["b"])
     assert builds == [1]
+
+
+def test_a_holder_takes_the_plans_layout_and_never_plans_itself(tmp_path, monkeypatch):
+    """The hardware plan is made once, before anything starts, and handed in: no layout is a type error, None only
+    stands for external endpoints, and reading the layout plans nothing."""
+    recipe = sft_recipe(tmp_path)
+    with pytest.raises(TypeError, match="layout"):
+        ServerHolder(recipe, FAKE_ENV)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="hardware plan's layout"):
+        ServerHolder(recipe, FAKE_ENV, layout=None)
+    import optima.hardware.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "plan_hardware", lambda *a, **k: pytest.fail("the holder planned hardware"))
+    layout = plan_layout(recipe, [], [0, 1])
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=layout)
+    assert holder.layout is layout and holder.kept
+    outside = ServerHolder(sft_recipe(tmp_path, endpoints=["http://127.0.0.1:1/v1"]), None, layout=None)
+    assert not outside.kept  # external endpoints: nothing placed, nothing kept

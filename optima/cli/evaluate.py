@@ -129,11 +129,9 @@ def resolve_machine(given: str | None):
 
 def eval_hardware_plan(recipe: InferenceRecipe, machine):
     """The hardware plan of an evaluation run (its servers only) on ``machine`` (``resolve_machine``)."""
-    import os
+    from optima.hardware.plan import plan_this_machine
 
-    from optima.hardware.plan import plan_hardware
-
-    return plan_hardware(recipe, machine, sorted(os.sched_getaffinity(0)))
+    return plan_this_machine(recipe, machine)
 
 
 def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
@@ -29,7 +30,7 @@ from optima.hardware.claims import Claim, HardwarePlan, describe_claims, phase_t
 from optima.hardware.layout import ServerLayout, carry_over_on, loss_server_wanted, plan_layout
 from optima.hardware.memory import GIB, ModelSize, gib
 from optima.hardware.placement import Placement
-from optima.hardware.spec import Hardware
+from optima.hardware.spec import Hardware, detect_hardware
 from optima.hardware.training import plan_training, policy_size, trainer_yamls
 from optima.hardware.vllm_memory import ServerNeed
 
@@ -59,6 +60,12 @@ def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = N
     if yamls:
         plan_training(recipe, hardware, size, yamls, plan)
     return plan
+
+
+def plan_this_machine(recipe: Recipe, hardware: Hardware | None = None) -> HardwarePlan:
+    """The plan of ``recipe`` on this machine: ``hardware`` (``--hardware``), else the detected one, and the CPU
+    cores this process may run on (``os.sched_getaffinity``)."""
+    return plan_hardware(recipe, hardware or detect_hardware(), sorted(os.sched_getaffinity(0)))
 
 
 def unknown_memory_problem(hardware: Hardware) -> str:

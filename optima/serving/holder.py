@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -139,9 +138,12 @@ class ServerHolder:
         loss_model: The fixed loss model.
         log_dir: Where the loss server's log goes (the run's ``logs/``).
 
-    Set by the run after construction: ``layout`` (the hardware plan's placements), ``demand`` (what the run's
-    conversations ask of a policy server of a model, ``optima.agents.footprint.policy_demand``; None: unknown) and
-    ``available_memory`` (the reader of the memory available now, ``MemAvailable``; tests give their own).
+        layout: Where the servers run: the hardware plan's placements (``HardwarePlan.layout``, made and checked
+            before anything starts); None only for a recipe with external ``endpoints``, where nothing is placed.
+
+    Set by the run after construction: ``demand`` (what the run's conversations ask of a policy server of a model,
+    ``optima.agents.footprint.policy_demand``; None: unknown) and ``available_memory`` (the reader of the memory
+    available now, ``MemAvailable``; tests give their own).
     """
 
     def __init__(
@@ -150,15 +152,18 @@ class ServerHolder:
         vllm_env: PythonEnv | None,
         loss_model: str | None = None,
         log_dir: Path | None = None,
-        layout: ServerLayout | None = None,
+        *,
+        layout: ServerLayout | None,
     ):
+        if layout is None and not recipe.endpoints:
+            raise ValueError("ServerHolder needs the hardware plan's layout (None only with external endpoints)")
         self.recipe, self.vllm_env = recipe, vllm_env
         self.loss_model, self.log_dir = loss_model, log_dir
         self.model: str | None = None
         self.urls: list[str] = []
         self.asleep = False  # kept replicas, given back for training, wait for the next checkpoint's weights
         self._stack: contextlib.ExitStack | None = None
-        self._layout = layout
+        self._layout = layout or ENDPOINTS_LAYOUT
         self._loss: LossServer | None = None
         self.demand: Callable[[str], PolicyDemand] | None = None
         self.available_memory: Callable[[], int] = available_memory_bytes
@@ -166,19 +171,8 @@ class ServerHolder:
 
     @property
     def layout(self) -> ServerLayout:
-        """Placements of the run's servers: the hardware plan's (``optima.hardware.plan``), set by the run."""
-        if self._layout is None:
-            from optima.hardware.plan import plan_hardware
-            from optima.hardware.spec import detect_hardware
-
-            hardware = plan_hardware(self.recipe, detect_hardware(), sorted(os.sched_getaffinity(0)))
-            hardware.check()
-            self._layout = hardware.layout or ENDPOINTS_LAYOUT
+        """Placements of the run's servers: the hardware plan's (``optima.hardware.plan``), given at construction."""
         return self._layout
-
-    @layout.setter
-    def layout(self, layout: ServerLayout | None) -> None:
-        self._layout = layout or ENDPOINTS_LAYOUT
 
     @property
     def kept(self) -> bool:
