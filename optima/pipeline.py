@@ -20,6 +20,8 @@ from optima.run_context import RunContext, write_iteration_report
 from optima.serving.processes import sigterm_as_exit
 from optima.stage_identity import link, part_keys
 from optima.stages.common import StageCall
+from optima.training.hosts import verify_hosts
+from optima.training.nodes import ssh_resolver
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ def run_plan(plan: Plan) -> str:
     for role, env in ctx.envs.items():
         check_env(env, role)
     ctx.hardware.check()  # an impossible placement stops here, before any server or trainer starts
+    training = ctx.hardware.training
+    if training is not None and training.multi_node and training.launcher == "ssh":
+        verify_hosts([n.host for n in training.nodes], ssh_resolver(training.executable))  # resolvable, reachable
     ctx.prepare()
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.

@@ -145,7 +145,7 @@ def test_defect4_every_node_is_started_by_a_launcher():
     launch = launch_for(recipe, "sft", train_env, Path("/run/t.yaml"), True, plan.training)
     argv = " ".join(launch.argv())
     assert "-m optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4/0,1,2,3 --" in argv
-    assert "--num_processes 8 --num_machines 2 --machine_rank {machine_rank} --main_process_ip n1" in argv
+    assert "--num_processes 8 --num_machines 2 --machine_rank {machine_rank} --main_process_ip {main_host}" in argv
     srun = recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun")
     plan = plan_hardware(srun, parse_hardware("2x8x80GB"), [0])
     argv = " ".join(launch_for(srun, "sft", train_env, Path("/t.yaml"), True, plan.training).argv())

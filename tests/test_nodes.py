@@ -80,7 +80,7 @@ def test_placement_flags():
     two = TrainingPlacement((NodeRanks("a", 0, ("0",)), NodeRanks("b", 1, ("0",))), 1, "ssh", main_port=1234)
     assert two.accelerate_args() == [
         "--num_processes", "2", "--num_machines", "2", "--machine_rank", RANK,
-        "--main_process_ip", "a", "--main_process_port", "1234",
+        "--main_process_ip", MAIN_HOST, "--main_process_port", "1234",
     ]  # fmt: skip
     assert two.local_env() == {}
     slurm = TrainingPlacement((NodeRanks("", 0), NodeRanks("", 1)), 8, "srun")

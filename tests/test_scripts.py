@@ -181,5 +181,5 @@ def test_dry_run_shows_process_count_and_multi_node_flags(in_repo, envs, capsys)
     out = capsys.readouterr().out
     # 4 per node: the released global batch 16 is a multiple of 8 processes, not 14 (docs/gpu.md#the-global-batch)
     assert "optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4/0,1,2,3" in out
-    assert "--num_processes 8 --num_machines 2 --machine_rank {machine_rank} --main_process_ip n1" in out
+    assert "--num_processes 8 --num_machines 2 --machine_rank {machine_rank} --main_process_ip {main_host}" in out
     assert "sft global batch 16 = 1 per device x 2 accumulation x 8 processes" in out

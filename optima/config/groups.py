@@ -332,6 +332,12 @@ class TrainingFields:
     )
     train_launcher_executable: str | None = field(None, help="the ssh or srun program; null = the one on PATH")
     main_process_port: int = field(29500, help="rendezvous port of a multi-node training, on the main host")
+    train_forward_env: list[str] | None = field(
+        None,
+        help="variables the ssh launcher carries to each node (names, or prefixes ending in *); null = the "
+        "built-in allow-list (NCCL_*, FI_*, UCX_*, GLOO_*, CUDA_HOME, PATH, LD_LIBRARY_PATH, HF_*, ...: "
+        "docs/gpu.md#several-nodes)",
+    )
     from_initial: bool = field(
         False, help="fine-tune the base model every iteration (data from the newest)", redoes=TRAINED
     )

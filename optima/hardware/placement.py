@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 NODES_MODULE = "optima.training.nodes"  # run on every node of a multi-node training (``TrainingPlacement.wrap``)
 RANK = "{machine_rank}"  # placeholder in the per-node command, replaced by each node's rank
-MAIN_HOST = "{main_host}"  # placeholder for the main host when only Slurm knows it
+MAIN_HOST = "{main_host}"  # placeholder for the main host's address, found at start on the driver or by Slurm
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ class TrainingPlacement:
         launcher: ``local`` (this machine only), ``ssh`` or ``srun``.
         executable: The ssh/srun program (``None``: the one on ``PATH``).
         main_port: ``--main_process_port`` of a multi-node run.
+        forward: The variables ssh carries to each node (names, or prefixes ending in ``*``; empty: the launcher's
+            allow-list, ``optima.training.nodes.FORWARDED_ENV``): the recipe's ``train_forward_env``.
     """
 
     nodes: tuple[NodeRanks, ...]
@@ -74,6 +76,7 @@ class TrainingPlacement:
     launcher: str = "local"
     executable: str | None = None
     main_port: int = 29500
+    forward: tuple[str, ...] = ()
 
     @property
     def num_processes(self) -> int:
@@ -86,10 +89,9 @@ class TrainingPlacement:
     def accelerate_args(self) -> list[str]:
         """``accelerate launch`` flags: the process count, and on several nodes the rendezvous (rank placeholder)."""
         args = ["--num_processes", str(self.num_processes)]
-        if self.multi_node:
-            main = MAIN_HOST if self.launcher == "srun" and not self.nodes[0].host else self.nodes[0].host
+        if self.multi_node:  # the main host's address is found at start (optima.training.hosts, or Slurm's)
             args += ["--num_machines", str(len(self.nodes)), "--machine_rank", RANK]
-            args += ["--main_process_ip", main, "--main_process_port", str(self.main_port)]
+            args += ["--main_process_ip", MAIN_HOST, "--main_process_port", str(self.main_port)]
         return args
 
     def local_env(self) -> dict[str, str]:
@@ -104,4 +106,6 @@ class TrainingPlacement:
             flags += ["--gpus", "/".join(",".join(n.gpus) for n in self.nodes)]
         if self.executable:
             flags += ["--executable", self.executable]
+        if self.forward:
+            flags += ["--forward", ",".join(self.forward)]
         return [*python, "-m", NODES_MODULE, *flags, "--", *argv]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from optima.config.groups import LOOPBACK_HOSTS
 from optima.hardware import memory
 from optima.hardware.accelerate import read_accelerate_config, resolve_accelerate_config, strategy_of
 from optima.hardware.batch import keep_global_batch, trainer_batches
@@ -187,6 +188,18 @@ def node_hosts(recipe: TrainingFields, hardware: Hardware, plan) -> list[str]:
     return ["localhost"]
 
 
+def check_loopback_hosts(hosts: list[str], plan) -> None:
+    """Several nodes named beside a loopback one (``[localhost, node2]``): node 2 would wait for the rendezvous on
+    its own loopback. All on the loopback is one machine's rehearsal (allowed). Names that only resolve to a
+    loopback address are found at start (``optima.training.hosts``)."""
+    loopback = [h for h in hosts if h.rsplit("@", 1)[-1] in LOOPBACK_HOSTS or h.rsplit("@", 1)[-1].startswith("127.")]
+    if len(hosts) > 1 and loopback and len(loopback) < len(hosts):
+        plan.problems.append(
+            f"train_hosts: {loopback[0]!r} is a loopback name beside other nodes ({', '.join(hosts)}): they would "
+            "wait for the rendezvous on their own loopback; name every node by a host or address the others reach"
+        )
+
+
 def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], plan) -> None:
     """Place the training processes and claim their peak on each GPU (see the module docstring)."""
     config = read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))
@@ -194,12 +207,13 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
     released = int(config.get("num_processes") or 1) * int(config.get("num_machines") or 1)
     batches = trainer_batches(recipe, yamls, released)
     hosts = node_hosts(recipe, hardware, plan)
+    check_loopback_hosts(hosts, plan)
     launcher = "local" if len(hosts) == 1 else recipe.train_launcher
-    port, exe = recipe.main_process_port, recipe.train_launcher_executable
+    port, exe, forward = recipe.main_process_port, recipe.train_launcher_executable, recipe.train_forward_env or ()
     if strategy == "cpu" or not hardware.has_gpu:
         per_node = max(1, (recipe.num_processes or 1) // len(hosts))
         nodes = tuple(NodeRanks(h, r) for r, h in enumerate(hosts))
-        plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port)
+        plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port, tuple(forward))
         plan.lines.append(
             f"training: {strategy}, {plan.training.num_processes} CPU process(es) on {len(hosts)} node(s)"
         )
@@ -232,7 +246,7 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
         )
         return
     nodes = tuple(NodeRanks(h, r, tuple(free[r][:per_node])) for r, h in enumerate(hosts))
-    plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port)
+    plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port, tuple(forward))
     if len(hosts) > 1 and not recipe.endpoints:
         plan.notes.append(
             f"the servers run on node 0 ({hosts[0] or 'the first Slurm node'}: the driver runs there); the other "

@@ -13,28 +13,42 @@ on every node, this module run as ``python -m optima.training.nodes``:
 * ``srun``: one ``srun --nodes N --ntasks-per-node 1`` inside a Slurm allocation; on each node this module reads
   its rank from ``SLURM_NODEID`` and the main host from the allocation's first node (``scontrol show hostnames``).
 
-The run waits for every node; when one fails the others are stopped (SIGTERM, then SIGKILL) and its exit code is
-the run's. The nodes module runs under the training guard (``optima.training.launch``), so stopping the stage stops
-the launchers too. The variables the trainer needs travel with the ssh command (``FORWARDED``); srun passes the
-whole environment itself.
+Before any ssh starts, the hosts are checked (``optima.training.hosts``: resolved through ``ssh -G``, the first one
+this machine, reachable at a non-loopback address, which every node gets as ``--main_process_ip``). The run waits
+for every node; when one fails the others are stopped (SIGTERM, then SIGKILL) and its exit code is the run's. The
+nodes module runs under the training guard (``optima.training.launch``), so stopping the stage stops the launchers
+too. The variables on an allow-list travel with the ssh command (``FORWARDED_ENV``, or the recipe's
+``train_forward_env``); srun passes the whole environment itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import os
 import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from optima.config.fields import RecipeError
 from optima.environments import REPO_ROOT
 from optima.hardware.placement import MAIN_HOST, NODES_MODULE, RANK
 from optima.serving.processes import sigterm_as_exit, stop_group
+from optima.training.hosts import Resolver, bare_host, is_address, verify_hosts
 
-FORWARDED_PREFIXES = ("OPTIMA_", "HF_", "WANDB_", "ACCELERATE_", "NCCL_", "TORCH_", "OMP_", "TOKENIZERS_", "DS_")
-FORWARDED = ("PYTHONPATH", "TENSORBOARD_LOGGING_DIR")
+# What an ssh command carries to its node (a name, or a prefix ending in ``*``): the trainer's own settings, the
+# interconnect's (NCCL, libfabric/EFA ``FI_*``, UCX, gloo; without them NCCL over EFA or InfiniBand may fall back to
+# TCP silently) and the CUDA toolchain's paths. ``train_forward_env`` in the recipe replaces the list.
+FORWARDED_ENV = (
+    "OPTIMA_*", "HF_*", "WANDB_*", "ACCELERATE_*", "TORCH_*", "PYTORCH_*", "OMP_*", "TOKENIZERS_*", "DS_*",
+    "NCCL_*", "FI_*", "UCX_*", "GLOO_*", "CUDA_HOME", "PATH", "LD_LIBRARY_PATH", "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTHONPATH", "TENSORBOARD_LOGGING_DIR",
+)  # fmt: skip
 STOP_TIMEOUT_S = 30.0
+
+logger = logging.getLogger(__name__)
 
 
 def node_argv(argv: Sequence[str], rank: int, main_host: str | None = None) -> list[str]:
@@ -43,9 +57,14 @@ def node_argv(argv: Sequence[str], rank: int, main_host: str | None = None) -> l
     return [arg.replace(MAIN_HOST, main_host) for arg in out] if main_host else out
 
 
-def forwarded_env(environ: Mapping[str, str], gpus: str) -> dict[str, str]:
-    """What an ssh command carries to its node: the trainer's variables and that node's GPUs."""
-    env = {k: v for k, v in environ.items() if k in FORWARDED or k.startswith(FORWARDED_PREFIXES)}
+def forwarded(name: str, patterns: Sequence[str]) -> bool:
+    """Whether ``name`` is on the allow-list: equal to a pattern, or starting with one that ends in ``*``."""
+    return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns)
+
+
+def forwarded_env(environ: Mapping[str, str], gpus: str, patterns: Sequence[str] = FORWARDED_ENV) -> dict[str, str]:
+    """What an ssh command carries to its node: the allow-listed variables and that node's GPUs."""
+    env = {k: v for k, v in environ.items() if forwarded(k, patterns)}
     return env | ({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {})
 
 
@@ -57,6 +76,27 @@ def ssh_command(exe: str, host: str, argv: Sequence[str], env: Mapping[str, str]
     """
     remote = f"cd {shlex.quote(cwd)} && " + shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv])
     return [exe, "-tt", "-o", "BatchMode=yes", host, remote]
+
+
+def ssh_destination(host: str, exe: str = "ssh") -> str:
+    """The host name ssh connects to for ``host`` (``ssh -G``: ``user@``, aliases, ``HostName``); an address as
+    it is. Without a working ``ssh -G``, the host after any ``user@``."""
+    bare = bare_host(host)
+    if is_address(bare):
+        return bare
+    try:
+        result = subprocess.run([exe, "-G", host], capture_output=True, text=True, check=False, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return bare
+    names = [
+        line.split(None, 1)[1].strip() for line in result.stdout.splitlines() if line.lower().startswith("hostname ")
+    ]
+    return names[0] if result.returncode == 0 and names and names[0] else bare
+
+
+def ssh_resolver(exe: str | None) -> Resolver:
+    """How the hosts of an ssh launcher resolve: as ``exe -G`` says (``train_launcher_executable``, else ssh)."""
+    return Resolver(destination=functools.partial(ssh_destination, exe=exe or "ssh"))
 
 
 def srun_command(exe: str, nodes: int, python: str, flags: Sequence[str], argv: Sequence[str]) -> list[str]:
@@ -119,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", default="")
     parser.add_argument("--gpus", default="")
     parser.add_argument("--executable")
+    parser.add_argument("--forward", default="", help="variables ssh carries, comma-separated (default FORWARDED_ENV)")
     parser.add_argument("--slurm-task", action="store_true", help="(inside srun) run this node's part")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -127,14 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     gpus = args.gpus.split("/") if args.gpus else [""] * len(hosts)
     if args.slurm_task:
         rank = int(os.environ["SLURM_NODEID"])
-        main_host = None if hosts[0] else slurm_main_host(os.environ)
+        main_host = hosts[0] or slurm_main_host(os.environ)
         env = os.environ | ({"CUDA_VISIBLE_DEVICES": gpus[rank]} if gpus[rank] else {})
         return subprocess.run(node_argv(command, rank, main_host), env=env, check=False).returncode
     if args.launcher == "srun":
         flags = ["--launcher", "srun", "--hosts", args.hosts] + (["--gpus", args.gpus] if args.gpus else [])
         return run_all([srun_command(args.executable or "srun", len(hosts), sys.executable, flags, command)])
+    exe = args.executable or "ssh"
+    try:
+        main_host = verify_hosts(hosts, ssh_resolver(exe))
+    except RecipeError as error:
+        logger.error("%s", error)
+        return 2
+    patterns = args.forward.split(",") if args.forward else FORWARDED_ENV
     commands = [
-        ssh_command(args.executable or "ssh", host, node_argv(command, rank), forwarded_env(os.environ, gpus[rank]),
+        ssh_command(exe, host, node_argv(command, rank, main_host), forwarded_env(os.environ, gpus[rank], patterns),
                     str(REPO_ROOT))
         for rank, host in enumerate(hosts)
     ]  # fmt: skip
