@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from optima.lineage import lineage_folders
 from optima.paths import RunPaths, checkpoint_label
 from optima.report_rows import build_row
 
@@ -146,12 +147,13 @@ def build_model_card(recipe: LoopRecipe, iteration: int, metrics: dict, versions
 
 
 def dataset_folders(paths: RunPaths) -> list[tuple[str, Path]]:
-    """``(path in the dataset repo, folder)`` of every saved training set of the run, in run order."""
-    found = []
-    for metrics in sorted(paths.output_dir.glob("iteration_*/**/dataset/dataset_dict.json")):
-        folder = metrics.parent
-        found.append((folder.parent.relative_to(paths.output_dir).as_posix(), folder))
-    return sorted(found, key=lambda item: (int(item[0].split("/")[0].removeprefix("iteration_")), item[0]))
+    """``(path in the dataset repo, folder)`` of every saved training set of the run's current lineage, in run order
+    (``optima.lineage.lineage_folders``: nothing set aside, nothing of an earlier run)."""
+    return [
+        (sp.root.relative_to(paths.output_dir).as_posix(), sp.dataset)
+        for _, _, sp in lineage_folders(paths.output_dir)
+        if (sp.dataset / "dataset_dict.json").is_file()
+    ]
 
 
 def push_run(recipe: LoopRecipe, paths: RunPaths, final_model: str, api: Any = None) -> dict | None:

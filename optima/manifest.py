@@ -1,12 +1,13 @@
 """Per-iteration stage manifest: resume at the first unfinished stage (docs/method.md D4, #resume).
 
-A stage counts as done only when it succeeded, never because its files exist: each stage appends an entry
-to ``manifest.json`` only after it succeeded: its name, its key (a hash of the recipe fields it depends on, those
-fields' values, and the identities of what it reads: the models, the files, the stage before it), its counts and
-metrics, and its wall time. A rerun skips finished stages (and reuses their results); a finished run is a no-op;
-a stage whose key changed is redone with every stage after it, with a warning that names what changed. The outputs
-of a redone sampling stage are moved aside, not deleted. The file is replaced atomically, so a kill never leaves
-it half written.
+A stage counts as done only when it succeeded, never because its files exist. Each stage writes its entry to
+``manifest.json`` when it starts: its name and its key (a hash of the recipe fields it depends on, those fields'
+values, and the identities of what it reads: the models, the files, the stage before it), so that the rows a killed
+stage left carry the key they were made under; it adds its counts, metrics and wall time when it succeeded. A rerun
+skips finished stages (and reuses their results) and continues an unfinished one under the same key; a finished run
+is a no-op. A stage whose key changed, finished or not, is redone with every stage after it, with a warning that
+names what changed, and their outputs (partial ones too) are moved aside (``optima.lineage.set_aside``), never
+deleted or continued. The file is replaced atomically, so a kill never leaves it half written.
 
 Entries written before stages recorded their inputs (no ``inputs`` key) are judged by their fields alone, then
 upgraded with the current inputs, so an existing run keeps resuming.
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.identity import digest
+from optima.lineage import set_aside
 from optima.store import write_json
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,18 @@ class StageKey:
         return reasons
 
 
+def stage_link(where: str, stage: str, identity: str) -> str:
+    """What the stage after ``stage`` records as its ``previous stage``: ``<folder in the run>/<stage>@<identity>``."""
+    return f"{where}/{stage}@{identity}"
+
+
+def short_key(entry: dict | None) -> str:
+    """A manifest entry's key for a folder name (``nokey``: none recorded)."""
+    return ((entry or {}).get("identity") or (entry or {}).get("config_hash") or "nokey")[:12]
+
+
 class Manifest:
-    """The finished stages of one iteration folder.
+    """The started and finished stages of one iteration folder.
 
     Args:
         path: ``<iteration folder>/manifest.json``.
@@ -91,7 +102,11 @@ class Manifest:
         self.entries: dict[str, dict] = json.loads(path.read_text())["stages"] if path.exists() else {}
 
     def done(self, stage: str) -> bool:
-        return stage in self.entries
+        return "result" in self.entries.get(stage, {})
+
+    def finished(self) -> list[str]:
+        """The finished stages, in the order they ran."""
+        return [name for name in self.entries if self.done(name)]
 
     def result(self, stage: str) -> dict:
         return self.entries[stage]["result"]
@@ -99,24 +114,30 @@ class Manifest:
     def _save(self) -> None:
         write_json(self.path, {"stages": self.entries})
 
+    def _stale(self, stage: str, outputs: list[Path]) -> list[str]:
+        """Why ``stage``'s recorded work (finished or not) cannot be kept; empty: it can."""
+        entry = self.entries.get(stage)
+        if entry is None:
+            return ["its output has no recorded key"] if any(path.exists() for path in outputs) else []
+        return self.keys[stage].changes(entry)
+
     def invalidate_changed(
-        self, order: list[str], outputs: dict[str, list[Path]], keep: tuple[str, ...] = ()
+        self, order: list[str], outputs: dict[str, list[Path]], part_files: list[Path] = ()
     ) -> list[str]:
-        """Forget the first finished stage whose key changed, and every later one; return the stages forgotten.
+        """Set aside the first stage whose key changed (finished or not) and every later one; return their names.
 
         Args:
             order: Stage names in execution order.
-            outputs: Files and folders each stage writes (deleted, or moved aside for ``keep``).
-            keep: Stages whose outputs are costly samples: moved aside (``<name>.replaced-<n>``), not deleted.
+            outputs: Files and folders each stage writes: moved to ``set_aside/<stage>-<old key>-<time>/`` beside
+                them (``optima.lineage.set_aside``) with the old entry and the reasons, never deleted.
+            part_files: Files that sum up the whole part (``metrics.json``): set aside with the first stage redone.
         """
         upgraded = False
         for index, stage in enumerate(order):
-            entry = self.entries.get(stage)
-            if entry is None:
-                continue
-            reasons = self.keys[stage].changes(entry)
+            reasons = self._stale(stage, outputs.get(stage, []))
             if not reasons:
-                if "inputs" not in entry and self.keys[stage].inputs is not None:
+                entry = self.entries.get(stage)
+                if entry is not None and "inputs" not in entry and self.keys[stage].inputs is not None:
                     # Written before inputs were recorded: take them as they are now.
                     entry |= self._key_fields(stage)
                     upgraded = True
@@ -126,12 +147,10 @@ class Manifest:
                 "%s: stage %s must be redone (%s); redoing %s", self.path, stage, "; ".join(reasons), ", ".join(later)
             )
             for name in later:
-                self.entries.pop(name, None)
-                for path in outputs.get(name, []):
-                    if name in keep:
-                        set_aside(path)
-                    else:
-                        remove_outputs([path])
+                old = self.entries.pop(name, None)
+                why = reasons if name == stage else [f"stage {stage} before it is redone"]
+                paths = [*outputs.get(name, []), *(part_files if name == stage else [])]
+                set_aside(paths, f"{name}-{short_key(old)}", {"stage": name, "reasons": why, "entry": old})
             self._save()
             return later
         if upgraded:
@@ -143,45 +162,32 @@ class Manifest:
         known = {"inputs": key.inputs, "identity": key.identity} if key.inputs is not None else {}
         return {"config_hash": key.config_hash, "fields": key.fields} | known
 
+    def start(self, stage: str) -> None:
+        """Record that ``stage`` starts, under its key: what it writes from now on is made under that key."""
+        self.entries[stage] = self._key_fields(stage) | {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self._save()
+
     def record(self, stage: str, result: dict, elapsed_s: float) -> None:
+        started = self.entries.get(stage, {}).get("started_at")
         self.entries[stage] = self._key_fields(stage) | {
             "result": result,
             "elapsed_s": round(elapsed_s, 2),
+            "started_at": started or time.strftime("%Y-%m-%dT%H:%M:%S"),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         self._save()
 
     def timings(self) -> dict[str, float]:
-        return {name: entry["elapsed_s"] for name, entry in self.entries.items()}
+        return {name: self.entries[name]["elapsed_s"] for name in self.finished()}
 
     def run(self, stage: str, body: Callable[[], dict], label: str = "") -> dict:
-        """Run ``body`` unless ``stage`` is finished; record its result after it returns."""
+        """Run ``body`` unless ``stage`` is finished; record its key before and its result after it returns."""
         if self.done(stage):
             logger.info("%s%s | done before, skipped", label, stage)
             return self.result(stage)
         logger.info("%s%s", label, stage)
         started = time.monotonic()
+        self.start(stage)
         result = body()
         self.record(stage, result, time.monotonic() - started)
         return result
-
-
-def remove_outputs(paths: list[Path]) -> None:
-    """Delete stage outputs that a change made stale."""
-    for path in paths:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
-def set_aside(path: Path) -> Path | None:
-    """Move a stale output to ``<name>.replaced-<n>`` (the first free n) and return where; None if absent."""
-    if not path.exists():
-        return None
-    number = 1
-    while (target := path.with_name(f"{path.name}.replaced-{number}")).exists():
-        number += 1
-    path.rename(target)
-    logger.warning("%s: kept as %s", path, target.name)
-    return target

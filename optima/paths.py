@@ -7,10 +7,13 @@ D3). Nothing is written into the source tree, and no other module builds run pat
       recipe.yaml                     the validated recipe, every field
       logs/driver.log                 what the driver said
       vllm_cache/                     VLLM_CACHE_ROOT of the launched servers
+      tensorboard/                    TensorBoard events (optima.tracking)
+      set_aside/, iteration_<i>/set_aside/, checkpoints/set_aside/
+                                      what a rerun under other settings made stale (optima.lineage)
       checkpoints/iteration_<i>/      the model after iteration i + 1 (folders count from 0; check_point_root_path
                                       overrides the root)
       iteration_<i>/[sft|dpo/]        one folder per iteration (two stages in iSFT-DPO)
-        manifest.json                 finished stages, their config hash, counts and timings
+        manifest.json                 started and finished stages, their keys, counts and timings
         generations.jsonl             raw conversations, one line per (question, sample)
         rewarded.jsonl                conversations with their reward parts
         probe.jsonl, rollouts.jsonl   (DPO stages)
@@ -24,11 +27,17 @@ D3). Nothing is written into the source tree, and no other module builds run pat
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from optima.identity import COMPLETE_MARKER
+
+logger = logging.getLogger(__name__)
+
 PAGE = "conversations.html"  # the conversation browser's page, in a run or an evaluation folder
+TENSORBOARD_DIR = "tensorboard"
 
 
 class RunLocation(Protocol):
@@ -131,6 +140,15 @@ class RunPaths:
         return self.output_dir / "vllm_cache"
 
     @property
+    def tensorboard(self) -> Path:
+        """TensorBoard events: the trainers' per stage folder, the iteration scalars (``optima.tracking``)."""
+        return self.output_dir / TENSORBOARD_DIR
+
+    def trainer_logs(self, sp: StagePaths) -> Path:
+        """The TensorBoard events of one stage folder's trainer: ``tensorboard/iteration_<i>[/<stage>]``."""
+        return self.tensorboard / sp.root.relative_to(self.output_dir)
+
+    @property
     def checkpoints(self) -> Path:
         return self.checkpoint_root or self.output_dir / "checkpoints"
 
@@ -160,10 +178,11 @@ def stage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
 
 
 def find_checkpoints(root: Path) -> list[tuple[str, Path]]:
-    """Checkpoints under ``root`` in iteration order: ``iteration_<k>`` folders by k, else ``root`` itself.
+    """Finished checkpoints under ``root`` in iteration order: ``iteration_<k>`` folders by k, else ``root`` itself.
 
-    Numeric order, not ``os.listdir`` order, keeps curves straight (docs/method.md, D29).
-    A folder that is itself a model (holds ``config.json``) is one checkpoint named after the folder.
+    Numeric order, not ``os.listdir`` order, keeps curves straight (docs/method.md, D29). Only folders with a
+    completion marker count (a save that was killed or failed its verification has none); the others are named
+    in a warning. A folder that is itself a model (holds ``config.json``) is one checkpoint named after the folder.
     """
     root = Path(root)
     if (root / "config.json").is_file():
@@ -172,7 +191,12 @@ def find_checkpoints(root: Path) -> list[tuple[str, Path]]:
     for child in root.iterdir() if root.is_dir() else []:
         prefix, _, number = child.name.rpartition("_")
         if child.is_dir() and prefix.endswith("iteration") and number.isdigit():
-            found.append((prefix.removesuffix("iteration"), int(number), child))
+            if (child / COMPLETE_MARKER).is_file():
+                found.append((prefix.removesuffix("iteration"), int(number), child))
+            else:
+                logger.warning(
+                    "checkpoints | %s: no %s (unfinished or unverified save), left out", child, COMPLETE_MARKER
+                )
     # Numeric order; within one iteration an intermediate stage (sft_iteration_k) precedes iteration_k.
     found.sort(key=lambda item: (item[1], item[0] == "", item[0]))
     return [(path.name, path) for _, _, path in found]

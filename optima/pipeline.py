@@ -5,21 +5,25 @@ itself in the iteration's ``manifest.json`` after it succeeds, with its key (the
 the identities of what it reads, chained from stage to stage and iteration to iteration: ``optima.stage_identity``),
 so the same command resumes at the first unfinished stage, a finished run is a no-op, and changing (say)
 ``initial_epsilon`` redoes selection and training but keeps the conversations, then redoes every later iteration,
-whose model is the retrained one. Servers are stopped before
-training (and before HF scoring), which need the cores on a CPU and the memory on a GPU.
+whose model is the retrained one. A run folder holds one lineage (``optima.lineage``): the run holds its lock, what
+a change made stale (a redone stage's outputs, the later parts, iterations past ``iteration_times``) is moved
+aside before anything is redone. Servers are stopped before training (and before HF scoring), which need the
+cores on a CPU and the memory on a GPU.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from optima.environments import check_env
+from optima.lineage import run_lock, set_aside, set_aside_beyond
 from optima.manifest import Manifest, StageKey
 from optima.plan import Plan, PlanPart
-from optima.run_context import RunContext, write_iteration_report
+from optima.run_context import RunContext, check_writable, write_iteration_report
 from optima.serving.processes import sigterm_as_exit
 from optima.stage_identity import link, part_keys
-from optima.stages.common import StageCall
+from optima.stages.common import TRAINER_LOGS, StageCall
 from optima.training.hosts import verify_hosts
 from optima.training.nodes import ssh_resolver
 
@@ -40,23 +44,36 @@ def handle_empty(ctx: RunContext, label: str, message: str, model: str) -> None:
     logger.warning("%s%s; carrying %s forward", label, message, model)
 
 
-def run_part(part: PlanPart, call: StageCall, keys: dict[str, StageKey] | None = None) -> str | None:
+def set_aside_parts(parts: Sequence[PlanPart]) -> None:
+    """Move aside what ``parts`` wrote (folder, checkpoint, trainer logs): a part before them is redone, so they are
+    of an earlier lineage (every key after a redone stage chains to it)."""
+    for part in parts:
+        call = part.call
+        stale = [call.sp.root, call.out, call.output(TRAINER_LOGS)]
+        set_aside(stale, "old-lineage", {"why": "an earlier part of the run is redone under another key"})
+
+
+def run_part(
+    part: PlanPart, call: StageCall, keys: dict[str, StageKey] | None = None, later: Sequence[PlanPart] = ()
+) -> str | None:
     """Run the stages of one iteration (or iSFT-DPO part) from ``call.model``; the new checkpoint, or None if none.
 
     Args:
         part: The part's stages.
         call: The part's context for the model it really starts from (``part.call.starting_from(model)``).
         keys: The stages' keys (default: the part's keys with no previous part).
+        later: The parts whose keys chain to this one's: set aside when a stage of this one is redone.
 
-    Finished stages are skipped (their recorded results reused); the first whose key changed is redone with every
-    stage after it. When the stage that builds the training set leaves nothing to train on, the part stops there
+    Finished stages are skipped (their recorded results reused); an unfinished one continues under the same key; the
+    first whose key changed, finished or not, is set aside and redone with every stage after it, and the later parts
+    are set aside. When the stage that builds the training set leaves nothing to train on, the part stops there
     (``handle_empty``).
     """
     ctx, recipe, model = call.ctx, call.recipe, call.model
     manifest = Manifest(call.sp.manifest, keys or part_keys(call, part.stages))
     outputs = {stage.name: [call.output(name) for name in stage.outputs] for stage in part.stages}
-    keep = tuple(stage.name for stage in part.stages if stage.set_aside)
-    manifest.invalidate_changed([stage.name for stage in part.stages], outputs, keep=keep)
+    if manifest.invalidate_changed([stage.name for stage in part.stages], outputs, [call.sp.metrics]):
+        set_aside_parts(later)
     label = f"iteration {call.iteration + 1}/{recipe.iteration_times} | {call.part + ' | ' if call.part else ''}"
     for stage in part.stages:
         result = manifest.run(stage.name, lambda stage=stage: stage.run(call), label)
@@ -80,11 +97,26 @@ def run_plan(plan: Plan) -> str:
     training = ctx.hardware.training
     if training is not None and training.multi_node and training.launcher == "ssh":
         verify_hosts([n.host for n in training.nodes], ssh_resolver(training.executable))  # resolvable, reachable
-    ctx.prepare()
+    check_writable(ctx.paths.output_dir)
+    with run_lock(ctx.paths.output_dir):  # one run writes a folder at a time
+        ctx.prepare()
+        set_aside_beyond(ctx.paths, recipe.iteration_times)
+        model = run_parts(plan)
+    if recipe.push_to_hub:
+        from optima.hub import push_run
+
+        push_run(recipe, ctx.paths, model)
+    logger.info("done | final model %s", model)
+    return model
+
+
+def run_parts(plan: Plan) -> str:
+    """Run the plan's parts in order, each from the model the one before it trained; return the last model."""
+    ctx, recipe = plan.ctx, plan.ctx.recipe
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
     with sigterm_as_exit(), ctx.servers, ctx.trainer:
-        for part in plan.parts:
+        for index, part in enumerate(plan.parts):
             if part.skipped:
                 model, upstream = str(part.call.out), None
                 logger.info(
@@ -99,10 +131,15 @@ def run_plan(plan: Plan) -> str:
             keys = part_keys(call, part.stages, upstream)
             upstream = link(call, part.stages[-1].name, keys[part.stages[-1].name])
             # A part that trained nothing (carry_forward) hands its own starting model on.
-            model = run_part(part, call, keys) or model
-    if recipe.push_to_hub:
-        from optima.hub import push_run
-
-        push_run(recipe, ctx.paths, model)
-    logger.info("done | final model %s", model)
+            model = run_part(part, call, keys, chained_after(plan.parts, index)) or model
     return model
+
+
+def chained_after(parts: Sequence[PlanPart], index: int) -> list[PlanPart]:
+    """The parts after ``parts[index]`` whose keys chain to it: up to the first skipped one, which starts anew."""
+    later = []
+    for part in parts[index + 1 :]:
+        if part.skipped:
+            break
+        later.append(part)
+    return later

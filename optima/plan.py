@@ -25,7 +25,7 @@ from optima.environments import PythonEnv
 from optima.paths import RunPaths
 from optima.run_context import RunContext
 from optima.stages import dpo, sft
-from optima.stages.common import CHECKPOINT, StageCall, trainer_launch
+from optima.stages.common import CHECKPOINT, TRAINER_LOGS, StageCall, trainer_launch
 from optima.training.launch_config import describe_trainer_overrides
 
 if TYPE_CHECKING:
@@ -39,15 +39,13 @@ class StageDef:
     Args:
         name: The stage's name (in the manifest, the logs and the plan).
         fields: Recipe fields its output depends on: a change redoes it and every stage after it.
-        outputs: What it writes (``StageCall.output`` names), deleted when it is redone.
+        outputs: What it writes (``StageCall.output`` names), set aside when it is redone (``optima.lineage``).
         run: The function that runs it.
         describe: What ``--dry-run`` shows about it.
         nothing_to_train: For the stage that builds the training set: why its result leaves nothing to train on
             (None when something is left).
         reads: What it reads besides its fields (``optima.stage_identity.READERS``: models, files); their
             identities, with the key of the stage before it, are part of its key in the manifest.
-        set_aside: True for the stages whose outputs are costly samples: when redone, the old ones are moved
-            aside (``<name>.replaced-<n>``) instead of deleted.
     """
 
     name: Stage
@@ -57,7 +55,6 @@ class StageDef:
     describe: Callable[[StageCall], dict]
     nothing_to_train: Callable[[Any, dict], str | None] | None = None
     reads: tuple[str, ...] = ()
-    set_aside: bool = False
 
 
 def _describe_generate(call: StageCall) -> dict:
@@ -146,7 +143,6 @@ SFT_STAGES = (
         sft.generate,
         _describe_generate,
         reads=("served model", "prompt pool"),
-        set_aside=True,
     ),
     StageDef(
         Stage.SCORE,
@@ -167,7 +163,7 @@ SFT_STAGES = (
     StageDef(
         Stage.TRAIN,
         stage_fields(Stage.TRAIN, SFTRecipe),
-        (CHECKPOINT,),
+        (CHECKPOINT, TRAINER_LOGS),
         sft.train,
         lambda c: _describe_train(c, "sft"),
         reads=("start model", "SFT trainer YAML"),
@@ -182,7 +178,6 @@ DPO_STAGES = (
         dpo.probe,
         _describe_probe,
         reads=("served model",),
-        set_aside=True,
     ),
     StageDef(
         Stage.SEARCH,
@@ -191,7 +186,6 @@ DPO_STAGES = (
         dpo.search,
         _describe_search,
         reads=("served model", "loss model"),
-        set_aside=True,
     ),
     StageDef(
         Stage.PAIRS,
@@ -204,7 +198,7 @@ DPO_STAGES = (
     StageDef(
         Stage.TRAIN,
         stage_fields(Stage.TRAIN, DPORecipe),
-        (CHECKPOINT,),
+        (CHECKPOINT, TRAINER_LOGS),
         dpo.train,
         lambda c: _describe_train(c, "dpo"),
         reads=("start model", "DPO trainer YAML"),

@@ -24,7 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 from optima.evaluation.report import _new_figure, render_markdown_table
-from optima.paths import PAGE, StagePaths, stage_folders
+from optima.lineage import lineage_folders
+from optima.paths import PAGE, StagePaths
 from optima.report_rows import PART_NAMES, STAGE_ORDER, build_row
 from optima.store import atomic_write_text, load_records
 
@@ -36,12 +37,13 @@ TOP_ANSWERS = 10
 
 
 def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
-    """``(iteration, stage folder name, metrics.json)`` of every finished iteration, in run order.
+    """``(iteration, stage folder name, metrics.json)`` of every finished iteration of the current lineage (an
+    earlier run's iterations left in the folder are not read: ``optima.lineage.lineage_folders``), in run order.
 
     Args:
         run_dir: The run directory (``output_dir`` of the recipe).
     """
-    return [(iteration, part, sp.metrics) for iteration, part, sp in stage_folders(run_dir) if sp.metrics.is_file()]
+    return [(iteration, part, sp.metrics) for iteration, part, sp in lineage_folders(run_dir) if sp.metrics.is_file()]
 
 
 def collect_rows(run_dir: Path) -> list[dict]:

@@ -130,7 +130,7 @@ def check_writable(folder: Path) -> None:
 
 def iteration_metrics(manifest: Manifest) -> dict[str, Any]:
     """metrics.json of one iteration: each stage's results and timings."""
-    results = {name: manifest.result(name) for name in manifest.entries}
+    results = {name: manifest.result(name) for name in manifest.finished()}
     return {"stages": results, "timings_s": manifest.timings(), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from optima.agents.generation import plan_generation
 from optima.config.rules import loss_model, train_start, trainer_base_yaml
 from optima.identity import model_identity
-from optima.manifest import StageKey, field_values, fields_hash
+from optima.manifest import StageKey, field_values, fields_hash, stage_link
 
 
 def file_identity(path: str | None) -> str | None:
@@ -74,4 +74,4 @@ def part_keys(call, stages: Sequence, upstream: str | None = None) -> dict[str, 
 
 def link(call, stage: str, key: StageKey) -> str:
     """What the stage after ``stage`` records as its ``previous stage``: where it ran and its identity."""
-    return f"iteration_{call.iteration}{'/' + call.part if call.part else ''}/{stage}@{key.identity}"
+    return stage_link(f"iteration_{call.iteration}{'/' + call.part if call.part else ''}", stage, key.identity)

@@ -25,10 +25,10 @@ from typing import Any
 
 from optima.config.fields import RecipeError
 from optima.config.trackers import parse_report_to
+from optima.paths import TENSORBOARD_DIR, RunPaths, StagePaths
 
 logger = logging.getLogger(__name__)
 
-TENSORBOARD_DIR = "tensorboard"
 ITERATION_LOG = "optima"
 # Report-row keys logged as scalars (tag = optima/<group>/<key>).
 SCALAR_GROUPS = {
@@ -74,8 +74,7 @@ def trainer_env(report_to: list[str], run_dir: Path, stage_root: Path) -> dict[s
     """Environment of the trainer process: where its TensorBoard events go, its W&B project, group and run id."""
     env = {}
     if "tensorboard" in report_to:
-        folder = Path(run_dir) / TENSORBOARD_DIR / Path(stage_root).relative_to(run_dir)
-        env["TENSORBOARD_LOGGING_DIR"] = str(folder)
+        env["TENSORBOARD_LOGGING_DIR"] = str(RunPaths(Path(run_dir)).trainer_logs(StagePaths(Path(stage_root))))
     if "wandb" in report_to:
         from optima import wandb_tracking
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from optima.config import InferenceRecipe, load_recipe
 from optima.config.groups import GenerationFields, LoopFields
+from optima.identity import COMPLETE_MARKER, new_weights_id
 from optima.tasks import Example
 
 # Resets SIGINT and SIGTERM to their defaults, then becomes the real command (same pid).
@@ -17,6 +18,14 @@ _EXEC_WITH_DEFAULT_SIGNALS = (
     "[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)]; "
     "os.execvp(sys.argv[1], sys.argv[1:])"
 )
+
+
+def mark_finished(checkpoint: Path) -> Path:
+    """Make ``checkpoint`` (created if needed) a finished one: a completion marker with a fresh ``weights_id``, as the
+    trainer scripts write it last (the sweep evaluates only those)."""
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    (checkpoint / COMPLETE_MARKER).write_text(f'{{"weights_id": "{new_weights_id()}"}}')
+    return checkpoint
 
 
 def with_default_signals(argv: Sequence[str]) -> list[str]:

@@ -17,6 +17,7 @@ from optima.evaluation.cot import build_cot_messages
 from optima.store import load_records
 from optima.tasks import Example
 from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply
+from tests.helpers import mark_finished
 from tests.test_scripts import load_script
 
 ARC_ROWS = [
@@ -70,7 +71,7 @@ def common_flags(tmp_path: Path, server: FakeOpenAIServer) -> list[str]:
 def sweep_argv(tmp_path: Path, server: FakeOpenAIServer) -> list[str]:
     root = tmp_path / "checkpoints"
     for k in (1, 0):
-        (root / f"iteration_{k}").mkdir(parents=True)
+        mark_finished(root / f"iteration_{k}")
     return ["--model_root_path", str(root), "--limit", "3", *common_flags(tmp_path, server)]
 
 

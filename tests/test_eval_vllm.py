@@ -18,6 +18,7 @@ import pytest
 from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
 from tests.conftest import requires_vllm
+from tests.helpers import mark_finished
 from tests.test_eval_runs import write_arc_data
 from tests.test_scripts import load_script
 
@@ -54,7 +55,7 @@ def detach_driver_logs():
 def test_real_sweep_of_two_checkpoints_then_resume_without_servers(tiny_model, tmp_path, capsys):
     root = tmp_path / "checkpoints"
     for k in (0, 1):
-        shutil.copytree(tiny_model, root / f"iteration_{k}")
+        mark_finished(shutil.copytree(tiny_model, root / f"iteration_{k}"))
     argv = ["--model_root_path", str(root), "--limit", "3", *serving_flags(tmp_path)]
     script = load_script("inference_script")
     assert script.main(argv) == 0

@@ -1,4 +1,5 @@
-"""Stage manifests: finished stages are skipped, a changed key (fields or inputs) redoes a stage and the later ones."""
+"""Stage manifests: finished stages are skipped, a changed key (fields or inputs) redoes a stage and the later ones,
+finished or not, and their outputs are set aside, never deleted."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def test_a_failed_stage_is_not_recorded(tmp_path):
     assert not Manifest(tmp_path / "manifest.json", hashes()).done("score")
 
 
+def aside(folder, stage: str) -> list:
+    """The ``set_aside/<stage>-<key>-<time>/`` folders of ``folder``."""
+    return sorted((folder / "set_aside").glob(f"{stage}-*"))
+
+
 def test_changed_fields_redo_the_stage_and_later_ones(tmp_path):
     outputs = {stage: [tmp_path / f"{stage}.out"] for stage in ORDER}
     manifest = Manifest(tmp_path / "manifest.json", hashes())
@@ -48,6 +54,10 @@ def test_changed_fields_redo_the_stage_and_later_ones(tmp_path):
     changed.invalidate_changed(ORDER, outputs)
     assert [s for s in ORDER if changed.done(s)] == ["generate", "score"]
     assert outputs["score"][0].exists() and not outputs["select"][0].exists() and not outputs["train"][0].exists()
+    (select,), (train,) = aside(tmp_path, "select"), aside(tmp_path, "train")
+    assert (select / "select.out").read_text() == "x" and (train / "train.out").read_text() == "x"  # never deleted
+    why = json.loads((select / "why.json").read_text())
+    assert why["entry"]["config_hash"] == "h" and why["reasons"] == ["recipe fields"]
 
 
 def test_redone_samples_are_moved_aside_not_deleted(tmp_path):
@@ -55,8 +65,61 @@ def test_redone_samples_are_moved_aside_not_deleted(tmp_path):
     out.write_text("old\n")
     Manifest(tmp_path / "manifest.json", hashes()).run("generate", lambda: {})
     changed = Manifest(tmp_path / "manifest.json", hashes(generate="other"))
-    assert changed.invalidate_changed(ORDER, {"generate": [out]}, keep=("generate",)) == ORDER
-    assert not out.exists() and (tmp_path / "generations.jsonl.replaced-1").read_text() == "old\n"
+    assert changed.invalidate_changed(ORDER, {"generate": [out]}) == ORDER
+    (folder,) = aside(tmp_path, "generate")
+    assert not out.exists() and (folder / "generations.jsonl").read_text() == "old\n"
+    assert folder.name.startswith("generate-h-")  # the old key is in the name
+
+
+def killed(manifest: Manifest, stage: str, out, rows: str) -> None:
+    """Run ``stage`` until it has written ``rows`` to ``out``, then die as a kill would."""
+
+    def body():
+        out.write_text(rows)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        manifest.run(stage, body)
+
+
+def test_a_stage_records_its_key_when_it_starts(tmp_path):
+    manifest = Manifest(tmp_path / "manifest.json", hashes())
+    killed(manifest, "generate", tmp_path / "g.jsonl", "row at 0.3\n")
+    entry = json.loads((tmp_path / "manifest.json").read_text())["stages"]["generate"]
+    assert entry["config_hash"] == "h" and "started_at" in entry and "result" not in entry
+    again = Manifest(tmp_path / "manifest.json", hashes())
+    assert not again.done("generate") and again.finished() == [] and again.timings() == {}
+
+
+def test_a_stage_killed_half_way_resumes_only_under_the_same_key(tmp_path):
+    out = tmp_path / "generations.jsonl"
+    killed(Manifest(tmp_path / "manifest.json", hashes(generate="t0.3")), "generate", out, "row at 0.3\n")
+    same = Manifest(tmp_path / "manifest.json", hashes(generate="t0.3"))
+    assert same.invalidate_changed(ORDER, {"generate": [out]}) == [] and out.exists()  # continues its rows
+    changed = Manifest(tmp_path / "manifest.json", hashes(generate="t1.0"))
+    assert changed.invalidate_changed(ORDER, {"generate": [out]}) == ORDER
+    assert not out.exists()  # the rerun starts from an empty file: no row of the old temperature is continued
+    (folder,) = aside(tmp_path, "generate")
+    assert folder.name.startswith("generate-t0.3-") and (folder / "generations.jsonl").read_text() == "row at 0.3\n"
+
+
+def test_outputs_without_a_recorded_key_are_set_aside(tmp_path):
+    """Rows of a stage that never recorded a key (a manifest of an older version) cannot be told apart: redone."""
+    out = tmp_path / "rewarded.jsonl"
+    out.write_text("row\n")
+    Manifest(tmp_path / "manifest.json", hashes()).run("generate", lambda: {})
+    manifest = Manifest(tmp_path / "manifest.json", hashes())
+    assert manifest.invalidate_changed(ORDER, {"score": [out]}, [tmp_path / "metrics.json"]) == ORDER[1:]
+    assert manifest.done("generate") and not out.exists() and aside(tmp_path, "score-nokey")
+
+
+def test_the_part_summary_goes_aside_with_the_first_redone_stage(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text('{"stages": {"select": {"kept": 3}}}')
+    Manifest(tmp_path / "manifest.json", hashes()).run("select", lambda: {})
+    changed = Manifest(tmp_path / "manifest.json", hashes(select="other"))
+    changed.invalidate_changed(ORDER, {}, [metrics])
+    assert not metrics.exists() and (aside(tmp_path, "select")[0] / "metrics.json").is_file()
 
 
 def key(model: str, epsilon: float = 0.5) -> StageKey:

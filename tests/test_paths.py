@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from optima.paths import RunPaths, find_checkpoints
+from tests.helpers import mark_finished
 
 
 def test_run_layout(tmp_path):
@@ -19,10 +20,19 @@ def test_run_layout(tmp_path):
 
 def test_checkpoints_in_numeric_order(tmp_path):
     for name in ("iteration_10", "iteration_2", "sft_iteration_2", "iteration_0", "notes", "iteration_x"):
-        (tmp_path / name).mkdir()
+        mark_finished(tmp_path / name)
     (tmp_path / "iteration_3").write_text("a file, not a checkpoint")
     names = [name for name, _ in find_checkpoints(tmp_path)]
     assert names == ["iteration_0", "sft_iteration_2", "iteration_2", "iteration_10"]
+
+
+def test_only_finished_checkpoints_are_found(tmp_path, caplog):
+    """A save killed half-way or that failed its verification has no completion marker: it is not evaluated."""
+    mark_finished(tmp_path / "iteration_0")
+    (tmp_path / "iteration_1").mkdir()
+    (tmp_path / "iteration_1" / "config.json").write_text("{}")
+    assert find_checkpoints(tmp_path) == [("iteration_0", tmp_path / "iteration_0")]
+    assert "iteration_1: no optima_complete.json" in caplog.text
 
 
 def test_a_model_folder_is_its_own_checkpoint(tmp_path):

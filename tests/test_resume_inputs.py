@@ -119,11 +119,16 @@ def test_samples_of_a_redone_iteration_are_kept_aside(tmp_path, ran, caplog):
     run(tmp_path, "sft")
     second = tmp_path / "run" / "iteration_1"
     old = (second / "generations.jsonl").read_text()
-    with caplog.at_level(logging.WARNING, logger="optima.manifest"):
+    old_checkpoint = (tmp_path / "run" / "checkpoints" / "iteration_1" / COMPLETE_MARKER).read_text()
+    with caplog.at_level(logging.WARNING):
         run(tmp_path, "sft", initial_epsilon=0.7)
-    assert (second / "generations.jsonl.replaced-1").read_text() == old
+    # Iteration 2 chains to the redone iteration 1: its folder and checkpoint went aside as a whole, not deleted.
+    (kept,) = (tmp_path / "run" / "set_aside").glob("old-lineage-*/iteration_1")
+    assert (kept / "generations.jsonl").read_text() == old
+    (checkpoint,) = (tmp_path / "run" / "checkpoints" / "set_aside").glob("old-lineage-*/iteration_1")
+    assert (checkpoint / COMPLETE_MARKER).read_text() == old_checkpoint
     assert (second / "generations.jsonl").read_text() != old  # sampled from the retrained checkpoint
-    assert "served model" in caplog.text and "previous stage" in caplog.text
+    assert "initial_epsilon: 0.5 -> 0.7" in caplog.text and "set aside" in caplog.text
 
 
 def test_a_checkpoint_replaced_in_place_redoes_the_iterations_after_it(tmp_path, ran):

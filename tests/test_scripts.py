@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import mark_finished
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("sft_script", "dpo_script", "sft_dpo_script", "inference_script", "multi_sc_data_generate_script")
 LOOP_SCRIPT = {"sft_recipes": "sft_script", "dpo_recipes": "dpo_script", "sft_dpo_recipes": "sft_dpo_script"}
@@ -114,7 +116,7 @@ def test_set_overrides_reach_the_plan(in_repo, envs, capsys):
 
 def test_inference_dry_run_lists_checkpoints_in_numeric_order(tmp_path, capsys):
     for k in (10, 2, 0):
-        (tmp_path / f"iteration_{k}").mkdir()
+        mark_finished(tmp_path / f"iteration_{k}")
     argv = [
         "--model_root_path",
         str(tmp_path),

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optima.lineage import lineage_folders
 from optima.paths import StagePaths, checkpoint_label
-from optima.paths import stage_folders as iteration_folders
 from optima.reward import is_cut
 from optima.store import group_by_question, load_records
 
@@ -250,10 +250,10 @@ def search_questions(sp: StagePaths) -> list[QuestionView]:
 
 
 def stage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
-    """``(iteration, part, folder)`` of every stage folder with outputs, in run order."""
+    """``(iteration, part, folder)`` of every stage folder with outputs of the current lineage, in run order."""
     return [
         (iteration, part, sp)
-        for iteration, part, sp in iteration_folders(run_dir)
+        for iteration, part, sp in lineage_folders(run_dir)
         if any(p.exists() for p in (sp.generations, sp.rewarded, sp.probe, sp.rollouts))
     ]
 

@@ -1,6 +1,7 @@
 """What ``inference_script.py`` and ``multi_sc_data_generate_script.py`` would do, without doing it.
 
-docs/method.md#checkpoint-sweep: every ``iteration_*`` checkpoint under the root, in numeric order, is served and run
+docs/method.md#checkpoint-sweep: every finished ``iteration_*`` checkpoint under the root (of the run's current lineage
+when the root is a run's ``checkpoints`` folder), in numeric order, is served and run
 greedily on the eval split (one conversation per question, no prompt pool). docs/method.md#self-consistency: one model,
 k samples per question.
 """
@@ -11,12 +12,12 @@ from pathlib import Path
 
 from optima.config import InferenceRecipe, MultiSCRecipe
 from optima.environments import PythonEnv
-from optima.paths import find_checkpoints
+from optima.lineage import lineage_checkpoints
 
 
 def list_models(recipe: InferenceRecipe) -> list[tuple[str, Path]]:
     """(name, path) of every model to evaluate: ``base`` first when asked, then the checkpoints."""
-    models = find_checkpoints(Path(recipe.model_root_path))
+    models = lineage_checkpoints(Path(recipe.model_root_path))
     if recipe.include_base and recipe.initial_model_path:
         models.insert(0, ("base", Path(recipe.initial_model_path)))
     return models

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 ScoreTexts = Callable[[Sequence[str]], list[float]]
 CHECKPOINT = "checkpoint"  # the output name of a train stage (every other output is a ``StagePaths`` attribute)
+TRAINER_LOGS = "trainer logs"  # the train stage's TensorBoard events (``RunPaths.trainer_logs``)
 
 
 @dataclass(kw_only=True)
@@ -76,7 +77,10 @@ class StageCall:
         return self.ctx.recipe
 
     def output(self, name: str) -> Path:
-        """A stage output by name: ``checkpoint`` or a ``StagePaths`` attribute (``generations``, ``dataset``...)."""
+        """A stage output by name: ``checkpoint``, ``trainer logs`` or a ``StagePaths`` attribute (``generations``,
+        ``dataset``...)."""
+        if name == TRAINER_LOGS:
+            return self.ctx.paths.trainer_logs(self.sp)
         return self.out if name == CHECKPOINT else getattr(self.sp, name)
 
     def starting_from(self, model: str) -> StageCall:
