@@ -103,6 +103,8 @@ def lineage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
     run_dir = Path(run_dir)
     found, previous = [], None
     for iteration, part, sp in stage_folders(run_dir):
+        if not sp.root.is_dir():
+            continue
         entries = read_entries(sp.manifest)
         first = next(iter(entries.values()), {})
         if not _continues((first.get("inputs") or {}).get("previous stage"), previous):
@@ -127,7 +129,11 @@ def lineage_checkpoints(root: Path) -> list[tuple[str, Path]]:
         return found
     expected = {}
     for iteration, part, sp in lineage_folders(run_dir):
-        expected[RunPaths(run_dir).checkpoint(iteration, "sft" if part == "sft" else None).name] = _trained(sp)
+        name = RunPaths(run_dir).checkpoint(iteration, "sft" if part == "sft" else None).name
+        if sp.manifest.is_file():
+            expected[name] = _trained(sp)
+        else:  # an iSFT-DPO iteration's own folder, or one written by hand: cannot tell
+            expected.setdefault(name, UNKNOWN)
     kept = []
     for name, path in found:
         wanted = expected.get(name, NOT_TRAINED)
@@ -142,10 +148,8 @@ NOT_TRAINED, UNKNOWN = "not trained", "unknown"
 
 
 def _trained(sp: StagePaths) -> str:
-    """The ``weights_id`` a folder's train stage recorded; ``UNKNOWN`` when it cannot tell (no manifest, a train
-    stage started under the lineage's key but not finished, an entry without the id); ``NOT_TRAINED``: not started."""
-    if not sp.manifest.is_file():
-        return UNKNOWN
+    """The ``weights_id`` a folder's train stage recorded; ``UNKNOWN`` when it cannot tell (a train stage started
+    under the lineage's key but not finished, an entry without the id); ``NOT_TRAINED``: not started."""
     train = read_entries(sp.manifest).get("train")
     if train is None:
         return NOT_TRAINED

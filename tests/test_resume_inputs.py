@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,76 @@ def test_a_checkpoint_replaced_in_place_redoes_the_iterations_after_it(tmp_path,
     marker.write_text(json.dumps({"weights_id": new_weights_id()}))
     run(tmp_path, "sft")
     assert ran == every_stage("sft", [1])
+
+
+def with_metrics(monkeypatch) -> None:
+    """Each part writes its ``metrics.json`` (the report's rows), without the plots of the real report."""
+    from optima.run_context import iteration_metrics
+    from optima.store import write_json
+
+    def write(ctx, iteration, sp, manifest, checkpoint):
+        write_json(sp.metrics, {"iteration": iteration} | iteration_metrics(manifest))
+
+    monkeypatch.setattr(pipeline, "write_iteration_report", write)
+
+
+def test_iterations_beyond_iteration_times_are_set_aside(tmp_path, ran, monkeypatch):
+    """Three iterations, then a rerun with two and another epsilon: no row, checkpoint or log of the third is read."""
+    from optima.lineage import lineage_checkpoints
+    from optima.reporting import find_metrics
+
+    with_metrics(monkeypatch)
+    write_model(tmp_path / "base_model", b"base")
+    run(tmp_path, "sft", iteration_times=3)
+    run_dir = tmp_path / "run"
+    old_third = (run_dir / "iteration_2" / "generations.jsonl").read_text()
+    run(tmp_path, "sft", iteration_times=2, initial_epsilon=0.7)
+    assert not (run_dir / "iteration_2").exists() and not (run_dir / "checkpoints" / "iteration_2").exists()
+    (kept,) = run_dir.glob("set_aside/beyond-iteration_times-2-*/iteration_2")
+    assert (kept / "generations.jsonl").read_text() == old_third  # moved, never deleted
+    assert list(run_dir.glob("checkpoints/set_aside/beyond-iteration_times-2-*/iteration_2"))
+    assert [iteration for iteration, _, _ in find_metrics(run_dir)] == [0, 1]  # the report's rows
+    assert [name for name, _ in lineage_checkpoints(run_dir / "checkpoints")] == ["iteration_0", "iteration_1"]
+
+
+def test_readers_skip_what_an_earlier_lineage_left(tmp_path, ran, monkeypatch, caplog):
+    """A folder holding an earlier run's third iteration (as older versions left it): the report, the browser, the
+    hub upload and the sweep follow the key chain and stop where it breaks."""
+    from optima.browser.collect import stage_folders
+    from optima.hub import dataset_folders
+    from optima.lineage import lineage_checkpoints
+    from optima.paths import RunPaths
+    from optima.reporting import find_metrics
+
+    with_metrics(monkeypatch)
+    write_model(tmp_path / "base_model", b"base")
+    run(tmp_path, "sft", iteration_times=3)
+    run(tmp_path, "sft", iteration_times=2, initial_epsilon=0.7)
+    run_dir = tmp_path / "run"
+    for stale in run_dir.glob("**/set_aside/beyond-iteration_times-2-*/iteration_2"):  # put the leftovers back
+        stale.rename(stale.parent.parent.parent / "iteration_2")
+    assert (run_dir / "iteration_2" / "metrics.json").is_file() and (run_dir / "checkpoints" / "iteration_2").is_dir()
+    for iteration in (0, 1, 2):  # datasets as the hub upload finds them
+        (run_dir / f"iteration_{iteration}" / "dataset").unlink()
+        (run_dir / f"iteration_{iteration}" / "dataset").mkdir()
+        (run_dir / f"iteration_{iteration}" / "dataset" / "dataset_dict.json").write_text("{}")
+    assert [iteration for iteration, _, _ in find_metrics(run_dir)] == [0, 1]  # the report's rows
+    assert [iteration for iteration, _, _ in stage_folders(run_dir)] == [0, 1]
+    assert [name for name, _ in dataset_folders(RunPaths(run_dir))] == ["iteration_0", "iteration_1"]
+    with caplog.at_level(logging.WARNING):
+        names = [name for name, _ in lineage_checkpoints(run_dir / "checkpoints")]
+    assert names == ["iteration_0", "iteration_1"] and "iteration_2: not written by the current lineage" in caplog.text
+
+
+def test_a_second_run_cannot_write_the_same_folder(tmp_path, ran):
+    from optima.lineage import LOCK_FILE
+
+    write_model(tmp_path / "base_model", b"base")
+    (tmp_path / "run").mkdir()
+    holder = {"pid": os.getppid(), "host": socket.gethostname(), "started": None}  # a live process, not this one
+    (tmp_path / "run" / LOCK_FILE).write_text(json.dumps(holder))
+    with pytest.raises(
+        RuntimeError, match=rf"{tmp_path / 'run'} is being written by another run \(pid {os.getppid()}"
+    ):
+        run(tmp_path, "sft")
+    assert ran == []  # nothing ran, nothing was written
