@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from optima.evaluation.report import _new_figure, render_markdown_table
-from optima.lineage import lineage_folders
+from optima.lineage import lineage_folders, read_entries
 from optima.paths import PAGE, StagePaths
 from optima.report_rows import PART_NAMES, STAGE_ORDER, build_row
 from optima.store import atomic_write_text, load_records
@@ -54,8 +54,16 @@ def collect_rows(run_dir: Path) -> list[dict]:
             metrics = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-        rows.append(build_row(iteration, stage, metrics) | {"answers": final_answers(path.parent)})
+        rows.append(build_row(iteration, stage, metrics) | {"answers": final_answers(path.parent)} | lineage_of(path))
     return rows
+
+
+def lineage_of(metrics: Path) -> dict:
+    """``{"lineage": <key of the folder's last finished stage>}`` (a redone iteration has another; ``{}``: no
+    manifest), so that a tracker that sent the old row sends the new one too (``optima.wandb_tracking.row_key``)."""
+    finished = [entry for entry in read_entries(metrics.with_name("manifest.json")).values() if "result" in entry]
+    identity = finished[-1].get("identity") if finished else None
+    return {"lineage": identity} if identity else {}
 
 
 def final_answers(folder: Path) -> list[str]:

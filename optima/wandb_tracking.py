@@ -74,8 +74,10 @@ def trainer_env(run_dir: Path, stage_root: Path) -> dict[str, str]:
 
 
 def row_key(row: dict) -> str:
-    """``<iteration>`` or ``<iteration>/<stage>``: one report row (iSFT-DPO has two per iteration)."""
-    return f"{row['iteration']}/{row['stage']}" if row.get("stage") else str(row["iteration"])
+    """``<iteration>`` or ``<iteration>/<stage>``: one report row (iSFT-DPO has two per iteration); ``@<key>`` after
+    it when the row names its lineage, so an iteration redone under another key is sent again (same step)."""
+    key = f"{row['iteration']}/{row['stage']}" if row.get("stage") else str(row["iteration"])
+    return f"{key}@{row['lineage'][:12]}" if row.get("lineage") else key
 
 
 def log_rows(run_dir: Path, rows: list[dict], scalars_of) -> list[str]:

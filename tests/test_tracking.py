@@ -15,7 +15,7 @@ import pytest
 
 from optima.reporting import collect_rows
 from optima.tracking import publish_iteration, scalars_of, trainer_env, write_tensorboard_scalars
-from optima.wandb_tracking import RUN_FILE, log_rows, run_record
+from optima.wandb_tracking import RUN_FILE, log_rows, row_key, run_record
 from tests.test_reporting import sft_run  # noqa: F401  (a fixture)
 
 # ---------------------------------------------------------------- TensorBoard
@@ -171,3 +171,13 @@ def test_the_trainers_wandb_callback_logs_into_the_runs_project_and_group(tmp_pa
     header = run_header(run, trainer_id)
     assert (header.project, header.run_group, header.display_name) == ("optima", "demo", "demo/iteration_0")
     assert logged_history(run, trainer_id)[0]["train/loss"] == 2.5
+
+
+def test_a_redone_iteration_is_a_new_row_for_wandb(sft_run):  # noqa: F811
+    """A row names the key of its folder's last finished stage: an iteration redone under another key is sent again."""
+    manifest = sft_run / "iteration_0" / "manifest.json"
+    manifest.write_text(json.dumps({"stages": {"train": {"identity": "old0123456789ab", "result": {}}}}))
+    before = [row_key(row) for row in collect_rows(sft_run)]
+    manifest.write_text(json.dumps({"stages": {"train": {"identity": "new0123456789ab", "result": {}}}}))
+    after = [row_key(row) for row in collect_rows(sft_run)]
+    assert before == ["0@old012345678", "1"] and after == ["0@new012345678", "1"]
