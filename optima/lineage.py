@@ -34,6 +34,10 @@ SET_ASIDE = "set_aside"
 LOCK_FILE = ".optima.lock"
 
 
+class FolderLocked(RuntimeError):
+    """Another live run holds the folder's lock."""
+
+
 def set_aside(paths: Iterable[Path], label: str, note: dict | None = None) -> list[Path]:
     """Move each existing path to ``<its parent>/set_aside/<label>-<time>/<its name>``; return where they went.
 
@@ -190,7 +194,7 @@ def run_lock(folder: Path) -> Iterator[Path]:
     A lock left by a process that is gone (killed with SIGKILL, a crashed machine) is taken over with a warning.
 
     Raises:
-        RuntimeError: another live process holds the folder.
+        FolderLocked: another live process holds the folder.
     """
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / LOCK_FILE
@@ -206,7 +210,7 @@ def run_lock(folder: Path) -> Iterator[Path]:
                 yield lock  # held by this process already (an outer run): the outer one releases it
                 return
             if _alive(holder):
-                raise RuntimeError(
+                raise FolderLocked(
                     f"{folder} is being written by another run (pid {holder.get('pid')} on {holder.get('host')}, "
                     f"lock file {lock}); wait for it to end or stop it, or choose another output_dir"
                 ) from None

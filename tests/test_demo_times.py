@@ -52,6 +52,17 @@ def test_ratio_counts_scoring_that_generation_did_not_hide(tmp_path, capsys):
     assert "whole run: 301.0 s vs 481.0 s" in out and "0.626x (target <= 0.75x: met)" in out
 
 
+def test_a_stage_started_but_not_finished_counts_no_time(tmp_path):
+    """A killed run: the train stage recorded its key when it started, and no result."""
+    run = make_run(tmp_path / "run", "", wait_s=None)
+    manifest = run / "iteration_0" / "manifest.json"
+    stages = json.loads(manifest.read_text())["stages"]
+    stages["train"] = {"config_hash": "h", "started_at": "2026-12-01T10:00:00"}
+    manifest.write_text(json.dumps({"stages": stages}))
+    row = bench_iteration.measure_run(run)["iterations"][0]
+    assert row["training_s"] == 0.0 and row["wall_s"] == 153.5  # generate, score and select only
+
+
 def epoch(clock: str) -> float:
     return datetime.strptime(f"2026-12-01 {clock}", "%Y-%m-%d %H:%M:%S").timestamp()
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,17 @@ def test_sweep_writes_results_summaries_and_plot(tmp_path, server, capsys):
     assert "<h2>Optima · after iteration 1</h2>" in page and "<h2>Optima · after iteration 2</h2>" in page
     table = capsys.readouterr().out
     assert "accuracy_original" in table and "iteration_1" in table
+
+
+def test_a_second_sweep_into_the_same_folder_stops_at_its_lock(tmp_path, server, capsys):
+    from optima.lineage import LOCK_FILE
+
+    out = tmp_path / "checkpoints" / "eval"
+    out.mkdir(parents=True)
+    (out / LOCK_FILE).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))  # a live one
+    assert load_script("inference_script").main(sweep_argv(tmp_path, server)) == 1
+    assert f"{out} is being written by another run (pid {os.getppid()}" in capsys.readouterr().err
+    assert not server.requests and not (out / "iteration_0.jsonl").exists()
 
 
 def test_sweep_resumes_per_checkpoint_and_per_question(tmp_path, server):

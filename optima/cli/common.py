@@ -67,12 +67,13 @@ def resolve_envs(vllm_env: str | None, alignment_env: str | None = None, train: 
 
 def expected_failures() -> tuple[type[BaseException], ...]:
     """Failures that end a run with one clear message instead of a traceback (each names what to look at)."""
+    from optima.lineage import FolderLocked
     from optima.pipeline import NothingSelected
     from optima.serving import NoReplicaLeft, ServerStartupError
     from optima.tasks import DataError
     from optima.training.errors import TrainingError
 
-    return (NothingSelected, ServerStartupError, NoReplicaLeft, DataError, TrainingError)
+    return (NothingSelected, ServerStartupError, NoReplicaLeft, DataError, TrainingError, FolderLocked)
 
 
 def guarded(body: Callable[[], int]) -> int:

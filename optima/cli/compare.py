@@ -16,6 +16,7 @@ from optima.cli.evaluate import (
 )
 from optima.config import RecipeError
 from optima.config.devices import SC_DEVICE_SPAN
+from optima.lineage import run_lock
 from optima.logging_utils import setup_logging
 
 COMPARE_DESCRIPTION = r"""Baselines and Optima checkpoints on the same questions, in one table and one plot.
@@ -92,18 +93,19 @@ def run_compare_script(argv: list[str] | None) -> int:
         for plan in hardware:
             plan.check()  # an impossible placement stops here, before any server starts
         envs = resolve_envs(args.vllm_env, train=False)
-        if args.tasks:
-            from optima.evaluation.compare import run_compare_tasks
+        with run_lock(Path(args.output_path) if args.tasks else Path(recipes[0].output_root_path)):
+            if args.tasks:
+                from optima.evaluation.compare import run_compare_tasks
 
-            text = run_compare_tasks(recipes, envs, options, Path(args.output_path))
-        else:
-            from optima.evaluation.compare import run_compare
+                text = run_compare_tasks(recipes, envs, options, Path(args.output_path))
+            else:
+                from optima.evaluation.compare import run_compare
 
-            text = run_compare(recipes[0], envs, options)
-        from optima.browser import write_conversations_page
+                text = run_compare(recipes[0], envs, options)
+            from optima.browser import write_conversations_page
 
-        for recipe in recipes:  # every answer, debate and conversation behind each task's table
-            write_conversations_page(Path(recipe.output_root_path))
+            for recipe in recipes:  # every answer, debate and conversation behind each task's table
+                write_conversations_page(Path(recipe.output_root_path))
         emit(text)
         return 0
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from optima.cli.common import add_control_args, add_env_args, emit, guarded, overrides_from_flags, resolve_envs
 from optima.config import load_recipe
 from optima.config.devices import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag
+from optima.lineage import run_lock
 from optima.logging_utils import setup_logging
 
 if TYPE_CHECKING:
@@ -170,17 +171,18 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
             emit(text + "\n" + "\n".join(hardware.render()))
             return 0
         hardware.check()
-        if multi_sc:
-            from optima.evaluation.self_consistency import SCOptions, run_self_consistency
+        with run_lock(Path(recipe.output_root_path)):  # one evaluation writes a folder at a time
+            if multi_sc:
+                from optima.evaluation.self_consistency import SCOptions, run_self_consistency
 
-            emit(run_self_consistency(recipe, envs, SCOptions(baselines, args.max_k, settings.debate)))
-        else:
-            from optima.browser import write_conversations_page
-            from optima.evaluation.sweep import run_sweep
+                emit(run_self_consistency(recipe, envs, SCOptions(baselines, args.max_k, settings.debate)))
+            else:
+                from optima.browser import write_conversations_page
+                from optima.evaluation.sweep import run_sweep
 
-            table = run_sweep(recipe, envs, baselines, settings)
-            write_conversations_page(Path(recipe.output_root_path))  # every conversation of every model and method
-            emit(table)
+                table = run_sweep(recipe, envs, baselines, settings)
+                write_conversations_page(Path(recipe.output_root_path))  # every conversation of every model and method
+                emit(table)
         return 0
 
     return guarded(body)

@@ -123,7 +123,7 @@ def busy_shares(events, window: tuple[int, int] | None, samples: list[dict]) -> 
 
 def measure_iteration(manifest: dict, events, iteration: int, samples: list[dict] = ()) -> dict:
     """Wall time, work time (generation, scoring, training) and the overhead breakdown of one iteration."""
-    stages = manifest["stages"]
+    stages = {name: entry for name, entry in manifest["stages"].items() if "result" in entry}  # finished ones only
     elapsed = {name: entry["elapsed_s"] for name, entry in stages.items()}
     window = iteration_window(events, iteration)
     wall = seconds_between(events, *window) if window else sum(elapsed.values())
