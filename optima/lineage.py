@@ -166,14 +166,21 @@ def _holder(lock: Path) -> dict:
     return {}
 
 
+def _proc_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first); empty where there is none."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return []
+
+
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (``/proc``), to tell it from a later process given the same pid."""
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
-    return None
+    """The process's start time in clock ticks, to tell it from a later process given the same pid."""
+    fields = _proc_stat(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def _alive(holder: dict) -> bool:
+    """Whether the lock's holder still runs (a zombie, or another process given its pid since, does not)."""
     pid = holder.get("pid")
     if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
         return holder.get("host") not in (None, socket.gethostname())  # another machine's: cannot tell, so held
@@ -183,6 +190,9 @@ def _alive(holder: dict) -> bool:
         return False
     except PermissionError:
         pass
+    fields = _proc_stat(pid)
+    if fields and fields[0] == "Z":
+        return False
     started = holder.get("started")
     return started is None or _start_time(pid) in (None, started)
 

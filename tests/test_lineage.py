@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +76,15 @@ def test_the_hub_upload_never_finds_a_set_aside_training_set(tmp_path):
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "dataset_dict.json").write_text("{}")
     assert dataset_folders(RunPaths(tmp_path)) == [("iteration_0", tmp_path / "iteration_0" / "dataset")]
+
+
+def test_a_lock_of_a_killed_child_not_yet_reaped_is_taken_over(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while (
+        subprocess.run(["ps", "-o", "stat=", "-p", str(child.pid)], capture_output=True, text=True).stdout[:1] != "Z"
+    ):
+        pass  # exited, not reaped: a zombie, as a driver killed by a test that has not waited for it yet
+    hold(tmp_path, child.pid)
+    with run_lock(tmp_path) as lock:
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    child.wait()
