@@ -80,10 +80,10 @@ def test_the_hub_upload_never_finds_a_set_aside_training_set(tmp_path):
 
 def test_a_lock_of_a_killed_child_not_yet_reaped_is_taken_over(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    while (
-        subprocess.run(["ps", "-o", "stat=", "-p", str(child.pid)], capture_output=True, text=True).stdout[:1] != "Z"
-    ):
-        pass  # exited, not reaped: a zombie, as a driver killed by a test that has not waited for it yet
+    stat, deadline = Path(f"/proc/{child.pid}/stat"), time.monotonic() + 30
+    while stat.read_text().rpartition(")")[2].split()[0] != "Z":  # exited, not reaped: a zombie
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     hold(tmp_path, child.pid)
     with run_lock(tmp_path) as lock:
         assert json.loads(lock.read_text())["pid"] == os.getpid()
