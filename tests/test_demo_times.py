@@ -59,7 +59,7 @@ def test_a_stage_started_but_not_finished_counts_no_time(tmp_path):
     stages = json.loads(manifest.read_text())["stages"]
     stages["train"] = {"config_hash": "h", "started_at": "2026-12-01T10:00:00"}
     manifest.write_text(json.dumps({"stages": stages}))
-    row = bench_iteration.measure_run(run)["iterations"][0]
+    row = measure_run(run)["iterations"][0]
     assert row["training_s"] == 0.0 and row["wall_s"] == 153.5  # generate, score and select only
 
 
