@@ -30,7 +30,7 @@ from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
     from optima.config.types import MethodRecipe
-    from optima.serving.capacity import PolicyDemand
+    from optima.hardware.capacity import PolicyDemand
     from optima.training.warm import WarmTrainer
 
 logger = logging.getLogger(__name__)

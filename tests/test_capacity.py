@@ -1,4 +1,4 @@
-"""Table tests of the KV-cache sizing (``optima.serving.capacity``) and the prompt footprint of a stage."""
+"""Table tests of the KV-cache sizing (``optima.hardware.capacity``) and the prompt footprint of a stage."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from optima.serving.capacity import (
+from optima.hardware.capacity import (
     GIB,
     CacheCounters,
     KVShape,
@@ -109,7 +109,7 @@ def test_the_policy_gets_at_most_what_its_conversations_in_flight_can_use(share,
 
 def test_memory_the_generator_cannot_use_is_left_free_and_logged(caplog):
     share = MemoryShare(loss_kv_gb=1, reserve_bytes=6 * GIB, need_bytes=int(2.5 * GIB))
-    with caplog.at_level("INFO", logger="optima.serving.capacity"):
+    with caplog.at_level("INFO", logger="optima.hardware.capacity"):
         assert cpu_kvcache_gb(22 * GIB, GIB // 2, share) == 3
     for value in ("3 GiB", "(2.5 GiB in all)", "would allow 5 GiB", "22.0 GiB available", "6.0 GiB kept"):
         assert value in caplog.text
@@ -125,14 +125,14 @@ def test_servers_sharing_memory_are_counted_once():
 
 def test_a_trainer_reserve_that_does_not_fit_shrinks_the_cache_and_says_why(caplog):
     share = MemoryShare(loss_kv_gb=1, reserve_bytes=11 * GIB)
-    with caplog.at_level("WARNING", logger="optima.serving.capacity"):
+    with caplog.at_level("WARNING", logger="optima.hardware.capacity"):
         assert cpu_kvcache_gb(20 * GIB, GIB // 2, share) == 1  # 20 - 2 - 7 - 11 = 0 GiB left: the minimum
     message = caplog.text
     for value in ("20.0 GiB available", "2 server(s) at 3.5 GiB", "estimated peak (11.0 GiB)", "KV cache (1 GiB)"):
         assert value in message
     assert "cpu_kvcache_space_gb" in message and "sleep_mode: false" in message
     caplog.clear()
-    with caplog.at_level("WARNING", logger="optima.serving.capacity"):
+    with caplog.at_level("WARNING", logger="optima.hardware.capacity"):
         cpu_kvcache_gb(4 * GIB, GIB // 2, MemoryShare())  # short without a trainer: the old minimum, quietly
     assert caplog.text == ""
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from optima.hardware.capacity import GIB, PolicyDemand
 from optima.hardware.layout import ServerLayout, plan_layout
 from optima.hardware.placement import Placement
 from optima.hardware.training import TrainerPeak, row_messages, rows_trainer_peak
@@ -26,7 +27,6 @@ from optima.paths import RunPaths
 from optima.selection.io import save_splits
 from optima.serving import holder as holder_module
 from optima.serving import vllm_server
-from optima.serving.capacity import GIB, PolicyDemand
 from optima.serving.holder import ServerHolder
 from optima.serving.processes import group_members, wait_group_exit
 from optima.serving.reload_check import WeightsMismatch

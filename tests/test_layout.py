@@ -19,11 +19,11 @@ from optima.config import SFTRecipe, load_recipe
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.hardware import memory
+from optima.hardware.capacity import GIB, MemoryShare, PolicyDemand
 from optima.hardware.layout import ServerLayout, describe_layout, plan_layout
 from optima.hardware.placement import Placement
 from optima.hardware.training import cpu_trainer_peak_bytes, trainer_shape
 from optima.paths import RunPaths
-from optima.serving.capacity import GIB, MemoryShare, PolicyDemand
 from optima.serving.holder import ServerHolder
 from optima.serving.processes import group_members
 from optima.serving.replicas import ReplicaLayout, memory_share

@@ -1,7 +1,7 @@
 """The CPU demo's memory split, worked through with the real SmolLM2-135M config and ARC questions.
 
 The box: 24 GB, ~22.3 GiB available when the run starts; the policy is kept through training (``sleep_mode``), the
-loss server starts beside it, the trainer forks later. ``optima.serving.capacity`` has the rule, docs/cpu.md the
+loss server starts beside it, the trainer forks later. ``optima.hardware.capacity`` has the rule, docs/cpu.md the
 reasoning; the first test is the arithmetic the demo recipe relies on to leave ``cpu_kvcache_space_gb`` unset, the
 second the train stage's estimate from its saved rows (``optima.stages.common.trainer_peak``), which the server
 holder weighs against the memory available before training (``tests/test_holder.py``).
@@ -18,11 +18,7 @@ import yaml
 from optima.agents.footprint import policy_demand
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import PythonEnv
-from optima.hardware.placement import Placement
-from optima.hardware.training import cpu_trainer_peak_bytes
-from optima.paths import RunPaths
-from optima.selection.io import save_splits
-from optima.serving.capacity import (
+from optima.hardware.capacity import (
     AVAILABLE_SHARE,
     DRIVER_RESERVE_BYTES,
     GIB,
@@ -34,6 +30,10 @@ from optima.serving.capacity import (
     loss_kvcache_gb,
     model_weight_bytes,
 )
+from optima.hardware.placement import Placement
+from optima.hardware.training import cpu_trainer_peak_bytes
+from optima.paths import RunPaths
+from optima.selection.io import save_splits
 from optima.serving.replicas import ReplicaLayout, memory_share
 from optima.stages import common
 from optima.tasks import get_task

@@ -3,7 +3,7 @@
 The prompt of an information-exchange task carries the agent's half of the context (HotpotQA: ~5 paragraphs), so
 the same ``max_tokens``/``max_turns`` cost very different amounts of cache on ARC and on HotpotQA. The estimate
 renders both agents' first request, exactly as the generator sends it, for a sample of the stage's questions with
-the served tokenizer and its chat template, and takes the 90th percentile; ``optima.serving.capacity`` turns it
+the served tokenizer and its chat template, and takes the 90th percentile; ``optima.hardware.capacity`` turns it
 into a worst-case footprint and an in-flight bound. Before a policy server starts, ``policy_demand`` measures the
 same on the run's questions: the KV cache its conversations in flight can use (the cap of its CPU cache) and a
 first estimate of a training row (the trainer's memory reserve beside a kept policy).
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, build_agent_messages
 from optima.config.rules import tokenizer_path
+from optima.hardware.capacity import PolicyDemand, conversation_kv_tokens, cpu_kv_bytes_per_token, load_model_config
 from optima.quantiles import nearest_rank_quantile
-from optima.serving.capacity import PolicyDemand, conversation_kv_tokens, cpu_kv_bytes_per_token, load_model_config
 from optima.tasks import Example, get_task
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ policy is still generating (``loss_placement: beside``). The two must not fight 
   core 0, loss server on core 1 (``bench/RESULTS.md`` has the measurements that made this the default: against
   "after" with vLLM's own binding, one policy replica on both cores, two single-core replicas, and the API servers
   and engine cores pinned away from the compute threads, ``Placement.service_bind``). The loss server's KV cache is
-  what scoring needs (``optima.serving.capacity.loss_kvcache_gb``); the policy's is sized from what is left when
+  what scoring needs (``optima.hardware.capacity.loss_kvcache_gb``); the policy's is sized from what is left when
   it starts.
 * GPU: the loss server runs on ``loss_devices`` when the recipe names them (each keeps the full
   ``gpu_memory_utilization``), else on the first policy GPU with ``loss_gpu_memory_utilization`` of its memory
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
 from optima.config.rules import loss_model
+from optima.hardware.capacity import loss_kvcache_gb
 from optima.hardware.placement import Placement
-from optima.serving.capacity import loss_kvcache_gb
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe, Recipe, ServingFields
@@ -162,7 +162,7 @@ def describe_placement(placement: Placement, recipe: ServingFields) -> str:
 
 
 def cpu_cache_text(placement: Placement, recipe: ServingFields) -> str:
-    """The KV cache of a CPU server as the dry-run names it (``optima.serving.capacity``)."""
+    """The KV cache of a CPU server as the dry-run names it (``optima.hardware.capacity``)."""
     if placement.cpu_kvcache_gb is not None:  # the loss server: what scoring needs
         return f", KV cache {placement.cpu_kvcache_gb} GiB (one scoring batch)"
     if recipe.cpu_kvcache_space_gb is not None:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config.rules import vllm_dtype_arg
-from optima.serving.capacity import (
+from optima.hardware.capacity import (
     DTYPE_BYTES,
     GIB,
     conversation_kv_tokens,
@@ -195,7 +195,7 @@ def served_dtype_bytes(vllm_extra_args: list[str]) -> int:
 
 
 def policy_kv_min_bytes(size: ModelSize, recipe: BaseRecipe, dtype_bytes: int) -> int:
-    """KV cache for one conversation at its longest (``optima.serving.capacity.conversation_kv_tokens``).
+    """KV cache for one conversation at its longest (``optima.hardware.capacity.conversation_kv_tokens``).
 
     The generation stage runs as many conversations at once as the servers' caches hold (``fit_in_flight``), so one
     is the floor below which a conversation cannot finish without preemption.

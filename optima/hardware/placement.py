@@ -25,7 +25,7 @@ class Placement:
         service_bind: CPUs of its API server and engine core, pinned once it is ready (``optima.serving.pinning``;
             ``None``: wherever the kernel puts them).
         cpu_kvcache_gb: A fixed CPU KV cache in GiB (the loss server: what scoring needs,
-            ``optima.serving.capacity.loss_kvcache_gb``); ``None``: the policy's, sized when it starts.
+            ``optima.hardware.capacity.loss_kvcache_gb``); ``None``: the policy's, sized when it starts.
         gpu_memory_utilization: This server's share of each GPU (``None``: the recipe's); a loss server beside
             the policy takes part of it.
         carry_over: The process carries over to the next checkpoint (``optima.serving.sleep_mode``): the

@@ -15,7 +15,7 @@ from __future__ import annotations
 from optima import lazy_exports
 
 _EXPORTS = {
-    "CacheCounters": "capacity",
+    "CacheCounters": "optima.hardware.capacity",
     "ChatReply": "client",
     "NoReplicaLeft": "client",
     "ReplicaPool": "client",

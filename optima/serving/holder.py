@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
+from optima.hardware.capacity import GIB, PolicyDemand, available_memory_bytes
 from optima.hardware.layout import ServerLayout, loss_server_wanted
 from optima.hardware.placement import Placement
 from optima.hardware.training import TRAINER_MARGIN_BYTES, TrainerPeak
 from optima.paths import RunPaths, StagePaths
-from optima.serving.capacity import GIB, PolicyDemand, available_memory_bytes
 from optima.serving.replicas import ReplicaLayout, serve
 from optima.serving.vllm_server import (
     ServerSpec,

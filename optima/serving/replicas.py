@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 from optima.config.rules import loss_model
 from optima.environments import PythonEnv
+from optima.hardware.capacity import MemoryShare, PolicyDemand, loss_kvcache_gb
 from optima.hardware.gpus import visible_gpus
 from optima.hardware.layout import plan_replicas
 from optima.hardware.placement import Placement
 from optima.paths import RunPaths, StagePaths
-from optima.serving.capacity import MemoryShare, PolicyDemand, loss_kvcache_gb
 from optima.serving.endpoints import normalize_base_url, sync_endpoints
 from optima.serving.processes import sigterm_as_exit
 from optima.serving.vllm_server import ServerSpec, build_serve_command, build_serve_env, find_free_port, start_replicas
