@@ -25,7 +25,7 @@ from optima.environments import PythonEnv
 from optima.paths import RunPaths
 from optima.run_context import RunContext
 from optima.stages import dpo, sft
-from optima.stages.common import CHECKPOINT, TRAINER_LOGS, StageCall, trainer_launch
+from optima.stages.common import CHECKPOINT, TRAINER_LOGS, StageCall, describe_loss, trainer_launch
 from optima.training.launch_config import describe_trainer_overrides
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def _describe_generate(call: StageCall) -> dict:
 
 def _describe_score(call: StageCall) -> dict:
     recipe = call.recipe
-    loss = f" + {recipe.lambda2} / LM loss ({recipe.loss_backend}, {loss_model(recipe)})"
+    loss = f" + {recipe.lambda2} / LM loss ({describe_loss(recipe, call.model, keep_served=False)})"
     reward = f"task score {recipe.lambda1:+} * tokens/T_max" + (loss if recipe.cal_ppl else " (no LM-loss term)")
     return {"reward": reward, "output": call.sp.rewarded}
 
@@ -121,6 +121,7 @@ def _describe_search(call: StageCall) -> dict:
     return {
         "questions": recipe.monte_sample_count,
         "per question": sizes,
+        "LM loss": describe_loss(recipe, call.model, keep_served=True),
         "output": call.sp.rollouts,
     }
 

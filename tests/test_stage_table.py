@@ -178,10 +178,11 @@ def test_a_part_with_nothing_to_train_stops_there_and_the_next_part_starts_from_
 def test_dry_run_names_the_loss_model_in_use(tmp_path):
     recipe = make_recipe(tmp_path, "sft", loss_model_path=str(tmp_path / "judge"))
     text = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False).render()
-    assert f"LM loss (vllm, {tmp_path / 'judge'})" in text
+    assert f"LM loss ({tmp_path / 'judge'} on the run's vLLM loss server beside the policy)" in text
     assert rules.loss_model(recipe) == str(tmp_path / "judge")
     plain = make_recipe(tmp_path, "sft")
-    assert f"LM loss (vllm, {plain.initial_model_path})" in plan.build_plan(plain, {"train": TRAIN_ENV}).render()
+    rendered = plan.build_plan(plain, {"train": TRAIN_ENV}).render()
+    assert f"LM loss ({plain.initial_model_path} on the run's vLLM loss server" in rendered
 
 
 @pytest.mark.parametrize(("method", "part", "from_initial", "expected"), [

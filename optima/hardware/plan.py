@@ -59,7 +59,20 @@ def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = N
         plan_servers(recipe, hardware, size, plan, cpus or [0])
     if yamls:
         plan_training(recipe, hardware, size, yamls, plan)
+        note_search_loss(recipe, hardware, plan)
     return plan
+
+
+def note_search_loss(recipe: Recipe, hardware: Hardware, plan: HardwarePlan) -> None:
+    """The tree search (iDPO, iSFT-DPO) without a loss server scores with transformers in the driver, on the CPU,
+    whenever the policy it searches with is not the loss model (``optima.stages.common.loss_route``)."""
+    searches = recipe.method in ("dpo", "sft_dpo") and getattr(recipe, "cal_ppl", False)
+    if hardware.has_gpu and searches and not loss_server_wanted(recipe):
+        plan.notes.append(
+            f"the tree search scores LM losses of {loss_model(recipe)} with transformers in the driver process "
+            "(fp32, on the CPU) whenever the policy is not the loss model (--dry-run's [search] stages say which): "
+            "slow for an 8B model; loss_placement: beside serves it with vLLM on a GPU"
+        )
 
 
 def plan_this_machine(recipe: Recipe, hardware: Hardware | None = None) -> HardwarePlan:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from optima.config.rules import loss_model, trainer_base_yaml, trainer_overrides_for
+from optima.hardware.layout import loss_server_wanted
 from optima.paths import StagePaths
 from optima.run_context import RunContext
 from optima.tasks import select_questions as slice_questions
@@ -135,6 +136,40 @@ def built_on_first_use(build: Callable[[], ScoreTexts]) -> ScoreTexts:
     return score
 
 
+def loss_route(recipe: MethodRecipe, loss_server: bool, served: str | None, keep_served: bool) -> str:
+    """How a stage scores LM losses (``loss_scorer``, and what ``--dry-run`` says): ``off``, ``loss server`` (the
+    run's vLLM server beside the policy), ``served`` (a vLLM server of the loss model: started in place of the
+    policy, or the policy's own when it serves the loss model) or ``in process`` (transformers in the driver).
+
+    Args:
+        recipe: ``cal_ppl``, ``loss_backend`` and the loss model.
+        loss_server: The run keeps a loss server.
+        served: The model the policy servers hold when the stage scores (None: none yet).
+        keep_served: The stage still needs the policy (the tree search).
+    """
+    if not recipe.cal_ppl:
+        return "off"
+    if recipe.loss_backend == "vllm" and loss_server:
+        return "loss server"
+    if recipe.loss_backend == "vllm" and (not keep_served or str(served) == str(loss_model(recipe))):
+        return "served"
+    return "in process"
+
+
+def describe_loss(recipe: MethodRecipe, served: str | None, keep_served: bool) -> str:
+    """What ``--dry-run`` says about a stage's LM losses (``loss_route`` with the run's planned loss server)."""
+    route, model = loss_route(recipe, loss_server_wanted(recipe), served, keep_served), loss_model(recipe)
+    return {
+        "off": "off (cal_ppl: false)",
+        "loss server": f"{model} on the run's vLLM loss server beside the policy",
+        "served": f"{model} on the policy's own vLLM server (it serves the loss model)"
+        if keep_served
+        else f"{model} on a vLLM server started in place of the policy after generation",
+        "in process": f"{model} with transformers in the driver process (fp32, on the CPU: one forward per text; "
+        "for a large model set loss_placement: beside, which serves it with vLLM)",
+    }[route]
+
+
 def loss_scorer(ctx: RunContext, sp: StagePaths, keep_served: bool = False) -> ScoreTexts | None:
     """The LM-loss function of the recipe (mean NLL of each text under the loss model), or None without the term.
 
@@ -149,12 +184,13 @@ def loss_scorer(ctx: RunContext, sp: StagePaths, keep_served: bool = False) -> S
     runs in this process (stopping the servers first unless ``keep_served``: it needs the cores or the memory).
     """
     recipe = ctx.recipe
-    if not recipe.cal_ppl:
+    route = loss_route(recipe, ctx.servers.loss is not None, ctx.servers.model, keep_served)
+    if route == "off":
         return None
     model = loss_model(recipe)
-    if recipe.loss_backend == "vllm" and ctx.servers.loss is not None:
+    if route == "loss server":
         return built_on_first_use(lambda: served_loss_scorer(ctx, ctx.servers.loss_endpoints()))
-    if recipe.loss_backend == "vllm" and (not keep_served or ctx.servers.model == model):
+    if route == "served":
         return built_on_first_use(lambda: served_loss_scorer(ctx, ctx.servers.endpoints(model, sp)))
     from optima.lm_loss import HFLossScorer
 
