@@ -9,7 +9,9 @@ more when it is correct, short, and every utterance stays readable. The override
 * token term = ``overlong_penalty`` (−1) when the conversation is too long / failed, or has ≤ ``min_tokens``;
 * loss term = ``overlong_penalty`` when it has more than ``max_total_tokens`` tokens or no utterance, and 0
   when an utterance repeats an earlier one (compared without the name prefix, case-insensitively, not with a
-  character-set ``strip``: docs/method.md D15);
+  character-set ``strip``: docs/method.md D15); an utterance whose loss is NaN (nothing in it was scored) is
+  skipped (``finite_losses``, the one rule wherever losses are aggregated), and with no finite loss left the
+  term is ``overlong_penalty`` as for no utterance;
 * ``impersonation_penalty`` (−10) for each utterance that speaks for both agents, scanning stops at
   the first one that names both.
 
@@ -25,6 +27,7 @@ is kept for analysis.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -195,6 +198,15 @@ def reads_losses(status: str | None) -> bool:
     return status == OK
 
 
+def finite_losses(losses: Iterable[float | None]) -> list[float]:
+    """The LM losses that count: NaN and None (an utterance with nothing scored; JSON stores NaN as null) skipped.
+
+    The one rule wherever per-utterance losses are aggregated (the loss term's maximum, the browser's mean), so the
+    result never depends on where a NaN sits (``max([nan, 2.0])`` is nan, ``max([2.0, nan])`` is 2.0).
+    """
+    return [float(x) for x in losses if x is not None and not math.isnan(x)]
+
+
 def loss_term(conversation: Conversation, recipe: RewardFields) -> float:
     """``lambda2 / max_i L_i`` with the overrides above; 0 when ``cal_ppl`` is off."""
     if not recipe.cal_ppl:
@@ -207,7 +219,10 @@ def loss_term(conversation: Conversation, recipe: RewardFields) -> float:
         return 0.0
     if conversation.losses is None or len(conversation.losses) != len(conversation.utterances):
         raise ValueError("loss term needs one LM loss per utterance")
-    worst = max(conversation.losses)
+    scored = finite_losses(conversation.losses)
+    if not scored:
+        return recipe.overlong_penalty  # no utterance could be scored: as for no utterance
+    worst = max(scored)
     # A loss of exactly 0 cannot come from a real model; guard the division all the same.
     return recipe.lambda2 / max(worst, 1e-6)
 

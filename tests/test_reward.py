@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from optima.agents.prompts import Utterance
+from optima.browser.collect import conversation_view
 from optima.reward import (
     Conversation,
     has_repeat,
@@ -109,6 +110,25 @@ def test_impersonation_penalty(texts, expected):
 def test_repeat_detection():
     assert has_repeat([Utterance("Alice", "a  b"), Utterance("Bob", "A B")])
     assert not has_repeat([Utterance("Alice", "a b"), Utterance("Bob", "a b c")])
+
+
+@pytest.mark.parametrize("losses", [(math.nan, 2.0), (2.0, math.nan)])
+def test_a_nan_loss_is_skipped_wherever_it_sits(losses):
+    """``max([nan, 2.0])`` is nan but ``max([2.0, nan])`` is 2.0: one rule skips NaN whatever the order."""
+    assert score_conversation(conv(losses=losses), 200, RECIPE).loss_term == pytest.approx(0.6 / 2.0)
+
+
+def test_no_finite_loss_is_scored_as_no_utterance():
+    assert score_conversation(conv(losses=(math.nan, math.nan)), 200, RECIPE).loss_term == RECIPE.overlong_penalty
+
+
+def test_the_browser_averages_losses_with_the_same_rule():
+    utterances = [{"speaker": name, "text": text} for name, text in [("Alice", "a"), ("Bob", "b"), ("Alice", "c")]]
+    record = {"utterances": utterances, "tokens": [1, 1, 1], "losses": [math.nan, 2.0, None], "status": "ok"}
+    assert conversation_view(record, "x").lm_loss == 2.0
+    from optima.reward import finite_losses
+
+    assert finite_losses([None, math.nan, 3, 1.5]) == [3.0, 1.5]
 
 
 def test_tiny_loss_does_not_divide_by_zero():

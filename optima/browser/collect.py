@@ -22,7 +22,7 @@ from pathlib import Path
 
 from optima.lineage import lineage_folders
 from optima.paths import StagePaths, checkpoint_label
-from optima.reward import is_cut
+from optima.reward import finite_losses, is_cut
 from optima.store import group_by_question, load_records
 
 NOT_RECORDED = "dropped (rule not recorded)"
@@ -121,7 +121,7 @@ def turns_of(record: dict) -> list[Turn]:
 def conversation_view(record: dict, label: str, verdict: tuple[bool | None, str] = (None, ""), score=None):
     """A ``ConversationView`` of one record (``score``: the task score when the record has no reward parts)."""
     turns = turns_of(record)
-    losses = [t.loss for t in turns if t.loss is not None]
+    losses = finite_losses(t.loss for t in turns)
     parts = record.get("reward_parts")
     return ConversationView(
         label=label,
