@@ -55,7 +55,8 @@ SCORER = RecordScorer(tokenize=str.split)
     ("example", "answer", "status", "ours", "original"),
     [
         (ARC, "B", "ok", 1.0, 0.0),  # the original compared option text only
-        (ARC, "B) 4", "ok", 1.0, 0.0),  # ... exactly: a label in the answer is not removed
+        (ARC, "B) 4", "ok", 1.0, 1.0),  # ... the text after the prompt's "letter) " label (docs/method.md D28)
+        (ARC, "(B) 4", "ok", 1.0, 0.0),  # ... exactly: another label form is not removed
         (ARC, "4", "ok", 1.0, 1.0),
         (ARC, "A", "ok", 0.0, 0.0),
         (ARC, "", "ok", 0.0, 0.0),  # no answer

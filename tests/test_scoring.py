@@ -315,9 +315,16 @@ def test_score_choice(prediction, options, gold, expected):
         ("made safer", 1.0),
         ("Made Safer ", 1.0),
         ("made safer\\", 1.0),  # the original strips backslashes from the prediction
-        ("B) made safer", 0.0),  # no label is removed: the original's questions had none
-        ("made safer.", 0.0),  # no trailing period forgiven
+        ("B) made safer", 1.0),  # the prompt asks for "letter) text": the text after the label is compared
+        ("b)  Made Safer", 1.0),
+        ("A) made safer", 1.0),  # the original compared texts only: the label is not checked
+        ("B) look nicer", 0.0),
+        ("E) made safer", 0.0),  # no option E: no label to remove
+        ("(B) made safer", 0.0),  # not the prompt's form
+        ("B) made safer.", 0.0),  # no trailing period forgiven
+        ("made safer.", 0.0),
         ("B", 0.0),
+        ("B)", 0.0),
     ],
 )
 def test_score_choice_original_mode_is_the_originals_exact_match(prediction, expected):

@@ -241,8 +241,9 @@ class LoopFields:
     compat: Literal["default", "original"] = field(
         "default",
         help="'original' restores exactly these of the original's behaviours: reward F1 over model subwords with its "
-        "character strip; exact string match for multiple choice and gsm8k; private information as a Python list "
-        "repr in training rows and tree-search prompts; MATH training rows under the GSM8K solver prompt; a "
+        "character strip; exact string match for gsm8k and for multiple choice (the option text after the prompt's "
+        "'letter) ' label); private information as a Python list repr in training rows and tree-search prompts; "
+        "MATH training rows under the GSM8K solver prompt; a "
         "tree-search rollout that hits max_turns scores no answer; the tree-search stop rule only knows the selected "
         "node's answer; the reward scores the last answer of a conversation cut at max_tokens "
         "(docs/method.md#where-we-differ-from-the-original)",

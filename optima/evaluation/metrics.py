@@ -6,8 +6,8 @@ For one result file (one JSONL record per conversation, as ``generate_conversati
   - ``f1`` (SQuAD word F1) and ``f1_original_subword`` (a bag-of-subword F1 with the model tokenizer,
     docs/method.md D16) for the four information-exchange tasks;
   - ``accuracy`` and ``accuracy_original`` for the four debate tasks. ``accuracy_original`` (docs/method.md#metrics)
-    is option-text equality for arc/mmlu, the *first number* of the final answer for gsm8k (its eval-only ``gsm8k``
-    score type), and symbolic equivalence for math (as ours);
+    is option-text equality for arc/mmlu ("B) text" read as "text"), the *first number* of the final answer for
+    gsm8k (its eval-only ``gsm8k`` score type), and symbolic equivalence for math (as ours);
 * ``<metric>_flexible`` (``accuracy_flexible``, ``f1_flexible``): the same score of the *flexible* answer, as
   lm-eval-harness reports ``flexible-extract`` beside ``strict-match``: the strict answer (the tag) when there is
   one, else what the replies name in words (an option, the last number, the last sentence:

@@ -11,7 +11,8 @@ One scorer per score type, chosen through `SCORERS[score_type]` (no branching on
 
 Original F1 strips "m=" as a character set (D15) and applies no SQuAD normalisation (D16); the `mode="original"`
 exact match (`original_exact_match`) is `gold.strip().lower() == prediction.strip().strip("\\").lower()` and
-nothing more: an answer "B) text" does not match the gold text (no option label is removed: D28).
+nothing more (no trailing period forgiven). For "choice" it compares the option text after the label that the prompt
+asks for: "B) text" is compared as "text" against the original's gold option text (D28).
 For several gold aliases (TriviaQA) the maximum is taken. A missing prediction (None or "") scores 0. No scorer
 raises on model output, whatever it contains. The same-answer-twice stop rule lives in `answers.py` and is
 re-exported here (`AnswerTracker`, `should_stop`).
@@ -47,6 +48,8 @@ _PUNCTUATION = frozenset(string.punctuation)
 _BARE_LABEL = re.compile(r"(?:(?:option|answer)\s*:?\s*)?[(\[]?\s*([a-z0-9])\s*[)\].:]?")
 # A label followed by text: "(B) text", "B) text", "B. text", "B: text".
 # The unbracketed form needs a space after the mark, so "1.5 m" is not read as label "1".
+# The label the prompts ask for and the questions render: "B) text" (the label, then the text).
+_PROMPT_LABEL = re.compile(r"([A-Za-z0-9])\)\s+(.+)", re.DOTALL)
 _LABELLED_TEXT = re.compile(r"(?:(?:option|answer)\s*:?\s*)?(?:\(([a-z0-9])\)\s*|([a-z0-9])[).:]\s+)(.+)", re.DOTALL)
 
 
@@ -157,10 +160,29 @@ def resolve_choice(prediction: str, options: Sequence[tuple[str, str]]) -> str |
     return None
 
 
+def option_text_after_label(prediction: str, options: Sequence[tuple[str, str]]) -> str:
+    """The text after a leading option label written as the prompt asks ("B) text" -> "text"), else the prediction.
+
+    Only a label of one of the question's options counts, followed by ")" and a space, as the questions render
+    their options (``render_choice_question``) and the prompts ask for them (``<A>{letter}) {option text}</A>``).
+
+    Args:
+        prediction: the parsed final answer.
+        options: the question's (label, text) options.
+    """
+    match = _PROMPT_LABEL.match(prediction.strip())
+    labels = {label.casefold() for label, _ in options}
+    return match.group(2) if match and match.group(1).casefold() in labels else prediction
+
+
 def score_choice(prediction: str, gold: str, context: ScoreContext) -> float:
-    """Score type "choice": 1 if the prediction names the gold option (label or text), else 0."""
+    """Score type "choice": 1 if the prediction names the gold option (label or text), else 0.
+
+    ``mode="original"``: the original's exact match on the option text after the label (the prompt asks for
+    "letter) text" and the original's gold is the option text).
+    """
     if context.mode == "original":
-        return original_exact_match(prediction, gold)
+        return original_exact_match(option_text_after_label(prediction, context.options), gold)
     if not context.options:
         return float(_normalize_option(prediction) == _normalize_option(gold))
     gold_label = resolve_choice(gold, context.options)
@@ -170,7 +192,8 @@ def score_choice(prediction: str, gold: str, context: ScoreContext) -> float:
 def original_exact_match(prediction: str, gold: str) -> float:
     """The exact match of `compat: original`: `gold.strip().lower() == prediction.strip().strip("\\\\").lower()`.
 
-    Nothing else is forgiven: no option label is removed (from either side) and no trailing period.
+    Nothing else is forgiven: no trailing period, no label (``score_choice`` removes the prompt's "letter) " label
+    before calling it).
 
     Args:
         prediction: the parsed final answer.
