@@ -53,6 +53,8 @@ def build_row(iteration: int, stage: str, metrics: dict) -> dict:
             "pairs_kept": pairs.get("pairs_kept"),
             "questions_with_pairs": pairs.get("questions_with_pairs"),
             "search_questions": conversations.get("questions"),
+            "failed_rollouts": conversations.get("failed_rollouts"),  # left out of the trees' values
+            "failed_requests": conversations.get("failed_requests"),
             "t_max": probe.get("t_max", conversations.get("t_max")),
             "probe_conversations": probe.get("conversations"),
         }

@@ -163,10 +163,10 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
     ]
     dpo = [row for row in rows if row["kind"] == "dpo"]
     if dpo:
-        columns = ("label", "t_max", "search_questions", "conversations", "pairs_found", "pairs_kept",
-                   "questions_with_pairs")  # fmt: skip
-        headers = ("iteration", "T_max", "questions searched", "rollouts", "pairs found", "pairs kept",
-                   "questions with pairs")  # fmt: skip
+        columns = ("label", "t_max", "search_questions", "conversations", "failed_rollouts", "failed_requests",
+                   "pairs_found", "pairs_kept", "questions_with_pairs")  # fmt: skip
+        headers = ("iteration", "T_max", "questions searched", "rollouts", "failed rollouts", "failed requests",
+                   "pairs found", "pairs kept", "questions with pairs")  # fmt: skip
         lines += ["## DPO pairs and rollouts", "", render_markdown_table(dpo, columns, headers), ""]
     answers = answer_rows(rows)
     if answers:

@@ -34,7 +34,7 @@ ITERATION_LOG = "optima"
 SCALAR_GROUPS = {
     "conversations": ("answer_rate", "cut_rate", "task_score", "mean_tokens", "kept"),
     "train": ("train_loss", "train_rows"),
-    "dpo": ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs"),
+    "dpo": ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs", "failed_rollouts", "failed_requests"),
 }
 SAMPLES_PER_STAGE = 3  # conversations per stage output logged as TensorBoard text
 

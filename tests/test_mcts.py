@@ -19,6 +19,7 @@ from optima.reward import Conversation, token_quantile
 from optima.selection.dpo import candidate_pairs
 from optima.selection.edit_distance import levenshtein, merge_distance, selection_distance
 from optima.selection.mcts import (
+    ERROR_RETRIES,
     Reply,
     Rollout,
     SearchSettings,
@@ -183,19 +184,46 @@ def test_rollout_stops_at_the_depth_limit():
     assert len(script.calls) == 3 and len(tree.nodes) == 4
 
 
-@pytest.mark.parametrize("status", ["too_long", "error"])
-def test_a_failed_reply_ends_the_rollout_without_a_node(status):
+def test_a_cut_reply_ends_the_rollout_without_a_node():
     tree = new_tree()
     seen = []
-    script = Script(["<A>C</A>", Reply("x" * 50, 2000 if status == "too_long" else 0, status)])
+    script = Script(["<A>C</A>", Reply("x" * 50, 2000, "too_long")])
     record = tree.run_rollout(tree.root, script, lambda rollout: seen.append(rollout) or -1.0)
-    assert (record["status"], record["stop_reason"], len(record["utterances"])) == (status, status, 1)
-    assert seen[0].status == status and seen[0].final_answer == "C"
+    assert (record["status"], record["stop_reason"], len(record["utterances"])) == ("too_long", "too_long", 1)
+    assert seen[0].status == "too_long" and seen[0].final_answer == "C"
     # One token rule: the cut reply's tokens count although the reply is not added to the tree.
-    cut_tokens = 2000 if status == "too_long" else 0
-    assert record["token_count"] == seen[0].tokens[0] + cut_tokens
-    assert record["cut_replies"] == int(status == "too_long")
+    assert record["token_count"] == seen[0].tokens[0] + 2000
+    assert record["cut_replies"] == 1 and record["failed_requests"] == 0
     assert len(tree.nodes) == 2 and tree.nodes[1].visits == 1 and tree.root.value == -1.0
+
+
+FAILED = Reply("", 0, "error", "HTTP 400")
+
+
+def test_a_failed_request_is_sent_again_and_the_rollout_goes_on():
+    tree = new_tree()
+    script = Script(["<A>B</A>", FAILED, FAILED, "Looks right.", "<A>B</A>"])
+    record = tree.run_rollout(tree.root, script, rewards(1.0))
+    assert (record["status"], record["failed_requests"], len(record["utterances"])) == ("ok", 2, 3)
+    assert [speaker for _, speaker in script.calls] == ["Alice", "Bob", "Bob", "Bob", "Alice"]
+    assert script.calls[1][0] == script.calls[2][0] == script.calls[3][0]  # the same request sent again
+    assert tree.root.visits == 1 and tree.root.value == 1.0
+
+
+def test_a_rollout_whose_request_fails_for_good_is_left_out_of_the_tree():
+    tree = new_tree(rollouts=2)
+    tree.run_rollout(tree.root, Script(["<A>B</A>", "Agreed.", "<A>B</A>"]), rewards(0.5))
+    seen = []
+    script = Script(["Surely it is option C: <A>C</A>", "Why C?", *[FAILED] * (ERROR_RETRIES + 1)])
+    record = tree.run_rollout(tree.root, script, lambda rollout: seen.append(rollout) or -1.0)
+    assert not seen  # never scored: a server error says nothing about the utterances
+    assert (record["status"], record["reward"], record["reward_parts"]) == ("error", None, None)
+    assert record["failed_requests"] == ERROR_RETRIES + 1 and record["error"] == "HTTP 400"
+    assert len(record["utterances"]) == 2 and record["end_node"] == 0
+    # Its two new nodes are gone; the first rollout's value is untouched.
+    assert [n.node_id for n in tree.nodes] == [0, 1, 2, 3] and len(tree.root.children) == 1
+    assert (tree.root.visits, tree.root.value) == (1, 0.5) and tree.nodes[1].visits == 1
+    assert tree.result().rollouts[-1] == record and len(tree.pool) == 4
 
 
 def test_near_identical_replies_merge_and_different_ones_branch():

@@ -54,7 +54,8 @@ def sft_stages(scores: list[float], tokens: list[int], kept: int, loss: float) -
 
 DPO_STAGES = {
     "probe": ({"conversations": 4, "t_max": 120}, 5.0),
-    "search": ({"questions": 2, "rollouts": 12, "t_max": 120, "answer_rate": 0.75, "accuracy": 0.5,
+    "search": ({"questions": 2, "rollouts": 12, "failed_rollouts": 1, "failed_requests": 3, "t_max": 120,
+                "answer_rate": 0.75, "accuracy": 0.5,
                 "mean_tokens": 80.0, "mean_reward_parts": {"task_score": 0.5, "token_term": -0.4, "loss_term": 0.3,
                                                            "penalty": 0.0, "reward": 0.4}}, 40.0),
     "pairs": ({"questions": 2, "questions_with_pairs": 1, "pairs_found": 6, "pairs_kept": 3}, 1.0),
@@ -156,7 +157,8 @@ def test_report_of_an_sft_dpo_run_has_pair_and_rollout_stats(tmp_path):
     assert (dpo["answer_rate"], dpo["conversations"], dpo["kept"], dpo["pairs_found"]) == (0.75, 12, 3, 6)
     text = write_run_report(run)[0].read_text()
     assert "method iSFT-DPO" in text
-    assert "| 1 dpo | 120 | 2 | 12 | 6 | 3 | 1 |" in text  # DPO table: T_max, questions, rollouts, pairs
+    # DPO table: T_max, questions, rollouts, failed rollouts and requests (left out of the trees), pairs
+    assert "| 1 dpo | 120 | 2 | 12 | 1 | 3 | 6 | 3 | 1 |" in text
 
 
 def test_missing_run_directory_is_a_clear_error(tmp_path, capfd):

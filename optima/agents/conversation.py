@@ -146,6 +146,27 @@ def opening_view(example: Example, agents: AgentPrompts, task: Task, speaker: st
     return build_agent_messages(example, speaker, [], agents.system[agent_index(speaker)], task)
 
 
+def reply_tokens(reply: ChatReply, speaker: str, count_tokens: CountTokens | None = None) -> int:
+    """Generated tokens of one reply: the server's ``usage.completion_tokens``, else ``count_tokens(text, speaker)``.
+
+    The one token rule of generation and the tree search (docs/method.md#token-count); 0 only when the server sent
+    no usage and no counter is given.
+
+    Args:
+        reply: The reply (``text`` and ``completion_tokens``, None when the server sent no usage).
+        speaker: The agent who wrote it (its tokenizer counts).
+        count_tokens: ``(text, speaker) -> tokens``.
+    """
+    if reply.completion_tokens is not None:
+        return reply.completion_tokens
+    return count_tokens(reply.text, speaker) if count_tokens else 0
+
+
+def is_cut_reply(reply: ChatReply, tokens: int, max_tokens: int) -> bool:
+    """Whether a reply hit the token cap: finish reason ``length``, or as many tokens as allowed."""
+    return reply.finish_reason == "length" or tokens >= max_tokens
+
+
 def run_conversation(
     example: Example,
     agents: AgentPrompts,
@@ -176,10 +197,8 @@ def run_conversation(
         except RequestFailed as exc:
             return _finish(result, tracker, "error", error=str(exc))
         result.replica = reply.replica
-        tokens = reply.completion_tokens
-        if tokens is None:
-            tokens = count_tokens(reply.text, speaker) if count_tokens else 0
-        if reply.finish_reason == "length" or tokens >= limits.max_tokens:
+        tokens = reply_tokens(reply, speaker, count_tokens)
+        if is_cut_reply(reply, tokens, limits.max_tokens):
             result.unstored.append((speaker, tokens))
             result.cut_replies += 1
             return _finish(result, tracker, "too_long")

@@ -19,7 +19,12 @@ Pure tree logic: the model call and the reward are injected callables, randomnes
   stops when the same answer is stated twice in a row (answers on the path count), after ``max_turns`` utterances,
   or on a failed / too long reply (that reply is not added). Each new utterance merges into an existing child when
   ``merge_distance(child, reply) < merge_threshold``, else becomes a new child; the rollout itself keeps the text
-  that was actually generated.
+  that was actually generated. Token counts follow generation's rule (``optima.agents.conversation.reply_tokens``:
+  the server's usage, else the agent's tokenizer).
+* **Failed requests.** A request that failed for good is sent again up to ``ERROR_RETRIES`` times; a rollout whose
+  request still fails is left out: not scored, its new nodes removed, nothing backpropagated (a server error is no
+  evidence about the utterances). Its record keeps status ``error``, ``reward`` None and the ``failed_requests``
+  count that the search statistics add up.
 * **Backpropagation.** The rollout's reward (``score(rollout)``) updates the running mean value and the visit count
   of every node from the last one reached up to the root. Pair mining (``optima.selection.dpo``) reads the
   children's *current* values, so there are no stale best/worst pointers (docs/method.md D14).
@@ -40,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from optima.agents.conversation import is_cut_reply, reply_tokens
 from optima.agents.prompts import (
     AGENT_NAMES,
     Utterance,
@@ -60,6 +66,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 REPLY_STATUSES = ("ok", "too_long", "error")
+# A request that failed for good (the client has retried transient errors already) is sent again this many times
+# before its rollout is given up and left out of the tree.
+ERROR_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -302,6 +311,10 @@ class SearchTree:
     def run_rollout(self, start: TreeNode, generate: Generate, score: Score) -> dict:
         """Talk from ``start`` to the end of the conversation, grow the tree, score, backpropagate.
 
+        A failed request is sent again up to ``ERROR_RETRIES`` times; a rollout whose request still fails is left
+        out of the tree: it is not scored, its new nodes are removed and no value is backpropagated (its record
+        keeps the status ``error`` and ``reward`` None, and every failed request is counted).
+
         Args:
             start: The selected node.
             generate: Returns the reply of ``speaker`` given that speaker's chat view.
@@ -316,14 +329,17 @@ class SearchTree:
         # Answers already stated on the path count for the stop rule; compat mode knows only the last one (D26).
         for utterance in utterances[-1:] if original else utterances:
             tracker.update(self.task.parse_answer(utterance.text))
-        node, status, stop_reason, cut_tokens = start, "ok", "max_turns", 0
+        node, status, stop_reason, cut_tokens, failed, error = start, "ok", "max_turns", 0, 0, None
+        first_new = len(self.nodes)
         while len(utterances) < self.settings.max_turns:
             speaker = AGENT_NAMES[node.next_speaker]
             messages = build_agent_messages(self.example, speaker, utterances, task=self.task, style=style)
-            reply = generate(messages, speaker)
+            reply, failures = request_with_retries(generate, messages, speaker)
+            failed += failures
             if reply.status != "ok":
                 status = stop_reason = reply.status
                 cut_tokens = reply.tokens if reply.status == "too_long" else 0
+                error = reply.error
                 break
             utterance = Utterance(speaker, strip_speaker_prefix(reply.text, speaker).strip())
             node = self.attach(node, utterance, reply.tokens)
@@ -336,18 +352,33 @@ class SearchTree:
         if original and stop_reason == "max_turns":
             final_answer = ""  # compat mode scores it with no answer: task score 0 (D25)
         rollout = Rollout(tuple(utterances), tuple(tokens), final_answer, status, stop_reason, cut_tokens)
-        outcome = score(rollout)
-        reward = outcome.reward if isinstance(outcome, RewardParts) else float(outcome)
-        self.backpropagate(node, reward)
+        outcome = None
+        if status == "error":
+            node = self.drop_nodes_from(first_new, node)
+        else:
+            outcome = score(rollout)
+            self.backpropagate(node, reward_of(outcome))
         record = rollout.to_dict() | {
             "selection": len(self.selections) - 1,
             "start_node": start.node_id,
             "end_node": node.node_id,
-            "reward": reward,
+            "reward": None if outcome is None else reward_of(outcome),
             "reward_parts": outcome.to_dict() if isinstance(outcome, RewardParts) else None,
+            "failed_requests": failed,
         }
-        self.rollouts.append(record)
-        return record
+        self.rollouts.append(record | ({"error": error} if error else {}))
+        return self.rollouts[-1]
+
+    def drop_nodes_from(self, first: int, node: TreeNode) -> TreeNode:
+        """Remove the nodes created since ``len(self.nodes)`` was ``first`` (a failed rollout's); return the deepest
+        ancestor of ``node`` that stays."""
+        for new in reversed(self.nodes[first:]):
+            new.parent.children.remove(new)
+            self.pool.remove(new)
+        del self.nodes[first:]
+        while node.node_id >= first:
+            node = node.parent
+        return node
 
     def minable(self) -> list[TreeNode]:
         """Nodes pair mining may use: still pooled or selected (``pool`` ∪ ``selected``)."""
@@ -359,6 +390,23 @@ class SearchTree:
         minable = {n.node_id for n in self.minable()}
         nodes = [n.to_dict() | {"minable": n.node_id in minable} for n in self.nodes]
         return SearchResult(self.example, nodes, list(self.rollouts), list(self.selections))
+
+
+def reward_of(outcome: float | RewardParts) -> float:
+    """The reward of a ``score`` outcome (a float, or ``RewardParts``)."""
+    return outcome.reward if isinstance(outcome, RewardParts) else float(outcome)
+
+
+def request_with_retries(generate: Generate, messages: list[dict], speaker: str) -> tuple[Reply, int]:
+    """``generate``'s reply, a failed one (``error``) sent again up to ``ERROR_RETRIES`` times; and the failures."""
+    failures = 0
+    while True:
+        reply = generate(messages, speaker)
+        if reply.status != "error":
+            return reply, failures
+        failures += 1
+        if failures > ERROR_RETRIES:
+            return reply, failures
 
 
 def search_question(
@@ -414,10 +462,8 @@ def reply_from_chat(
             chat = chat_generate(messages, speaker)
         except failures as exc:
             return Reply("", 0, "error", str(exc))
-        tokens = chat.completion_tokens
-        if tokens is None:
-            tokens = count_tokens(chat.text, speaker) if count_tokens else 0
-        if chat.finish_reason == "length" or tokens >= max_tokens:
+        tokens = reply_tokens(chat, speaker, count_tokens)  # generation's token rule
+        if is_cut_reply(chat, tokens, max_tokens):
             return Reply(chat.text, tokens, "too_long")
         return Reply(chat.text, tokens)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationPlan, TokenCounter, generate_conversations
 from optima.config.rules import train_start, workers
 from optima.paths import StagePaths
 from optima.reward import counted_tokens, has_answer, is_cut, search_t_max
@@ -104,6 +104,7 @@ def search(call: StageCall) -> dict:
     pool = ReplicaPool(urls, recipe)
     score_texts = search_loss(ctx, sp)
     tokenize = ctx.tokenizer().tokenize if recipe.compat == "original" else None
+    count_tokens = TokenCounter(recipe)  # generation's fallback when a server sends no usage
     with contextlib.ExitStack() as stack:
         verifier = stack.enter_context(common.math_verifier(ctx))
         stack.callback(pool.close)
@@ -121,26 +122,38 @@ def search(call: StageCall) -> dict:
                 replica = reply.replica
                 return reply
 
-            generate = reply_from_chat(chat, recipe.max_tokens, failures=(RequestFailed,))
+            generate = reply_from_chat(chat, recipe.max_tokens, (RequestFailed,), count_tokens)
             score = build_rollout_scorer(example, recipe, t_max, score_texts, tokenize, verifier)
             rng = random.Random(f"{recipe.seed}:{SEARCH_SEED_STREAM}:{iteration}:{example.id}")
             # Keyed like generation records so the JSONL store resumes it (one line per question).
             return search_question(example, generate, score, recipe, rng).to_dict() | {"sample_index": 0}
 
         _run_trees(recipe, todo, run, writer)
-    lines = load_records(sp.rollouts)[0]
+    return search_stats(load_records(sp.rollouts)[0], t_max)
+
+
+def search_stats(lines: list[dict], t_max: int) -> dict:
+    """The search stage's result: sizes, and the rates and reward parts of the rollouts that were scored.
+
+    A rollout whose request failed for good (``status: error``, left out of its tree's values) counts in
+    ``failed_rollouts``, not in the rates; ``failed_requests`` counts every failed request, retried ones included.
+    """
     rollouts = [r for line in lines for r in line["rollouts"]]
-    scored = [r["reward_parts"] for r in rollouts if r.get("reward_parts")]
+    scored_rollouts = [r for r in rollouts if r["status"] != "error"]
+    scored = [r["reward_parts"] for r in scored_rollouts if r.get("reward_parts")]
     parts_sum = Counter()
     for parts in scored:
         parts_sum.update(parts)  # update keeps negative terms (Counter addition would drop them)
+    n = max(len(scored_rollouts), 1)
     return {
         "questions": len(lines),
         "rollouts": len(rollouts),
+        "failed_rollouts": len(rollouts) - len(scored_rollouts),
+        "failed_requests": sum(r.get("failed_requests", 0) for r in rollouts),
         "t_max": t_max,
-        "answer_rate": round(sum(has_answer(r) for r in rollouts) / max(len(rollouts), 1), 4),
-        "mean_tokens": round(sum(r["token_count"] for r in rollouts) / max(len(rollouts), 1), 2),
-        "cut_rate": round(sum(is_cut(r) for r in rollouts) / max(len(rollouts), 1), 4),
+        "answer_rate": round(sum(has_answer(r) for r in scored_rollouts) / n, 4),
+        "mean_tokens": round(sum(r["token_count"] for r in scored_rollouts) / n, 2),
+        "cut_rate": round(sum(is_cut(r) for r in scored_rollouts) / n, 4),
         "accuracy": round(sum(p["task_score"] for p in scored) / max(len(scored), 1), 4),
         "mean_reward_parts": mean_parts(parts_sum, len(scored)),
     }
