@@ -57,7 +57,8 @@ readable tokens): {{ method }} on `{{ task }}`, from `{{ base_label }}`.
 {% for name, value in numbers %}| {{ name }} | {{ value }} |
 {% endfor %}"""
 # Report-row numbers shown in the card (``optima.report_rows.build_row``).
-CARD_NUMBERS = ("answer_rate", "task_score", "mean_tokens", "conversations", "kept", "train_loss", "train_rows")
+CARD_NUMBERS = ("answer_rate", "task_score", "verifier_timeouts", "mean_tokens", "conversations", "kept", "train_loss",
+                "train_rows")  # fmt: skip
 
 
 def data_repo_id(recipe: TrainingFields) -> str | None:

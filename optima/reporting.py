@@ -23,6 +23,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from optima.evaluation.metrics import with_timeouts
 from optima.evaluation.report import _new_figure, render_markdown_table
 from optima.lineage import lineage_folders, read_entries
 from optima.paths import PAGE, StagePaths
@@ -34,6 +35,11 @@ logger = logging.getLogger(__name__)
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
 TOP_ANSWERS = 10
+# The per-iteration table (MATH runs add the verifier's timeouts: ``with_timeouts``).
+ITERATION_COLUMNS = ("label", "answer_rate", "task_score", "flexible_answer_rate", "flexible_score", "mean_tokens",
+                     "cut_rate", "conversations", "kept", "train_loss", "total_s")  # fmt: skip
+ITERATION_HEADERS = ("iteration", "answer rate", "task score", "answer rate (flexible)", "task score (flexible)",
+                     "mean tokens", "cut share", "conversations", "kept", "train loss", "time (s)")  # fmt: skip
 
 
 def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
@@ -126,35 +132,7 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
         "",
         "## Per iteration",
         "",
-        render_markdown_table(
-            rows,
-            (
-                "label",
-                "answer_rate",
-                "task_score",
-                "flexible_answer_rate",
-                "flexible_score",
-                "mean_tokens",
-                "cut_rate",
-                "conversations",
-                "kept",
-                "train_loss",
-                "total_s",
-            ),
-            (
-                "iteration",
-                "answer rate",
-                "task score",
-                "answer rate (flexible)",
-                "task score (flexible)",
-                "mean tokens",
-                "cut share",
-                "conversations",
-                "kept",
-                "train loss",
-                "time (s)",
-            ),
-        ),  # fmt: skip
+        render_markdown_table(rows, with_timeouts(ITERATION_COLUMNS, rows), with_timeouts(ITERATION_HEADERS, rows)),
         "",
         "## Mean reward parts per conversation",
         "",

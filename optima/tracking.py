@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 ITERATION_LOG = "optima"
 # Report-row keys logged as scalars (tag = optima/<group>/<key>).
 SCALAR_GROUPS = {
-    "conversations": ("answer_rate", "cut_rate", "task_score", "mean_tokens", "kept"),
+    "conversations": ("answer_rate", "cut_rate", "task_score", "mean_tokens", "kept", "verifier_timeouts"),
     "train": ("train_loss", "train_rows"),
     "dpo": ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs", "failed_rollouts", "failed_requests"),
 }

@@ -49,6 +49,22 @@ def hanging_check(prediction: str, gold: str, timeout_s: int) -> bool:
     return True
 
 
+def timed_out_check(prediction: str, gold: str, timeout_s: int) -> bool | None:
+    """A math checker that always times out (None), noting each try as a line of the file named by ``gold``."""
+    with open(gold, "a") as tries:
+        tries.write("try\n")
+    return None
+
+
+def slow_once_check(prediction: str, gold: str, timeout_s: int) -> bool | None:
+    """A math checker that times out on its first try (noted in the file named by ``gold``), then answers True."""
+    tries = Path(gold)
+    if not tries.exists():
+        tries.write_text("try\n")
+        return None
+    return True
+
+
 def echo_check(prediction: str, gold: str, timeout_s: int) -> bool:
     """A math checker that answers at once: equal iff the strings are equal."""
     return prediction == gold

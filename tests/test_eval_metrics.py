@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 
 from optima.agents.prompts import Utterance
-from optima.evaluation.metrics import RecordScorer, has_answer, metric_names, summarize_records
+from optima.evaluation.methods import method_row
+from optima.evaluation.metrics import RecordScorer, has_answer, metric_names, summarize_records, with_timeouts
+from optima.evaluation.task_table import cell, wide_rows
 from optima.evaluation.voting import AnswerMatcher, analyze_self_consistency, cluster_answers, majority_score
 from optima.selection.mcts import Rollout
 from optima.selection.rollout_reward import build_rollout_scorer
 from optima.stages.reward_stage import reward_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
-from tests._task_fixtures import echo_check
+from tests._task_fixtures import echo_check, timed_out_check
 from tests.test_layout import sft_recipe
 
 ARC = Example(
@@ -139,6 +141,29 @@ def test_summary_averages_per_question_first():
 
 def test_empty_file_summary():
     assert summarize_records([], SCORER) == {"questions": 0, "conversations": 0}
+
+
+def test_every_math_table_counts_the_verifier_timeouts(tmp_path):
+    """A symbolic check that times out twice scores 0 and is counted in the row: sweep/SC summary, comparison row,
+    self-consistency rows, the methods x tasks table; other tasks' tables are unchanged."""
+    gold = str(tmp_path / "tries")  # timed_out_check notes each try there; never equal to an answer by the fast path
+    examples = [Example(f"m{i}", "math", "?", gold, "math") for i in range(2)]
+    records = [rec(examples[0], "x+1"), rec(examples[1], "x-1", sample=0), rec(examples[1], "", sample=1)]
+    with MathVerifier(max_workers=1, check=timed_out_check) as verifier:
+        scorer = RecordScorer(verifier=verifier)
+        summary = summarize_records(records, scorer)
+        assert (summary["accuracy"], summary["verifier_timeouts"]) == (0.0, 4)  # 2 answers, ours and the original's
+        assert method_row(records, 1, scorer)["verifier_timeouts"] == 4
+        voted = analyze_self_consistency(records, 2, scorer)
+        assert [row["verifier_timeouts"] for row in voted] == [2, 2]  # scored once each, nothing to cluster
+        assert summarize_records(records[:1], scorer)["verifier_timeouts"] == 2  # per table row, not cumulative
+    assert with_timeouts(["model"], [summary]) == ["model", "verifier_timeouts"]
+    arc = summarize_records([rec(ARC, "B")], SCORER)
+    assert "verifier_timeouts" not in arc and with_timeouts(["model"], [arc]) == ["model"]
+    row = {"method": "CoT", "accuracy": 0.5, "mean_tokens": 12.0, "verifier_timeouts": 2}
+    assert cell(row, "accuracy") == "0.500 / 12 / 2 timeouts"
+    assert wide_rows({"math": [row]})[0]["math_verifier_timeouts"] == 2
+    assert cell(row | {"verifier_timeouts": 0}, "accuracy") == "0.500 / 12"
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,10 +13,12 @@ from optima.config.trackers import parse_report_to
 from optima.manifest import Manifest
 from optima.reporting import collect_rows, write_run_report
 from optima.run_context import iteration_metrics
+from optima.stages.common import verifier_stats
 from optima.stages.reward_stage import RewardStats
 from optima.tasks import Example
 from optima.tracking import (
     resolve_report_to,
+    scalars_of,
     trainer_env,
     trainer_overrides,
     write_tensorboard_scalars,
@@ -116,6 +119,22 @@ def test_the_score_stage_counts_answers_named_in_words():
     numbers = stats.to_dict()
     assert numbers["answer_rate"] == round(1 / 3, 4) and numbers["accuracy"] == 0.0
     assert numbers["flexible_answer_rate"] == round(2 / 3, 4) and numbers["flexible_accuracy"] == round(1 / 3, 4)
+
+
+def test_a_math_run_report_counts_the_verifier_timeouts(tmp_path):
+    run = tmp_path / "run_math"
+    stages = sft_stages([1.0, 0.0], [100, 100], 1, 2.0)
+    stages["score"] = (stages["score"][0] | {"verifier_timeouts": 3}, 2.0)  # what a MATH score stage adds
+    write_metrics(run / "iteration_0", 0, stages)
+    assert collect_rows(run)[0]["verifier_timeouts"] == 3
+    text = write_run_report(run)[0].read_text()
+    assert "| time (s) | verifier_timeouts |" in text and "| 42.5 | 3 |" in text
+    assert scalars_of(collect_rows(run)[0])["conversations/verifier_timeouts"] == 3.0
+
+
+def test_a_stage_counts_its_verifiers_timeouts():
+    assert verifier_stats(None) == {}  # not a MATH run: no verifier, no column
+    assert verifier_stats(SimpleNamespace(timeouts=2)) == {"verifier_timeouts": 2}
 
 
 def write_generations(folder: Path, answers: list[str], cut: int = 0) -> None:

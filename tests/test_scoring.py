@@ -4,6 +4,7 @@ docs/method.md#scoring)."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 
 import pytest
@@ -18,7 +19,13 @@ from optima.tasks.answers import (
     render_answer,
     should_stop,
 )
-from optima.tasks.math_equiv import MathVerifier, fast_equivalence, numeric_value, symbolic_backend_available
+from optima.tasks.math_equiv import (
+    MathVerifier,
+    fast_equivalence,
+    numeric_value,
+    symbolic_backend_available,
+    symbolic_check,
+)
 from optima.tasks.scoring import (
     ScoreContext,
     resolve_choice,
@@ -28,7 +35,7 @@ from optima.tasks.scoring import (
     squad_f1,
     subword_f1,
 )
-from tests._task_fixtures import echo_check, hanging_check, resolve_test_data_dir
+from tests._task_fixtures import echo_check, hanging_check, resolve_test_data_dir, slow_once_check, timed_out_check
 
 HUGE = 100_000
 
@@ -418,10 +425,37 @@ def test_math_verifier_hard_deadline_recycles_the_pool():
     with MathVerifier(max_workers=1, timeout_s=1, check=hanging_check, hard_timeout_s=1.0) as hanging:
         start = time.perf_counter()
         assert hanging.symbolic_equal("a", "b") is False
-        assert time.perf_counter() - start < 10
+        assert time.perf_counter() - start < 30  # two tries of 1 s, each in a fresh pool
+        assert hanging.timeouts == 1  # timed out twice: counted, not only logged
     with MathVerifier(max_workers=1, check=echo_check) as echo:
         assert echo.is_equivalent("x+y", "x+y") is True
         assert echo.is_equivalent("x+y", "y+x") is False
+
+
+def test_a_timed_out_math_check_is_tried_once_more_then_counted(tmp_path):
+    tries = tmp_path / "tries"
+    with MathVerifier(max_workers=1, check=timed_out_check) as verifier:
+        assert verifier.symbolic_equal("x", str(tries)) is False
+        assert verifier.timeouts == 1
+        assert verifier.symbolic_equal("y", str(tries)) is False
+        assert verifier.timeouts == 2
+    assert tries.read_text().count("try") == 4  # each check: its first try and one more
+    with MathVerifier(max_workers=1, check=slow_once_check) as verifier:
+        assert verifier.symbolic_equal("x", str(tmp_path / "once")) is True
+        assert verifier.timeouts == 0  # the second try answered
+
+
+def test_symbolic_check_reads_the_timeout_math_verify_only_logs(monkeypatch):
+    math_verify = pytest.importorskip("math_verify")
+
+    def timing_out_parse(text, parsing_timeout):
+        logging.getLogger("math_verify.parser").warning("Timeout during parsing: %s", text)
+        return []
+
+    monkeypatch.setattr(math_verify, "parse", timing_out_parse)
+    assert symbolic_check("x", "y", 1) is None  # undecided, not "not equivalent"
+    monkeypatch.setattr(math_verify, "parse", lambda text, parsing_timeout: [])
+    assert symbolic_check("x", "y", 1) is False
 
 
 @pytest.mark.skipif(not symbolic_backend_available(), reason="math-verify is not installed")

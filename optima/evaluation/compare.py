@@ -32,7 +32,7 @@ from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import BASELINES, LABELS, ROW_COLUMNS, BaselineSettings, method_job, method_row
-from optima.evaluation.metrics import metric_names
+from optima.evaluation.metrics import metric_names, with_timeouts
 from optima.evaluation.report import plot_comparison, render_markdown_table, render_table, write_csv, write_json
 from optima.evaluation.runs import (
     EvalSession,
@@ -150,7 +150,7 @@ def render_compare_plan(recipe: InferenceRecipe, options: CompareOptions) -> str
 def write_comparison(out_root: Path, task: str, rows: list[dict], header: dict) -> str:
     """Write comparison.json/.csv/.md/.png; return the table as text."""
     metric, _ = metric_names(get_task(task).score_type)
-    columns = [c.format(metric=metric) for c in ROW_COLUMNS]
+    columns = with_timeouts([c.format(metric=metric) for c in ROW_COLUMNS], rows)
     write_json(out_root / "comparison.json", {"task": task, "metric": metric} | header | {"rows": rows})
     write_csv(out_root / "comparison.csv", rows, columns)
     title = f"{task}: {metric} and answer rate vs tokens per question"

@@ -26,7 +26,15 @@ from optima.config.fields import RecipeError
 from optima.evaluation.autoform import autoform_request_texts, generate_autoform
 from optima.evaluation.cot import build_cot_messages, generate_cot_answers
 from optima.evaluation.debate import DebateSettings, debate_prompts, generate_debates
-from optima.evaluation.metrics import RecordScorer, flexible_name, metric_names, record_example, summarize_records
+from optima.evaluation.metrics import (
+    TIMEOUTS,
+    RecordScorer,
+    flexible_name,
+    metric_names,
+    record_example,
+    summarize_records,
+    verifier_timeouts,
+)
 from optima.evaluation.runs import GenerationJob
 from optima.evaluation.voting import analyze_self_consistency
 
@@ -109,8 +117,10 @@ def method_row(records: list[dict], samples: int, scorer: RecordScorer, cluster_
     A method with several samples per question scores the majority vote of all of them and costs their summed
     tokens; the answer rate is the share of records (answers, conversations, debates) that state an answer, in the
     answer format (``answer_rate``) or in words (``flexible_answer_rate``); ``<metric>_flexible`` scores (votes on)
-    the flexible answers.
+    the flexible answers. MATH rows count the symbolic checks that timed out while scoring and voting
+    (``verifier_timeouts``).
     """
+    before = verifier_timeouts(scorer)
     summary = summarize_records(records, scorer)
     if not summary["questions"]:
         return {"questions": 0}
@@ -124,4 +134,5 @@ def method_row(records: list[dict], samples: int, scorer: RecordScorer, cluster_
         row |= {metric: voted["majority_vote"], flexible: voted_flexible["majority_vote"]}
         row["mean_tokens"] = voted["tokens"]
     row |= {"answer_rate": summary["answer_rate"], "flexible_answer_rate": summary["flexible_answer_rate"]}
-    return row | {"too_long_rate": summary["too_long_rate"], "error_rate": summary["error_rate"]}
+    row |= {"too_long_rate": summary["too_long_rate"], "error_rate": summary["error_rate"]}
+    return row | ({TIMEOUTS: verifier_timeouts(scorer) - before} if TIMEOUTS in summary else {})

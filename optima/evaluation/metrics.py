@@ -18,7 +18,9 @@ For one result file (one JSONL record per conversation, as ``generate_conversati
   failed conversations add 0 tokens but still count in the denominator;
 * ``cut_rate``: the share of records with a reply cut at ``max_tokens`` (a cut MAD debate may still answer), shown
   beside the tokens in every table;
-* ``no_answer_rate`` (too long, failed, or no parsed answer), ``too_long_rate`` and ``error_rate``.
+* ``no_answer_rate`` (too long, failed, or no parsed answer), ``too_long_rate`` and ``error_rate``;
+* ``verifier_timeouts`` (MATH only): symbolic checks that timed out on every try while this summary was computed,
+  each scored 0 (``MathVerifier.timeouts``); every table with a MATH score shows it (``with_timeouts``).
 
 A conversation that was cut for length (``too_long``) or failed (``error``) scores 0 even if an
 earlier utterance stated an answer; a question's score is the mean over its conversations, and the metric is the
@@ -93,6 +95,19 @@ class RecordScorer:
         return score_example(record_example(record), answer, verifier=self.verifier) if answer else 0.0
 
 
+TIMEOUTS = "verifier_timeouts"
+
+
+def verifier_timeouts(scorer: RecordScorer) -> int:
+    """Timed-out symbolic checks of the scorer's MATH verifier so far (0 without one); take differences."""
+    return scorer.verifier.timeouts if scorer.verifier is not None else 0
+
+
+def with_timeouts(columns: Sequence[str], rows: Sequence[dict]) -> list[str]:
+    """A table's ``columns`` plus ``verifier_timeouts`` when one of its rows carries it (MATH scores)."""
+    return [*columns, TIMEOUTS] if any(TIMEOUTS in row for row in rows) else list(columns)
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -107,12 +122,15 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
     Returns:
         ``{"questions", "conversations", <metric>, <metric>_original..., <metric>_flexible, "answer_rate",
         "flexible_answer_rate", "mean_tokens", "mean_tokens_original", "cut_rate", "no_answer_rate",
-        "too_long_rate", "error_rate"}``; the metric keys follow ``metric_names`` and ``flexible_name``.
+        "too_long_rate", "error_rate"}`` and ``verifier_timeouts`` for MATH; the metric keys follow ``metric_names``
+        and ``flexible_name``.
     """
     groups = group_by_question(records)
     if not groups:
         return {"questions": 0, "conversations": 0}
-    name, original_name = metric_names(record_example(groups[0][0]).score_type)
+    before = verifier_timeouts(scorer)
+    score_type = record_example(groups[0][0]).score_type
+    name, original_name = metric_names(score_type)
     ours = [_mean([scorer.score(r) for r in group]) for group in groups]
     theirs = [_mean([scorer.score(r, original=True) for r in group]) for group in groups]
     flexible = [_mean([scorer.score_flexible(r) for r in group]) for group in groups]
@@ -120,6 +138,7 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
     # The ``_original`` variant leaves too long and failed results out of the token sum but not out of the count.
     tokens_original = [_mean([r["token_count"] if r["status"] == "ok" else 0 for r in group]) for group in groups]
     count = len(records)
+    timeouts = {TIMEOUTS: verifier_timeouts(scorer) - before} if score_type == "math" else {}
     return {
         "questions": len(groups),
         "conversations": count,
@@ -134,4 +153,4 @@ def summarize_records(records: Sequence[dict], scorer: RecordScorer) -> dict:
         "no_answer_rate": round(sum(not has_answer(r) for r in records) / count, 4),
         "too_long_rate": round(sum(r["status"] == "too_long" for r in records) / count, 4),
         "error_rate": round(sum(r["status"] == "error" for r in records) / count, 4),
-    }
+    } | timeouts

@@ -37,7 +37,7 @@ from optima.environments import PythonEnv
 from optima.evaluation.debate import DebateSettings
 from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import LABELS, BaselineSettings, method_job
-from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
+from optima.evaluation.metrics import TIMEOUTS, RecordScorer, metric_names, summarize_records, with_timeouts
 from optima.evaluation.plan import list_models
 from optima.evaluation.report import plot_self_consistency, render_table, write_csv, write_json
 from optima.evaluation.runs import (
@@ -159,6 +159,7 @@ def flat_rows(results: dict[str, dict], metric: str) -> list[dict]:
                 score, tokens, questions = value.get(metric), value.get("mean_tokens"), value.get("questions")
                 point = {"k": 1, "majority_vote": score, "coverage": score, "tokens": tokens}
                 point |= {"cut_rate": value.get("cut_rate"), "questions": questions}
+                point |= {TIMEOUTS: value[TIMEOUTS]} if TIMEOUTS in value else {}
                 rows.append({"model": model, "method": method} | point)
             else:
                 rows.extend({"model": model, "method": method} | row for row in value)
@@ -188,7 +189,8 @@ def write_sc_report(recipe: MultiSCRecipe, results: dict[str, dict], max_k: int,
     header |= {"num_samples": recipe.num_samples, "max_k": max_k, "producers": producers or {}}
     write_json(out_root / "sc_analysis.json", header | {"models": results})
     rows = flat_rows(results, metric)
-    write_csv(out_root / "sc_analysis.csv", rows, CSV_COLUMNS)
+    columns = with_timeouts(CSV_COLUMNS, rows)
+    write_csv(out_root / "sc_analysis.csv", rows, columns)
     several = len(results) > 1
     curves, points = {}, {}
     for model, methods in results.items():
@@ -201,7 +203,7 @@ def write_sc_report(recipe: MultiSCRecipe, results: dict[str, dict], max_k: int,
     title = f"{recipe.dataset_type}: self-consistency ({metric}, T={recipe.sc_temperature})"
     if curves or points:
         plot_self_consistency(curves, points, out_root / "sc_analysis.png", title)
-    return render_table(shown_rows(rows), CSV_COLUMNS, title=f"Self-consistency | {recipe.dataset_type} | {metric}")
+    return render_table(shown_rows(rows), columns, title=f"Self-consistency | {recipe.dataset_type} | {metric}")
 
 
 def run_self_consistency(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], options: SCOptions | None = None) -> str:

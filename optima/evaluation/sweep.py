@@ -30,7 +30,7 @@ from optima.environments import PythonEnv
 from optima.evaluation.compare import write_comparison
 from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import LABELS, BaselineSettings, method_job, method_row
-from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records
+from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records, with_timeouts
 from optima.evaluation.plan import list_models
 from optima.evaluation.report import plot_sweep, render_table, write_csv, write_json
 from optima.evaluation.runs import (
@@ -101,7 +101,7 @@ def write_sweep_report(recipe: InferenceRecipe, rows: list[dict]) -> str:
     write_csv(out_root / "summary.csv", rows, columns)
     if rows:
         plot_sweep(rows, metric, original, out_root / "summary.png", sweep_title(recipe))
-    shown = [c.format(metric=metric, original=original) for c in TABLE_COLUMNS]
+    shown = with_timeouts([c.format(metric=metric, original=original) for c in TABLE_COLUMNS], rows)
     return render_table(rows, shown, title=f"Optima evaluation | {recipe.dataset_type} | {out_root}")
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from optima.evaluation.metrics import RecordScorer, record_example
+from optima.evaluation.metrics import TIMEOUTS, RecordScorer, record_example, verifier_timeouts
 from optima.reward import flexible_answer, has_answer, is_cut
 from optima.store import group_by_question
 from optima.tasks import Example
@@ -133,12 +133,16 @@ def analyze_self_consistency(
 
     Returns:
         One row per k: ``{"k", "majority_vote", "coverage", "tokens", "cut_rate", "questions"}`` (tokens: mean per
-        question of the summed tokens of its k samples; cut_rate: mean per question of its cut share).
+        question of the summed tokens of its k samples; cut_rate: mean per question of its cut share), and for MATH
+        ``verifier_timeouts``: the symbolic checks that timed out over the whole analysis (each scored 0).
     """
+    before = verifier_timeouts(scorer)
     groups = group_by_question(records)
     per_question = [question_curves(group, max_k, scorer, cluster_f1, flexible) for group in groups]
     if not per_question:
         return []
+    math = record_example(records[0]).score_type == "math"
+    timeouts = {TIMEOUTS: verifier_timeouts(scorer) - before} if math else {}
     rows = []
     for k in range(1, max(len(c) for c in per_question) + 1):
         at_k = [curve[min(k, len(curve)) - 1] for curve in per_question]
@@ -151,5 +155,6 @@ def analyze_self_consistency(
                 "cut_rate": round(sum(x for _, _, _, x in at_k) / len(at_k), 4),
                 "questions": len(at_k),
             }
+            | timeouts
         )
     return rows

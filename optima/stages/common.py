@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from optima.config.rules import loss_model, trainer_base_yaml, trainer_overrides_for
+from optima.evaluation.metrics import TIMEOUTS
 from optima.hardware.layout import loss_server_wanted
 from optima.paths import StagePaths
 from optima.run_context import RunContext
@@ -210,6 +211,14 @@ def math_verifier(ctx: RunContext):
     from optima.tasks.math_equiv import MathVerifier
 
     return MathVerifier()
+
+
+def verifier_stats(verifier) -> dict:
+    """A stage result's count of symbolic MATH checks that timed out on every try (scored 0); {} without a verifier.
+
+    The count covers this process's checks: a stage resumed after a kill does not know the killed run's.
+    """
+    return {} if verifier is None else {TIMEOUTS: verifier.timeouts}
 
 
 def trainer_launch(call: StageCall, kind: Literal["sft", "dpo"]) -> TrainLaunch:

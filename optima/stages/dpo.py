@@ -129,7 +129,7 @@ def search(call: StageCall) -> dict:
             return search_question(example, generate, score, recipe, rng).to_dict() | {"sample_index": 0}
 
         _run_trees(recipe, todo, run, writer)
-    return search_stats(load_records(sp.rollouts)[0], t_max)
+    return search_stats(load_records(sp.rollouts)[0], t_max) | common.verifier_stats(verifier)
 
 
 def search_stats(lines: list[dict], t_max: int) -> dict:

@@ -60,7 +60,7 @@ def score(call: StageCall) -> dict:
     with common.math_verifier(ctx) as verifier:
         scorers = RewardScorers(score_texts=scorer, known=known, tokenize=tokenize, verifier=verifier)
         stats = reward_generations(ctx.recipe, sp.generations, sp.rewarded, scorers)
-    return stats.to_dict()
+    return stats.to_dict() | common.verifier_stats(verifier)
 
 
 def select(call: StageCall) -> dict:

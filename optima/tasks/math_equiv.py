@@ -10,6 +10,10 @@ the main thread (docs/method.md D7):
    signal-based timeout works; a hard deadline on the future backs it up and recycles the pool if a worker hangs.
    Callers may use one `MathVerifier` from many threads. `math-verify` is imported only inside the workers;
    without it the symbolic path answers "not equivalent" and the verifier warns once.
+
+A check that times out (math-verify's own limit, which it only logs, or the hard deadline) is run once more; one that
+times out again scores "not equivalent" and is counted (`MathVerifier.timeouts`), and every table with a MATH score
+shows that count (`verifier_timeouts`), since the score then depends on the machine's load.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ _FRACTION = re.compile(r"([-+]?)\\frac\{([-+]?\d+(?:\.\d*)?)\}\{([-+]?\d+(?:\.\d
 _SLASH_FRACTION = re.compile(r"([-+]?\d+(?:\.\d*)?)/([-+]?\d+(?:\.\d*)?)")
 # Longer strings are not numbers worth parsing (and int() refuses more than 4300 digits anyway).
 _MAX_NUMBER_CHARS = 64
+TIMEOUT_RETRIES = 1  # a symbolic check that timed out is run once more before it is counted and scored 0
 
 
 def canonical_answer(answer: str) -> str:
@@ -100,8 +105,21 @@ def fast_equivalence(prediction: str, gold: str) -> bool | None:
     return None
 
 
-def symbolic_check(prediction: str, gold: str, timeout_s: int) -> bool:
+class _TimeoutLog(logging.Handler):
+    """Notes math-verify's "Timeout during ..." warnings: it logs a timeout and answers "not equivalent"."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen = self.seen or str(record.msg).startswith("Timeout during")
+
+
+def symbolic_check(prediction: str, gold: str, timeout_s: int) -> bool | None:
     """Compare two LaTeX answers with math-verify (run inside a worker process's main thread).
+
+    Returns True or False, or None when math-verify timed out before finding them equal (undecided).
 
     Args:
         prediction: the predicted final answer.
@@ -110,11 +128,15 @@ def symbolic_check(prediction: str, gold: str, timeout_s: int) -> bool:
     """
     from math_verify import parse, verify  # lazy: only worker processes import sympy/math-verify
 
-    gold_parsed = parse(f"${gold}$", parsing_timeout=timeout_s)
-    pred_parsed = parse(f"${prediction}$", parsing_timeout=timeout_s)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s))
+    watch, log = _TimeoutLog(), logging.getLogger("math_verify")
+    log.addHandler(watch)
+    try:
+        gold_parsed = parse(f"${gold}$", parsing_timeout=timeout_s)
+        pred_parsed = parse(f"${prediction}$", parsing_timeout=timeout_s)
+        equal = bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s))
+    finally:
+        log.removeHandler(watch)
+    return None if watch.seen and not equal else equal
 
 
 def symbolic_backend_available() -> bool:
@@ -128,9 +150,13 @@ class MathVerifier:
     Args:
         max_workers: number of worker processes.
         timeout_s: per-item time limit, in seconds.
-        check: the function run in the workers (picklable, `(prediction, gold, timeout_s) -> bool`).
+        check: the function run in the workers (picklable, `(prediction, gold, timeout_s) -> bool | None`, None
+            when it timed out).
         hard_timeout_s: deadline on a worker's answer (default `3 * timeout_s + 5`: parse twice, verify once);
-            past it the pool is recycled and the item scores 0.
+            past it the pool is recycled.
+
+    A check that timed out is run once more (`TIMEOUT_RETRIES`); timing out again, it scores 0 and counts in
+    `timeouts`.
     """
 
     def __init__(
@@ -149,6 +175,13 @@ class MathVerifier:
             logger.warning("math-verify is not installed: MATH answers are compared as strings and numbers only")
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._timeouts = 0
+
+    @property
+    def timeouts(self) -> int:
+        """Symbolic checks that timed out on every try (each scored "not equivalent")."""
+        with self._lock:
+            return self._timeouts
 
     def __enter__(self) -> MathVerifier:
         return self
@@ -175,7 +208,7 @@ class MathVerifier:
         executor.shutdown(wait=False, cancel_futures=True)
 
     def symbolic_equal(self, prediction: str, gold: str) -> bool:
-        """Run the symbolic check in a worker; False on timeout, parse failure or missing backend.
+        """Run the symbolic check in a worker; False on parse failure, missing backend or a timeout on every try.
 
         Args:
             prediction: the predicted final answer.
@@ -183,13 +216,29 @@ class MathVerifier:
         """
         if not self.available:
             return False
+        for _ in range(TIMEOUT_RETRIES + 1):
+            verdict = self._check_once(prediction, gold)
+            if verdict is not None:
+                return verdict
+        with self._lock:
+            self._timeouts += 1
+        logger.warning(
+            "math equivalence timed out %d times (limit %ss, deadline %ss); scored as not equivalent and counted",
+            TIMEOUT_RETRIES + 1, self.timeout_s, self.hard_timeout_s,
+        )  # fmt: skip
+        return False
+
+    def _check_once(self, prediction: str, gold: str) -> bool | None:
+        """One check in a worker: True or False, None when it timed out (its own limit or the hard deadline)."""
         executor = self._pool()
         future = executor.submit(self.check, prediction, gold, self.timeout_s)
         try:
-            return bool(future.result(timeout=self.hard_timeout_s))
+            verdict = future.result(timeout=self.hard_timeout_s)
+            return None if verdict is None else bool(verdict)
         except concurrent.futures.TimeoutError:
-            logger.warning("math equivalence timed out after %ss; scored as not equivalent", self.hard_timeout_s)
+            logger.debug("math equivalence passed the %ss deadline; recycling the pool", self.hard_timeout_s)
             self._recycle(executor)
+            return None
         except concurrent.futures.process.BrokenProcessPool:
             logger.warning("math verifier pool broke; recreating it")
             self._recycle(executor)
