@@ -152,11 +152,12 @@ def test_every_math_table_counts_the_verifier_timeouts(tmp_path):
     with MathVerifier(max_workers=1, check=timed_out_check) as verifier:
         scorer = RecordScorer(verifier=verifier)
         summary = summarize_records(records, scorer)
-        assert (summary["accuracy"], summary["verifier_timeouts"]) == (0.0, 4)  # 2 answers, ours and the original's
-        assert method_row(records, 1, scorer)["verifier_timeouts"] == 4
+        # Two answers, each scored three times (ours, the original's, the flexible answer's): 6 checks timed out.
+        assert (summary["accuracy"], summary["verifier_timeouts"]) == (0.0, 6)
+        assert method_row(records, 1, scorer)["verifier_timeouts"] == 6
         voted = analyze_self_consistency(records, 2, scorer)
         assert [row["verifier_timeouts"] for row in voted] == [2, 2]  # scored once each, nothing to cluster
-        assert summarize_records(records[:1], scorer)["verifier_timeouts"] == 2  # per table row, not cumulative
+        assert summarize_records(records[:1], scorer)["verifier_timeouts"] == 3  # per table row, not cumulative
     assert with_timeouts(["model"], [summary]) == ["model", "verifier_timeouts"]
     arc = summarize_records([rec(ARC, "B")], SCORER)
     assert "verifier_timeouts" not in arc and with_timeouts(["model"], [arc]) == ["model"]
