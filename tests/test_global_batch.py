@@ -115,3 +115,15 @@ def test_dry_run_prints_the_released_global_batch(path, tmp_path, capsys):
         if m:
             assert int(m.group(2)) == int(m.group(6)) == released(recipe, m.group(1))
     assert "global batch" in out and "loss server: GPUs 0" in out and "prompt logprobs" in out
+
+
+def test_a_batch_kept_on_too_few_gpus_for_memory_says_how_to_use_the_others():
+    """4x80GB beside the loss server: 2 of 3 free GPUs keep DPO's 64, and ZeRO-3 on 2 does not fit 80 GiB."""
+    recipe = load(REPO / "train/dpo_recipes/arc.yaml", devices=None)
+    plan = plan_hardware(recipe, parse_hardware("4x80GB"), [0])
+    training = [p for p in plan.problems if p.startswith("training:")]
+    assert plan.idle_for_batch == 1 and training
+    assert "loss_placement: after" in training[0] and "the 1 idle GPU(s) per node" in training[0]
+    after = plan_hardware(load(REPO / "train/dpo_recipes/arc.yaml", devices=None, loss_placement="after"),
+                          parse_hardware("4x80GB"), [0])  # fmt: skip
+    assert not after.problems and after.training.num_processes == 4

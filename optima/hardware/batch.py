@@ -116,6 +116,7 @@ def keep_global_batch(batches: list[TrainerBatch], free_per_node: int, nodes: in
         )
         return 0
     if per_node < free_per_node:
+        plan.idle_for_batch = free_per_node - per_node
         plan.notes.append(
             f"{per_node} of the {free_per_node} free GPUs per node train, so that the released global batch "
             f"({', '.join(str(b.released) for b in batches)}) is kept: it is not a multiple of "

@@ -56,6 +56,7 @@ class HardwarePlan:
         accumulation: ``gradient_accumulation_steps`` per trainer (``sft``, ``dpo``) that keeps the released
             global batch on the planned processes, where it differs from the trainer YAML's
             (``optima.hardware.batch``).
+        idle_for_batch: Free GPUs per node left idle to keep the released global batch (0: none).
     """
 
     hardware: Hardware
@@ -67,6 +68,7 @@ class HardwarePlan:
     notes: list[str] = field(default_factory=list)
     loss_share: float | None = None
     accumulation: dict[str, int] = field(default_factory=dict)
+    idle_for_batch: int = 0
 
     def claim(self, node: int, gpu: str, item: Claim) -> None:
         self.claims.setdefault((node, gpu), []).append(item)

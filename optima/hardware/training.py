@@ -285,14 +285,24 @@ def claim_training(plan, nodes, peak: int, strategy: str, lora: bool = False) ->
         plan.problems.append(
             f"training: ~{gib(peak)} GiB per process ({strategy}, {plan.training.num_processes} processes) "
             f"+ {gib(held - peak)} GiB of sleeping servers = {gib(held)} GiB on GPU {gpu} of node {rank}, which has "
-            f"{plan.hardware.gpu_gib:g} GiB: {training_fixes(strategy, lora)}"
+            f"{plan.hardware.gpu_gib:g} GiB: {training_fixes(strategy, lora, plan.idle_for_batch)}"
         )
 
 
-def training_fixes(strategy: str, lora: bool) -> str:
-    """The fixes of a trainer over its GPU's memory that apply to its strategy (none it already uses)."""
+def training_fixes(strategy: str, lora: bool, idle_for_batch: int = 0) -> str:
+    """The fixes of a trainer over its GPU's memory that apply to its strategy (none it already uses).
+
+    ``idle_for_batch``: free GPUs per node the plan left idle to keep the released global batch
+    (``optima.hardware.batch``); a sharded trainer would fit on them with another global batch.
+    """
     fixes = []
-    if strategy in ("zero3", "fsdp"):
+    if strategy in ("zero3", "fsdp") and idle_for_batch:
+        fixes.append(
+            f"free a GPU so that more processes keep the released global batch (loss_placement: after), or train "
+            f"on the {idle_for_batch} idle GPU(s) per node too with gradient_accumulation_steps set in "
+            "trainer_overrides (another global batch), or more nodes"
+        )
+    elif strategy in ("zero3", "fsdp"):
         fixes.append("train on more GPUs (or nodes): the states are sharded over the processes")
     else:
         fixes.append(f"shard the states with deepspeed_zero3 or fsdp ({strategy} keeps a full copy per process)")
