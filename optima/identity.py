@@ -6,9 +6,10 @@ random ``weights_id`` in its completion marker (``optima_complete.json``), and e
 weights produced something (a served endpoint, a result file's fingerprint, a stage's identity) asks
 ``model_identity`` instead of comparing paths.
 
-For a folder without a marker (a base model, a converted GGUF) the identity is a hash of what decides its
-weights without reading them whole: every file's name and size, ``config.json``, and each weight file's first
-MiB (a safetensors file starts with its header: names, dtypes, shapes, offsets). A hub name that is not a local
+For a folder without a marker (a base model, a converted GGUF) the identity is a hash of its whole content: every
+file's name, size and bytes, streamed (``file_digest``), so a LoRA merge re-saved in place or an edited
+``generation_config.json`` of the same size is another model. File hashes are cached in the process by (path, size,
+mtime_ns, inode): a model hashed once is not read again while its files stay unchanged. A hub name that is not a local
 folder is its own identity. Standard library only: the orchestrator and the trainer scripts both use it.
 """
 
@@ -21,8 +22,9 @@ from pathlib import Path
 
 COMPLETE_MARKER = "optima_complete.json"
 WEIGHTS_ID_KEY = "weights_id"
-HEAD_BYTES = 1 << 20  # how much of each weight file enters a marker-less folder's hash
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+CHUNK_BYTES = 1 << 22  # read size of the streamed file hash
+# (resolved path, inode, size, mtime_ns, ctime_ns) -> sha256 hex of the file's bytes
+_FILE_HASHES: dict[tuple[str, int, int, int, int], str] = {}
 
 
 def digest(payload) -> str:
@@ -35,6 +37,19 @@ def new_weights_id() -> str:
     return uuid.uuid4().hex
 
 
+def file_digest(path: Path) -> str:
+    """The sha256 hex digest of a file's bytes, streamed; cached while its inode, size and times stay the same."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if key not in _FILE_HASHES:
+        hasher = hashlib.sha256()
+        with path.open("rb") as handle:
+            while chunk := handle.read(CHUNK_BYTES):
+                hasher.update(chunk)
+        _FILE_HASHES[key] = hasher.hexdigest()
+    return _FILE_HASHES[key]
+
+
 def folder_hash(folder: Path) -> str:
     """Identity of a model folder that has no completion marker (see the module docstring)."""
     digest = hashlib.sha256()
@@ -42,10 +57,7 @@ def folder_hash(folder: Path) -> str:
         rel = path.relative_to(folder).as_posix()
         if rel.startswith(".") or "/." in rel:
             continue  # caches and lock files of the hub client
-        digest.update(f"{rel}\0{path.stat().st_size}\0".encode())
-        if rel == "config.json" or path.suffix in WEIGHT_SUFFIXES:
-            with path.open("rb") as handle:
-                digest.update(handle.read(HEAD_BYTES))
+        digest.update(f"{rel}\0{path.stat().st_size}\0{file_digest(path)}\0".encode())
     return "sha256:" + digest.hexdigest()[:32]
 
 

@@ -29,6 +29,7 @@ from optima.lineage import lineage_folders, read_entries
 from optima.paths import PAGE, StagePaths
 from optima.report_rows import PART_NAMES, STAGE_ORDER, build_row
 from optima.store import atomic_write_text, load_records
+from optima.tasks.reparse import reparsed
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def final_answers(folder: Path) -> list[str]:
     """Final answers ("" for none) of a stage folder's conversations: generated ones (SFT), else the rollouts (DPO)."""
     paths = StagePaths(folder)
     if paths.generations.is_file():
-        records = load_records(paths.generations)[0]
+        records = [reparsed(r) for r in load_records(paths.generations)[0]]
     elif paths.rollouts.is_file():
         records = [r for line in load_records(paths.rollouts)[0] for r in line.get("rollouts", [])]
     else:

@@ -16,13 +16,12 @@ new ``initial_model_path`` redoes iDPO's probe, tree search and pairs as it redo
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from optima.agents.generation import plan_generation
 from optima.config.rules import loss_model, train_start, trainer_base_yaml
-from optima.identity import model_identity
+from optima.identity import file_digest, model_identity
 from optima.manifest import StageKey, field_values, fields_hash, stage_link
 
 
@@ -33,7 +32,7 @@ def file_identity(path: str | None) -> str | None:
     file = Path(path)
     if not file.is_file():
         return f"missing:{path}"
-    return "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest()[:32]
+    return "sha256:" + file_digest(file)[:32]
 
 
 def _prompt_pool(call) -> str | None:

@@ -187,3 +187,38 @@ def test_bad_max_k_is_a_clear_error(tmp_path, server, capsys):
     argv = ["--model_path", str(tmp_path), "--max_k", "0", *common_flags(tmp_path, server)]
     assert load_script("multi_sc_data_generate_script").main(argv) == 2
     assert "max_k: must be >= 1, got 0" in capsys.readouterr().err
+
+
+REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_limit_samples_every_mmlu_subject_of_the_repo_data(tmp_path, server):
+    """``inference_script.py --limit 40`` on MMLU from ``data/``: every subject with 3+ questions is evaluated.
+
+    The first 40 rows of the subject-sorted split cover 8 of its 16 subjects; the stratified sample covers all.
+    """
+    model = tmp_path / "checkpoints" / "iteration_0"
+    model.mkdir(parents=True)
+    flags = ["--dataset_type", "mmlu", "--data_dir", str(REPO_DATA), "--set", f"endpoints=[{server.base_url}]"]
+    argv = ["--model_root_path", str(tmp_path / "checkpoints"), "--limit", "40", *flags]
+    assert load_script("inference_script").main(argv) == 0
+    out = tmp_path / "checkpoints" / "eval"
+    records, _ = load_records(out / "iteration_0.jsonl")
+    subjects = [json.loads(line)["subject"] for line in (REPO_DATA / "mmlu" / "test.jsonl").read_text().splitlines()]
+    wanted = {s for s in subjects if subjects.count(s) >= 3}
+    assert len(records) == 40 and len(wanted) == 14
+    assert wanted <= {r["example"]["group"] for r in records}
+    assert "a debugging aid, not a benchmark result" in (out / "logs" / "driver.log").read_text()
+
+
+def test_limit_mode_first_keeps_the_first_questions_and_the_sample_is_fixed(tmp_path):
+    from optima.config import InferenceRecipe
+    from optima.evaluation.runs import load_eval_examples
+
+    def ids(**values):
+        recipe = InferenceRecipe(dataset_type="math", model_root_path=str(tmp_path), data_dir=str(REPO_DATA), **values)
+        return [example.id for example in load_eval_examples(recipe)]
+
+    first, sample = ids(limit=10, limit_mode="first"), ids(limit=10)
+    assert first == ids()[:10] and sample != first and len(sample) == 10
+    assert sample == ids(limit=10) and ids(limit=10, seed=7) != sample  # seeded: fixed for a seed

@@ -50,3 +50,27 @@ def test_the_completion_marker_has_one_reader(tmp_path):
     (tmp_path / COMPLETE_MARKER).write_text('{"weights_id": "w1", "train_loss": 0.5}')
     assert read_marker(tmp_path) == {"weights_id": "w1", "train_loss": 0.5}
     assert model_identity(tmp_path) == "w1"
+
+
+def test_folder_hash_covers_every_byte_of_every_file(tmp_path):
+    """A change past the first MiB of a weight file, or in a same-size generation config, is another model."""
+    big = bytearray(3 << 20)
+    folder = write_model(tmp_path / "merged", bytes(big))
+    (folder / "generation_config.json").write_text('{"temperature": 0.6}')
+    before = model_identity(folder)
+    big[-1] = 1  # a LoRA merge re-saved in place: same size, same header, other weights
+    (folder / "model.safetensors").write_bytes(bytes(big))
+    after_weights = model_identity(folder)
+    (folder / "generation_config.json").write_text('{"temperature": 0.9}')
+    assert len({before, after_weights, model_identity(folder)}) == 3
+
+
+def test_file_hashes_are_cached_by_path_size_and_times(tmp_path, monkeypatch):
+    from optima import identity
+
+    folder = write_model(tmp_path / "m")
+    first = model_identity(folder)
+    reads = []
+    original_open = identity.Path.open
+    monkeypatch.setattr(identity.Path, "open", lambda self, *a, **k: reads.append(self) or original_open(self, *a, **k))
+    assert model_identity(folder) == first and reads == []  # unchanged files are not read again

@@ -332,3 +332,24 @@ def test_duplicate_ids_are_made_unique(tmp_path):
     ids = [example.id for example in get_task("arc").load("test", data_dir=tmp_path)]
     assert ids == ["Q1", "Q1#1"]
     assert replace(get_task("arc").load("test", data_dir=tmp_path)[0], id="x").id == "x"
+
+
+def test_stratified_sample_covers_groups_in_proportion():
+    from optima.tasks.sampling import allocate, stratified_indices
+
+    assert allocate([2, 3, 95], 10) == [1, 1, 8] and sum(allocate([4] * 7 + [30], 20)) == 20
+    groups = ["a"] * 10 + ["b"] * 90 + ["c"] * 2
+    picked = stratified_indices(groups, 12, seed=1)
+    counts = {g: sum(groups[i] == g for i in picked) for g in "abc"}
+    assert picked == sorted(picked) and counts == {"a": 2, "b": 9, "c": 1}
+    assert picked == stratified_indices(groups, 12, seed=1) != stratified_indices(groups, 12, seed=2)
+    assert len({groups[i] for i in stratified_indices(groups, 2, seed=3)}) == 2  # fewer draws than groups
+    assert stratified_indices(groups, 500, seed=1) == list(range(len(groups)))
+
+
+def test_mmlu_and_math_examples_carry_their_group():
+    from tests.test_eval_runs import REPO_DATA
+
+    mmlu = get_task("mmlu").load_eval(data_dir=REPO_DATA)
+    math = get_task("math").load_eval(data_dir=REPO_DATA)
+    assert mmlu[0].group == "abstract_algebra" and math[0].group == "Algebra/Level 1"

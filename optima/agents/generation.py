@@ -57,7 +57,9 @@ from optima.serving.client import NoReplicaLeft, ReplicaPool, RequestFailed, Sam
 from optima.serving.kv_monitor import KVMonitor
 from optima.store import JsonlWriter, prepare_resume
 from optima.tasks import Example, Task, get_task
+from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.contexts import stable_rng
+from optima.tasks.reparse import PARSER_VERSION_KEY
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe, Recipe, RunFields
@@ -305,6 +307,7 @@ class ConversationRunner:
             "cut_replies": result.cut_replies,
             "agent_tokens": result.agent_tokens(),
             "final_answer": result.final_answer,
+            PARSER_VERSION_KEY: PARSER_VERSION,
             "status": result.status,
             "stop_reason": result.stop_reason,
             "error": result.error,

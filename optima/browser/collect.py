@@ -24,6 +24,7 @@ from optima.lineage import lineage_folders
 from optima.paths import StagePaths, checkpoint_label
 from optima.reward import finite_losses, is_cut
 from optima.store import group_by_question, load_records
+from optima.tasks.reparse import reparsed
 
 NOT_RECORDED = "dropped (rule not recorded)"
 
@@ -194,7 +195,7 @@ def sampled_questions(sp: StagePaths) -> list[QuestionView]:
         ]
         questions.append(question)
     scored = {q.task_id for q in questions}
-    unscored = [r for r in load_records(sp.generations)[0] if str(r["task_id"]) not in scored]
+    unscored = [reparsed(r) for r in load_records(sp.generations)[0] if str(r["task_id"]) not in scored]
     return questions + plain_questions(unscored)
 
 
@@ -294,13 +295,14 @@ def method_of_file(path: Path) -> tuple[str, str]:
 def eval_sections(folder: Path) -> list[Section]:
     """One section per result file of an evaluation folder, each conversation with its task score."""
     from optima.evaluation.metrics import RecordScorer
+    from optima.evaluation.runs import load_results
     from optima.tasks.math_equiv import MathVerifier
 
     sections = []
     with MathVerifier() as verifier:
         scorer = RecordScorer(verifier=verifier)
         for path in sorted(Path(folder).glob("*.jsonl")):
-            records, _ = load_records(path)
+            records = load_results(path)  # the answers as the current parser reads them
             if not records or "utterances" not in records[0]:
                 continue
             method, model = method_of_file(path)

@@ -24,6 +24,7 @@ EVAL_FLAGS = {
     "port": "port",
     "num_thread": "thread_count",
     "limit": "limit",
+    "limit_mode": "limit_mode",
     "seed": "seed",
     "data_dir": "data_dir",
     "base_model_path": "initial_model_path",
@@ -46,7 +47,15 @@ def add_eval_args(parser: argparse.ArgumentParser, device_span: int) -> None:
     )
     parser.add_argument("--port", type=int, help="first port tried (default 8000)")
     parser.add_argument("--num_thread", type=int, help="conversations in flight (default 64)")
-    parser.add_argument("--limit", type=int, help="evaluate only the first N questions")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        help="evaluate only N questions, a debugging aid, not a benchmark result: a seeded sample stratified by "
+        "the task's groups (MMLU subject, MATH subject and level), the same for every model and method",
+    )
+    parser.add_argument(
+        "--limit_mode", choices=("sample", "first"), help="sample (default) or first: the first N questions"
+    )
     parser.add_argument("--seed", type=int, help="seed of contexts and sampling (default 42)")
     parser.add_argument("--data_dir", help="local dataset root (default $OPTIMA_DATA_DIR, else the hub)")
     add_env_args(parser, train=False)

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from optima.config.defaults import default_mcts_selections, default_output_dir
 from optima.config.fields import (
@@ -258,7 +258,9 @@ class InferenceRecipe(BaseRecipe):
 
     Parameters:
         model_root_path (`str`): Folder holding `iteration_<k>` checkpoints (or one model folder).
-        limit (`int`, *optional*): Evaluate only the first N questions of the eval set.
+        limit (`int`, *optional*): Evaluate only N questions of the eval set: a seeded sample stratified by the
+            task's groups (``limit_mode: sample``), or the first N (``limit_mode: first``). A debugging aid.
+        limit_mode (`str`): ``sample`` (default) or ``first``.
         include_base (`bool`): Also evaluate `initial_model_path`.
     """
 
@@ -266,7 +268,13 @@ class InferenceRecipe(BaseRecipe):
     model_root_path: str = field(help="folder of iteration_<k> checkpoints, or one model folder")
     output_root_path: str | None = field(None, help="where <checkpoint>.jsonl and summaries go")
     limit: int | None = field(
-        None, help="first N questions of the eval set (default: 1000 for information exchange, all for debate)"
+        None,
+        help="evaluate N questions of the eval set, a debugging aid (default: 1000 for information exchange, all "
+        "for debate)",
+    )
+    limit_mode: Literal["sample", "first"] = field(
+        "sample",
+        help="which N questions limit keeps: a seeded sample stratified by the task's groups, or the first N",
     )
     include_base: bool = field(False, help="also evaluate initial_model_path as 'base'")
 

@@ -38,11 +38,13 @@ from optima.evaluation.runs import (
     EvalSession,
     GenerationJob,
     RecordScorers,
+    describe_limit,
     load_eval_examples,
+    load_results,
     prepare_output,
 )
 from optima.identity import digest
-from optima.store import atomic_write_text, load_records
+from optima.store import atomic_write_text
 from optima.tasks import TASKS, get_task
 from optima.tasks.math_equiv import MathVerifier
 
@@ -135,7 +137,7 @@ def plan_rows(recipe: InferenceRecipe, options: CompareOptions) -> list[Row]:
 
 def render_compare_plan(recipe: InferenceRecipe, options: CompareOptions) -> str:
     """What ``compare`` would run, one line per row."""
-    questions = f"first {recipe.limit}" if recipe.limit else "the default eval size"
+    questions = describe_limit(recipe) or "the default eval size"
     s = options.settings
     lines = [
         f"Optima comparison plan: {recipe.dataset_type}, {questions} questions of the eval split",
@@ -193,7 +195,7 @@ def compare_rows(
     with MathVerifier() as verifier:
         scorer_of = RecordScorers(recipe, verifier)  # rows of one model share its tokenizer
         for row in rows:
-            records, _ = load_records(row.job.out_path)
+            records = load_results(row.job.out_path, recipe.cluster_f1)
             scorer = scorer_of(row.model_path)
             summary = method_row(records, row.job.plan.samples, scorer, recipe.cluster_f1)
             producers[row.label] = producer = read_producer(row.job.out_path)

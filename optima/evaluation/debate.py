@@ -44,7 +44,9 @@ from optima.evaluation.cot import COT_PROMPTS, build_cot_messages
 from optima.evaluation.voting import AnswerMatcher, cluster_answers
 from optima.serving.client import ChatReply, RequestFailed, Sampling
 from optima.tasks import Example, Task, get_task
+from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.contexts import stable_rng
+from optima.tasks.reparse import PARSER_VERSION_KEY, is_current
 
 if TYPE_CHECKING:
     from optima.config.types import InferenceRecipe
@@ -114,6 +116,13 @@ def majority_answer(answers: Sequence[str | None], matcher: AnswerMatcher) -> st
     return answers[winner[0]] or ""
 
 
+@dataclass
+class DebateResult(ConversationResult):
+    """A debate's result: a conversation's, and which replies of the last round were cut (they state no answer)."""
+
+    final_cut: list[bool] = dataclasses.field(default_factory=list)
+
+
 def run_debate(
     example: Example,
     generate: DebateGenerate,
@@ -135,7 +144,7 @@ def run_debate(
     task = get_task(example.task)
     reminder = COT_PROMPTS[task.prompt_set].reminder
     chats = [debater_messages(example, task, settings, agent) for agent in range(settings.agents)]
-    result = ConversationResult(stop_reason="majority")
+    result = DebateResult(stop_reason="majority")
     latest: list[str] = [""] * settings.agents
     answers: list[str | None] = [None] * settings.agents
     cut = [False] * settings.agents
@@ -164,10 +173,42 @@ def run_debate(
             chats[agent].append({"role": "assistant", "content": latest[agent]})
             result.utterances.append(Utterance(agent_name(agent), latest[agent]))
             result.tokens.append(tokens)
+    result.final_cut = cut
+    return settle_debate(result, answers, cut, matcher)
+
+
+def settle_debate(
+    result: ConversationResult, answers: Sequence[str | None], cut: Sequence[bool], matcher: AnswerMatcher
+) -> ConversationResult:
+    """Set the final answer (the last round's majority) and the status of a debate that ran to its end."""
     result.final_answer = majority_answer(answers, matcher)
-    if not result.final_answer and any(cut):
-        result.status, result.stop_reason = "too_long", "too_long"
+    too_long = not result.final_answer and any(cut)
+    result.status, result.stop_reason = ("too_long", "too_long") if too_long else ("ok", "majority")
     return result
+
+
+def reparsed_debate(record: dict, cluster_f1: float) -> dict:
+    """A debate row with its answer as the current parser reads its last round (``optima.tasks.reparse``).
+
+    The last round's replies are parsed again (those recorded as cut state none) and voted on again; a failed
+    debate keeps its record.
+
+    Args:
+        record: A row of ``generate_debates`` (``debate``: its shape and the last round's cut replies).
+        cluster_f1: The vote's F1 threshold (the recipe's, as at generation).
+    """
+    if is_current(record) or record.get("status") == "error":
+        return record
+    agents = record["debate"]["agents"]
+    last_round = [u["text"] for u in record["utterances"][-agents:]]
+    cut = record["debate"].get("final_cut") or [False] * agents  # rows written before it was recorded: none
+    task = get_task(record["task"])
+    answers = [None if was_cut else task.parse_answer(text) for text, was_cut in zip(last_round, cut, strict=True)]
+    result = settle_debate(
+        ConversationResult(), answers, cut, AnswerMatcher(Example.from_dict(record["example"]), cluster_f1)
+    )
+    fresh = {"final_answer": result.final_answer, "status": result.status, "stop_reason": result.stop_reason}
+    return record | fresh | {PARSER_VERSION_KEY: PARSER_VERSION}
 
 
 class DebateRunner(ConversationRunner):
@@ -198,7 +239,7 @@ class DebateRunner(ConversationRunner):
         if result.replica is None:
             result.replica = replica
         record = self.build_record(job, (build_cot_messages(job.example, task)[0]["content"], ""), result)
-        record["debate"] = dataclasses.asdict(self.settings)
+        record["debate"] = dataclasses.asdict(self.settings) | {"final_cut": getattr(result, "final_cut", [])}
         return record, result.token_count
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from optima.config import InferenceRecipe, MultiSCRecipe
 from optima.environments import PythonEnv
+from optima.evaluation.runs import describe_limit
 from optima.lineage import lineage_checkpoints
 
 
@@ -35,7 +36,7 @@ def render_eval_plan(recipe: InferenceRecipe | MultiSCRecipe, envs: dict[str, Py
     """Human-readable plan of a sweep or a self-consistency run."""
     sc = isinstance(recipe, MultiSCRecipe)
     models = list_models(recipe)
-    questions = f"first {recipe.limit}" if recipe.limit else "default eval size (1000 or the test split)"
+    questions = describe_limit(recipe) or "default eval size (1000 or the test split)"
     sampling = (
         f"{recipe.num_samples} conversations per question at temperature {recipe.sc_temperature}"
         if sc

@@ -2,10 +2,12 @@
 "serve this model only if something is left to generate" (docs/method.md#evaluation).
 
 The eval set is fixed: the first N questions of the task's eval split (1000 for the information-exchange
-tasks, the whole test split for debate tasks, capped by the data; ``limit`` overrides), with contexts split by
-``seed``. A result file is complete when every ``(question, sample)`` of that set has a record other than
-``error``; a model whose files are all complete is not served again. Each file records what produced it
-(``optima.evaluation.fingerprint``): a file of another producer is moved aside and generated anew, never resumed.
+tasks, the whole test split for debate tasks, capped by the data), with contexts split by ``seed``; ``limit``
+keeps a seeded sample of it stratified by the questions' groups (``limit_mode: first``: its first questions), a
+debugging aid that the log says is no benchmark result. A result file is complete when every ``(question,
+sample)`` of that set has a record other than ``error``; a model whose files are all complete is not served again.
+Each file records what produced it (``optima.evaluation.fingerprint``): a file of another producer is moved aside
+and generated anew, never resumed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from optima.agents.generation import GenerationPlan, generate_conversations
 from optima.config.recipe_file import save_recipe
 from optima.config.rules import tokenizer_path
 from optima.environments import PythonEnv, check_env
+from optima.evaluation.debate import reparsed_debate
 from optima.evaluation.fingerprint import claim_result_file, model_fingerprint, producer_fingerprint
 from optima.evaluation.metrics import RecordScorer
 from optima.logging_utils import attach_driver_log
@@ -27,6 +30,8 @@ from optima.paths import StagePaths
 from optima.store import load_records, record_key
 from optima.tasks import Example, get_task
 from optima.tasks.math_equiv import MathVerifier
+from optima.tasks.reparse import reparsed
+from optima.tasks.sampling import stratified_indices
 
 if TYPE_CHECKING:
     from optima.config.types import InferenceRecipe, RunFields
@@ -66,9 +71,49 @@ def prepare_output(recipe: InferenceRecipe) -> Path:
 
 
 def load_eval_examples(recipe: InferenceRecipe) -> list[Example]:
-    """The fixed eval set: the task's eval split at its default size, then the first ``limit`` questions."""
+    """The fixed eval set: the task's eval split at its default size, then ``limit`` questions of it.
+
+    ``limit_mode: sample`` keeps a seeded sample stratified by the questions' groups (sub-task and
+    ``Example.group``: MMLU subject, MATH subject and level; uniform for the others), ``first`` the first ``limit``.
+    """
     examples = get_task(recipe.dataset_type).load_eval(data_dir=recipe.data_dir, seed=recipe.seed)
-    return examples[: recipe.limit] if recipe.limit else examples
+    if not recipe.limit or recipe.limit >= len(examples):
+        return examples
+    if recipe.limit_mode == "first":
+        kept = examples[: recipe.limit]
+    else:
+        groups = [f"{example.task}/{example.group}" for example in examples]
+        kept = [examples[i] for i in stratified_indices(groups, recipe.limit, recipe.seed)]
+    logger.warning(
+        "limit %d (%s): %d of %d eval questions, %d of %d groups; a debugging aid, not a benchmark result",
+        recipe.limit,
+        "the first ones" if recipe.limit_mode == "first" else f"a stratified sample, seed {recipe.seed}",
+        len(kept),
+        len(examples),
+        len({(e.task, e.group) for e in kept}),
+        len({(e.task, e.group) for e in examples}),
+    )
+    return kept
+
+
+def describe_limit(recipe: InferenceRecipe) -> str | None:
+    """``limit`` in words for the plans (None without a limit)."""
+    if not recipe.limit:
+        return None
+    if recipe.limit_mode == "first":
+        return f"the first {recipe.limit}"
+    return f"{recipe.limit} (a sample stratified by subject/level, seed {recipe.seed}; a debugging aid)"
+
+
+def load_results(out_path: Path, cluster_f1: float = 0.9) -> list[dict]:
+    """The rows of a result file, each answer as the current parser reads it (``optima.tasks.reparse``).
+
+    Args:
+        out_path: A result file (conversations, CoT, AutoForm or debates).
+        cluster_f1: The recipe's vote threshold, which a debate's majority uses.
+    """
+    records, _ = load_records(out_path)
+    return [reparsed_debate(r, cluster_f1) if "debate" in r else reparsed(r) for r in records]
 
 
 def pending_count(out_path: Path, examples: Sequence[Example], samples: int) -> int:

@@ -46,11 +46,11 @@ from optima.evaluation.runs import (
     RecordScorers,
     checkpoint_iteration,
     load_eval_examples,
+    load_results,
     prepare_output,
 )
 from optima.evaluation.voting import analyze_self_consistency
 from optima.identity import COMPLETE_MARKER
-from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 
@@ -142,7 +142,7 @@ def analyze_model(jobs: list[GenerationJob], max_k: int, scorer: RecordScorer, c
     """Per method: the k = 1..K rows (sampled methods) or the summary (one answer per question: CoT, MAD)."""
     results = {}
     for job in jobs:
-        records, _ = load_records(job.out_path)
+        records = load_results(job.out_path, cluster_f1)
         if job.plan.samples == 1:  # one answer per question: the sweep's summary
             results[job.label] = summarize_records(records, scorer)
         else:

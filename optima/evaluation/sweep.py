@@ -39,11 +39,11 @@ from optima.evaluation.runs import (
     RecordScorers,
     checkpoint_iteration,
     load_eval_examples,
+    load_results,
     prepare_output,
 )
 from optima.identity import digest
 from optima.paths import checkpoint_label, models_label
-from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 
@@ -75,7 +75,7 @@ def sweep_job(out_root: Path, name: str) -> GenerationJob:
 
 def summarize_checkpoint(recipe: InferenceRecipe, name: str, scorer: RecordScorer) -> dict:
     """The summary row of one checkpoint's result file (``scorer``: the checkpoint's ``RecordScorer``)."""
-    records, _ = load_records(Path(recipe.output_root_path) / f"{name}.jsonl")
+    records = load_results(Path(recipe.output_root_path) / f"{name}.jsonl")
     iteration = checkpoint_iteration(name)
     row = {"model": name, "iteration": iteration if iteration >= 0 else None}  # None: the base or a lone model
     producer = {"producer": digest(read_producer(Path(recipe.output_root_path) / f"{name}.jsonl"))}
@@ -119,7 +119,7 @@ def comparison_rows(
         scorer = scorer_of(path)
         jobs = [sweep_job(out_root, name), *(method_job(b, out_root, name, settings) for b in baselines)]
         for job in jobs:
-            records, _ = load_records(job.out_path)
+            records = load_results(job.out_path, getattr(recipe, "cluster_f1", 0.9))
             label = LABELS["optima" if job.label == "eval" else job.label]
             rows.append({"method": label, "model": name} | method_row(records, job.plan.samples, scorer))
     return rows

@@ -21,6 +21,7 @@ from optima.loss_stream import conversation_texts, needs_losses, to_json_losses
 from optima.reward import Conversation, flexible_answer, is_cut, question_t_max, score_conversation, scored_answer
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
+from optima.tasks.reparse import reparsed
 from optima.tasks.scoring import score_example
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ def reward_question(
 ) -> dict:
     """The rewarded line of one question (``verifier``: the stage's shared ``MathVerifier`` for MATH answers)."""
     conversations = []
+    records = [reparsed(record) for record in records]  # rows parsed by an older parser: their stored text again
     for record, record_losses in zip(records, losses, strict=True):
         example = Example.from_dict(record["example"])
         answer = scored_answer(record.get("final_answer"), record["status"], recipe.compat)

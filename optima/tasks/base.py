@@ -44,6 +44,8 @@ class Example:
         context_first (`tuple[str, ...]`): Alice's private paragraphs (empty for debate tasks).
         context_second (`tuple[str, ...]`): Bob's private paragraphs (empty for debate tasks).
         options (`tuple[tuple[str, str], ...]`): (label, text) of each option for multiple choice, else empty.
+        group (`str`): the question's natural group in its split (MMLU subject, MATH subject and level), ""
+            when the task has none; a `--limit` sample is stratified by it.
     """
 
     id: str
@@ -54,6 +56,7 @@ class Example:
     context_first: tuple[str, ...] = ()
     context_second: tuple[str, ...] = ()
     options: tuple[tuple[str, str], ...] = ()
+    group: str = ""
 
     @property
     def answers(self) -> tuple[str, ...]:
@@ -93,6 +96,7 @@ class Example:
             context_first=tuple(record.get("context_first", ())),
             context_second=tuple(record.get("context_second", ())),
             options=tuple((str(label), str(text)) for label, text in record.get("options", ())),
+            group=str(record.get("group", "")),
         )
 
 

@@ -56,4 +56,5 @@ class HendrycksMath(Task):
             question=row["problem"].strip(),
             answer=gold,
             score_type=self.score_type,
+            group=f"{row.get('type', '')}/{row.get('level', '')}",
         )

@@ -47,6 +47,7 @@ class MMLU(Task):
             answer=options[int(row["answer"])][1],
             score_type=self.score_type,
             options=options,
+            group=str(row.get("subject") or ""),
         )
 
     def finalize(self, examples, *, split, data_dir, seed):

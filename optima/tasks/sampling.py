@@ -72,3 +72,50 @@ def select_questions(examples: Sequence[T], count: int, seed: int, iteration: in
         stage: the stage name, e.g. "sft", "search", "probe".
     """
     return [examples[index] for index in select_indices(len(examples), count, seed, iteration, stage)]
+
+
+def allocate(sizes: Sequence[int], count: int) -> list[int]:
+    """How many of ``count`` draws each group gets: one per group first (coverage), the rest in proportion to size.
+
+    The rest is shared by the largest-remainder rule over the groups' sizes beyond their first question, so the
+    total is exactly ``count`` (``len(sizes) <= count <= sum(sizes)``) and no group gets more than it holds.
+
+    Args:
+        sizes: questions per group (each >= 1).
+        count: questions to draw in all.
+    """
+    spare, extra = sum(sizes) - len(sizes), count - len(sizes)
+    quotas = [extra * (size - 1) / spare if spare else 0.0 for size in sizes]
+    shares = [int(quota) for quota in quotas]
+    by_remainder = sorted(range(len(sizes)), key=lambda g: (shares[g] - quotas[g], g))
+    for g in by_remainder[: extra - sum(shares)]:
+        shares[g] += 1
+    return [1 + share for share in shares]
+
+
+def stratified_indices(groups: Sequence[str], count: int, seed: int) -> list[int]:
+    """A seeded sample of ``count`` positions, stratified by ``groups`` (each position's group), in order.
+
+    Every group gets at least one question when ``count`` allows (``count >= number of groups``), the rest goes
+    in proportion to the groups' sizes; with fewer draws than groups, ``count`` groups are drawn (seeded) and
+    give one question each. Inside a group the questions are a seeded draw. The sample is a pure function of
+    (groups, count, seed): the same for every method and checkpoint evaluated with one seed.
+
+    Args:
+        groups: the group of each question of the split, in split order ("" everywhere: a uniform sample).
+        count: questions to keep; all of them when ``count >= len(groups)``.
+        seed: the run's seed.
+    """
+    if count >= len(groups):
+        return list(range(len(groups)))
+    members: dict[str, list[int]] = {}
+    for index, group in enumerate(groups):
+        members.setdefault(group, []).append(index)
+    names = sorted(members)
+    rng = stable_rng(seed, "limit", count)
+    if count < len(names):
+        names = sorted(rng.sample(names, count))
+        shares = [1] * count
+    else:
+        shares = allocate([len(members[name]) for name in names], count)
+    return sorted(i for name, share in zip(names, shares, strict=True) for i in rng.sample(members[name], share))

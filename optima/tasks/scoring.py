@@ -41,6 +41,9 @@ from optima.tasks.math_equiv import MathVerifier, numeric_value
 
 Tokenize = Callable[[str], list[str]]
 MODES = ("default", "original")
+# The version of the scorers: raise it with any change that scores some answer otherwise (result fingerprints and
+# the keys of the stages that score record it).
+SCORER_VERSION = 1
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
