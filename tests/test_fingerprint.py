@@ -60,6 +60,21 @@ def new_cot_reminder(monkeypatch) -> None:
     monkeypatch.setitem(cot.COT_PROMPTS, "choice", cot.CoTPrompt(choice.system, choice.reminder + " Be brief."))
 
 
+def new_later_prompt(monkeypatch) -> None:
+    """Optima's task turn changes for every question but the first of the set: only a hash of all of them sees it."""
+    from optima.agents import prompts
+    from optima.tasks.sampling import stratified_indices
+
+    first = f"arc-{stratified_indices([''] * 4, 2, seed=42)[0]}"  # the --limit 2 sample of the four questions
+    original = prompts.render_task_turn
+
+    def render(example, *args, **kwargs):
+        text = original(example, *args, **kwargs)
+        return text if example.id in (first, "probe") else text + " Think twice."
+
+    monkeypatch.setattr(prompts, "render_task_turn", render)
+
+
 # (setting, extra flags of the second run, what else changes, the files that must be redone)
 CASES = [
     ("questions", ["--limit", "3"], None, FILES),
@@ -73,6 +88,10 @@ CASES = [
     ("weights", [], lambda tmp_path, mp: mark_weights(tmp_path), ("Opt.optima",)),
     ("tokenizer", [], lambda tmp_path, mp: add_tokenizer(tmp_path), BASELINE_FILES),
     ("prompts", [], lambda tmp_path, mp: new_cot_reminder(mp), BASELINE_FILES),
+    ("later_prompts", [], lambda tmp_path, mp: new_later_prompt(mp), ("Opt.optima",)),
+    ("max_model_len", ["--set", "max_model_len=512"], None, FILES),
+    ("dtype", ["--set", "vllm_extra_args=[--dtype,float32]"], None, FILES),
+    ("cluster_f1", ["--set", "cluster_f1=0.5"], None, ("base.mad",)),  # MAD's vote; the others are read with it
 ]
 
 
@@ -153,3 +172,38 @@ def test_a_models_fingerprint_and_scorer_are_built_once_for_all_its_jobs(make_re
     assert prints[0]["generation"]["temperature"] != prints[1]["generation"]["temperature"]
     scorer_of = RecordScorers(recipe, verifier=None)
     assert scorer_of(model) is scorer_of(model) and scorer_of(model) is not scorer_of(tmp_path / "other")
+
+
+def test_a_scoring_change_keeps_the_rows_and_updates_the_sidecar(tmp_path):
+    """Parser and scorer versions and ``cluster_f1`` say how rows are read: rows stay, the sidecar names them."""
+    from optima.evaluation.fingerprint import claim_result_file
+
+    path = tmp_path / "model.cot.jsonl"
+    made = {"model": "w1", "scoring": {"parser": 1, "scorer": 1}}
+    claim_result_file(path, made)
+    path.write_text('{"task_id": "q0", "sample_index": 0}\n')
+    read_otherwise = made | {"scoring": {"parser": 2, "scorer": 1}}
+    assert not claim_result_file(path, read_otherwise) and path.read_text().startswith('{"task_id": "q0"')
+    assert read_producer(path) == read_otherwise
+    assert claim_result_file(path, read_otherwise | {"model": "w2"})  # another producer still moves it aside
+
+
+def test_rows_of_an_older_parser_are_reparsed_from_their_text(tmp_path):
+    from optima.evaluation.debate import reparsed_debate
+    from optima.evaluation.runs import load_results
+    from optima.tasks.answers import PARSER_VERSION
+    from tests.helpers import arc_examples
+
+    example = arc_examples(1)[0].to_dict()
+    utterances = [{"speaker": "Alice", "text": "so <A>B</A>"}, {"speaker": "Bob", "text": "ok"}]
+    old = {"task_id": "q0", "sample_index": 0, "task": "arc", "example": example, "status": "ok"}
+    old |= {"utterances": utterances, "final_answer": "stale"}  # parsed by a parser without a version
+    current = old | {"task_id": "q1", "parser_version": PARSER_VERSION}
+    debate = old | {"task_id": "q2", "debate": {"agents": 2, "rounds": 0, "final_cut": [False, True]}}
+    debate["utterances"] = [{"speaker": "Agent 1", "text": "<A>A</A>"}, {"speaker": "Agent 2", "text": "<A>B</A>"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (old, current, debate)))
+    rows = load_results(path)
+    assert [r["final_answer"] for r in rows] == ["B", "stale", "A"]  # the cut reply of the debate does not vote
+    assert {r["parser_version"] for r in rows} == {PARSER_VERSION}
+    assert reparsed_debate(rows[2], 0.9) is rows[2]  # current rows are kept as they are

@@ -29,6 +29,7 @@ The iteration-0 format pool (docs/method.md#prompt-pool) lives in `prompt_pools/
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from optima.tasks import Example, Task, get_task
+from optima.tasks import TASKS, Example, Task, get_task
 from optima.tasks.answers import ANSWER_PLACEHOLDERS, render_answer
 
 AGENT_NAMES = ("Alice", "Bob")
@@ -434,3 +435,21 @@ def draw_pool_prompts(pool: Sequence[str], task: Task | str, rng: random.Random)
     alice = build_system_prompt(task, AGENT_NAMES[0], extra_rule=rule)
     bob_rule = rule if task.family == "qa" else None
     return alice, build_system_prompt(task, AGENT_NAMES[1], extra_rule=bob_rule)
+
+
+def templates_identity() -> str:
+    """A hash of the role prompts in code and of the chats rendered from them (stage keys, result fingerprints).
+
+    One question of each prompt set, rendered for both agents after one partner message: a change to a role prompt,
+    a reminder, an answer opening or the renderer changes it.
+    """
+    probes: list = [repr(ROLE_PROMPTS)]
+    tasks: dict[str, Task] = {}
+    for task in TASKS.values():
+        tasks.setdefault(task.prompt_set, task)  # the first task of each prompt set
+    for prompt_set, task in sorted(tasks.items()):
+        example = Example("probe", task.name, "Question?", "answer", task.score_type, ("first",), ("second",))
+        for speaker in AGENT_NAMES:
+            chat = build_agent_messages(example, speaker, [Utterance(partner_of(speaker), "...")], task=task)
+            probes.append([prompt_set, chat])
+    return "sha256:" + hashlib.sha256(json.dumps(probes, sort_keys=True).encode()).hexdigest()[:32]

@@ -6,15 +6,20 @@ sidecar ``<file>.producer.json`` holding the fingerprint of what produced it:
 
 * ``model``: the weights' unique id (``optima.identity.model_identity``: a checkpoint's ``weights_id``);
 * ``tokenizer``: a hash of the tokenizer files that count its tokens and hold the chat template;
-* ``prompts``: a hash of the prompt texts the method sends (rendered for the first question);
+* ``prompts``: a hash of the role prompts in code (``optima.agents.prompts.templates_identity``) and a hash of the
+  prompt texts the method sends, rendered for every question of the set;
 * ``generation``: temperature, samples per question, ``max_tokens``, ``max_turns``, ``seed``, the seed label;
-* ``questions``: the task and a hash of the eval questions (ids, texts, answers, context halves), so ``--limit``
-  or the data changing is a change;
-* ``method``: the method and its parameters (MAD's agents, rounds and context).
+* ``serving``: ``max_model_len`` and the ``--dtype`` of ``vllm_extra_args``;
+* ``questions``: the task, the ``limit`` sample (its size, mode and ids) and a hash of the eval questions (ids,
+  texts, answers, context halves), so ``--limit`` or the data changing is a change;
+* ``method``: the method and its parameters (MAD's agents, rounds and context, and the ``cluster_f1`` of its vote);
+* ``scoring``: the parser and scorer versions (``PARSER_VERSION``, ``SCORER_VERSION``) and ``cluster_f1``.
 
 Before a file is filled, its recorded fingerprint is compared with this run's: a file written by another producer
 (or by one that recorded none) is moved to ``superseded/<file>.<old fingerprint>.jsonl`` with a warning naming
-what changed, and generated anew. Rows of two producers never mix in one file.
+what changed, and generated anew. Rows of two producers never mix in one file. ``scoring`` is how rows are read,
+not how they were made: a change of it keeps the rows (readers re-parse rows of an older parser from their text,
+``optima.tasks.reparse``) and only updates the sidecar, so the summaries' producer hash names both.
 """
 
 from __future__ import annotations
@@ -26,11 +31,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, partner_of, role_prompt
-from optima.config.rules import tokenizer_path
+from optima.agents.prompts import (
+    AGENT_NAMES,
+    Utterance,
+    build_agent_messages,
+    partner_of,
+    role_prompt,
+    templates_identity,
+)
+from optima.config.rules import tokenizer_path, vllm_dtype_arg
 from optima.identity import digest, model_identity
 from optima.store import write_json
 from optima.tasks import Example, get_task
+from optima.tasks.answers import PARSER_VERSION
+from optima.tasks.scoring import SCORER_VERSION
 
 if TYPE_CHECKING:
     from optima.config.types import BaseRecipe
@@ -50,6 +64,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 SUPERSEDED = "superseded"
+READING = ("scoring",)  # how rows are read, not made: a change updates the sidecar and keeps the rows
 
 
 def tokenizer_identity(path: str | Path) -> str:
@@ -89,8 +104,11 @@ def model_fingerprint(recipe: BaseRecipe, model_path: Path, examples: Sequence[E
         "questions": {
             "task": recipe.dataset_type,
             "count": len(examples),
+            "limit": {"n": recipe.limit, "mode": recipe.limit_mode} if getattr(recipe, "limit", None) else None,
+            "ids": digest([example.id for example in examples]),
             "hash": digest([example.to_dict() for example in examples]),
         },
+        "templates": templates_identity(),
     }
 
 
@@ -106,10 +124,10 @@ def producer_fingerprint(recipe: BaseRecipe, job, examples: Sequence[Example], s
     render = job.prompts or conversation_prompts
     plan = job.plan
     return {
-        "method": {"label": job.label} | dict(job.params),
+        "method": {"label": job.label} | dict(job.params) | {name: getattr(recipe, name, None) for name in job.reads},
         "model": shared["model"],
         "tokenizer": shared["tokenizer"],
-        "prompts": digest(render(examples[0])) if examples else None,
+        "prompts": {"templates": shared["templates"], "rendered": digest([render(e) for e in examples])},
         "generation": {
             "temperature": plan.temperature,
             "samples": plan.samples,
@@ -119,7 +137,13 @@ def producer_fingerprint(recipe: BaseRecipe, job, examples: Sequence[Example], s
             "stage": plan.stage,
             "iteration": plan.iteration,
         },
+        "serving": {"max_model_len": recipe.max_model_len, "dtype": vllm_dtype_arg(recipe.vllm_extra_args)},
         "questions": shared["questions"],
+        "scoring": {
+            "parser": PARSER_VERSION,
+            "scorer": SCORER_VERSION,
+            "cluster_f1": getattr(recipe, "cluster_f1", None),
+        },
     }
 
 
@@ -155,7 +179,9 @@ def claim_result_file(out_path: Path, fingerprint: dict) -> bool:
     ``superseded/`` with its sidecar. The sidecar of this producer is written before any row.
     """
     old = read_producer(out_path)
-    changes = differences(old, fingerprint) if out_path.exists() else []
+    made = {key: value for key, value in fingerprint.items() if key not in READING}
+    changes = differences({k: v for k, v in old.items() if k not in READING} if old else None, made)
+    changes = changes if out_path.exists() else []
     moved = bool(changes) and out_path.stat().st_size > 0
     if moved:
         folder = out_path.parent / SUPERSEDED

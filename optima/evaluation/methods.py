@@ -101,7 +101,8 @@ def method_job(
         debate = functools.partial(generate_debates, settings=settings.debate)
         shape = {"agents": settings.debate.agents, "rounds": settings.debate.rounds}  # the context: in the prompts
         prompts = functools.partial(debate_prompts, settings=settings.debate)
-        return GenerationJob(method, path, GenerationPlan(iteration, t, 1, stage="mad"), debate, shape, prompts)
+        plan = GenerationPlan(iteration, t, 1, stage="mad")
+        return GenerationJob(method, path, plan, debate, shape, prompts, reads=("cluster_f1",))  # the vote
     autoform = {"generate": generate_autoform, "prompts": autoform_request_texts}
     if method == "autoform":
         return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="autoform"), **autoform)

@@ -51,6 +51,8 @@ class GenerationJob:
         params: The method's own parameters (MAD's agents, rounds, context), part of the file's fingerprint.
         prompts: Renders the texts the method sends for one question (its prompt version); None: Optima's
             two-agent conversation.
+        reads: Recipe fields the method's generation reads besides the common ones (MAD's vote: ``cluster_f1``),
+            part of the file's fingerprint.
     """
 
     label: str
@@ -59,6 +61,7 @@ class GenerationJob:
     generate: Callable = generate_conversations
     params: dict = field(default_factory=dict)
     prompts: Callable[[Example], list] | None = None
+    reads: tuple[str, ...] = ()
 
 
 def prepare_output(recipe: InferenceRecipe) -> Path:
