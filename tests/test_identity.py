@@ -72,5 +72,10 @@ def test_file_hashes_are_cached_by_path_size_and_times(tmp_path, monkeypatch):
     first = model_identity(folder)
     reads = []
     original_open = identity.Path.open
-    monkeypatch.setattr(identity.Path, "open", lambda self, *a, **k: reads.append(self) or original_open(self, *a, **k))
+
+    def recording_open(self, *args, **kwargs):
+        reads.append(self)
+        return original_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(identity.Path, "open", recording_open)
     assert model_identity(folder) == first and reads == []  # unchanged files are not read again
