@@ -143,7 +143,7 @@ SFT_STAGES = (
         ("generations", "losses"),
         sft.generate,
         _describe_generate,
-        reads=("served model", "prompt pool"),
+        reads=("served model", "prompt pool", "task data", "role prompts"),
     ),
     StageDef(
         Stage.SCORE,
@@ -151,7 +151,7 @@ SFT_STAGES = (
         ("rewarded",),
         sft.score,
         _describe_score,
-        reads=("loss model",),
+        reads=("loss model", "answer checks"),
     ),
     StageDef(
         Stage.SELECT,
@@ -178,7 +178,7 @@ DPO_STAGES = (
         ("probe",),
         dpo.probe,
         _describe_probe,
-        reads=("served model",),
+        reads=("served model", "task data", "role prompts"),
     ),
     StageDef(
         Stage.SEARCH,
@@ -186,7 +186,7 @@ DPO_STAGES = (
         ("rollouts",),
         dpo.search,
         _describe_search,
-        reads=("served model", "loss model"),
+        reads=("served model", "loss model", "task data", "role prompts", "answer checks"),
     ),
     StageDef(
         Stage.PAIRS,

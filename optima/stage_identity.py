@@ -6,7 +6,9 @@ each stage's ``StageKey`` (``optima.manifest``) holds, besides the fields:
 
 * the unique id of every model it reads (``optima.identity.model_identity``: the ``weights_id`` of a finished
   checkpoint's completion marker, so a checkpoint retrained in place is a new model), and a hash of every file it
-  reads (the trainer's base YAML, the prompt pool);
+  reads (the trainer's base YAML, the prompt pool, the task's train split under ``data_dir``);
+* the role prompts in code (``optima.agents.prompts.templates_identity``) for the stages that sample
+  conversations, and the parser and scorer versions for the stages that score answers;
 * the key of the stage before it (``previous stage``), chained across the parts and iterations of a run.
 
 A change anywhere therefore redoes exactly what depends on it: retraining iteration 1 gives its checkpoint a new
@@ -20,9 +22,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from optima.agents.generation import plan_generation
+from optima.agents.prompts import templates_identity
 from optima.config.rules import loss_model, train_start, trainer_base_yaml
-from optima.identity import file_digest, model_identity
+from optima.identity import digest, file_digest, model_identity
 from optima.manifest import StageKey, field_values, fields_hash, stage_link
+from optima.tasks import DataError, get_task, resolve_data_dir
+from optima.tasks.answers import PARSER_VERSION
+from optima.tasks.scoring import SCORER_VERSION
 
 
 def file_identity(path: str | None) -> str | None:
@@ -40,6 +46,21 @@ def _prompt_pool(call) -> str | None:
     return file_identity(call.recipe.prompt_pool_path) if used else None
 
 
+def data_identity(recipe) -> str:
+    """A hash of the task's train split: its files' names and contents (hub names for the hub's rows).
+
+    A split that cannot be found is ``missing: <why>`` (the stage then fails when it reads it).
+    """
+    task = get_task(recipe.dataset_type)
+    try:
+        sources = task.sources(task.train_split, recipe.data_dir)
+    except DataError as error:
+        return f"missing: {error}"
+    root = resolve_data_dir(recipe.data_dir)
+    named = [s if isinstance(s, str) else [s.relative_to(root).as_posix(), file_digest(s)] for s in sources]
+    return "sha256:" + digest(named)
+
+
 # What a stage can read (the ``reads`` of a stage table row) -> its identity for one ``StageCall`` (None: unused).
 READERS: dict[str, Callable] = {
     "served model": lambda call: model_identity(call.model),
@@ -48,6 +69,9 @@ READERS: dict[str, Callable] = {
     "SFT trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, "sft")),
     "DPO trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, "dpo")),
     "prompt pool": _prompt_pool,
+    "task data": lambda call: data_identity(call.recipe),
+    "role prompts": lambda call: templates_identity(),
+    "answer checks": lambda call: f"parser {PARSER_VERSION}, scorer {SCORER_VERSION}",
 }
 
 

@@ -215,3 +215,49 @@ def test_a_second_run_cannot_write_the_same_folder(tmp_path, ran):
     ):
         run(tmp_path, "sft")
     assert ran == []  # nothing ran, nothing was written
+
+
+def write_arc_train(root: Path, question: str) -> Path:
+    folder = root / "arc_challenge"
+    folder.mkdir(parents=True, exist_ok=True)
+    row = {"id": "q0", "question": question, "choices": {"text": ["3", "4"], "label": ["A", "B"]}, "answerKey": "B"}
+    (folder / "train.jsonl").write_text(json.dumps(row) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_rewritten_training_data_redoes_the_run(tmp_path, ran, method):
+    """The same ``data_dir`` with another ``train.jsonl``: every stage samples other questions, so all are redone."""
+    write_model(tmp_path / "base_model", b"base")
+    data = write_arc_train(tmp_path / "data", "What is 2 + 2?")
+    run(tmp_path, method, data_dir=str(data))
+    ran.clear()
+    write_arc_train(data, "What is 2 + 3?")
+    run(tmp_path, method, data_dir=str(data))
+    assert ran == every_stage(method)
+
+
+def test_changed_role_prompts_redo_the_run(tmp_path, ran, monkeypatch):
+    """The role prompts live in code: a new wording is a new input of every stage that samples conversations."""
+    from optima.agents import prompts
+
+    write_model(tmp_path / "base_model", b"base")
+    run(tmp_path, "sft")
+    ran.clear()
+    solver, critic = prompts.ROLE_PROMPTS["choice"]
+    reworded = dataclasses.replace(solver, reminder=solver.reminder + " Be brief.")
+    monkeypatch.setitem(prompts.ROLE_PROMPTS, "choice", (reworded, critic))
+    run(tmp_path, "sft")
+    assert ran == every_stage("sft")
+
+
+def test_a_new_parser_rescores_without_sampling_again(tmp_path, ran, monkeypatch):
+    """Generations keep their text (re-parsed when read); the stages that score answers are redone."""
+    from optima import stage_identity
+
+    write_model(tmp_path / "base_model", b"base")
+    run(tmp_path, "sft")
+    ran.clear()
+    monkeypatch.setattr(stage_identity, "PARSER_VERSION", stage_identity.PARSER_VERSION + 1)
+    run(tmp_path, "sft")
+    assert ran == [(0, None, s) for s in SFT[1:]] + every_stage("sft", [1])

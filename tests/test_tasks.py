@@ -353,3 +353,17 @@ def test_mmlu_and_math_examples_carry_their_group():
     mmlu = get_task("mmlu").load_eval(data_dir=REPO_DATA)
     math = get_task("math").load_eval(data_dir=REPO_DATA)
     assert mmlu[0].group == "abstract_algebra" and math[0].group == "Algebra/Level 1"
+
+
+def test_a_split_names_the_files_it_is_read_from(tmp_path, monkeypatch):
+    """What training stage keys hash: the split's files (MMLU's train split also ARC's), or hub names."""
+    from tests.test_eval_runs import REPO_DATA
+
+    math = tmp_path / "math" / "train" / "algebra"
+    math.mkdir(parents=True)
+    (math / "1.json").write_text("{}")
+    assert get_task("math").sources("train", tmp_path) == [math / "1.json"]
+    mmlu = get_task("mmlu")
+    assert [p.name for p in mmlu.sources(mmlu.train_split, REPO_DATA)] == ["auxiliary_train.jsonl", "train.jsonl"]
+    monkeypatch.delenv("OPTIMA_DATA_DIR", raising=False)
+    assert get_task("gsm8k").sources("train", None) == ["hub:openai/gsm8k/main"]

@@ -16,9 +16,10 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from optima.tasks.answers import ANSWER_PARSERS, is_placeholder, render_answer
-from optima.tasks.sources import DataError, read_hub_rows, read_split, resolve_data_dir
+from optima.tasks.sources import DataError, read_hub_rows, read_split, resolve_data_dir, split_sources
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,21 @@ class Task:
         if root is None:
             return read_hub_rows(self.hub_name, self.hub_configs, split)
         return read_split(root, self.local_folder, self.hub_configs, split)
+
+    def sources(self, split: str, data_dir: str | os.PathLike | None) -> list[str | Path]:
+        """What `split` is read from: its local files, or `hub:<name>/<config>` names (content hashes key on them).
+
+        Args:
+            split: the split name.
+            data_dir: the local data root, or None for `$OPTIMA_DATA_DIR` / the hub.
+
+        Raises:
+            DataError: a local split that is not there.
+        """
+        root = resolve_data_dir(data_dir)
+        if root is None:
+            return [f"hub:{self.hub_name}/{config}" for config in self.hub_configs]
+        return list(split_sources(root, self.local_folder, split))
 
     def load(self, split: str, *, data_dir: str | os.PathLike | None = None, seed: int = 0) -> list[Example]:
         """Load every example of `split`, in dataset order, with ids made unique.

@@ -61,6 +61,15 @@ class MixTask(Task):
     def __repr__(self) -> str:
         return f"MixTask(name={self.name!r}, tasks={[task.name for task in self.tasks]})"
 
+    def sources(self, split, data_dir):
+        """Every sub-task's sources of `split` ("train"/"eval" = each one's own)."""
+        names = {self.train_split: "train_split", self.eval_split: "eval_split"}
+        return [
+            source
+            for task in self.tasks
+            for source in task.sources(getattr(task, names[split]) if split in names else split, data_dir)
+        ]
+
     def load(self, split: str, *, data_dir: str | os.PathLike | None = None, seed: int = 0) -> list[Example]:
         """Load `split` of every sub-task ("train"/"eval" = each one's own) and interleave them round-robin.
 

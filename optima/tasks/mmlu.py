@@ -50,6 +50,17 @@ class MMLU(Task):
             group=str(row.get("subject") or ""),
         )
 
+    def sources(self, split, data_dir):
+        """The split's files, and ARC-Challenge's train split for the train split (its questions are dropped)."""
+        if split != self.train_split:
+            return super().sources(split, data_dir)
+        arc = ARCChallenge()
+        try:
+            arc_sources = arc.sources(arc.train_split, data_dir)
+        except DataError:
+            arc_sources = []  # not readable: nothing is dropped (``finalize``)
+        return super().sources(split, data_dir) + arc_sources
+
     def finalize(self, examples, *, split, data_dir, seed):
         """On the train split, drop questions that also occur in ARC-Challenge train (original behaviour)."""
         if split != self.train_split:

@@ -196,6 +196,30 @@ def read_split(root: Path, local_folder: str, hub_configs: Sequence[str | None],
     return read_hub_rows(str(hub_copy), hub_configs, split)
 
 
+def split_sources(root: Path, local_folder: str, split: str) -> list[Path]:
+    """The files that ``read_split`` reads `split` from (the task folder's own, else every file of a hub copy).
+
+    Args:
+        root: the local data root.
+        local_folder: the task's folder under the root.
+        split: the split name.
+
+    Raises:
+        DataError: when the split is not there (the message of ``find_split_files``).
+    """
+    folder = root / local_folder
+    if (folder / split).is_dir():
+        return sorted((folder / split).glob("*/*.json"))
+    try:
+        return find_split_files(folder, split)
+    except DataError:
+        hub_copy = find_hub_copy(root, local_folder)
+        if hub_copy is None:
+            raise
+    files = (path for path in sorted(hub_copy.rglob("*")) if path.is_file())
+    return [path for path in files if not any(part.startswith(".") for part in path.relative_to(hub_copy).parts)]
+
+
 def read_hub_rows(hub_name: str | None, hub_configs: Sequence[str | None], split: str) -> list[dict]:
     """Load `split` of a hub dataset (all listed configs, concatenated) with `datasets.load_dataset`.
 
