@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.agents.generation import plan_generation
 from optima.agents.prompts import templates_identity
@@ -29,6 +30,9 @@ from optima.manifest import StageKey, field_values, fields_hash, stage_link
 from optima.tasks import DataError, get_task, resolve_data_dir
 from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.scoring import SCORER_VERSION
+
+if TYPE_CHECKING:
+    from optima.config.types import RunFields
 
 
 def file_identity(path: str | None) -> str | None:
@@ -46,7 +50,7 @@ def _prompt_pool(call) -> str | None:
     return file_identity(call.recipe.prompt_pool_path) if used else None
 
 
-def data_identity(recipe) -> str:
+def data_identity(recipe: RunFields) -> str:
     """A hash of the task's train split: its files' names and contents (hub names for the hub's rows).
 
     A split that cannot be found is ``missing: <why>`` (the stage then fails when it reads it).

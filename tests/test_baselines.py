@@ -152,7 +152,8 @@ def test_debates_through_the_fake_server_record_every_reply_and_its_tokens(tmp_p
         # token_count: the server's completion tokens (one per word here) of all six replies.
         words = sum(len(u["text"].split()) for u in record["utterances"])
         assert record["token_count"] == words == sum(u["tokens"] for u in record["utterances"])
-        assert record["debate"] == {"agents": 2, "rounds": 2, "context": "whole"} and record["stage"] == "mad"
+        shape = {"agents": 2, "rounds": 2, "context": "whole", "final_cut": [False, False]}
+        assert record["debate"] == shape and record["stage"] == "mad"
     # Rerun: complete, nothing sent.
     with FakeOpenAIServer(respond=debating_reply) as again:
         generate_debates(recipe, examples, [again.base_url], out, plan, DebateSettings(2, 2))

@@ -17,6 +17,7 @@ from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
 from optima.reward import question_t_max
 from optima.stages.reward_stage import RewardScorers, reward_generations, reward_question
+from optima.tasks.answers import PARSER_VERSION
 from tests.helpers import arc_examples
 from tests.test_pipeline import EMPTY_SELECTION
 
@@ -221,6 +222,7 @@ def record(example, sample: int, status: str, tokens: int) -> dict:
         "sample_index": sample,
         "example": example.to_dict(),
         "final_answer": "B",
+        "parser_version": PARSER_VERSION,  # as parsed when written (an older version is re-parsed from the text)
         "status": status,
         "token_count": tokens,
         "utterances": [{"speaker": "Alice", "text": f"reply {sample}"}],

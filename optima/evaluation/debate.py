@@ -202,7 +202,7 @@ def reparsed_debate(record: dict, cluster_f1: float) -> dict:
     agents = record["debate"]["agents"]
     last_round = [u["text"] for u in record["utterances"][-agents:]]
     cut = record["debate"].get("final_cut") or [False] * agents  # rows written before it was recorded: none
-    task = get_task(record["task"])
+    task = get_task(record.get("task") or record["example"]["task"])
     answers = [None if was_cut else task.parse_answer(text) for text, was_cut in zip(last_round, cut, strict=True)]
     result = settle_debate(
         ConversationResult(), answers, cut, AnswerMatcher(Example.from_dict(record["example"]), cluster_f1)

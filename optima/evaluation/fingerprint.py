@@ -47,7 +47,7 @@ from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.scoring import SCORER_VERSION
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe
+    from optima.config.types import InferenceRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def conversation_prompts(example: Example, system_prompts: Sequence[str] | None 
     return texts
 
 
-def model_fingerprint(recipe: BaseRecipe, model_path: Path, examples: Sequence[Example]) -> dict:
+def model_fingerprint(recipe: InferenceRecipe, model_path: Path, examples: Sequence[Example]) -> dict:
     """The parts of a fingerprint every job of one model shares: weights, tokenizer and questions (built once).
 
     Args:
@@ -104,7 +104,7 @@ def model_fingerprint(recipe: BaseRecipe, model_path: Path, examples: Sequence[E
         "questions": {
             "task": recipe.dataset_type,
             "count": len(examples),
-            "limit": {"n": recipe.limit, "mode": recipe.limit_mode} if getattr(recipe, "limit", None) else None,
+            "limit": {"n": recipe.limit, "mode": recipe.limit_mode} if recipe.limit else None,
             "ids": digest([example.id for example in examples]),
             "hash": digest([example.to_dict() for example in examples]),
         },
@@ -112,7 +112,7 @@ def model_fingerprint(recipe: BaseRecipe, model_path: Path, examples: Sequence[E
     }
 
 
-def producer_fingerprint(recipe: BaseRecipe, job, examples: Sequence[Example], shared: dict) -> dict:
+def producer_fingerprint(recipe: InferenceRecipe, job, examples: Sequence[Example], shared: dict) -> dict:
     """The fingerprint of ``job``'s result file when the model of ``shared`` produces it on ``examples``.
 
     Args:

@@ -36,7 +36,7 @@ def reparsed(record: dict) -> dict:
     """``record`` with ``final_answer`` as the current parser reads its stored utterances (itself when current).
 
     Args:
-        record: A conversation row (``task``, ``utterances`` with ``text``, ``final_answer``).
+        record: A conversation row (``task`` or ``example``, ``utterances`` with ``text``, ``final_answer``).
 
     Raises:
         ValueError: a debate row (its answer is a majority: ``optima.evaluation.debate.reparsed_debate``).
@@ -45,5 +45,6 @@ def reparsed(record: dict) -> dict:
         return record
     if "debate" in record:
         raise ValueError(f"row {record.get('task_id')!r} is a debate: re-parse it with reparsed_debate")
-    answer = last_answer(record["task"], (u["text"] for u in record["utterances"]))
+    task = record.get("task") or record["example"]["task"]
+    answer = last_answer(task, (u["text"] for u in record["utterances"]))
     return record | {"final_answer": answer, PARSER_VERSION_KEY: PARSER_VERSION}
