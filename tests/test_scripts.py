@@ -135,7 +135,7 @@ def test_inference_dry_run_lists_checkpoints_in_numeric_order(tmp_path, capsys):
     assert load_script("inference_script").main(argv) == 0
     out = capsys.readouterr().out
     order = [out.index(f"[iteration_{k}]") for k in (0, 2, 10)]
-    assert order == sorted(order) and "5 (a sample stratified by subject/level" in out and "greedy" in out
+    assert order == sorted(order) and "5 (a seeded sample stratified" in out and "greedy" in out
 
 
 def test_multi_sc_dry_run(tmp_path, capsys):

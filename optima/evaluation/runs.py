@@ -105,7 +105,7 @@ def describe_limit(recipe: InferenceRecipe) -> str | None:
         return None
     if recipe.limit_mode == "first":
         return f"the first {recipe.limit}"
-    return f"{recipe.limit} (a sample stratified by subject/level, seed {recipe.seed}; a debugging aid)"
+    return f"{recipe.limit} (a seeded sample stratified by the task's groups, seed {recipe.seed}; a debugging aid)"
 
 
 def load_results(out_path: Path, cluster_f1: float = 0.9) -> list[dict]:
