@@ -197,8 +197,7 @@ def test_limit_samples_every_mmlu_subject_of_the_repo_data(tmp_path, server):
 
     The first 40 rows of the subject-sorted split cover 8 of its 16 subjects; the stratified sample covers all.
     """
-    model = tmp_path / "checkpoints" / "iteration_0"
-    model.mkdir(parents=True)
+    mark_finished(tmp_path / "checkpoints" / "iteration_0")
     flags = ["--dataset_type", "mmlu", "--data_dir", str(REPO_DATA), "--set", f"endpoints=[{server.base_url}]"]
     argv = ["--model_root_path", str(tmp_path / "checkpoints"), "--limit", "40", *flags]
     assert load_script("inference_script").main(argv) == 0
