@@ -23,6 +23,7 @@ D3). Nothing is written into the source tree, and no other module builds run pat
         metrics.json                  per-iteration metrics
         logs/                         vllm_<replica>.log, train.log
       conversations.html              the conversation browser (``optima.browser``), beside report.md
+      heldout/                        the held-out evaluation (heldout_size > 0): <model>.jsonl, summary.*
 """
 
 from __future__ import annotations
@@ -147,6 +148,11 @@ class RunPaths:
     def trainer_logs(self, sp: StagePaths) -> Path:
         """The TensorBoard events of one stage folder's trainer: ``tensorboard/iteration_<i>[/<stage>]``."""
         return self.tensorboard / sp.root.relative_to(self.output_dir)
+
+    @property
+    def heldout(self) -> Path:
+        """The held-out evaluation's folder (``optima.evaluation.heldout``)."""
+        return self.output_dir / "heldout"
 
     @property
     def checkpoints(self) -> Path:

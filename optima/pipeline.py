@@ -8,7 +8,8 @@ so the same command resumes at the first unfinished stage, a finished run is a n
 whose model is the retrained one. A run folder holds one lineage (``optima.lineage``): the run holds its lock, what
 a change made stale (a redone stage's outputs, the later parts, iterations past ``iteration_times``) is moved
 aside before anything is redone. Servers are stopped before training (and before HF scoring), which need the
-cores on a CPU and the memory on a GPU.
+cores on a CPU and the memory on a GPU. With ``heldout_size`` the run ends with the held-out evaluation of the
+base model and every checkpoint (``optima.stages.heldout``), keyed and resumed by its result files' fingerprints.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from optima.environments import check_env
 from optima.lineage import run_lock, set_aside, set_aside_beyond
 from optima.manifest import Manifest, StageKey
 from optima.plan import Plan, PlanPart
+from optima.reporting import write_run_report
 from optima.run_context import RunContext, check_writable, write_iteration_report
 from optima.serving.processes import sigterm_as_exit
 from optima.stage_identity import link, part_keys
 from optima.stages.common import TRAINER_LOGS, StageCall
+from optima.stages.heldout import run_heldout_stage
 from optima.training.hosts import verify_hosts
 from optima.training.nodes import ssh_resolver
 
@@ -132,6 +135,8 @@ def run_parts(plan: Plan) -> str:
             upstream = link(call, part.stages[-1].name, keys[part.stages[-1].name])
             # A part that trained nothing (carry_forward) hands its own starting model on.
             model = run_part(part, call, keys, chained_after(plan.parts, index)) or model
+        if run_heldout_stage(ctx) is not None:
+            write_run_report(ctx.paths.output_dir)  # the held-out table is the report's last
     return model
 
 

@@ -26,6 +26,7 @@ from optima.paths import RunPaths
 from optima.run_context import RunContext
 from optima.stages import dpo, sft
 from optima.stages.common import CHECKPOINT, TRAINER_LOGS, StageCall, describe_loss, trainer_launch
+from optima.stages.heldout import describe_heldout
 from optima.training.launch_config import describe_trainer_overrides
 
 if TYPE_CHECKING:
@@ -276,6 +277,8 @@ class Plan:
             lines += _render_stage("serve", _serve_details(recipe, call.model, hardware))
             for stage in part.stages:
                 lines += _render_stage(stage.name, stage.describe(call))
+        if recipe.heldout_size:
+            lines += ["after the last iteration", *_render_stage("heldout", describe_heldout(self.ctx))]
         return "\n".join(lines)
 
 

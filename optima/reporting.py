@@ -13,7 +13,8 @@ from the tree-search rollouts. "kept" is the conversations kept by selection (SF
 tokens count every generated token, cut replies included, and sit beside the share of conversations with a cut
 reply (docs/method.md#token-count). The ten most frequent final answers of each stage folder (read from its
 conversations) are listed with their counts, so that a model copying an answer (from a prompt, from its own
-training data) shows at a glance.
+training data) shows at a glance. A run with a held-out evaluation (``heldout_size``) ends the report with its
+table: the base model and every checkpoint on the same held-out questions (``optima.evaluation.heldout``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from optima.evaluation.heldout_table import render_heldout_table
 from optima.evaluation.metrics import with_timeouts
 from optima.evaluation.report import _new_figure, render_markdown_table
 from optima.lineage import lineage_folders, read_entries
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
+HELDOUT_SUMMARY = Path("heldout") / "summary.json"
 TOP_ANSWERS = 10
 # The per-iteration table (MATH runs add the verifier's timeouts: ``with_timeouts``).
 ITERATION_COLUMNS = ("label", "answer_rate", "task_score", "flexible_answer_rate", "flexible_score", "mean_tokens",
@@ -123,7 +126,9 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
     if (run_dir / PAGE).is_file():
         lines += [f"Every conversation, kept or dropped and why, and every DPO pair: [{PAGE}]({PAGE})", ""]
     if not rows:
-        return "\n".join([*lines, "No iteration has finished yet (no metrics.json found).", ""])
+        return "\n".join(
+            [*lines, "No iteration has finished yet (no metrics.json found).", "", *heldout_section(run_dir)]
+        )
     lines += [
         "Task score and answer rate are over the sampled conversations (SFT) or the tree-search rollouts (DPO); "
         "strict: the answer in the answer format (what the reward scores); flexible: the strict answer, else the "
@@ -169,8 +174,31 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
         "",
         f"![run report]({REPORT_PNG})",
         "",
+        *heldout_section(run_dir),
     ]
     return "\n".join(lines)
+
+
+def heldout_section(run_dir: Path) -> list[str]:
+    """The held-out evaluation's table and plot (``heldout/summary.json``), the report's last; [] without one."""
+    summary_file = run_dir / HELDOUT_SUMMARY
+    if not summary_file.is_file():
+        return []
+    summary = json.loads(summary_file.read_text())
+    rows, metric = summary.get("models") or [], summary.get("metric", "accuracy")
+    return [
+        "## Held-out evaluation",
+        "",
+        f"The base model and each checkpoint, greedy, one conversation per question, on the same "
+        f"{summary.get('questions')} `{summary.get('task')}` eval questions (seed {summary.get('seed')}), none of "
+        "them in the training split; no answer pre-fill, no constraint. Strict: the answer tag; flexible: the strict "
+        "answer, else the one named in words. Intervals: 95% Wilson.",
+        "",
+        render_heldout_table(rows, metric),
+        "",
+        f"![held-out evaluation]({HELDOUT_SUMMARY.with_suffix('.png')})",
+        "",
+    ]
 
 
 def plot_report(rows: list[dict], path: Path, title: str):

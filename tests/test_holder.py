@@ -122,6 +122,18 @@ def test_without_sleep_mode_training_stops_the_policy(tmp_path, scripted):
     assert [model for model, _, _ in scripted.starts] == ["/models/base", "/ckpt/iteration_0"]
 
 
+@pytest.mark.parametrize(("layout", "starts"), [(CPU_KEPT, 1), (CPU_FRESH, 3)])
+def test_models_served_in_turn_load_in_place_when_the_replicas_are_kept(tmp_path, scripted, layout, starts):
+    holder, stage = holder_for(tmp_path, layout)
+    with holder:
+        for model in ("/models/base", "/ckpt/iteration_0", "/ckpt/iteration_0", "/ckpt/iteration_1"):
+            holder.serve_in_turn(model, stage)
+            assert holder.model == model and not holder.asleep
+    assert len(scripted.starts) == starts  # kept: one start, then two in-place loads; else one start per model
+    if starts == 1:
+        assert scripted.starts[0][2].reloads == ["/ckpt/iteration_0", "/ckpt/iteration_1"]
+
+
 @pytest.mark.parametrize("asleep", [True, False])
 def test_a_policy_that_died_is_replaced_by_a_fresh_start(tmp_path, scripted, caplog, asleep):
     holder, stage = holder_for(tmp_path, CPU_KEPT)

@@ -249,6 +249,15 @@ class LoopFields:
         "(docs/method.md#where-we-differ-from-the-original)",
         redoes=REWARDED,
     )
+    heldout_size: int = field(
+        0,
+        help="after the last iteration, evaluate the base model and every checkpoint greedily on this many eval "
+        "questions the run never trained on (0: off; docs/method.md#held-out-evaluation)",
+    )
+    heldout_seed: int = field(0, help="seed of the held-out sample (the same questions for every model)")
+
+    def validate(self) -> None:
+        require(self.heldout_size >= 0, "heldout_size", f"must be >= 0, got {self.heldout_size}")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -187,6 +187,7 @@ class LoopRecipe(TrainingFields, RewardFields, LoopFields, BaseRecipe, Generatio
     def validate_loop(self) -> None:
         """The checks of the groups every loop has (after ``BaseRecipe.__post_init__``)."""
         GenerationFields.validate(self)
+        LoopFields.validate(self)
         RewardFields.validate(self)
 
 

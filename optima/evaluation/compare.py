@@ -177,7 +177,7 @@ def compare_rows(
     prepare_output(recipe)
     examples = load_eval_examples(recipe)
     rows = plan_rows(recipe, options)
-    session = EvalSession(recipe, envs, examples)
+    session = EvalSession(recipe, envs, examples, Path(recipe.output_root_path))
     by_model: dict[Path, list[Row]] = {}
     for row in rows:  # one server per model folder, however its path was written
         by_model.setdefault(row.model_path.resolve(), []).append(row)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from optima.tasks.reparse import reparsed
 from optima.tasks.sampling import stratified_indices
 
 if TYPE_CHECKING:
-    from optima.config.types import InferenceRecipe, RunFields
+    from optima.config.types import BaseRecipe, InferenceRecipe, RunFields
 
 logger = logging.getLogger(__name__)
 
@@ -136,16 +137,27 @@ class EvalSession:
     """Serves models one at a time for an evaluation run, only when one of their files is incomplete.
 
     Args:
-        recipe: The evaluation recipe (serving fields, ``output_root_path``).
+        recipe: The evaluation recipe (serving fields), or a loop's (held-out evaluation).
         envs: ``{"vllm": PythonEnv}``.
         examples: The eval set.
+        out_root: Where the models' folders go (an evaluation's ``output_root_path``).
+        server: ``(name, model folder)`` -> a context manager giving the URLs that serve it (a training run's
+            servers); default: ``optima.serving.serve`` starts replicas for each model and stops them after.
     """
 
-    def __init__(self, recipe: InferenceRecipe, envs: dict[str, PythonEnv], examples: Sequence[Example]):
+    def __init__(
+        self,
+        recipe: BaseRecipe,
+        envs: dict[str, PythonEnv],
+        examples: Sequence[Example],
+        out_root: Path,
+        server: Callable[[str, Path], AbstractContextManager] | None = None,
+    ):
         self.recipe, self.envs, self.examples = recipe, envs, list(examples)
-        self.out_root = Path(recipe.output_root_path)
+        self.out_root = Path(out_root)
+        self.server = server
         self.servers_started = 0
-        self._env_checked = bool(recipe.endpoints)  # external endpoints need no vLLM env
+        self._env_checked = bool(recipe.endpoints) or server is not None  # external or given servers: no vLLM env
 
     def run(self, name: str, model_path: Path, jobs: Sequence[GenerationJob]) -> dict[str, dict]:
         """Fill every incomplete file of ``jobs`` with ``model_path`` served; return each job's generation stats.
@@ -163,16 +175,21 @@ class EvalSession:
         if not self._env_checked:
             check_env(self.envs["vllm"], "vllm")
             self._env_checked = True
-        from optima.serving import serve
-
         stats = {}
         logger.info("%s | serve %s | %s", name, model_path, ", ".join(job.label for job in todo))
-        with serve(self.recipe, model_path, self.envs.get("vllm"), StagePaths(self.out_root / name)) as endpoints:
+        with self._serve(name, model_path) as endpoints:
             self.servers_started += 1
             for job in todo:
                 result = job.generate(self.recipe, self.examples, endpoints, job.out_path, job.plan)
                 stats[job.label] = result.to_dict()
         return stats
+
+    def _serve(self, name: str, model_path: Path) -> AbstractContextManager:
+        if self.server is not None:
+            return self.server(name, model_path)
+        from optima.serving import serve
+
+        return serve(self.recipe, model_path, self.envs.get("vllm"), StagePaths(self.out_root / name))
 
 
 def load_tokenize(recipe: RunFields, model_path: Path, score_type: str):

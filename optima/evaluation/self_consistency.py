@@ -218,7 +218,7 @@ def run_self_consistency(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], opti
     out_root = prepare_output(recipe)
     examples = load_eval_examples(recipe)
     max_k = options.max_k or recipe.num_samples
-    session = EvalSession(recipe, envs, examples)
+    session = EvalSession(recipe, envs, examples, Path(recipe.output_root_path))
     results, producers = {}, {}
     with MathVerifier() as verifier:
         scorer_of = RecordScorers(recipe, verifier)

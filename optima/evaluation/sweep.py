@@ -143,7 +143,7 @@ def run_sweep(
         logger.warning("no iteration_<k> checkpoint and no model folder under %s", recipe.model_root_path)
     examples = load_eval_examples(recipe)
     logger.info("eval | %s | %d questions | %d models | %s", recipe.dataset_type, len(examples), len(models), out_root)
-    session = EvalSession(recipe, envs, examples)
+    session = EvalSession(recipe, envs, examples, Path(recipe.output_root_path))
     settings = settings or BaselineSettings()
     rows: list[dict] = []
     with MathVerifier() as verifier:

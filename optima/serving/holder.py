@@ -12,6 +12,8 @@ generating. Placement: ``optima.hardware.layout``. Its verbs say what happens to
   On a CPU an idle policy keeps its memory: when the trainer's peak estimated on the stage's rows does not fit in
   the memory available now (``available_memory``, with a margin), the policy is stopped for that training
   instead, and the next stage starts a fresh one;
+* ``serve_in_turn(model, stage_paths)``: as ``endpoints``, for models served one after another (the held-out
+  evaluation): kept replicas serving another model are given ``model``'s weights in place;
 * ``reload(model)``: load a checkpoint into the kept replicas (``optima.serving.sleep_mode``), prefix cache reset
   and weights probe checked (``optima.serving.reload_check``);
 * ``stop_policy()``: stop the policy replicas; ``stop_all()``: every server (the end of the run, or any error).
@@ -215,6 +217,14 @@ class ServerHolder:
             elif self.model == model:
                 return self.urls
         return self._start_policy(model, stage_paths)
+
+    def serve_in_turn(self, model: str, stage_paths: StagePaths) -> list[str]:
+        """URLs serving ``model`` when several models are served one after another (the held-out evaluation):
+        kept replicas that serve another model take its weights in place, as after training (no restart); others
+        are stopped and ``model``'s started."""
+        if self._stack is not None and not self.asleep and self.model != str(model):
+            self.sleep_for_training()  # kept replicas wait for the next weights (GPU: asleep), others stop
+        return self.endpoints(model, stage_paths)
 
     def reload(self, model: str) -> list[str]:
         """Give the kept replicas ``model``'s weights in place (no restart): wake (GPU), reload, reset prefix cache.
