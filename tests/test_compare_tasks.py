@@ -169,6 +169,9 @@ def test_the_papers_table_on_the_demo_checkpoint(tmp_path):
     for row in wide.values():
         for task in ("arc", "gsm8k"):
             assert 0.0 <= float(row[f"{task}_accuracy"]) <= 1.0 and float(row[f"{task}_tokens"]) > 0
+            # the flexible answer is the strict one where there is one: never answered less often
+            assert 0.0 <= float(row[f"{task}_accuracy_flexible"]) <= 1.0
+            assert float(row[f"{task}_flexible_answer_rate"]) >= float(row[f"{task}_answer_rate"])
     assert (out / "table.md").read_text().startswith("| method | arc | gsm8k |")
     assert (out / "table.png").stat().st_size > 0
 
