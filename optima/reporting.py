@@ -192,7 +192,7 @@ def heldout_section(run_dir: Path) -> list[str]:
         f"The base model and each checkpoint, greedy, one conversation per question, on the same "
         f"{summary.get('questions')} `{summary.get('task')}` eval questions (seed {summary.get('seed')}), none of "
         "them in the training split; no answer pre-fill, no constraint. Strict: the answer tag; flexible: the strict "
-        "answer, else the one named in words. Intervals: 95% Wilson.",
+        f"answer, else the one named in words. Intervals: 95% Wilson. Time: {summary.get('seconds')} s.",
         "",
         render_heldout_table(rows, metric),
         "",

@@ -22,6 +22,7 @@ those that used every turn without the stop rule firing (``max_turns``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -90,10 +91,12 @@ def heldout_row(name: str, records: Sequence[dict], scorer: RecordScorer) -> dic
     return row
 
 
-def write_heldout_report(out_root: Path, task: str, rows: list[dict], examples: Sequence[Example], seed: int) -> str:
-    """Write summary.json/.csv/.md/.png under ``out_root``; return the Markdown table."""
+def write_heldout_report(
+    out_root: Path, task: str, rows: list[dict], examples: Sequence[Example], seed: int, seconds: float | None = None
+) -> str:
+    """Write summary.json/.csv/.md/.png under ``out_root``; return the Markdown table (``seconds``: wall time)."""
     metric, _ = metric_names(get_task(task).score_type)
-    header = {"task": task, "metric": metric, "seed": seed, "questions": len(examples)}
+    header = {"task": task, "metric": metric, "seed": seed, "questions": len(examples), "seconds": seconds}
     write_json(out_root / "summary.json", header | {"question_ids": [e.id for e in examples], "models": rows})
     write_csv(out_root / "summary.csv", rows, list(rows[0]) if rows else ["model"])
     table = render_heldout_table(rows, metric)
@@ -121,7 +124,7 @@ def run_heldout(
     task, count = recipe.dataset_type, len(examples)
     logger.info("heldout | %s | %d questions | %d models | %s", task, count, len(models), out_root)
     session = EvalSession(recipe, envs or {}, examples, out_root=out_root, server=serve_model)
-    rows = []
+    rows, started = [], time.monotonic()
     with MathVerifier() as verifier:
         scorer_of = RecordScorers(recipe, verifier)  # F1 tasks: each model's tokenizer, loaded once
         for name, path in models:
@@ -130,4 +133,5 @@ def run_heldout(
             records, _ = load_records(job.out_path)
             row = heldout_row(name, records, scorer_of(path))
             rows.append(row | {"producer": digest(read_producer(job.out_path))})
-    return write_heldout_report(out_root, recipe.dataset_type, rows, examples, recipe.heldout_seed)
+    seconds = round(time.monotonic() - started, 1)  # this run's serving and generation (0 when all resumed)
+    return write_heldout_report(out_root, recipe.dataset_type, rows, examples, recipe.heldout_seed, seconds)
