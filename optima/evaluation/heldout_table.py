@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from optima.evaluation.metrics import flexible_name
-from optima.evaluation.report import _new_figure, render_markdown_table
+from optima.evaluation.report import _new_figure, place_labels, render_markdown_table
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,13 @@ def plot_heldout(rows: Sequence[Mapping], metric: str, path: Path, title: str):
         errors = [[v - row[f"{key}_low"] for v, row in zip(values, shown, strict=True)],
                   [row[f"{key}_high"] - v for v, row in zip(values, shown, strict=True)]]  # fmt: skip
         axis.errorbar(tokens, values, yerr=errors, marker="o", mfc=fill, capsize=4, linestyle="--", label=name)
-    for row, x in zip(shown, tokens, strict=True):
-        axis.annotate(row["checkpoint"], (x, row[metric]), textcoords="offset points", xytext=(6, 6), fontsize="small")
     axis.set(xlabel="tokens per question", ylabel=metric, ylim=(-0.02, 1.02), title=title)
-    axis.set_xlim(left=0)
+    axis.set_xlim(0, max(tokens, default=1.0) * 1.25 or 1.0)  # the origin shows how far the tokens fell
     axis.grid(alpha=0.3)
-    axis.legend(fontsize="small")
+    axis.legend(fontsize="small", loc="upper left")
+    figure.canvas.draw()  # lay the figure out first: labels are placed in the final axes
+    points = [(x, row[metric]) for row, x in zip(shown, tokens, strict=True)]
+    place_labels(axis, points, [row["checkpoint"] for row in shown])
     figure.savefig(path, dpi=110)
     logger.info("plot | %s", path)
     return figure
