@@ -94,17 +94,18 @@ def model_fingerprint(recipe: InferenceRecipe, model_path: Path, examples: Seque
     """The parts of a fingerprint every job of one model shares: weights, tokenizer and questions (built once).
 
     Args:
-        recipe: The evaluation recipe (tokenizer, task).
+        recipe: The evaluation recipe (tokenizer, task; a training loop's for the held-out evaluation).
         model_path: The served model.
         examples: The eval set.
     """
+    limit = getattr(recipe, "limit", None)  # a training run's held-out evaluation has none (its own sample)
     return {
         "model": model_identity(model_path),
         "tokenizer": tokenizer_identity(tokenizer_path(recipe, model=str(model_path))),
         "questions": {
             "task": recipe.dataset_type,
             "count": len(examples),
-            "limit": {"n": recipe.limit, "mode": recipe.limit_mode} if recipe.limit else None,
+            "limit": {"n": limit, "mode": recipe.limit_mode} if limit else None,
             "ids": digest([example.id for example in examples]),
             "hash": digest([example.to_dict() for example in examples]),
         },
