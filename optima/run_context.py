@@ -71,6 +71,11 @@ class RunContext:
         vllm_env, log_dir = self.envs.get("vllm"), self.paths.driver_log.parent
         holder = ServerHolder(self.recipe, vllm_env, loss_model(self.recipe), log_dir, layout=self.hardware.layout)
         holder.demand = self.policy_demand
+        training = self.hardware.training
+        if training is not None and training.multi_node:  # every node serves the policy (ServerLayout.nodes)
+            from optima.training.nodes import NodeCommands
+
+            holder.node_launcher = NodeCommands(training)
         return holder
 
     def policy_demand(self, model: str) -> PolicyDemand:

@@ -18,6 +18,15 @@ policy is still generating (``loss_placement: beside``). The two must not fight 
 
 With ``sleep_mode`` (on by default, GPU and CPU) the policy replicas are kept from checkpoint to checkpoint:
 they sleep (GPU) or idle (CPU) during training and then load the new weights (``optima.serving.sleep_mode``).
+
+``loss_placement: after`` on a GPU in a loop with a tree search (iDPO, iSFT-DPO): the search scores every rollout
+while the policy keeps generating, so the loss server is placed as above but starts with each search and stops
+after it (``ServerLayout.loss_resident`` false): it never holds memory while the trainer runs. On a CPU the search
+scores with transformers in the driver instead (the cores are the policy's either way).
+
+Several training nodes (``train_hosts``, or srun): every node serves the policy too (``NodeServers``: the same
+replicas as node 0, without the loss server's share), started through the training's launcher
+(``optima.serving.node_servers``) and pooled with node 0's.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from optima.config.fields import RecipeError
+from optima.config.groups import LOOPBACK_HOSTS
 from optima.config.rules import loss_model
 from optima.hardware.capacity import loss_kvcache_gb
 from optima.hardware.placement import Placement
@@ -35,13 +45,36 @@ from optima.hardware.placement import Placement
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe, Recipe, ServingFields
 
+SEARCH_METHODS = ("dpo", "sft_dpo")  # the loops with a tree search
+
+
+@dataclass(frozen=True)
+class NodeServers:
+    """The policy replicas of one more node of a multi-node run.
+
+    Args:
+        rank: Its machine rank (1, 2, ...; node 0 is the driver's).
+        host: Its host as the recipe names it (``""``: a Slurm node found at start).
+        policy: Its replicas (GPUs of that node, or one CPU server).
+    """
+
+    rank: int
+    host: str
+    policy: tuple[Placement, ...]
+
 
 @dataclass(frozen=True)
 class ServerLayout:
-    """Placements of the policy replicas and of the loss server (``None``: no loss server beside them)."""
+    """Placements of the policy replicas and of the loss server (``None``: no loss server beside them).
+
+    ``loss_resident``: the loss server serves the whole run (``beside``), else only each tree search (``after``).
+    ``nodes``: the policy replicas of the other nodes of a multi-node run (pooled with ``policy``).
+    """
 
     policy: tuple[Placement, ...]
     loss: Placement | None
+    loss_resident: bool = True
+    nodes: tuple[NodeServers, ...] = ()
 
 
 def loss_server_wanted(recipe: Recipe) -> bool:
@@ -51,6 +84,34 @@ def loss_server_wanted(recipe: Recipe) -> bool:
     """
     served = getattr(recipe, "cal_ppl", False) and recipe.loss_backend == "vllm"
     return bool(served and recipe.loss_placement == "beside" and not recipe.endpoints)
+
+
+def search_loss_server_wanted(recipe: Recipe) -> bool:
+    """Whether a loss server starts for each tree search (``loss_placement: after`` in iDPO and iSFT-DPO): the search
+    scores each rollout as it ends, while the policy is still served (on a GPU; see the module docstring)."""
+    served = getattr(recipe, "cal_ppl", False) and recipe.loss_backend == "vllm"
+    searches = getattr(recipe, "method", None) in SEARCH_METHODS
+    return bool(served and searches and recipe.loss_placement == "after" and not recipe.endpoints)
+
+
+def bind_problem(
+    recipe: ServingFields, host: str, carry_over: bool, private: Sequence[str] | None = None
+) -> str | None:
+    """Why a policy server may not bind to ``host``, reachable from node 0 (None: it may).
+
+    Its reload routes (sleep mode) are not guarded by the API key: only loopback or a host of ``private_hosts``
+    (``private``: the names taken as private, default ``private_hosts``).
+    """
+    if host in LOOPBACK_HOSTS:
+        return None
+    if not recipe.api_key:
+        return f"its servers bind to {host}, reachable from node 0: set api_key"
+    if carry_over and host not in recipe.private_hosts:
+        return (
+            f"its servers bind to {host} with sleep_mode, whose reload routes the API key does not guard: list "
+            "the nodes' names in private_hosts (private interfaces), or set sleep_mode: false"
+        )
+    return None
 
 
 def carry_over_on(recipe: ServingFields, gpus: Sequence[str]) -> bool:
@@ -74,15 +135,15 @@ def plan_layout(
     beside, carry = loss_server_wanted(recipe), carry_over_on(recipe, gpus)
     if gpus:
         policy = [dataclasses.replace(p, carry_over=carry) for p in plan_replicas(recipe, gpus, cpus)]
-        if not beside:
+        resident = beside
+        if not beside and not search_loss_server_wanted(recipe):
             return ServerLayout(tuple(policy), None)
         if recipe.loss_devices is not None:
             bad = [d for d in recipe.loss_devices if d >= len(gpus)]
             if bad:
                 raise RecipeError("loss_devices", f"GPU {bad[0]} is not visible (visible: {list(gpus)})")
-            return ServerLayout(
-                tuple(policy), Placement(gpus=tuple(gpus[d] for d in recipe.loss_devices), scoring=True)
-            )
+            loss = Placement(gpus=tuple(gpus[d] for d in recipe.loss_devices), scoring=True)
+            return ServerLayout(tuple(policy), loss, resident)
         share = recipe.loss_gpu_memory_utilization or loss_share
         if share is None:
             raise ValueError("loss_gpu_memory_utilization is null: the hardware plan computes the share")
@@ -95,7 +156,7 @@ def plan_layout(
             )
         policy[0] = dataclasses.replace(policy[0], gpu_memory_utilization=left)
         loss = Placement(gpus=policy[0].gpus[:1], gpu_memory_utilization=share, scoring=True)
-        return ServerLayout(tuple(policy), loss)
+        return ServerLayout(tuple(policy), loss, resident)
     if not beside:
         return ServerLayout((Placement(carry_over=carry),), None)
     return plan_cpu_beside(recipe, sorted(cpus), carry)
@@ -175,8 +236,27 @@ def describe_layout(recipe: LoopRecipe, loss_model: str, layout: ServerLayout | 
     if recipe.endpoints or layout is None:
         return {"policy": "external endpoints " + ", ".join(recipe.endpoints)} if recipe.endpoints else {}
     lines = {f"policy replica {i}": describe_placement(p, recipe) for i, p in enumerate(layout.policy)}
-    if layout.loss is not None:
+    for node in layout.nodes:
+        where = node.host or "its Slurm node"
+        for i, placement in enumerate(node.policy):
+            lines[f"node {node.rank} policy replica {i}"] = (
+                f"{describe_placement(placement, recipe)} on {where}, started through {recipe.train_launcher}"
+            )
+    if layout.loss is not None and layout.loss_resident:
         lines["loss server"] = f"{loss_model} on {describe_placement(layout.loss, recipe)}, started once per run"
-    elif recipe.cal_ppl:
+    elif getattr(recipe, "cal_ppl", False):
         lines["loss model"] = f"{loss_model}, {recipe.loss_backend} backend, scored after generation"
+        if getattr(recipe, "method", None) in SEARCH_METHODS:
+            lines["tree search LM loss"] = search_loss_text(recipe, loss_model, layout)
     return lines
+
+
+def search_loss_text(recipe: LoopRecipe, loss_model: str, layout: ServerLayout) -> str:
+    """How the tree search scores its rollouts' LM loss when no loss server serves the whole run (``after``)."""
+    if recipe.loss_backend != "vllm":
+        return "transformers in the driver process (loss_backend: hf)"
+    policy_itself = f"the policy server itself while it serves {loss_model}; else "
+    if layout.loss is not None:
+        where = describe_placement(layout.loss, recipe)
+        return policy_itself + f"a loss server on {where}, started with each search and stopped after it"
+    return policy_itself + "transformers in the driver process (CPU: the policy server keeps the cores)"

@@ -27,11 +27,19 @@ from optima.config.groups import LOOPBACK_HOSTS
 from optima.config.rules import loss_model
 from optima.hardware import memory, vllm_memory
 from optima.hardware.claims import Claim, HardwarePlan, describe_claims, phase_total
-from optima.hardware.layout import ServerLayout, carry_over_on, loss_server_wanted, plan_layout
+from optima.hardware.layout import (
+    NodeServers,
+    ServerLayout,
+    bind_problem,
+    carry_over_on,
+    loss_server_wanted,
+    plan_layout,
+    search_loss_server_wanted,
+)
 from optima.hardware.memory import GIB, ModelSize, gib
 from optima.hardware.placement import Placement
 from optima.hardware.spec import Hardware, detect_hardware
-from optima.hardware.training import plan_training, policy_size, trainer_yamls
+from optima.hardware.training import plan_training, policy_size, trainer_yamls, training_hosts
 from optima.hardware.vllm_memory import ServerNeed
 
 if TYPE_CHECKING:
@@ -58,6 +66,7 @@ def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = N
     else:
         plan_servers(recipe, hardware, size, plan, cpus or [0])
     if yamls:
+        plan_node_servers(recipe, hardware, size, plan, training_hosts(recipe, hardware))
         plan_training(recipe, hardware, size, yamls, plan)
         note_search_loss(recipe, hardware, plan)
     return plan
@@ -118,7 +127,8 @@ def plan_servers(
 ) -> None:
     """Place the servers on node 0 and claim their shares (generation), checking each against its need."""
     gpus = list(hardware.gpu_ids) if hardware.has_gpu else []
-    beside = loss_server_wanted(recipe)
+    # A loss server beside the policy: for the whole run, or (after, on a GPU) for each tree search.
+    beside = loss_server_wanted(recipe) or bool(gpus and search_loss_server_wanted(recipe))
     dtype = memory.served_dtype_bytes(recipe.vllm_extra_args)
     loss_size = memory.model_size(loss_model(recipe), recipe.tokenizer_first_path) if beside else None
     loss_need = None
@@ -142,7 +152,7 @@ def plan_servers(
         return
     if not hasattr(recipe, "accelerate_config"):  # evaluation: replicas started per model, never kept asleep
         policy = tuple(dataclasses.replace(p, carry_over=False) for p in plan.layout.policy)
-        plan.layout = ServerLayout(policy, plan.layout.loss)
+        plan.layout = dataclasses.replace(plan.layout, policy=policy)
     if not gpus:
         plan.lines.append("servers: on the CPU (one policy server" + (" and the loss server)" if beside else ")"))
         return
@@ -150,16 +160,45 @@ def plan_servers(
     if size is None:
         plan.notes.append(f"the size of {recipe.initial_model_path} is unknown: the servers' memory is not checked")
     for i, placement in enumerate(plan.layout.policy):
-        need = None
-        if size is not None:
-            kv = memory.policy_kv_min_bytes(size, recipe, dtype)
-            args = vllm_memory.policy_args(recipe.max_model_len, size, hardware.gpu_gib, recipe.vllm_extra_args)
-            need = vllm_memory.server_need(size, kv, len(placement.gpus), dtype, args)
-        claim_server(plan, recipe, f"policy replica {i}", placement, need)
+        claim_server(plan, recipe, f"policy replica {i}", placement, policy_need(recipe, size, hardware, placement))
     if plan.layout.loss is not None:
         plan.lines.append(f"loss model: {_describe_size(loss_size)}" if loss_size else "loss model: size unknown")
-        claim_server(plan, recipe, "loss server", plan.layout.loss, loss_need)
+        name = "loss server" if plan.layout.loss_resident else "search loss server"
+        claim_server(plan, recipe, name, plan.layout.loss, loss_need)
     check_generation_totals(plan)
+
+
+def policy_need(recipe: Recipe, size: ModelSize | None, hardware: Hardware, placement: Placement) -> ServerNeed | None:
+    """What one policy replica needs on each of its GPUs (None: the model's size is unknown)."""
+    if size is None:
+        return None
+    dtype = memory.served_dtype_bytes(recipe.vllm_extra_args)
+    kv = memory.policy_kv_min_bytes(size, recipe, dtype)
+    args = vllm_memory.policy_args(recipe.max_model_len, size, hardware.gpu_gib, recipe.vllm_extra_args)
+    return vllm_memory.server_need(size, kv, len(placement.gpus), dtype, args)
+
+
+def plan_node_servers(
+    recipe: Recipe, hardware: Hardware, size: ModelSize | None, plan: HardwarePlan, hosts: list[str]
+) -> None:
+    """Every training node after the first serves the policy too (``optima.serving.node_servers``): node 0's
+    replicas without the loss server's share, each claimed on its node's GPUs (sleeping, or stopped, for training)."""
+    if len(hosts) < 2 or plan.layout is None or recipe.endpoints:
+        return
+    policy = tuple(Placement(gpus=p.gpus, carry_over=p.carry_over) for p in plan.layout.policy)
+    nodes = tuple(NodeServers(rank, host, policy) for rank, host in enumerate(hosts) if rank)
+    plan.layout = dataclasses.replace(plan.layout, nodes=nodes)
+    if recipe.train_launcher == "srun":  # bound to each node's name (ssh tunnels to the node's loopback)
+        problem = bind_problem(recipe, "each Slurm node's name", policy[0].carry_over and not recipe.private_hosts)
+        if problem:
+            plan.problems.append(f"the servers of nodes 1-{len(nodes)}: {problem}")
+    for node in nodes:
+        if not hardware.has_gpu:
+            plan.lines.append(f"node {node.rank} ({node.host or 'Slurm'}): one CPU policy server, pooled with node 0")
+            continue
+        for i, placement in enumerate(policy):
+            need = policy_need(recipe, size, hardware, placement)
+            claim_server(plan, recipe, f"node {node.rank} policy replica {i}", placement, need, node.rank)
 
 
 def check_generation_totals(plan: HardwarePlan) -> None:
@@ -189,15 +228,18 @@ def check_overlap(recipe: Recipe, layout: ServerLayout, plan: HardwarePlan) -> N
 
 
 def claim_server(
-    plan: HardwarePlan, recipe: ServingFields, name: str, placement: Placement, need: ServerNeed | None
+    plan: HardwarePlan, recipe: ServingFields, name: str, placement: Placement, need: ServerNeed | None, node: int = 0
 ) -> None:
-    """Claim a server's share on each of its GPUs; a share below its need is a problem (with the share that fits)."""
+    """Claim a server's share on each of its GPUs (of ``node``); a share below its need is a problem (with the share
+    that fits)."""
     share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
     budget = int(share * plan.hardware.gpu_gib * GIB)
     tp = len(placement.gpus)
     resident = name == "loss server"  # it serves the whole run, training included
     sleeps = placement.carry_over
     after = "stays up through training" if resident else "sleeps during training" if sleeps else "stops for training"
+    if name == "search loss server":
+        after = "started with each tree search and stopped after it (never beside the trainer)"
     text = (
         f"{name}: GPUs {','.join(placement.gpus)} (tensor parallel {tp}), share {share} = {gib(budget)} GiB, {after}"
     )
@@ -205,9 +247,9 @@ def claim_server(
         text += f"; needs ~{gib(need.total)} GiB per GPU: {need.describe()}"
     plan.lines.append(text)
     for gpu in placement.gpus:
-        plan.claim(0, gpu, Claim(name, budget, training=resident))
+        plan.claim(node, gpu, Claim(name, budget, training=resident))
         if sleeps:
-            plan.claim(0, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, generation=False, training=True))
+            plan.claim(node, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, generation=False, training=True))
     if need is not None and need.total > budget:
         plan.problems.append(_share_problem(name, placement, need, share, plan.hardware.gpu_gib))
 
@@ -218,7 +260,7 @@ def _share_problem(name: str, placement: Placement, need: ServerNeed, share: flo
     wanted = loss_share_for(need.total, gpu_gib)
     if wanted > 1:
         fix = "it does not fit on one GPU: use tensor_parallel_size > 1 (policy) or GPUs with more memory"
-    elif name == "loss server":
+    elif name.endswith("loss server"):
         fix = f"set loss_gpu_memory_utilization >= {wanted:.2f} or loss_devices: [a GPU outside devices]"
     else:
         fix = (

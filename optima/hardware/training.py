@@ -173,13 +173,19 @@ def rows_trainer_peak(recipe: MethodRecipe, config: dict, dpo: bool, dataset: Pa
     return TrainerPeak(cpu_trainer_peak_bytes(recipe, tokens, [config | {"_dpo": dpo}]), tokens)
 
 
-def node_hosts(recipe: TrainingFields, hardware: Hardware, plan) -> list[str]:
-    """The hosts of the training nodes (``""``: a Slurm node found at run time); one entry per node."""
+def training_hosts(recipe: TrainingFields, hardware: Hardware) -> list[str]:
+    """The hosts the recipe names for its training nodes (``""``: a Slurm node found at run time); [] for none."""
     hosts = read_hosts(recipe)
     if hosts:
         return hosts
-    if recipe.train_launcher == "srun" and hardware.nodes > 1:
-        return [""] * hardware.nodes
+    return [""] * hardware.nodes if recipe.train_launcher == "srun" and hardware.nodes > 1 else []
+
+
+def node_hosts(recipe: TrainingFields, hardware: Hardware, plan) -> list[str]:
+    """The hosts of the training nodes (``""``: a Slurm node found at run time); one entry per node."""
+    hosts = training_hosts(recipe, hardware)
+    if hosts:
+        return hosts
     if hardware.nodes > 1:
         plan.notes.append(
             f"the hardware has {hardware.nodes} nodes but the recipe names none (train_hosts, train_hostfile, or "
@@ -247,12 +253,6 @@ def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None
         return
     nodes = tuple(NodeRanks(h, r, tuple(free[r][:per_node])) for r, h in enumerate(hosts))
     plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port, tuple(forward))
-    if len(hosts) > 1 and not recipe.endpoints:
-        plan.notes.append(
-            f"the servers run on node 0 ({hosts[0] or 'the first Slurm node'}: the driver runs there); the other "
-            "nodes train only. To sample on them too, start vLLM there (e.g. its data parallel mode) and list the "
-            "servers in endpoints"
-        )
     mixed = str(config.get("mixed_precision") or "no") != "no"
     shapes = [trainer_shape(strategy, plan.training.num_processes, y, mixed) for y in yamls]
     peak = max(memory.trainer_peak_bytes(size, s) for s in shapes) if size else 0

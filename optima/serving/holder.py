@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,7 @@ from optima.serving.vllm_server import (
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe
+    from optima.serving.node_servers import NodeLauncher
 
 logger = logging.getLogger(__name__)
 ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: nothing placed here
@@ -170,6 +171,7 @@ class ServerHolder:
         self.demand: Callable[[str], PolicyDemand] | None = None
         self.available_memory: Callable[[], int] = available_memory_bytes
         self.trained_rows: int | None = None  # the longest row of the last training weighed here (its tokens)
+        self.node_launcher: NodeLauncher | None = None  # starts the other nodes' servers (``layout.nodes``)
 
     @property
     def layout(self) -> ServerLayout:
@@ -269,11 +271,46 @@ class ServerHolder:
             if not self.layout.loss.on_cpu and self.layout.loss.gpus == policy[0].gpus[:1]:
                 loss.urls()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
         stack = contextlib.ExitStack()
-        # The planned placements always: they carry the sleep-mode flag that opens vLLM's reload routes.
-        layout = ReplicaLayout(policy, starting, bool(starting), self._demand(model))
-        self.urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
+        with contextlib.ExitStack() as failing:  # on an error before the end, everything started here stops
+            failing.enter_context(stack)
+            # The other nodes' replicas load while node 0's do (node 0's then skip their ports).
+            nodes = self._start_node_servers(model, stage_paths, stack, len(policy), starting)
+            busy = starting + tuple(server.spec.port for server in nodes)
+            # The planned placements always: they carry the sleep-mode flag that opens vLLM's reload routes.
+            layout = ReplicaLayout(policy, busy, bool(starting), self._demand(model))
+            urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
+            wait_until_all_ready(nodes, self.recipe.server_startup_timeout_s)
+            failing.pop_all()
+        self.urls = urls + [server.spec.api_url for server in nodes]
         self._stack, self.model = stack, model
         return self.urls
+
+    def _start_node_servers(
+        self, model: str, stage_paths: StagePaths, stack: contextlib.ExitStack, first: int, busy: tuple[int, ...]
+    ) -> list[VLLMServer]:
+        """Start the policy replicas of the other nodes (``layout.nodes``), stopped with ``stack``; none on one node.
+
+        Args:
+            model: The policy model.
+            stage_paths: Logs go to ``vllm_<first>.log`` on.
+            stack: Closes them with node 0's replicas.
+            first: Node 0's replica count (the first log index of the other nodes).
+            busy: Ports of servers starting here that may not listen yet.
+        """
+        if not self.layout.nodes:
+            return []
+        if self.node_launcher is None:
+            raise RuntimeError("the layout places servers on other nodes, but the run set no node launcher")
+        from optima.serving.node_servers import node_server_specs, start_node_servers
+
+        # Their ports first (probed here); node 0's replicas then skip them.
+        specs = node_server_specs(
+            self.recipe, model, self.vllm_env, stage_paths, self.layout.nodes, self.node_launcher, busy, first
+        )
+        servers = start_node_servers(specs)
+        for server in servers:
+            stack.callback(server.stop)
+        return servers
 
     def _demand(self, model: str) -> PolicyDemand | None:
         """What the conversations ask of ``model``'s server, when its KV cache is sized here (CPU, automatic).
@@ -290,6 +327,35 @@ class ServerHolder:
     def loss_endpoints(self) -> list[str] | None:
         """The loss server's URLs (waiting until it is ready), or None without a loss server."""
         return self.loss.urls() if self.loss is not None else None
+
+    @contextlib.contextmanager
+    def search_loss_endpoints(self) -> Iterator[Callable[[], list[str]] | None]:
+        """The loss model's URLs while the policy stays served (the tree search), or None: scored another way.
+
+        Yields a function that waits until they answer: the run's loss server (``beside``); else the policy
+        replicas while they serve the loss model; else, where the plan placed one for the search (``loss_placement:
+        after`` on a GPU: ``layout.loss``, not resident), a loss server started now, loading while the policy
+        samples, and stopped when the block ends, before anything trains.
+        """
+        if self.loss is not None:
+            yield self.loss_endpoints
+            return
+        if self._stack is not None and self.model == self.loss_model:
+            urls = list(self.urls)
+            yield lambda: urls
+            return
+        layout = self.layout
+        if layout.loss is None or layout.loss_resident or self.vllm_env is None or self.loss_model is None:
+            yield None
+            return
+        log = (self.log_dir or Path(self.recipe.output_dir) / "logs") / "search_loss_server.log"
+        server = LossServer(self.recipe, self.vllm_env, self.loss_model, layout, log)
+        try:
+            server.start()
+            logger.info("serve | loss server for the tree search: %s (stopped when the search ends)", self.loss_model)
+            yield server.urls
+        finally:
+            server.stop()
 
     def sleep_for_training(self, trainer: TrainerPeak | None = None) -> None:
         """Give the policy's cores and memory back for training: kept replicas sleep (GPU) or idle (CPU), others stop.

@@ -137,6 +137,13 @@ def build_serve_env(
     engine core are pinned to ``placement.service_bind`` once ready (``optima.serving.pinning``). The API key travels
     as ``VLLM_API_KEY`` (same effect as ``--api-key``) so it never shows in ``ps`` or in the logged command line.
     """
+    return vllm_env.process_env(serve_env_extra(recipe, placement, cache_root, model_path, share))
+
+
+def serve_env_extra(
+    recipe: ServingFields, placement: Placement, cache_root: Path, model_path: str, share: MemoryShare | None = None
+) -> dict[str, str]:
+    """What ``build_serve_env`` adds to this process's environment (a server on another node gets only these)."""
     extra = {"VLLM_CACHE_ROOT": str(cache_root), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     extra[PARENT_ENV] = str(os.getpid())  # the launcher stops itself if this driver dies (kill -9 included)
     if Path(model_path).exists():
@@ -158,7 +165,7 @@ def build_serve_env(
             extra[SERVICE_CPUS_ENV] = placement.service_bind  # read back when the server is ready
     else:
         extra["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
-    return vllm_env.process_env(extra)
+    return extra
 
 
 def server_root(api_url: str) -> str:
@@ -227,7 +234,9 @@ class VLLMServer:
         """Start the process in its own session and process group; output goes to the replica's log."""
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.spec.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._log.write(f"=== optima: starting {' '.join(self.spec.argv)}\n".encode())
+        shown, key = " ".join(self.spec.argv), self.spec.env.get("VLLM_API_KEY")
+        shown = shown.replace(key, "<redacted>") if key else shown  # a node server's command carries it
+        self._log.write(f"=== optima: starting {shown}\n".encode())
         self._log.flush()
         self._started_at, self._ready_after = time.monotonic(), None
         self._proc = subprocess.Popen(

@@ -15,7 +15,7 @@ import logging
 import random
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
@@ -80,10 +80,22 @@ class CachedLoss:
             return [self.cache[t] for t in texts]
 
 
-def search_loss(ctx: RunContext, sp: StagePaths) -> CachedLoss | None:
-    """LM loss during the search (the policy stays served), each utterance scored once."""
+@contextlib.contextmanager
+def search_loss(ctx: RunContext, sp: StagePaths) -> Iterator[CachedLoss | None]:
+    """LM loss during the search (the policy stays served), each utterance scored once.
+
+    With the vLLM backend on a served loss model (``ServerHolder.search_loss_endpoints``: the run's loss server, the
+    policy when it serves the loss model, or with ``loss_placement: after`` on a GPU a loss server that runs for the
+    block only); else as ``loss_scorer`` says (transformers in the driver: ``loss_backend: hf``, or on a CPU).
+    """
+    recipe = ctx.recipe
+    if recipe.cal_ppl and recipe.loss_backend == "vllm":
+        with ctx.servers.search_loss_endpoints() as urls:
+            if urls is not None:
+                yield CachedLoss(common.built_on_first_use(lambda: common.served_loss_scorer(ctx, urls())))
+                return
     scorer = common.loss_scorer(ctx, sp, keep_served=True)
-    return CachedLoss(scorer) if scorer is not None else None
+    yield CachedLoss(scorer) if scorer is not None else None
 
 
 def search(call: StageCall) -> dict:
@@ -102,13 +114,14 @@ def search(call: StageCall) -> dict:
         "search | %d questions (%d done) | T_max %d | %d endpoints", len(examples), len(done), t_max, len(urls)
     )
     pool = ReplicaPool(urls, recipe)
-    score_texts = search_loss(ctx, sp)
     tokenize = ctx.tokenizer().tokenize if recipe.compat == "original" else None
     count_tokens = TokenCounter(recipe)  # generation's fallback when a server sends no usage
     with contextlib.ExitStack() as stack:
         verifier = stack.enter_context(common.math_verifier(ctx))
         stack.callback(pool.close)
         writer = stack.enter_context(JsonlWriter(sp.rollouts))
+        # Last in, first out: a loss server started for the search stops as soon as the trees are done.
+        score_texts = stack.enter_context(search_loss(ctx, sp)) if todo else None
 
         def run(position: int, example) -> dict:
             replica, calls = pool.route(position), 0

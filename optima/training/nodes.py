@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 
 from optima.config.fields import RecipeError
 from optima.environments import REPO_ROOT
-from optima.hardware.placement import MAIN_HOST, NODES_MODULE, RANK
+from optima.hardware.placement import MAIN_HOST, NODES_MODULE, RANK, TrainingPlacement
 from optima.serving.processes import sigterm_as_exit, stop_group
 from optima.training.hosts import Resolver, bare_host, is_address, verify_hosts
 
@@ -106,10 +106,52 @@ def srun_command(exe: str, nodes: int, python: str, flags: Sequence[str], argv: 
 
 
 def slurm_main_host(environ: Mapping[str, str]) -> str:
-    """The allocation's first node (``scontrol show hostnames $SLURM_JOB_NODELIST``), where rank 0 runs."""
+    """The allocation's first node, where rank 0 runs."""
+    return slurm_hosts(environ)[0]
+
+
+def slurm_hosts(environ: Mapping[str, str]) -> list[str]:
+    """The allocation's nodes in rank order (``scontrol show hostnames $SLURM_JOB_NODELIST``)."""
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
     result = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-    return result.stdout.split()[0]
+    return result.stdout.split()
+
+
+class NodeCommands:
+    """Commands on the other nodes of a training, started as its trainer is (``optima.serving.node_servers``).
+
+    ssh: ``ssh -tt -L PORT:127.0.0.1:PORT HOST 'cd REPO && env ... ARGV'`` with the variables the trainer's command
+    carries (``FORWARDED``) and the command's own: the server binds to the node's loopback and is reached through
+    the tunnel at the same port here (its reload routes stay off the network); srun: one step on node RANK of the
+    allocation (``--relative``, ``--overlap`` beside the driver's step), which passes the whole environment itself,
+    and the server binds to the node's name.
+
+    Args:
+        placement: The training placement (hosts, launcher, its executable).
+    """
+
+    def __init__(self, placement: TrainingPlacement):
+        self.placement = placement
+        self._slurm: list[str] | None = None
+
+    def host(self, rank: int) -> str:
+        """The address node ``rank``'s servers bind to, and are reached at from here."""
+        if self.placement.launcher != "srun":
+            return "127.0.0.1"  # through the ssh tunnel
+        if self._slurm is None:
+            self._slurm = slurm_hosts(os.environ)
+        return self._slurm[rank]
+
+    def command(self, rank: int, argv: Sequence[str], env: Mapping[str, str], port: int) -> list[str]:
+        """The local command that runs ``argv`` with ``env`` on node ``rank``, serving ``port``."""
+        exe, assigned = self.placement.executable, [f"{k}={v}" for k, v in env.items()]
+        if self.placement.launcher == "srun":
+            step = [exe or "srun", "--nodes", "1", "--ntasks", "1", "--relative", str(rank), "--overlap"]
+            return [*step, "--kill-on-bad-exit=1", "env", *assigned, *argv]
+        forwarded = forwarded_env(os.environ, "", self.placement.forward or FORWARDED_ENV) | dict(env)
+        command = ssh_command(exe or "ssh", self.placement.nodes[rank].host, argv, forwarded, str(REPO_ROOT))
+        tunnel = ["-o", "ExitOnForwardFailure=yes", "-L", f"{port}:127.0.0.1:{port}"]
+        return [command[0], *tunnel, *command[1:]]
 
 
 def run_all(commands: Sequence[Sequence[str]]) -> int:
