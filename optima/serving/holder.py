@@ -172,6 +172,7 @@ class ServerHolder:
         self.available_memory: Callable[[], int] = available_memory_bytes
         self.trained_rows: int | None = None  # the longest row of the last training weighed here (its tokens)
         self.node_launcher: NodeLauncher | None = None  # starts the other nodes' servers (``layout.nodes``)
+        self.node_servers: list[VLLMServer] = []  # the other nodes' replicas now up (their launchers here)
 
     @property
     def layout(self) -> ServerLayout:
@@ -282,7 +283,7 @@ class ServerHolder:
             wait_until_all_ready(nodes, self.recipe.server_startup_timeout_s)
             failing.pop_all()
         self.urls = urls + [server.spec.api_url for server in nodes]
-        self._stack, self.model = stack, model
+        self._stack, self.model, self.node_servers = stack, model, nodes
         return self.urls
 
     def _start_node_servers(
@@ -411,6 +412,7 @@ class ServerHolder:
     def stop_policy(self) -> None:
         """Stop the policy replicas (no-op when none is up)."""
         stack, self._stack, self.model, self.asleep = self._stack, None, None, False
+        self.node_servers = []
         if stack is not None:
             stack.close()
 
