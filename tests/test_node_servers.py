@@ -35,13 +35,14 @@ while args and args[0].startswith("-"):
     args = args[2:] if args[0] in ("-o", "-p", "-i", "-l", "-L") else args[1:]
 with open({calls!r}, "a") as calls:
     calls.write(" ".join(sys.argv[1:]) + "\\n")
-raise SystemExit(subprocess.call(["/bin/sh", "-c", " ".join(args[1:])], env={{"PATH": "/usr/bin:/bin"}}))
+fresh = {{"PATH": "/usr/bin:/bin", "HOME": {home!r}}}  # a login on another machine: only what the command sets
+raise SystemExit(subprocess.call(["/bin/sh", "-c", " ".join(args[1:])], env=fresh))
 '''
 
 
 def write_shim(folder: Path) -> tuple[Path, Path]:
     calls, shim = folder / "ssh_calls.txt", folder / "fake_ssh"
-    shim.write_text(SHIM.format(python=sys.executable, calls=str(calls)))
+    shim.write_text(SHIM.format(python=sys.executable, calls=str(calls), home=str(folder)))
     shim.chmod(0o755)
     return shim, calls
 
