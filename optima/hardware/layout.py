@@ -245,7 +245,7 @@ def describe_layout(recipe: LoopRecipe, loss_model: str, layout: ServerLayout | 
     if layout.loss is not None and layout.loss_resident:
         lines["loss server"] = f"{loss_model} on {describe_placement(layout.loss, recipe)}, started once per run"
     elif getattr(recipe, "cal_ppl", False):
-        scored = ", scored after generation" if getattr(recipe, "method", None) != "dpo" else ""  # iDPO: no score stage
+        scored = ", scored after generation" if getattr(recipe, "method", None) != "dpo" else ""  # iDPO: none
         lines["loss model"] = f"{loss_model}, {recipe.loss_backend} backend{scored}"
         if getattr(recipe, "method", None) in SEARCH_METHODS:
             lines["tree search LM loss"] = search_loss_text(recipe, loss_model, layout)
