@@ -202,3 +202,22 @@ def test_no_process_outlives_the_node_servers(tmp_path):
         launcher_group = holder.node_servers[0].pgid
         assert group_members(launcher_group)
     assert group_members(launcher_group) == []
+
+
+def test_a_node_servers_api_key_is_redacted_from_its_log(tmp_path):
+    """The key travels in the ssh command (the node has no other way to get it); the log's command line hides it."""
+    from optima.serving.node_servers import node_server_specs
+    from optima.serving.vllm_server import VLLMServer
+
+    shim, calls = write_shim(tmp_path)
+    hosts = {"train_hosts": ["127.0.0.1", "127.0.0.1"], "train_launcher_executable": str(shim)}
+    recipe = sft_recipe(tmp_path, cal_ppl=False, cpu_kvcache_space_gb=1, api_key="s3cret-key", **hosts)
+    plan = plan_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
+    stage = RunPaths.from_recipe(recipe).stage(0)
+    launcher = NodeCommands(plan.training)
+    (spec,) = node_server_specs(recipe, "/models/base", FAKE_ENV, stage, plan.layout.nodes, launcher, (), 1)
+    assert "VLLM_API_KEY=s3cret-key" in spec.argv[-1]
+    with VLLMServer(spec) as server:
+        server.wait_until_ready(60)
+    log = stage.server_log(1).read_text()
+    assert "s3cret-key" not in log and "VLLM_API_KEY=<redacted>" in log
