@@ -78,6 +78,7 @@ def node_server_specs(
         RecipeError: a node's address may not be bound (``bind_problem``).
     """
     cache = RunPaths(Path(recipe.output_dir)).vllm_cache
+    model = os.path.abspath(model) if os.path.exists(model) else model  # the node's command runs in the repository
     specs, taken, index = [], list(taken), first
     for node in nodes:
         host = launcher.host(node.rank)
