@@ -8,6 +8,8 @@ accelerate 1.15 upcasts every trainable parameter to fp32 before ``fully_shard``
 from __future__ import annotations
 
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,45 @@ def test_ddp_sft_on_80gb_cards_is_refused_with_advice_that_applies():
     plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
     training = [p for p in plan.problems if p.startswith("training:")]
     assert training and "deepspeed_zero3 or fsdp" in training[0]
+
+
+PEAK_SITE = Path(__file__).resolve().parent / "peak_rss"
+# The estimate is an upper bound (the plan refuses on it), so a measurement above it is a failure; one far below it
+# (more than this) would make the plan refuse machines that fit. Measured on this 2-core machine, SmolLM2-135M fp32,
+# 2 gloo processes, batch 2, 128 tokens: DDP 3.24 GiB per rank (estimate 5.19), FSDP2 3.26 (estimate 3.68); the
+# Python stack, torch and the allocator's cache weigh more than the sharded states at this size.
+SLACK = int(2.5 * GIB)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_estimate_bounds_a_real_two_process_gloo_run(strategy, tmp_path):
+    from optima.environments import resolve_env
+    from optima.selection.io import save_splits
+    from optima.training.launch import run_training
+    from optima.training.launch_config import TrainLaunch
+    from tests.helpers import tiny_trainer_yaml
+    from tests.test_sharded_training import AUDIT_PATH, SFT_ROWS, cpu_accelerate_config, launch_env
+
+    model = REPO / "models" / "SmolLM2-135M-Instruct"
+    if not (model / "config.json").is_file():
+        pytest.skip("models/SmolLM2-135M-Instruct is not prepared (make setup)")
+    save_splits({"train": SFT_ROWS * 4}, tmp_path / "data")
+    config = tiny_trainer_yaml(
+        tmp_path / "t.yaml", model.resolve(), tmp_path / "data", tmp_path / "out", max_length=128
+    )
+    peaks = tmp_path / "peaks"
+    peaks.mkdir()
+    env = launch_env(tmp_path / "audit")
+    env["PYTHONPATH"] = os.pathsep.join([str(PEAK_SITE), env["PYTHONPATH"]])
+    env |= {"OPTIMA_TEST_PEAK_RSS": str(peaks), "OPTIMA_TEST_AUDIT_SITE": str(Path(AUDIT_PATH) / "sitecustomize.py")}
+    launch = TrainLaunch(
+        "sft", resolve_env(sys.executable, "train"), cpu_accelerate_config(tmp_path, strategy), config
+    )
+    run_training(launch, tmp_path / "train.log", extra_env=env)
+    measured = [int(p.read_text()) for p in peaks.iterdir()]
+    assert len(measured) == 2
+    size = memory.model_size(model)
+    estimate = memory.trainer_peak_bytes(size, TrainerShape(strategy, 2, 4, 2, 128, False))
+    for peak in measured:
+        assert peak <= estimate <= peak + SLACK, (memory.gib(peak), memory.gib(estimate))
