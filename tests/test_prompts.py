@@ -329,3 +329,43 @@ def test_no_prompt_states_an_answer(task):
 )
 def test_an_answer_equal_to_a_placeholder_is_no_answer(task, text, expected):
     assert get_task(task).parse_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("task", "text"),
+    [
+        ("hotpot_qa", "<A>[your answer]</A>"),  # the slot in square brackets
+        ("arc", "<A>[your answer]</A>"),
+        ("hotpot_qa", "<A><your answer></A>"),  # ... in angle brackets
+        ("arc", "<A>X) option text</A>"),  # the slot written plainly, with a placeholder letter
+        ("arc", "<A>A) option text</A>"),  # ... or a real letter: the option text is still the slot
+        ("arc", "<A>{letter}) {option text}</A>"),  # the format line's placeholder itself
+        ("arc", '<A>"pick": "{letter}"</A>'),  # the debate pool's JSON example
+        ("gsm8k", "so \\boxed{[number]}"),
+        ("gsm8k", "so \\boxed{{answer}}"),
+        ("math", "\\boxed{{answer}}"),
+        ("math", "\\boxed{<your answer>}"),
+        ("hotpot_qa", "<A>born={year}</A>"),  # a copied format-pool example: the value is the slot
+        ("hotpot_qa", "<A>FN={full name}</A>"),
+    ],
+)
+def test_placeholder_variants_are_no_answer(task, text):
+    """One skeleton rule (slots and punctuation only, or a slot where a value goes) catches each variant."""
+    assert get_task(task).parse_answer(text) is None
+    assert get_task(task).copies_placeholder(text)
+
+
+@pytest.mark.parametrize(
+    ("task", "text", "expected"),
+    [
+        ("arc", "<A>B) a letter to a friend</A>", "B) a letter to a friend"),  # a slot word inside an option
+        ("arc", "<A>A)</A>", "A)"),  # a label alone names an option
+        ("math", "\\boxed{\\frac{ab}{cd}}", "\\frac{ab}{cd}"),  # LaTeX groups are no slots
+        ("math", "\\boxed{[a, b]}", "[a,b]"),  # nor is an interval
+        ("hotpot_qa", "<A>x < y > z</A>", "x < y > z"),
+        ("hotpot_qa", "<A>year=1937</A>", "year=1937"),
+    ],
+)
+def test_answers_that_look_like_slots_stay_answers(task, text, expected):
+    assert get_task(task).parse_answer(text) == expected
+    assert not get_task(task).copies_placeholder(text)

@@ -10,9 +10,11 @@ Decisions (the protocol leaves them implicit, so they are written down here):
   writes it. `<A></A>` gives "" (the caller treats "" as "no answer").
 * Boxed: the content of the last `\\boxed{`, matched brace by brace; an unbalanced box gives None.
 * Placeholders: the prompts show the answer slot as a placeholder that no task would answer (`ANSWER_PLACEHOLDERS`,
-  per prompt set: `{your answer}`, `{letter}) {option text}`, `{number}`); an answer equal to its task's placeholder
-  (with or without the braces, case and spaces aside) is no answer (`is_placeholder`): a model that copies the
-  format line states nothing (docs/method.md#roles-and-prompts).
+  per prompt set: `{your answer}`, `{letter}) {option text}`, `{number}`). An answer that copies a slot is no
+  answer (`is_placeholder`), by one rule over its skeleton (`answer_skeleton`: slot phrases, bracketed or the slot
+  words written plainly, become one mark): slots and punctuation only (`[your answer]`, `X) option text`,
+  `\\boxed{{answer}}`), or a slot where a value goes (`born={year}`, a format-pool example): a model that copies
+  the format line states nothing (docs/method.md#roles-and-prompts).
 * `normalize_final_answer` follows Minerva's (Lewkowycz et al. 2022, App. D) steps, written
   from that description, with one deliberate change: unit/filler words and the article substitutions only match
   where they do not continue a longer word, so `\\left` keeps its "ft" and "mean" keeps its "an ".
@@ -257,13 +259,48 @@ def _placeholder_key(text: str) -> str:
 
 
 _PLACEHOLDER_KEYS = {name: {_placeholder_key(p) for p in texts} for name, texts in ANSWER_PLACEHOLDERS.items()}
-# In a tag answer, one braced phrase is a placeholder whatever its words (`{year}` of the format pool, or a model's
-# variation `{my answer}`, `{you're chosen}`): no information-exchange or multiple-choice answer is wrapped in braces.
-_BRACED_PHRASE = re.compile(r"\{[^{}]*\}")
+SLOT = "\u00a7"  # what a slot phrase becomes in an answer's skeleton
+# A slot phrase in brackets of any kind: `{year}`, `{{answer}}`, `[your answer]`, `<your answer>`, `{you're chosen}`
+# (words only, two letters at least, so `\\frac{1}{2}`, `[1]` and `x < y` are no slots).
+_BRACKETED_SLOT = re.compile(r"[{\[<]+\s*[a-z][a-z' _-]*[a-z]\s*[}\]>]+")
+
+
+def _plain_slots(placeholders: tuple[str, ...]) -> re.Pattern:
+    """The words of a prompt set's placeholders written plainly: `option text`, `your answer` (also `youranswer`)."""
+    words = {word for text in placeholders for word in re.findall(r"\{([^{}]+)\}", text)}
+    spelled = (r"\s*".join(map(re.escape, word.split())) for word in sorted(words, key=len, reverse=True))
+    return re.compile("|".join(rf"(?<![a-z]){word}(?![a-z])" for word in spelled))
+
+
+_PLAIN_SLOTS = {name: _plain_slots(texts) for name, texts in ANSWER_PLACEHOLDERS.items()}
+# A value slot: a slot right after `=` or `:` (the format pool's `born={year}`, `"pick": "{letter}"`).
+_VALUE_SLOT = re.compile(rf"[=:]\s*[\"']?{SLOT}")
+# A choice label beside slots (`X) option text`): the label names no option when the text is a slot.
+_LABEL = re.compile(r"(?<![a-z0-9])[a-z0-9](?![a-z0-9])")
+
+
+def answer_skeleton(answer: str, prompt_set: str) -> str:
+    """`answer` with each slot phrase (bracketed words, or the prompt set's slot words) replaced by `SLOT`.
+
+    Casefolded, spaces collapsed: `<A>X) option text</A>` and `<A>{letter}) {option text}</A>` both give `x) SLOT`
+    and `SLOT) SLOT`.
+
+    Args:
+        answer: a parsed answer.
+        prompt_set: the task's prompt set (`qa`, `choice`, `gsm8k`, `math`).
+    """
+    skeleton = _BRACKETED_SLOT.sub(SLOT, " ".join(answer.casefold().split()))
+    plain = _PLAIN_SLOTS.get(prompt_set)
+    return plain.sub(SLOT, skeleton) if plain is not None else skeleton
 
 
 def is_placeholder(answer: str | None, prompt_set: str) -> bool:
-    """Whether `answer` is the placeholder of a prompt set's answer slot (copied from the prompt, not an answer).
+    """Whether `answer` copies an answer slot of the prompts (a placeholder or a format example), not an answer.
+
+    One rule over the answer's skeleton (`answer_skeleton`), which holds a slot phrase and either nothing else but
+    punctuation and, for multiple choice, one label (`[your answer]`, `<your answer>`, `{letter}) {option text}`,
+    `X) option text`, `\\boxed{[number]}`, `\\boxed{{answer}}`), or a slot where a value goes (`born={year}`,
+    a copied format-pool example). A slot beside words is an answer (`{letter}) adding heat` names its option).
 
     Args:
         answer: a parsed answer.
@@ -271,11 +308,15 @@ def is_placeholder(answer: str | None, prompt_set: str) -> bool:
     """
     if not answer:
         return False
-    # Nothing but braced phrases and punctuation (`{letter} {option text}`, `{letter}) {option text}.`) is a slot.
-    if prompt_set in ("qa", "choice") and _BRACED_PHRASE.search(answer):
-        if not any(char.isalnum() for char in _BRACED_PHRASE.sub("", answer)):
-            return True
-    return _placeholder_key(answer) in _PLACEHOLDER_KEYS.get(prompt_set, ())
+    if _placeholder_key(answer) in _PLACEHOLDER_KEYS.get(prompt_set, ()):
+        return True
+    skeleton = answer_skeleton(answer, prompt_set)
+    if SLOT not in skeleton:
+        return False
+    rest = skeleton.replace(SLOT, " ")
+    if prompt_set == "choice":
+        rest = _LABEL.sub(" ", rest, count=1)
+    return not any(char.isalnum() for char in rest) or bool(_VALUE_SLOT.search(skeleton))
 
 
 def render_answer(answer: str, answer_style: str) -> str:

@@ -269,6 +269,14 @@ class Task:
         answer = ANSWER_PARSERS[self.answer_style](text)
         return None if is_placeholder(answer, self.prompt_set) else answer
 
+    def copies_placeholder(self, text: str | None) -> bool:
+        """Whether the answer an utterance states is a copied placeholder (`is_placeholder`): no answer, never trained.
+
+        Args:
+            text: the utterance.
+        """
+        return is_placeholder(ANSWER_PARSERS[self.answer_style](text), self.prompt_set)
+
     def render_answer(self, answer: str) -> str:
         """Write `answer` in this task's answer style (`<A>..</A>` or `\\boxed{..}`).
 
