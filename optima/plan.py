@@ -65,7 +65,7 @@ def _describe_generate(call: StageCall) -> dict:
         "conversations per question": generation.samples,
         "temperature": generation.temperature,
         "prompt pool": (recipe.prompt_pool_path or "built-in") if generation.use_prompt_pool else "off",
-        "answer pre-fill": "on" if generation.prefill_answer else "off",
+        "answer bootstrap": generation.answer_bootstrap,
         "max turns / tokens per utterance": f"{recipe.max_turns} / {recipe.max_tokens}",
         "output": call.sp.generations,
     }

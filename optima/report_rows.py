@@ -36,6 +36,7 @@ def build_row(iteration: int, stage: str, metrics: dict) -> dict:
         "flexible_score": conversations.get("flexible_accuracy"),
         "mean_tokens": conversations.get("mean_tokens"),
         "cut_rate": conversations.get("cut_rate"),  # share cut for length (older runs: not recorded)
+        "placeholder_copies": conversations.get("placeholder_copies"),  # conversations copying a placeholder
         # MATH: symbolic checks that timed out twice, scored 0 (``MathVerifier.timeouts``); other tasks: no key.
         **({"verifier_timeouts": conversations["verifier_timeouts"]} if "verifier_timeouts" in conversations else {}),
         "conversations": conversations.get("conversations", conversations.get("rollouts")),

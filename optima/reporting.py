@@ -41,9 +41,10 @@ HELDOUT_SUMMARY = Path("heldout") / "summary.json"
 TOP_ANSWERS = 10
 # The per-iteration table (MATH runs add the verifier's timeouts: ``with_timeouts``).
 ITERATION_COLUMNS = ("label", "answer_rate", "task_score", "flexible_answer_rate", "flexible_score", "mean_tokens",
-                     "cut_rate", "conversations", "kept", "train_loss", "total_s")  # fmt: skip
+                     "cut_rate", "placeholder_copies", "conversations", "kept", "train_loss", "total_s")  # fmt: skip
 ITERATION_HEADERS = ("iteration", "answer rate", "task score", "answer rate (flexible)", "task score (flexible)",
-                     "mean tokens", "cut share", "conversations", "kept", "train loss", "time (s)")  # fmt: skip
+                     "mean tokens", "cut share", "placeholder copies", "conversations", "kept", "train loss",
+                     "time (s)")  # fmt: skip
 
 
 def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
@@ -133,7 +134,8 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
         "Task score and answer rate are over the sampled conversations (SFT) or the tree-search rollouts (DPO); "
         "strict: the answer in the answer format (what the reward scores); flexible: the strict answer, else the "
         "one the replies name in words (an option, the last number: the `flexible-extract` of lm-eval-harness); "
-        "kept = conversations kept by selection (SFT) or preference pairs kept (DPO). Iteration k is the folder "
+        "kept = conversations kept by selection (SFT) or preference pairs kept (DPO); placeholder copies = "
+        "conversations that state a prompt's placeholder as an answer (never kept). Iteration k is the folder "
         "`iteration_<k-1>`; its checkpoint `checkpoints/iteration_<k-1>` is the model after iteration k.",
         "",
         "## Per iteration",

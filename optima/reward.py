@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
 from optima.quantiles import interpolated_quantile
 from optima.tasks.flexible import flexible_answer as flexible_reply_answer
+from optima.tasks import get_task
 
 if TYPE_CHECKING:
     from optima.config.types import RewardFields
@@ -121,6 +122,23 @@ def flexible_answer(record: dict) -> str | None:
     options = tuple((str(label), str(text)) for label, text in example.get("options", ()))
     texts = [utterance["text"] for utterance in record.get("utterances", ())]
     return flexible_reply_answer(texts, example["score_type"], options)
+
+
+def placeholder_copies(record: dict) -> int:
+    """Utterances of a conversation record whose answer copies a prompt's placeholder (``Task.copies_placeholder``).
+
+    Such an answer is no answer (it neither scores nor stops the conversation), but training on it would teach the
+    copy: selection never keeps a conversation with one, and the score stage counts them
+    (docs/method.md#isft-selection).
+
+    Args:
+        record: A generation record or rewarded result (``utterances``; its task from ``task`` or ``example``).
+    """
+    utterances = record.get("utterances") or ()
+    if not utterances:
+        return 0
+    task = get_task(record.get("task") or record["example"]["task"])
+    return sum(task.copies_placeholder(u["text"]) for u in utterances)
 
 
 def is_cut(record: dict) -> bool:

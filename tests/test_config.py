@@ -228,7 +228,7 @@ def test_evaluation_recipes_have_only_the_fields_they_use(write_recipe, tmp_path
     from optima.config.groups import GenerationFields, LoopFields
 
     loop_only = [f.name for group in (GenerationFields, LoopFields) for f in dataclasses.fields(group)]
-    assert len(loop_only) == 12
+    assert len(loop_only) == 13
     for cls in (InferenceRecipe, MultiSCRecipe):
         assert not set(loop_only) & {f.name for f in dataclasses.fields(cls)}
     path = write_recipe({"dataset_type": "arc", "model_root_path": str(tmp_path)} | dict.fromkeys(loop_only, "x"))

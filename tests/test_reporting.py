@@ -91,8 +91,8 @@ def test_report_files_are_written_and_redrawn_by_the_command(sft_run, capsys):
     markdown, image = write_run_report(sft_run)
     text = markdown.read_text()
     assert "method iSFT, task `arc`" in text
-    # per-iteration table, second row: answer rate and task score, strict then flexible, tokens, cut, ...
-    assert "| 2 | 0.75 | 0.75 | 0.75 | 0.75 | 50.0 | 0 | 4 | 3 | 1.25 | 42.5 |" in text
+    # per-iteration table, second row: answer rate and task score, strict then flexible, tokens, cut, copies, ...
+    assert "| 2 | 0.75 | 0.75 | 0.75 | 0.75 | 50.0 | 0 | 0 | 4 | 3 | 1.25 | 42.5 |" in text
     assert "| 1 | 0.5 | -0.9 | 0.5 | 0 | 0.1 |" in text  # mean reward parts of the first iteration
     assert "## DPO pairs" not in text
     assert image.read_bytes().startswith(b"\x89PNG")
@@ -135,6 +135,21 @@ def test_a_math_run_report_counts_the_verifier_timeouts(tmp_path):
 def test_a_stage_counts_its_verifiers_timeouts():
     assert verifier_stats(None) == {}  # not a MATH run: no verifier, no column
     assert verifier_stats(SimpleNamespace(timeouts=2)) == {"verifier_timeouts": 2}
+
+
+def test_the_report_counts_placeholder_copies_per_iteration(tmp_path):
+    """A conversation that states a copied placeholder (any variant) counts once, however many times it copies."""
+    texts = [["<A>{letter}) {option text}</A>", "<A>X) option text</A>"], ["<A>B) 4</A>"], ["<A>[your answer]</A>"]]
+    line = rewarded_line([0.0, 1.0, 0.0], [10, 10, 10])
+    for result, utterances in zip(line["results"], texts, strict=True):
+        result |= {"task": "arc", "status": "ok", "utterances": [{"speaker": "Alice", "text": t} for t in utterances]}
+    stats = RewardStats()
+    stats.add(line)
+    assert stats.to_dict()["placeholder_copies"] == 2
+    write_metrics(tmp_path / "run" / "iteration_0", 0, {"score": (stats.to_dict(), 1.0)})
+    (row,) = collect_rows(tmp_path / "run")
+    assert row["placeholder_copies"] == 2
+    assert "| cut share | placeholder copies |" in write_run_report(tmp_path / "run")[0].read_text()
 
 
 def write_generations(folder: Path, answers: list[str], cut: int = 0) -> None:

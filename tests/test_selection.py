@@ -85,6 +85,20 @@ def test_explicit_range_and_unusable_questions():
     assert decisions["q0"].reason == decisions["q2"].reason == KEPT
 
 
+@pytest.mark.parametrize("epsilon", [0.5, -10.0])
+def test_a_conversation_that_copies_a_placeholder_is_never_kept(epsilon):
+    """Whatever the threshold: the best-rewarded conversation copies the slot, so the next one is kept."""
+    copy = record("q0", 0, 2.0)
+    copy["utterances"][0]["text"] = "<A>X) option text</A>"  # no answer, but the reward may still rank it first
+    question = {"task_id": "q0", "results": [copy, record("q0", 1, 0.9)]}
+    (decision,) = select_questions([question], recipe(selection_range=[0.0, 1.0], initial_epsilon=epsilon))
+    assert decision.reason == KEPT and decision.best["sample_index"] == 1
+    assert decision.dropped == {"0": "copies a placeholder"}
+    only_copies = {"task_id": "q1", "results": [copy | {"task_id": "q1"}]}
+    (decision,) = select_questions([only_copies], recipe(initial_epsilon=epsilon))
+    assert decision.reason == NOTHING_USABLE and decision.dropped == {"0": "copies a placeholder"}
+
+
 def test_rows_are_the_two_agents_views_with_base_prompts():
     rows = conversation_rows(record("q9", 0, 1.0) | {"system_prompts": {"Alice": "POOL PROMPT", "Bob": "POOL"}})
     assert [r["speaker"] for r in rows] == ["Alice", "Bob"]

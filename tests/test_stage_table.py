@@ -33,7 +33,7 @@ CLASSES = {"sft": SFTRecipe, "dpo": DPORecipe, "sft_dpo": SFTDPORecipe}
 SFT_BEFORE = {
     "generate": {"dataset_type", "data_dir", "seed", "temperature", "max_turns", "max_tokens", "served_model_name",
                  "initial_model_path", "sample_count", "explore_count", "temperature_iteration0", "use_prompt_pool",
-                 "prompt_pool_path", "prefill_answer_iteration0"},
+                 "prompt_pool_path", "answer_bootstrap", "answer_bootstrap_iterations"},
     "score": {"lambda1", "lambda2", "cal_ppl", "loss_backend", "loss_model_path", "min_tokens", "max_total_tokens",
               "overlong_penalty", "compat", "impersonation_penalty"},
     "select": {"initial_epsilon", "selection_range", "sft_train_fraction"},
@@ -93,14 +93,14 @@ def test_a_redoes_tag_must_name_a_stage():
 
 
 def test_the_dry_run_shows_the_generation_plan_the_stage_runs(tmp_path):
-    recipe = make_recipe(tmp_path, "sft", temperature_iteration0=0.2, prefill_answer_iteration0=True)
+    recipe = make_recipe(tmp_path, "sft", temperature_iteration0=0.2, answer_bootstrap="grammar")
     the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False)
     shown = [part.stages[0].describe(part.call) for part in the_plan.parts]
     runs = [plan_generation(recipe, part.call.iteration) for part in the_plan.parts]
     assert [(s["temperature"], s["conversations per question"]) for s in shown] == [(0.2, 10), (0.7, 10)]
     assert [(g.temperature, g.samples) for g in runs] == [(0.2, 10), (0.7, 10)]
-    assert [(s["prompt pool"], s["answer pre-fill"]) for s in shown] == [("built-in", "on"), ("off", "off")]
-    assert [(g.use_prompt_pool, g.prefill_answer) for g in runs] == [(True, True), (False, False)]
+    assert [(s["prompt pool"], s["answer bootstrap"]) for s in shown] == [("built-in", "grammar"), ("off", "off")]
+    assert [(g.use_prompt_pool, g.answer_bootstrap) for g in runs] == [(True, "grammar"), (False, "off")]
     # Every stage is described from the run's own context (never None), and describing it made nothing.
     assert all(part.call.ctx is the_plan.ctx for part in the_plan.parts) and the_plan.render()
     assert not Path(recipe.output_dir).exists()

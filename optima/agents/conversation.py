@@ -18,6 +18,11 @@ started with its role's answer opening (``<A>`` for a multiple-choice solver, an
 agents from turn ``answer_from_turn`` = 2 on, once each has shared its information) as a final assistant message
 that the server continues; the stored utterance is the opening plus the continuation.
 
+Answer constraint (``AgentPrompts.constraints``, ``answer_bootstrap: grammar``): the answering turns (the same turns
+as the pre-fill's, and the GSM8K/MATH solver's) are sent with a regular expression that the reply must match (free
+text around one well-formed answer: ``optima.tasks.constraints``); the caller's ``generate`` reads it from
+``AgentPrompts.constraint(turn)`` and records which turns it constrained.
+
 Exact replies (``AgentPrompts.replay_replies``, information exchange: docs/method.md#exact-replies): each agent's
 own earlier replies come back to it exactly as generated (the pre-filled opening plus the continuation, name prefix
 and whitespace as the model wrote them), so each of its prompts extends its previous prompt and reply token for
@@ -111,20 +116,28 @@ class AgentPrompts:
         replay_replies: Show each agent its own earlier replies exactly as generated (``Utterance.reply``), so its
             next prompt extends the previous one token for token and hits the server's prefix cache; False: as
             rendered from the stored utterances (``"Name: text"``), the rendering of the training rows.
+        constraints: (Alice's, Bob's) regular expression for the replies of answering turns ("" for none).
     """
 
     system: tuple[str, str]
     openings: tuple[str, str] = ("", "")
     answer_from_turn: int = 0
     replay_replies: bool = False
+    constraints: tuple[str, str] = ("", "")
 
     def opening(self, turn: int) -> str:
         """The pre-filled start of the reply at ``turn`` ("" for none)."""
         return self.openings[turn % 2] if turn >= self.answer_from_turn else ""
 
+    def constraint(self, turn: int) -> str:
+        """The regular expression the reply at ``turn`` must match ("" for a free reply)."""
+        return self.constraints[turn % 2] if turn >= self.answer_from_turn else ""
 
-def build_agent_prompts(task: Task, system: Sequence[str], prefill_answer: bool = False) -> AgentPrompts:
-    """The agents' prompts for ``task``: answer openings from its role prompts, exact replies for information exchange.
+
+def build_agent_prompts(
+    task: Task, system: Sequence[str], prefill_answer: bool = False, answer_pattern: str = ""
+) -> AgentPrompts:
+    """The agents' prompts for ``task``: answer openings or constraints, exact replies for information exchange.
 
     Information exchange replays exact replies (docs/method.md#exact-replies): its prompts carry long private
     contexts, so every token a turn re-renders differently is paid again in prefill. Debate keeps the rendering
@@ -133,12 +146,15 @@ def build_agent_prompts(task: Task, system: Sequence[str], prefill_answer: bool 
     Args:
         task: The conversation's task.
         system: (Alice's, Bob's) rendered system prompts.
-        prefill_answer: Pre-fill the roles' answer openings (``prefill_answer_iteration0``).
+        prefill_answer: Pre-fill the roles' answer openings (``answer_bootstrap: prefill``).
+        answer_pattern: Constrain the answering roles' replies to this regular expression (``answer_bootstrap:
+            grammar``; ``optima.tasks.constraints.reply_pattern``); "" for none.
     """
     roles = [role_prompt(task, name) for name in AGENT_NAMES]
     openings = tuple(role.answer_opening if prefill_answer else "" for role in roles)
-    from_turn = min((role.answer_from_turn for role in roles if role.answer_opening), default=0)
-    return AgentPrompts(tuple(system), openings, from_turn, replay_replies=task.family == "qa")
+    constraints = tuple(answer_pattern if role.states_answer else "" for role in roles)
+    from_turn = min((role.answer_from_turn for role in roles if role.states_answer), default=0)
+    return AgentPrompts(tuple(system), openings, from_turn, task.family == "qa", constraints)
 
 
 def opening_view(example: Example, agents: AgentPrompts, task: Task, speaker: str = AGENT_NAMES[1]) -> list[dict]:

@@ -53,11 +53,19 @@ from optima.agents.prompts import (
     pool_name,
 )
 from optima.config.rules import generation_temperature, tokenizer_path, workers
-from optima.serving.client import NoReplicaLeft, ReplicaPool, RequestFailed, Sampling
+from optima.serving.client import (
+    NoReplicaLeft,
+    ReplicaPool,
+    RequestFailed,
+    Sampling,
+    check_structured_outputs,
+    regex_constraint,
+)
 from optima.serving.kv_monitor import KVMonitor
 from optima.store import JsonlWriter, prepare_resume
 from optima.tasks import Example, Task, get_task
 from optima.tasks.answers import PARSER_VERSION
+from optima.tasks.constraints import reply_pattern
 from optima.tasks.contexts import stable_rng
 from optima.tasks.reparse import PARSER_VERSION_KEY
 
@@ -80,7 +88,8 @@ class GenerationPlan:
         samples: Conversations per question.
         use_prompt_pool: Draw format-diverse system prompts (docs/method.md#prompt-pool).
         stage: Label of the stage (``sft``, ``probe``, ``eval``, ...): logs and seeds.
-        prefill_answer: Start answering turns with the role's answer opening (``prefill_answer_iteration0``).
+        answer_bootstrap: ``grammar``: constrain answering turns to a well-formed answer; ``prefill``: start them
+            with the role's answer opening; ``off`` (docs/method.md#answer-bootstrap).
     """
 
     iteration: int
@@ -88,11 +97,17 @@ class GenerationPlan:
     samples: int
     use_prompt_pool: bool = False
     stage: str = "sft"
-    prefill_answer: bool = False
+    answer_bootstrap: str = "off"
+
+    @property
+    def prefill_answer(self) -> bool:
+        """Whether answering turns start with the role's answer opening."""
+        return self.answer_bootstrap == "prefill"
 
 
 def plan_generation(recipe: LoopRecipe, iteration: int, stage: str = "sft") -> GenerationPlan:
-    """SFT data generation: ``explore_count`` samples; the pool, the pre-fill and the low temperature at iteration 0.
+    """SFT data generation: ``explore_count`` samples; the pool and the low temperature at iteration 0, the answer
+    bootstrap in the first ``answer_bootstrap_iterations``.
 
     The one rule of the generate stage's sampling: the stage runs this plan, ``--dry-run`` prints it and the stage's
     key reads its prompt pool (``optima.plan``, ``optima.stage_identity``). See docs/method.md#sampling-schedule.
@@ -104,7 +119,7 @@ def plan_generation(recipe: LoopRecipe, iteration: int, stage: str = "sft") -> G
         samples=recipe.explore_count,
         use_prompt_pool=recipe.use_prompt_pool and first,
         stage=stage,
-        prefill_answer=recipe.prefill_answer_iteration0 and first,
+        answer_bootstrap=recipe.answer_bootstrap if iteration < recipe.answer_bootstrap_iterations else "off",
     )
 
 
@@ -256,9 +271,10 @@ class ConversationRunner:
     def run(self, job: Job) -> tuple[dict, int]:
         """Run the conversation; return its record and the tokens it generated."""
         task = get_task(job.example.task)
-        agents = build_agent_prompts(task, self.system_prompts(task, job), self.plan.prefill_answer)
+        agents = self.agent_prompts(task, job)
         replica = self.pool.route(job.position)
         turns = iter(range(self.recipe.max_turns))
+        constrained: list[int] = []  # the turns sent with the answer constraint
         seed_parts = (self.recipe.seed, "turn", self.plan.stage, self.plan.iteration, job.example.id, job.sample_index)
         prefill = self.start_prefill(job, task, agents, replica)
 
@@ -266,9 +282,13 @@ class ConversationRunner:
             nonlocal replica
             if speaker != AGENT_NAMES[0]:
                 prefill.wait()  # Bob's first prompt then starts with the prefix the server just cached
-            seed = stable_rng(*seed_parts, next(turns)).randrange(2**31)
+            turn = next(turns)
+            seed = stable_rng(*seed_parts, turn).randrange(2**31)
             # A pre-filled reply (last message from the assistant) is continued, not answered.
             extra = CONTINUE_REPLY if messages[-1]["role"] == "assistant" else None
+            if agents.constraint(turn):
+                extra = (extra or {}) | regex_constraint(agents.constraint(turn))
+                constrained.append(turn)
             sampling = Sampling(self.plan.temperature, self.recipe.max_tokens, seed, extra)
             reply = self.pool.chat(replica, messages, sampling)
             replica = reply.replica  # after a failover the rest of the conversation stays on the new replica
@@ -278,7 +298,13 @@ class ConversationRunner:
             result = run_conversation(job.example, agents, generate, self.limits, self.count_tokens, task)
         if result.replica is None:
             result.replica = replica
-        return self.build_record(job, agents.system, result), result.token_count
+        return self.build_record(job, agents.system, result) | {"constrained_turns": constrained}, result.token_count
+
+    def agent_prompts(self, task: Task, job: Job) -> AgentPrompts:
+        """The agents' prompts of one job, with the plan's answer bootstrap (pre-fill, or the answer constraint)."""
+        grammar = self.plan.answer_bootstrap == "grammar"
+        pattern = reply_pattern(task, job.example, self.recipe.max_tokens) if grammar else ""
+        return build_agent_prompts(task, self.system_prompts(task, job), self.plan.prefill_answer, pattern)
 
     def start_prefill(self, job: Job, task: Task, agents: AgentPrompts, replica: int) -> Prefill:
         """Information exchange: send Bob's opening view with ``max_tokens`` 1 beside Alice's first turn.
@@ -313,7 +339,7 @@ class ConversationRunner:
             "error": result.error,
             "system_prompts": dict(zip(AGENT_NAMES, prompts, strict=True)),
             "prompt_pool": self.plan.use_prompt_pool,
-            "prefill_answer": self.plan.prefill_answer,
+            "answer_bootstrap": self.plan.answer_bootstrap,
             "iteration": self.plan.iteration,
             "stage": self.plan.stage,
             "temperature": self.plan.temperature,
@@ -368,6 +394,8 @@ def generate_conversations(
             in_flight = monitor.bound(in_flight, conversation_footprint(recipe, examples, monitor.model))
         pool = ReplicaPool(endpoints, recipe)
         try:
+            if plan.answer_bootstrap == "grammar":
+                check_structured_outputs(pool)  # a server without the constraint stops the run before it starts
             _run_jobs(hooks.runner_cls(recipe, plan, pool), jobs, out_path, stats, hooks.on_record, in_flight)
         finally:
             pool.close()

@@ -57,6 +57,8 @@ class RolePrompt:
     `answer_opening` is what a reply starts with when generation pre-fills the answer (`prefill_answer`), from
     conversation turn `answer_from_turn` on (0: every reply; information exchange waits until both agents have
     shared their information once, so that the pre-filled answers follow an exchange instead of replacing it).
+    `states_answer`: the role answers (the solvers, both information-exchange agents; not the critic), so its
+    replies are the ones the answer bootstrap constrains (`answer_bootstrap: grammar`), from `answer_from_turn` on.
     """
 
     intro: str
@@ -65,6 +67,7 @@ class RolePrompt:
     reminder: str = ""
     answer_opening: str = ""
     answer_from_turn: int = 0
+    states_answer: bool = True
 
     def render(self, name: str, partner: str, extra_rule: str | None = None) -> str:
         """Return the system prompt for agent `name`, optionally with one more rule (a format-pool entry).
@@ -154,6 +157,7 @@ CRITIC_PROMPT = RolePrompt(
     ),
     example="${name}: Step 2 is wrong: 12 - 5 is 7, not 8. Redo the last step.",
     reminder="Check ${partner}'s answer in a few words; never give the answer yourself.",
+    states_answer=False,
 )
 
 # prompt set -> (Alice's role prompt, Bob's role prompt). Tasks choose through `Task.prompt_set`.

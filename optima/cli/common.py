@@ -69,11 +69,12 @@ def expected_failures() -> tuple[type[BaseException], ...]:
     """Failures that end a run with one clear message instead of a traceback (each names what to look at)."""
     from optima.lineage import FolderLocked
     from optima.pipeline import NothingSelected
-    from optima.serving import NoReplicaLeft, ServerStartupError
+    from optima.serving import ConstraintRejected, NoReplicaLeft, ServerStartupError
     from optima.tasks import DataError
     from optima.training.errors import TrainingError
 
-    return (NothingSelected, ServerStartupError, NoReplicaLeft, DataError, TrainingError, FolderLocked)
+    return (NothingSelected, ServerStartupError, NoReplicaLeft, ConstraintRejected, DataError, TrainingError,
+            FolderLocked)
 
 
 def guarded(body: Callable[[], int]) -> int:

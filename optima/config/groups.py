@@ -218,10 +218,16 @@ class GenerationFields:
     prompt_pool_path: str | None = field(
         None, help="JSONL prompt pool; null = the built-in pool of the task", redoes=GENERATED
     )
-    prefill_answer_iteration0: bool = field(
-        False,
-        help="at iteration 0, start each answering reply with the answer tag (bootstraps the format in tiny models)",
+    answer_bootstrap: Literal["grammar", "prefill", "off"] = field(
+        "off",
+        help="answer format bootstrap of the first iterations (docs/method.md#answer-bootstrap): 'grammar' constrains "
+        "each answering reply to free text around one well-formed answer (an option of the question, a number, ...) "
+        "through the server's structured outputs; 'prefill' starts it with the answer tag; replaces "
+        "prefill_answer_iteration0 (true reads as 'prefill')",
         redoes=GENERATED,
+    )
+    answer_bootstrap_iterations: int = field(
+        1, help="iterations that bootstrap the answer, from iteration 0 (1: iteration 0 only)", redoes=GENERATED
     )
 
     def validate(self) -> None:
@@ -230,6 +236,11 @@ class GenerationFields:
         _in("temperature", self.temperature, 0.0, 2.0)
         if self.temperature_iteration0 is not None:
             _in("temperature_iteration0", self.temperature_iteration0, 0.0, 2.0)
+        require(
+            self.answer_bootstrap_iterations >= 0,
+            "answer_bootstrap_iterations",
+            f"must be >= 0, got {self.answer_bootstrap_iterations}",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -66,6 +66,8 @@ ALIASES = {
     "origin_sft_yaml_path": "origin_yaml_path",
     "explore_time": "mcts_selections",
 }
+# Keys that became a value of another field: old key -> (new key, old value -> new value). Read with a warning.
+LEGACY_SWITCHES = {"prefill_answer_iteration0": ("answer_bootstrap", {True: "prefill", False: "off"})}
 # Original output-location keys: accepted, superseded by ``output_dir`` (one run directory per recipe).
 LEGACY_OUTPUT_KEYS = (
     "mid_yaml_root_path",
@@ -85,6 +87,24 @@ ORIGINAL_POOLS = (
     "prompts_math_first.jsonl",
 )
 R = TypeVar("R", bound="BaseRecipe")
+
+
+def translate_legacy_switches(raw: dict[str, Any], where: str) -> None:
+    """Replace each key of ``LEGACY_SWITCHES`` in ``raw`` by its new key and value (warning once each).
+
+    Raises:
+        RecipeError: both the old and the new key are set, or the old key has a value it never took.
+    """
+    for old, (new, values) in LEGACY_SWITCHES.items():
+        if old not in raw:
+            continue
+        value = raw.pop(old)
+        if new in raw:
+            raise RecipeError(old, f"both {old!r} and its new form {new!r} are set; keep {new!r}")
+        if not isinstance(value, (bool, int)) or value not in values:
+            raise RecipeError(old, f"expected one of {sorted(values)}, got {value!r}")
+        raw[new] = values[bool(value)]
+        logger.warning("%s: %s=%r is a legacy switch; read as %s=%r", where, old, value, new, raw[new])
 
 
 def known_tasks() -> dict[str, str]:
@@ -380,6 +400,7 @@ def load_recipe(
                     raw.pop(key),
                 )
         drop_empty_mix_dataset(raw)
+        translate_legacy_switches(raw, where)
         recipe = build(cls, check_keys(raw, cls, ALIASES, cls.unused_keys, where))
         if check_paths:
             missing = recipe.missing_inputs()

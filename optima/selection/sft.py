@@ -2,7 +2,9 @@
 
 See docs/method.md#isft-selection; D11, D12, D18.
 
-1. Per question, the top-1 conversation by reward (ties: the lower sample index).
+1. Per question, the top-1 conversation by reward (ties: the lower sample index), among those that ended ``ok`` and
+   never copy a prompt's placeholder as an answer (``optima.reward.placeholder_copies``): whatever the thresholds
+   say, training on a copy would teach it.
 2. Questions ranked by that reward, best first (ties: by question id); the ``[start, end)`` slice of the ranking
    is kept (default top 70%, MATH ranks 10-80%, dropping MATH's top 10%: docs/method.md D18; recipe
    ``selection_range``).
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, build_agent_messages, compat_style
 from optima.config.rules import selection_range
+from optima.reward import placeholder_copies
 from optima.tasks import Example
 
 if TYPE_CHECKING:
@@ -38,6 +41,7 @@ OUTSIDE_SLICE = "outside rank slice"
 NOTHING_USABLE = "no usable conversation"
 NOT_BEST = "not the question's best"
 UNFINISHED = "unfinished (status {status})"  # cut for length, failed, or no utterance: never trained on
+COPIES_PLACEHOLDER = "copies a placeholder"  # an answer copied from the prompt's answer slot: never trained on
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,15 @@ class Decision:
 
 
 def is_usable(result: dict) -> bool:
-    """Whether a rewarded conversation can be trained on: it ended ``ok`` and has utterances."""
-    return result["status"] == "ok" and bool(result["utterances"])
+    """Whether a rewarded conversation can be trained on: it ended ``ok``, has utterances and copies no placeholder."""
+    return unusable_rule(result) is None
+
+
+def unusable_rule(result: dict) -> str | None:
+    """The rule that rules a rewarded conversation out of training (None: it can be trained on)."""
+    if result["status"] != "ok" or not result["utterances"]:
+        return UNFINISHED.format(status=result["status"])
+    return COPIES_PLACEHOLDER if placeholder_copies(result) else None
 
 
 def best_conversation(line: dict) -> dict | None:
@@ -85,7 +96,7 @@ def other_rules(line: dict, best: dict | None) -> dict[str, str]:
     for r in line["results"]:
         if best is not None and r["sample_index"] == best["sample_index"]:
             continue
-        rules[str(r["sample_index"])] = NOT_BEST if is_usable(r) else UNFINISHED.format(status=r["status"])
+        rules[str(r["sample_index"])] = unusable_rule(r) or NOT_BEST
     return rules
 
 

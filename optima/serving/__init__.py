@@ -17,6 +17,7 @@ from optima import lazy_exports
 _EXPORTS = {
     "CacheCounters": "optima.hardware.capacity",
     "ChatReply": "client",
+    "ConstraintRejected": "client",
     "NoReplicaLeft": "client",
     "ReplicaPool": "client",
     "RequestFailed": "client",

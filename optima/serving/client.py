@@ -43,6 +43,10 @@ class NoReplicaLeft(RuntimeError):
     """Every replica is dead (or the pool was stopped): generation cannot continue."""
 
 
+class ConstraintRejected(RuntimeError):
+    """A server rejected or ignored a structured-output constraint (``check_structured_outputs``)."""
+
+
 @dataclass(frozen=True)
 class ChatReply:
     """One completion.
@@ -263,3 +267,39 @@ def prompt_logprobs(client: Any, model: str, prompts: Sequence[Sequence[int]], t
         model=model, prompt=[list(p) for p in prompts], max_tokens=0, echo=True, logprobs=top, temperature=0.0
     )
     return sorted(response.choices, key=lambda c: c.index)
+
+
+# The probe of ``check_structured_outputs``: a constraint that admits one reply only.
+PROBE_REPLY = "<A>ok</A>"
+
+
+def regex_constraint(pattern: str) -> dict:
+    """The request's extra body that constrains the reply to ``pattern`` (vLLM's structured outputs, vLLM >= 0.12)."""
+    return {"structured_outputs": {"regex": pattern}}
+
+
+def check_structured_outputs(pool: ReplicaPool) -> None:
+    """Ask every replica for a reply constrained to ``PROBE_REPLY``; raise unless each returns exactly that.
+
+    A server without structured outputs rejects the request (an error) or ignores the field (a free reply): either
+    way every constrained turn would be wrong, so the run stops before the first conversation.
+
+    Raises:
+        ConstraintRejected: naming the endpoint, what it answered and what to do.
+    """
+    messages = [{"role": "user", "content": f"Reply with {PROBE_REPLY}"}]
+    sampling = Sampling(0.0, 16, 0, regex_constraint(PROBE_REPLY))
+    advice = "use a server with structured outputs (vLLM >= 0.12), or set answer_bootstrap: prefill or off"
+    for replica, client in enumerate(pool.clients):
+        try:
+            text = pool.chat(replica, messages, sampling).text
+        except RequestFailed as exc:
+            raise ConstraintRejected(
+                f"{client.base_url} rejected the answer constraint (structured_outputs.regex, answer_bootstrap: "
+                f"grammar): {exc}; {advice}"
+            ) from exc
+        if text != PROBE_REPLY:
+            raise ConstraintRejected(
+                f"{client.base_url} ignored the answer constraint (structured_outputs.regex, answer_bootstrap: "
+                f"grammar): asked for exactly {PROBE_REPLY!r}, got {text[:80]!r}; {advice}"
+            )

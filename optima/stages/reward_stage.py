@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING
 
 from optima.agents.prompts import Utterance
 from optima.loss_stream import conversation_texts, needs_losses, to_json_losses
-from optima.reward import Conversation, flexible_answer, is_cut, question_t_max, score_conversation, scored_answer
+from optima.reward import (
+    Conversation,
+    flexible_answer,
+    is_cut,
+    placeholder_copies,
+    question_t_max,
+    score_conversation,
+    scored_answer,
+)
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
 from optima.tasks.reparse import reparsed
@@ -65,6 +73,7 @@ class RewardStats:
     flexible_score_sum: float = 0.0
     token_sum: int = 0
     cut: int = 0  # conversations cut for length
+    placeholder_copies: int = 0  # conversations that copy a prompt's placeholder as an answer
     best_rewards: list[float] = field(default_factory=list)
     parts_sum: Counter = field(default_factory=Counter)
     verifier: object | None = None  # the stage's MathVerifier (flexible MATH answers)
@@ -81,6 +90,7 @@ class RewardStats:
             self.add_flexible(r)
         self.token_sum += sum(r["token_count"] for r in results)
         self.cut += sum(is_cut(r) for r in results)
+        self.placeholder_copies += sum(placeholder_copies(r) > 0 for r in results)
         self.best_rewards.append(max(r["reward"] for r in results))
 
     def add_flexible(self, result: dict) -> None:
@@ -108,6 +118,7 @@ class RewardStats:
             "flexible_accuracy": round(self.flexible_score_sum / n, 4),
             "mean_tokens": round(self.token_sum / n, 2),
             "cut_rate": round(self.cut / n, 4),
+            "placeholder_copies": self.placeholder_copies,
             "best_reward_max": round(best[-1], 4) if best else None,
             "best_reward_median": round(best[len(best) // 2], 4) if best else None,
             "mean_reward_parts": mean_parts(self.parts_sum, self.conversations),
