@@ -135,7 +135,7 @@ class AgentPrompts:
 
 
 def build_agent_prompts(
-    task: Task, system: Sequence[str], prefill_answer: bool = False, answer_pattern: str = ""
+    task: Task, system: Sequence[str], prefill_answer: bool = False, answer_patterns: Sequence[str] = ("", "")
 ) -> AgentPrompts:
     """The agents' prompts for ``task``: answer openings or constraints, exact replies for information exchange.
 
@@ -147,12 +147,12 @@ def build_agent_prompts(
         task: The conversation's task.
         system: (Alice's, Bob's) rendered system prompts.
         prefill_answer: Pre-fill the roles' answer openings (``answer_bootstrap: prefill``).
-        answer_pattern: Constrain the answering roles' replies to this regular expression (``answer_bootstrap:
-            grammar``; ``optima.tasks.constraints.reply_pattern``); "" for none.
+        answer_patterns: (Alice's, Bob's) regular expression that the answering roles' replies must match
+            (``answer_bootstrap: grammar``; ``optima.tasks.constraints.reply_pattern``); "" for none.
     """
     roles = [role_prompt(task, name) for name in AGENT_NAMES]
     openings = tuple(role.answer_opening if prefill_answer else "" for role in roles)
-    constraints = tuple(answer_pattern if role.states_answer else "" for role in roles)
+    constraints = tuple(p if role.states_answer else "" for role, p in zip(roles, answer_patterns, strict=True))
     from_turn = min((role.answer_from_turn for role in roles if role.states_answer), default=0)
     return AgentPrompts(tuple(system), openings, from_turn, task.family == "qa", constraints)
 

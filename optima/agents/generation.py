@@ -303,8 +303,8 @@ class ConversationRunner:
     def agent_prompts(self, task: Task, job: Job) -> AgentPrompts:
         """The agents' prompts of one job, with the plan's answer bootstrap (pre-fill, or the answer constraint)."""
         grammar = self.plan.answer_bootstrap == "grammar"
-        pattern = reply_pattern(task, job.example, self.recipe.max_tokens) if grammar else ""
-        return build_agent_prompts(task, self.system_prompts(task, job), self.plan.prefill_answer, pattern)
+        patterns = [reply_pattern(task, job.example, name) if grammar else "" for name in AGENT_NAMES]
+        return build_agent_prompts(task, self.system_prompts(task, job), self.plan.prefill_answer, patterns)
 
     def start_prefill(self, job: Job, task: Task, agents: AgentPrompts, replica: int) -> Prefill:
         """Information exchange: send Bob's opening view with ``max_tokens`` 1 beside Alice's first turn.

@@ -5,19 +5,25 @@ the server's structured outputs let the model choose, by its own probabilities, 
 reply stays free around one answer span, written as the task's prompt asks:
 
 * multiple choice (`score_type` "choice"): `<A>X) option text</A>` with one of the question's own options;
-* other tag answers (information exchange): `<A>` a short span `</A>` with no bracket, brace or newline, so that no
+* other tag answers (information exchange): `<A>` a few words `</A>` with no bracket, brace or newline, so that no
   bracketed placeholder (`{your answer}`, `[your answer]`) fits (a plain copy such as "your answer" still does, and
   the placeholder rule reads it as no answer: `optima.tasks.answers.is_placeholder`);
 * GSM8K (`score_type` "number"): `\\boxed{}` around a number;
 * MATH: `\\boxed{}` around a short expression (one level of braces inside).
 
-Around the span: a tag answer may be preceded and followed by free text without `<` (so the span is the reply's
-last tag), a boxed answer preceded by free text without `\\boxed` and followed by nothing (the prompts ask to end
-with the box). The free text is bounded in characters (`free_chars`), so the model must reach the answer before the
-bound and a constrained reply does not run into `max_tokens` waiting for it.
+Around the span, free text where the prompts and the pre-fill put it, bounded in words (a word is free):
 
-The patterns use only what xgrammar, the structured-output backend of vLLM, reads: literals, character classes,
-alternation, groups and bounded repetition.
+* a tag answer (multiple choice, information exchange) comes first, where the pre-fill put its `<A>`: the speaker's
+  name prefix (`Alice: `, optional), the span, then at most `WORDS_AFTER` words ("Reply as: <A>..</A> then one
+  short reason"); free text beside a tag holds no `<`, so the span is the reply's only tag;
+* a boxed answer (GSM8K, MATH) comes last, as the prompts ask: at most `WORDS_BEFORE` words of reasoning (LaTeX
+  allowed, but no `\\boxed`), then the box, then nothing.
+
+The bound keeps a constrained reply short and inside `max_tokens` (unbounded free text let SmolLM2-135M run on to
+the limit: the reply is then cut and the conversation has no answer). It counts words, never characters: xgrammar,
+vLLM's structured-output backend, compiles a bounded repetition of a character class (`[^<]{0,96}`) into one state
+per count, which took 13 to 26 s for one pattern on a busy 2-core machine (vLLM gives up after
+`VLLM_REGEX_COMPILATION_TIMEOUT_S`, 5 s by default); a bounded repetition of words compiles in well under a second.
 """
 
 from __future__ import annotations
@@ -25,15 +31,15 @@ from __future__ import annotations
 from optima.tasks.answers import BOXED_OPEN, TAG_CLOSE, TAG_OPEN
 from optima.tasks.base import Example, Task
 
-MAX_FREE_CHARS = 400  # free text on one side of the span at most (a larger bound only grows the grammar)
-# Tokens of max_tokens kept for the span itself (an option's text is rarely longer).
-SPAN_TOKENS = 64
+WORDS_AFTER = 30  # free words after a tag answer
+WORDS_BEFORE = 80  # words of reasoning before a boxed answer
+SPAN_WORDS = 10  # words of an information-exchange answer at most
 _SPECIAL = set("\\.^$*+?{}[]|()")
-_QA_SPAN = r"[^\s<>{}\[\]][^\n<>{}\[\]]{0,79}"
+_QA_WORD = r"[^\s<>{}\[\]]+"  # no bracket or brace: no bracketed placeholder fits
 _NUMBER_SPAN = r"-?[0-9]{1,15}(\.[0-9]{1,6})?"
-_MATH_SPAN = r"([^{}\n\\]|\\[a-zA-Z]{1,12}|\{[^{}\n]{0,40}\}){1,80}"
-_FREE_TAG = "[^<]"  # no second tag: the span is the reply's last answer
-_FREE_BOXED = r"([^\\]|\\[^b]|\\b[^o])"  # LaTeX commands allowed, `\bo...` (`\boxed`) only at the span
+_MATH_SPAN = r"([^{}\n]|\{[^{}\n]*\})+"
+_TAG_WORD = r"[^\s<]+"  # a word beside a tag answer: no second tag
+_BOX_WORD = r"([^\\\s]|\\[^b\s])+"  # a word of reasoning: LaTeX commands allowed, but no `\b...` (`\boxed`)
 
 
 def escape(text: str) -> str:
@@ -62,29 +68,19 @@ def answer_span_pattern(task: Task, example: Example) -> str:
             raise ValueError(f"{example.task} question {example.id!r}: multiple choice without options")
         inner = "(" + "|".join(escape(f"{label}) {text}") for label, text in example.options) + ")"
     else:
-        inner = _QA_SPAN
+        inner = f"{_QA_WORD}( {_QA_WORD}){{0,{SPAN_WORDS - 1}}}"
     return escape(TAG_OPEN) + inner + escape(TAG_CLOSE)
 
 
-def free_chars(max_tokens: int) -> int:
-    """Characters of free text allowed on each side of the span: about half of what `max_tokens` leaves (>= 0)."""
-    return max(0, min(MAX_FREE_CHARS, (max_tokens - SPAN_TOKENS) // 2))
-
-
-def reply_pattern(task: Task, example: Example, max_tokens: int) -> str:
-    """The whole reply of an answering turn: free text, the answer span, free text (tag answers only).
+def reply_pattern(task: Task, example: Example, speaker: str) -> str:
+    """The whole reply of an answering turn: the answer span with free words where the prompts put them.
 
     Args:
         task: the example's task.
         example: the question.
-        max_tokens: the turn's token limit (bounds the free text: `free_chars`).
+        speaker: the agent whose reply it is (the prompts ask every message to begin with its name).
     """
-    bound = free_chars(max_tokens)
     span = answer_span_pattern(task, example)
     if task.answer_style == "boxed":
-        return _free(_FREE_BOXED, 2 * bound) + span
-    return _free(_FREE_TAG, bound) + span + _free(_FREE_TAG, bound)
-
-
-def _free(char: str, bound: int) -> str:
-    return f"{char}{{0,{bound}}}" if bound else ""
+        return f"({_BOX_WORD}\\s+){{0,{WORDS_BEFORE}}}({_BOX_WORD})?{span}"
+    return f"({escape(speaker)}: ?)?{span}(\\s+{_TAG_WORD}){{0,{WORDS_AFTER}}}"
