@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, is_impersonation
 from optima.quantiles import interpolated_quantile
-from optima.tasks.flexible import flexible_answer as flexible_reply_answer
 from optima.tasks import get_task
+from optima.tasks.flexible import flexible_answer as flexible_reply_answer
 
 if TYPE_CHECKING:
     from optima.config.types import RewardFields

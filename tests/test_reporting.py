@@ -137,12 +137,15 @@ def test_a_stage_counts_its_verifiers_timeouts():
     assert verifier_stats(SimpleNamespace(timeouts=2)) == {"verifier_timeouts": 2}
 
 
+EXAMPLE = Example("q", "arc", "?", "4", "choice", options=(("A", "3"), ("B", "4"))).to_dict()
+
+
 def test_the_report_counts_placeholder_copies_per_iteration(tmp_path):
     """A conversation that states a copied placeholder (any variant) counts once, however many times it copies."""
     texts = [["<A>{letter}) {option text}</A>", "<A>X) option text</A>"], ["<A>B) 4</A>"], ["<A>[your answer]</A>"]]
     line = rewarded_line([0.0, 1.0, 0.0], [10, 10, 10])
     for result, utterances in zip(line["results"], texts, strict=True):
-        result |= {"task": "arc", "status": "ok", "utterances": [{"speaker": "Alice", "text": t} for t in utterances]}
+        result |= {"example": EXAMPLE, "status": "ok", "utterances": [{"speaker": "A", "text": t} for t in utterances]}
     stats = RewardStats()
     stats.add(line)
     assert stats.to_dict()["placeholder_copies"] == 2

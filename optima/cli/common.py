@@ -73,8 +73,15 @@ def expected_failures() -> tuple[type[BaseException], ...]:
     from optima.tasks import DataError
     from optima.training.errors import TrainingError
 
-    return (NothingSelected, ServerStartupError, NoReplicaLeft, ConstraintRejected, DataError, TrainingError,
-            FolderLocked)
+    return (
+        NothingSelected,
+        ServerStartupError,
+        NoReplicaLeft,
+        ConstraintRejected,
+        DataError,
+        TrainingError,
+        FolderLocked,
+    )
 
 
 def guarded(body: Callable[[], int]) -> int:
