@@ -30,7 +30,7 @@ BOXED_OPEN = "\\boxed{"
 # The version of what turns an utterance into an answer (the parsers, the placeholder rule, `Task.parse_answer`):
 # raise it with any change that parses some text otherwise. Rows record the version they were parsed with, and a
 # reader re-parses rows of another version from their stored text (`optima.tasks.reparse`).
-PARSER_VERSION = 1
+PARSER_VERSION = 2  # 2: one placeholder rule over the skeleton ([your answer], X) option text, born={year})
 
 # prompt set -> the placeholders its prompts show in the answer slot (the first is the one the format lines use).
 ANSWER_PLACEHOLDERS: dict[str, tuple[str, ...]] = {
