@@ -100,6 +100,8 @@ def test_the_loss_server_limits_respect_the_context():
     recipe = sft(max_model_len=1024)
     assert loss_server_limits(recipe, 8192)[0] == 1024
     assert loss_server_limits(sft(), 512)[0] == 512  # the model's own context
+    unchunked = sft(vllm_extra_args=["--no-enable-chunked-prefill"])
+    assert loss_server_limits(unchunked, None)[2] == 2064  # vLLM 0.32 then refuses batched tokens < max_model_len
     cpu = build_serve_command(sft(), "/m", 8001, VENV, Placement(scoring=True))
     assert "--max-num-seqs" not in cpu  # the CPU loss server keeps its own settings (docs/cpu.md)
 

@@ -98,7 +98,10 @@ def loss_server_limits(recipe: LoopRecipe, model_max_len: int | None) -> tuple[i
     length = max(recipe.max_total_tokens, recipe.max_tokens) + SCORING_TEMPLATE_TOKENS
     length = min([length, *(cap for cap in (recipe.max_model_len, model_max_len) if cap)])
     seqs = vllm_loss_batch_size(recipe)
-    return length, seqs, max(seqs, min(SCORING_BATCHED_TOKENS, seqs * length))
+    batched = max(seqs, min(SCORING_BATCHED_TOKENS, seqs * length))
+    if "--no-enable-chunked-prefill" in recipe.vllm_extra_args:  # vLLM then wants a whole prompt in one step
+        batched = max(batched, length)
+    return length, seqs, batched
 
 
 def train_start(recipe: LoopRecipe, model: str, stage: str | None = None) -> str:
