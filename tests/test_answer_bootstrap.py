@@ -45,6 +45,7 @@ def matches(example: Example, reply: str) -> bool:
         (ARC, "<A>C) 5</A>\nAdding one more.\n\nTwice.", True),  # ... on more lines too
         (ARC, "<A>C) 5</A>" + " word" * 30, True),  # ... thirty words at most
         (ARC, "<A>C) 5</A>" + " word" * 31, False),
+        (ARC, "<A>C) 5</A> " + "x" * 33, False),
         (ARC, "Bob: <A>B) 4</A>", False),  # the name prefix is the speaker's own
         (ARC, "C: <A>B) 4</A>", False),
         (ARC, "I think <A>B) 4</A>", False),  # the prompt asks for the answer first, as the pre-fill put it
@@ -68,6 +69,9 @@ def matches(example: Example, reply: str) -> bool:
         (GSM8K, "2+2=4:\\boxed{4}", True),
         (GSM8K, "w " * 80 + "w\\boxed{4}", True),  # eighty words of reasoning at most (and one on the box)
         (GSM8K, "w " * 81 + "\\boxed{4}", False),
+        (GSM8K, "1440." * 6 + "\\boxed{4}", True),  # a word of 30 characters
+        (GSM8K, "1440." * 7 + "\\boxed{4}", False),  # one word never goes on instead of the box
+        (GSM8K, "1440 " + " " * 5 + "\\boxed{4}", False),  # nor the space between words
         (GSM8K, "\\boxed{{number}}", False),
         (GSM8K, "\\boxed{4} and more", False),  # the prompts ask to end with the box
         (GSM8K, "\\boxed{3} so \\boxed{4}", False),  # one box

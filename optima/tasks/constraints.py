@@ -20,7 +20,9 @@ Around the span, free text where the prompts and the pre-fill put it, bounded in
   allowed, but no `\\boxed`), then the box, then nothing.
 
 The bound keeps a constrained reply short and inside `max_tokens` (unbounded free text let SmolLM2-135M run on to
-the limit: the reply is then cut and the conversation has no answer). It counts words, never characters: xgrammar,
+the limit: the reply is then cut and the conversation has no answer); words are `WORD_CHARS` characters at most, as
+the space between them is short, else a model that would rather not write the box goes on in one endless word
+(`1440.1440.1440...`, seen with an unbounded last word). It counts words, never characters: xgrammar,
 vLLM's structured-output backend, compiles a bounded repetition of a character class (`[^<]{0,96}`) into one state
 per count, which took 13 to 26 s for one pattern on a busy 2-core machine (vLLM gives up after
 `VLLM_REGEX_COMPILATION_TIMEOUT_S`, 5 s by default); a bounded repetition of words compiles in well under a second.
@@ -34,12 +36,15 @@ from optima.tasks.base import Example, Task
 WORDS_AFTER = 30  # free words after a tag answer
 WORDS_BEFORE = 80  # words of reasoning before a boxed answer
 SPAN_WORDS = 10  # words of an information-exchange answer at most
+WORD_CHARS = 32  # characters of one word at most: a word never goes on instead of the answer
 _SPECIAL = set("\\.^$*+?{}[]|()")
-_QA_WORD = r"[^\s<>{}\[\]]+"  # no bracket or brace: no bracketed placeholder fits
+_QA_WORD = rf"[^\s<>{{}}\[\]]{{1,{WORD_CHARS}}}"  # no bracket or brace: no bracketed placeholder fits
 _NUMBER_SPAN = r"-?[0-9]{1,15}(\.[0-9]{1,6})?"
 _MATH_SPAN = r"([^{}\n]|\{[^{}\n]*\})+"
-_TAG_WORD = r"[^\s<]+"  # a word beside a tag answer: no second tag
-_BOX_WORD = r"([^\\\s]|\\[^b\s])+"  # a word of reasoning: LaTeX commands allowed, but no `\b...` (`\boxed`)
+_TAG_WORD = rf"[^\s<]{{1,{WORD_CHARS}}}"  # a word beside a tag answer: no second tag
+# A word of reasoning: LaTeX commands allowed, but no `\b...` (`\boxed`).
+_BOX_WORD = rf"([^\\\s]|\\[^b\s]){{1,{WORD_CHARS}}}"
+_SPACE = r"\s{1,4}"  # between words
 
 
 def escape(text: str) -> str:
@@ -82,5 +87,5 @@ def reply_pattern(task: Task, example: Example, speaker: str) -> str:
     """
     span = answer_span_pattern(task, example)
     if task.answer_style == "boxed":
-        return f"({_BOX_WORD}\\s+){{0,{WORDS_BEFORE}}}({_BOX_WORD})?{span}"
-    return f"({escape(speaker)}: ?)?{span}(\\s+{_TAG_WORD}){{0,{WORDS_AFTER}}}"
+        return f"({_BOX_WORD}{_SPACE}){{0,{WORDS_BEFORE}}}({_BOX_WORD})?{span}"
+    return f"({escape(speaker)}: ?)?{span}({_SPACE}{_TAG_WORD}){{0,{WORDS_AFTER}}}"
