@@ -21,12 +21,11 @@ import sys
 from pathlib import Path
 
 from optima.logging_utils import setup_logging
+from optima.methods import METHODS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RECIPE_CLASSES = {
-    "sft": "SFTRecipe",
-    "dpo": "DPORecipe",
-    "sft_dpo": "SFTDPORecipe",
+# Each recipe's class in optima.config: the training methods' (optima.methods), then the two evaluations'.
+RECIPE_CLASSES = {name: method.recipe for name, method in METHODS.items()} | {
     "inference": "InferenceRecipe",
     "multi_sc": "MultiSCRecipe",
 }

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from optima.identity import WEIGHTS_ID_KEY, read_marker
+from optima.methods import SFT
 from optima.paths import RunPaths, StagePaths, find_checkpoints, stage_folders
 from optima.store import write_json
 
@@ -133,7 +134,7 @@ def lineage_checkpoints(root: Path) -> list[tuple[str, Path]]:
         return found
     expected = {}
     for iteration, part, sp in lineage_folders(run_dir):
-        name = RunPaths(run_dir).checkpoint(iteration, "sft" if part == "sft" else None).name
+        name = RunPaths(run_dir).checkpoint(iteration, SFT if part == SFT else None).name
         if sp.manifest.is_file():
             expected[name] = _trained(sp)
         else:  # an iSFT-DPO iteration's own folder, or one written by hand: cannot tell

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Protocol
 
 from optima.identity import COMPLETE_MARKER
+from optima.methods import PART_FOLDERS
 
 logger = logging.getLogger(__name__)
 
@@ -169,18 +170,16 @@ class RunPaths:
         return StagePaths(root / stage if stage else root)
 
 
-STAGE_PARTS = ("", "sft", "dpo")  # iSFT / iDPO folders, then the two stages of an iSFT-DPO iteration
-
-
 def stage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
     """``(iteration, part, folder)`` of every ``iteration_<i>`` folder of ``run_dir`` and its possible stage parts
-    (``STAGE_PARTS``), in run order, whether or not a folder exists: each reader keeps those holding its file."""
+    (``optima.methods.PART_FOLDERS``), in run order, whether or not a folder exists: each reader keeps those holding
+    its file."""
     paths, found = RunPaths(Path(run_dir)), []
     for folder in Path(run_dir).glob("iteration_*"):
         number = folder.name.removeprefix("iteration_")
         if number.isdigit():
-            found += [(int(number), part, paths.stage(int(number), part or None)) for part in STAGE_PARTS]
-    return sorted(found, key=lambda item: (item[0], STAGE_PARTS.index(item[1])))
+            found += [(int(number), part, paths.stage(int(number), part or None)) for part in PART_FOLDERS]
+    return sorted(found, key=lambda item: (item[0], PART_FOLDERS.index(item[1])))
 
 
 def find_checkpoints(root: Path) -> list[tuple[str, Path]]:

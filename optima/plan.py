@@ -22,6 +22,7 @@ from optima.config.fields import stage_fields
 from optima.config.rules import loss_model, selection_range, train_start, trainer_base_yaml, trainer_overrides_for
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
+from optima.methods import DPO, METHODS, SFT, TrainerKind
 from optima.paths import RunPaths
 from optima.run_context import RunContext
 from optima.stages import dpo, sft
@@ -86,10 +87,10 @@ def _describe_select(call: StageCall) -> dict:
     }
 
 
-def _describe_train(call: StageCall, kind: str) -> dict:
+def _describe_train(call: StageCall, kind: TrainerKind) -> dict:
     recipe = call.recipe
     start = train_start(recipe, call.model, call.part)
-    if kind == "sft":
+    if kind == SFT:
         method = {"model": start, "trainer yaml": call.sp.trainer_yaml}
     else:
         method = {"model": start, "reference": start, "rpo_alpha": recipe.rpo_alpha}
@@ -167,7 +168,7 @@ SFT_STAGES = (
         stage_fields(Stage.TRAIN, SFTRecipe),
         (CHECKPOINT, TRAINER_LOGS),
         sft.train,
-        lambda c: _describe_train(c, "sft"),
+        lambda c: _describe_train(c, SFT),
         reads=("start model", "SFT trainer YAML"),
     ),
 )
@@ -202,16 +203,16 @@ DPO_STAGES = (
         stage_fields(Stage.TRAIN, DPORecipe),
         (CHECKPOINT, TRAINER_LOGS),
         dpo.train,
-        lambda c: _describe_train(c, "dpo"),
+        lambda c: _describe_train(c, DPO),
         reads=("start model", "DPO trainer YAML"),
     ),
 )
 # The parts of one iteration of each method, in order: (part name, its stages). iSFT-DPO (docs/method.md#isft-dpo)
 # runs a whole iSFT part, then a DPO part from its checkpoint; each part has its own folder, manifest and checkpoint.
+# Each part runs the stages of its trainer (``optima.methods``).
+TRAINER_STAGES = {SFT: SFT_STAGES, DPO: DPO_STAGES}
 METHOD_PARTS: dict[str, tuple[tuple[str | None, tuple[StageDef, ...]], ...]] = {
-    "sft": ((None, SFT_STAGES),),
-    "dpo": ((None, DPO_STAGES),),
-    "sft_dpo": (("sft", SFT_STAGES), ("dpo", DPO_STAGES)),
+    name: tuple((part, TRAINER_STAGES[trainer]) for part, trainer in method.parts) for name, method in METHODS.items()
 }
 
 

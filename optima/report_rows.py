@@ -7,6 +7,8 @@ alone.
 
 from __future__ import annotations
 
+from optima.methods import DPO, SFT
+
 PART_NAMES = ("task_score", "token_term", "loss_term", "penalty", "reward")
 STAGE_ORDER = ("generate", "score", "select", "probe", "search", "pairs", "train")
 
@@ -20,7 +22,7 @@ def build_row(iteration: int, stage: str, metrics: dict) -> dict:
         metrics: The parsed ``metrics.json``.
     """
     stages = metrics.get("stages", {})
-    kind = "dpo" if "search" in stages or "probe" in stages or "pairs" in stages else "sft"
+    kind = DPO if "search" in stages or "probe" in stages or "pairs" in stages else SFT
     conversations = stages.get("score") or stages.get("search") or {}
     train = stages.get("train") or {}
     timings = metrics.get("timings_s", {})
@@ -46,7 +48,7 @@ def build_row(iteration: int, stage: str, metrics: dict) -> dict:
     }
     row |= {f"part_{name}": (conversations.get("mean_reward_parts") or {}).get(name) for name in PART_NAMES}
     row |= {f"time_{name}": timings.get(name) for name in STAGE_ORDER}
-    if kind == "sft":
+    if kind == SFT:
         row["kept"] = (stages.get("select") or {}).get("kept_conversations")
     else:
         pairs, probe = stages.get("pairs") or {}, stages.get("probe") or {}

@@ -28,6 +28,7 @@ from optima.evaluation.heldout_table import render_heldout_table
 from optima.evaluation.metrics import with_timeouts
 from optima.evaluation.report import _new_figure, render_markdown_table
 from optima.lineage import lineage_folders, read_entries
+from optima.methods import DPO, method_of_trainers
 from optima.paths import PAGE, StagePaths
 from optima.report_rows import PART_NAMES, STAGE_ORDER, build_row
 from optima.store import atomic_write_text, load_records
@@ -102,12 +103,10 @@ def answer_rows(rows: list[dict], top: int = TOP_ANSWERS) -> list[dict]:
     return table
 
 
-METHODS = {("sft",): "iSFT", ("dpo",): "iDPO", ("dpo", "sft"): "iSFT-DPO"}
-
-
 def _describe_run(run_dir: Path, rows: list[dict]) -> str:
     """One line naming the method (from the stages run), task and base model (from ``recipe.yaml``)."""
-    method = METHODS.get(tuple(sorted({row["kind"] for row in rows})), "-")
+    found = method_of_trainers({row["kind"] for row in rows})
+    method = found.label if found else "-"
     recipe_file = run_dir / "recipe.yaml"
     if not recipe_file.is_file():
         return f"method {method}"
@@ -147,7 +146,7 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
         render_markdown_table(rows, ("label", *(f"part_{n}" for n in PART_NAMES)), ("iteration", *PART_NAMES)),
         "",
     ]
-    dpo = [row for row in rows if row["kind"] == "dpo"]
+    dpo = [row for row in rows if row["kind"] == DPO]
     if dpo:
         columns = ("label", "t_max", "search_questions", "conversations", "failed_rollouts", "failed_requests",
                    "pairs_found", "pairs_kept", "questions_with_pairs")  # fmt: skip

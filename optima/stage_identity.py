@@ -27,6 +27,7 @@ from optima.agents.prompts import templates_identity
 from optima.config.rules import loss_model, train_start, trainer_base_yaml
 from optima.identity import digest, file_digest, model_identity
 from optima.manifest import StageKey, field_values, fields_hash, stage_link
+from optima.methods import DPO, SFT
 from optima.tasks import DataError, get_task, resolve_data_dir
 from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.scoring import SCORER_VERSION
@@ -70,8 +71,8 @@ READERS: dict[str, Callable] = {
     "served model": lambda call: model_identity(call.model),
     "loss model": lambda call: model_identity(loss_model(call.recipe)) if call.recipe.cal_ppl else None,
     "start model": lambda call: model_identity(train_start(call.recipe, call.model, call.part)),
-    "SFT trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, "sft")),
-    "DPO trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, "dpo")),
+    "SFT trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, SFT)),
+    "DPO trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, DPO)),
     "prompt pool": _prompt_pool,
     "task data": lambda call: data_identity(call.recipe),
     "role prompts": lambda call: templates_identity(),

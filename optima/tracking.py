@@ -25,6 +25,7 @@ from typing import Any
 
 from optima.config.fields import RecipeError
 from optima.config.trackers import parse_report_to
+from optima.methods import DPO
 from optima.paths import TENSORBOARD_DIR, RunPaths, StagePaths
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ ITERATION_LOG = "optima"
 SCALAR_GROUPS = {
     "conversations": ("answer_rate", "cut_rate", "task_score", "mean_tokens", "kept", "verifier_timeouts"),
     "train": ("train_loss", "train_rows"),
-    "dpo": ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs", "failed_rollouts", "failed_requests"),
+    DPO: ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs", "failed_rollouts", "failed_requests"),
 }
 SAMPLES_PER_STAGE = 3  # conversations per stage output logged as TensorBoard text
 

@@ -39,14 +39,16 @@ class Import:
 def read_layer_map(text: str) -> list[tuple[str, tuple[str, ...]]]:
     """``[(layer, module prefixes), ...]`` bottom up, from the layer table of docs/layers.md.
 
-    A cell names files and folders (`` `optima/paths.py` ``, `` `optima/tasks/` ``); each becomes a module prefix.
+    A cell names files and folders (`` `optima/paths.py` ``, `` `optima/tasks/` ``): a file is its module alone, a
+    folder every module under it (written ``optima.tasks.*``).
     """
     layers = []
     for number, name, cell in ROW.findall(text):
         assert int(number) == len(layers) + 1, (
             f"docs/layers.md: layer {name} is numbered {number}, not {len(layers) + 1}"
         )
-        prefixes = tuple(module_of(Path(item.rstrip("/"))) for item in CODE.findall(cell))
+        items = CODE.findall(cell)
+        prefixes = tuple(module_of(Path(i.rstrip("/"))) + (".*" if i.endswith("/") else "") for i in items)
         layers.append((name, prefixes))
     return layers
 
@@ -118,14 +120,20 @@ def known_prefix(name: str, modules: set[str]) -> str | None:
     return name or None
 
 
+def matches(module: str, entry: str) -> bool:
+    """Whether a layer table entry holds the module: the module itself, or a folder (``x.*``) it lies in."""
+    folder = entry.removesuffix(".*")
+    return module == folder or (entry.endswith(".*") and module.startswith(folder + "."))
+
+
 def layer_index(module: str, layers: list[tuple[str, tuple[str, ...]]]) -> int:
-    """The position of the layer the module belongs to: the one with its longest matching prefix."""
+    """The position of the layer the module belongs to: the one whose entry holds it most narrowly."""
     best = max(
         (
-            (len(p), i)
+            (len(p.removesuffix(".*")), i)
             for i, (_, prefixes) in enumerate(layers)
             for p in prefixes
-            if module == p or module.startswith(p + ".")
+            if matches(module, p)
         ),
         default=None,
     )
@@ -214,7 +222,7 @@ def test_the_layer_table_is_read_and_covers_every_file():
     for module in modules:
         layer_index(module, LAYERS)  # raises for a module no row names
     named = [p for _, prefixes in LAYERS for p in prefixes]
-    missing = [p for p in named if not any(m == p or m.startswith(p + ".") for m in modules)]
+    missing = [p for p in named if not any(matches(m, p) for m in modules)]
     assert missing == [], "docs/layers.md names files that do not exist"
 
 

@@ -53,6 +53,7 @@ from optima.agents.prompts import (
     pool_name,
 )
 from optima.config.rules import generation_temperature, tokenizer_path, workers
+from optima.methods import SFT
 from optima.serving.client import (
     NoReplicaLeft,
     ReplicaPool,
@@ -96,7 +97,7 @@ class GenerationPlan:
     temperature: float
     samples: int
     use_prompt_pool: bool = False
-    stage: str = "sft"
+    stage: str = SFT
     answer_bootstrap: str = "off"
 
     @property
@@ -105,7 +106,7 @@ class GenerationPlan:
         return self.answer_bootstrap == "prefill"
 
 
-def plan_generation(recipe: LoopRecipe, iteration: int, stage: str = "sft") -> GenerationPlan:
+def plan_generation(recipe: LoopRecipe, iteration: int, stage: str = SFT) -> GenerationPlan:
     """SFT data generation: ``explore_count`` samples; the pool and the low temperature at iteration 0, the answer
     bootstrap in the first ``answer_bootstrap_iterations``.
 

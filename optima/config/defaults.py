@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from optima.methods import DPO
+
 if TYPE_CHECKING:
     from optima.config.groups import RunFields
 
@@ -30,4 +32,4 @@ def default_mcts_selections(method: str, explore_count: int) -> int:
     iDPO reads ``explore_count`` (docs/method.md, D20); in iSFT-DPO ``explore_count`` belongs to the SFT stage, so
     the search keeps 8 (``ORIGINAL_MCTS_SELECTIONS``).
     """
-    return explore_count if method == "dpo" else ORIGINAL_MCTS_SELECTIONS
+    return explore_count if method == DPO else ORIGINAL_MCTS_SELECTIONS

@@ -17,6 +17,7 @@ from optima.config.devices import parse_devices
 from optima.config.fields import field, require
 from optima.config.stage_names import Stage
 from optima.config.trackers import parse_report_to
+from optima.methods import METHODS, TRAINERS
 
 DATA_DIR_ENV = "OPTIMA_DATA_DIR"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -35,8 +36,7 @@ PAIRED = (Stage.PAIRS,)  # DPO's preference pairs
 TRAINED = (Stage.TRAIN,)  # the checkpoint (of whichever method's train stage reads the group)
 
 
-# The trainers each loop runs, and the trainer keys the orchestrator sets itself (with the recipe field to use).
-TRAINER_KINDS = {"sft": ("sft",), "dpo": ("dpo",), "sft_dpo": ("sft", "dpo")}
+# The trainer keys the orchestrator sets itself (with the recipe field to use).
 MANAGED_TRAINER_KEYS = {
     "model_name_or_path": "initial_model_path (each iteration starts from the previous checkpoint)",
     "dataset_name": "the iteration's training set",
@@ -72,7 +72,7 @@ def check_trainer_overrides(overrides: dict[str, Any], kinds: tuple[str, ...]) -
             the loop does not run.
     """
     for key, value in overrides.items():
-        if key in ("sft", "dpo"):
+        if key in TRAINERS:
             require(key in kinds, "trainer_overrides", f"{key}: this loop runs no {key} trainer (only {kinds})")
             require(isinstance(value, dict), "trainer_overrides", f"{key}: must be a mapping, got {value!r}")
             check_trainer_overrides(value, ())
@@ -403,7 +403,9 @@ class TrainingFields:
         )
         parse_report_to(self.report_to)
         self.trainer_overrides = yaml_numbers(self.trainer_overrides)
-        check_trainer_overrides(self.trainer_overrides, TRAINER_KINDS.get(self.method, ()))
+        check_trainer_overrides(
+            self.trainer_overrides, METHODS[self.method].trainers if self.method in METHODS else ()
+        )
         if self.push_to_hub:
             require(
                 bool(self.hub_model_id) and self.hub_model_id.count("/") == 1,

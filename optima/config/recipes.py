@@ -44,6 +44,7 @@ from optima.config.groups import (
     SFTFields,
     TrainingFields,
 )
+from optima.methods import DPO, SFT, SFT_DPO
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ class LoopRecipe(TrainingFields, RewardFields, LoopFields, BaseRecipe, Generatio
 class SFTRecipe(SFTFields, LoopRecipe):
     """iSFT (docs/method.md#isft): generate, reward, keep the best conversations, fine-tune, repeat."""
 
-    method = "sft"
+    method = SFT
 
     def __post_init__(self) -> None:
         BaseRecipe.__post_init__(self)
@@ -230,7 +231,7 @@ class SFTRecipe(SFTFields, LoopRecipe):
 class DPORecipe(DPOFields, LoopRecipe):
     """iDPO (docs/method.md#idpo): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat."""
 
-    method = "dpo"
+    method = DPO
     # The released iDPO recipes carry SFT keys that iDPO never reads.
     unused_keys = ("initial_epsilon",)
 
@@ -257,7 +258,7 @@ class SFTDPORecipe(DPOFields, SFTFields, LoopRecipe):
         0.8, help="T_max of the tree search = this quantile of probe token counts", redoes=PROBED
     )
 
-    method = "sft_dpo"
+    method = SFT_DPO
 
     def __post_init__(self) -> None:
         if self.mcts_selections is None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from optima.methods import DPO, TRAINERS, TrainerKind
+
 if TYPE_CHECKING:
     from optima.config.types import (
         LoopRecipe,
@@ -110,19 +112,19 @@ def train_start(recipe: LoopRecipe, model: str, stage: str | None = None) -> str
     ``model`` is the one the stage's data came from. ``from_initial`` trains the initial model instead, except in
     the DPO stage of iSFT-DPO (``stage == "dpo"``), which always continues from the iteration's SFT checkpoint.
     """
-    if recipe.from_initial and stage != "dpo":
+    if recipe.from_initial and stage != DPO:
         return str(recipe.initial_model_path)
     return str(model)
 
 
-def trainer_base_yaml(recipe: MethodRecipe, kind: str) -> str:
+def trainer_base_yaml(recipe: MethodRecipe, kind: TrainerKind) -> str:
     """The handbook-style base YAML of one trainer: ``origin_yaml_path`` (``sft``) or ``origin_dpo_yaml_path``."""
-    return recipe.origin_yaml_path if kind == "sft" else recipe.origin_dpo_yaml_path
+    return recipe.origin_dpo_yaml_path if kind == DPO else recipe.origin_yaml_path
 
 
-def trainer_overrides_for(recipe: TrainingFields, kind: str) -> dict:
+def trainer_overrides_for(recipe: TrainingFields, kind: TrainerKind) -> dict:
     """The ``trainer_overrides`` of one trainer (``sft`` or ``dpo``): the shared keys, then its own sub-mapping."""
-    shared = {k: v for k, v in recipe.trainer_overrides.items() if k not in ("sft", "dpo")}
+    shared = {k: v for k, v in recipe.trainer_overrides.items() if k not in TRAINERS}
     return shared | recipe.trainer_overrides.get(kind, {})
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from optima.config.rules import trainer_overrides_for
+from optima.methods import DPO, SFT
 
 if TYPE_CHECKING:
     from optima.config.types import TrainingFields
@@ -74,7 +75,7 @@ def trainer_batches(recipe: TrainingFields, yamls: list[dict], released_processe
     """The batch of each trainer YAML of the recipe (``optima.hardware.plan.trainer_yamls``)."""
     batches = []
     for yaml in yamls:
-        kind = "dpo" if yaml.get("_dpo") else "sft"
+        kind = DPO if yaml.get("_dpo") else SFT
         user = trainer_overrides_for(recipe, kind)
         base_b, base_a = int(yaml.get(PER_DEVICE, 8)), int(yaml.get(ACCUMULATION, 1))
         batches.append(

@@ -41,11 +41,10 @@ from optima.config.groups import LOOPBACK_HOSTS
 from optima.config.rules import loss_model
 from optima.hardware.capacity import loss_kvcache_gb
 from optima.hardware.placement import Placement
+from optima.methods import DPO, runs
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe, Recipe, ServingFields
-
-SEARCH_METHODS = ("dpo", "sft_dpo")  # the loops with a tree search
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ def search_loss_server_wanted(recipe: Recipe) -> bool:
     """Whether a loss server starts for each tree search (``loss_placement: after`` in iDPO and iSFT-DPO): the search
     scores each rollout as it ends, while the policy is still served (on a GPU; see the module docstring)."""
     served = getattr(recipe, "cal_ppl", False) and recipe.loss_backend == "vllm"
-    searches = getattr(recipe, "method", None) in SEARCH_METHODS
+    searches = runs(getattr(recipe, "method", ""), DPO)  # the loops with a tree search
     return bool(served and searches and recipe.loss_placement == "after" and not recipe.endpoints)
 
 
@@ -245,9 +244,9 @@ def describe_layout(recipe: LoopRecipe, loss_model: str, layout: ServerLayout | 
     if layout.loss is not None and layout.loss_resident:
         lines["loss server"] = f"{loss_model} on {describe_placement(layout.loss, recipe)}, started once per run"
     elif getattr(recipe, "cal_ppl", False):
-        scored = ", scored after generation" if getattr(recipe, "method", None) != "dpo" else ""  # iDPO: none
+        scored = ", scored after generation" if getattr(recipe, "method", None) != DPO else ""  # iDPO: none
         lines["loss model"] = f"{loss_model}, {recipe.loss_backend} backend{scored}"
-        if getattr(recipe, "method", None) in SEARCH_METHODS:
+        if runs(getattr(recipe, "method", ""), DPO):
             lines["tree search LM loss"] = search_loss_text(recipe, loss_model, layout)
     return lines
 

@@ -41,6 +41,7 @@ from optima.hardware.placement import Placement
 from optima.hardware.spec import Hardware, detect_hardware
 from optima.hardware.training import plan_training, policy_size, trainer_yamls, training_hosts
 from optima.hardware.vllm_memory import ServerNeed
+from optima.methods import DPO, runs
 
 if TYPE_CHECKING:
     from optima.config.types import Recipe, ServingFields
@@ -75,7 +76,7 @@ def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = N
 def note_search_loss(recipe: Recipe, hardware: Hardware, plan: HardwarePlan) -> None:
     """The tree search (iDPO, iSFT-DPO) without a loss server scores with transformers in the driver, on the CPU,
     whenever the policy it searches with is not the loss model (``optima.stages.common.loss_route``)."""
-    searches = recipe.method in ("dpo", "sft_dpo") and getattr(recipe, "cal_ppl", False)
+    searches = runs(recipe.method, DPO) and getattr(recipe, "cal_ppl", False)
     if hardware.has_gpu and searches and not loss_server_wanted(recipe):
         plan.notes.append(
             f"the tree search scores LM losses of {loss_model(recipe)} with transformers in the driver process "

@@ -28,15 +28,10 @@ from optima.hardware.claims import Claim, phase_total
 from optima.hardware.memory import ModelSize, TrainerShape, gib
 from optima.hardware.placement import NodeRanks, TrainingPlacement
 from optima.hardware.spec import Hardware
+from optima.methods import DPO, METHODS, TRAINER_YAML_FIELDS
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe, MethodRecipe, Recipe, TrainingFields
-
-TRAINER_YAML_FIELDS = {
-    "sft": ("origin_yaml_path",),
-    "dpo": ("origin_dpo_yaml_path",),
-    "sft_dpo": ("origin_yaml_path", "origin_dpo_yaml_path"),
-}
 
 
 def read_hosts(recipe: TrainingFields) -> list[str]:
@@ -58,8 +53,8 @@ def _read_yaml(path: str | None) -> dict:
 
 def trainer_yamls(recipe: Recipe) -> list[dict]:
     """The base trainer YAMLs of the recipe's training stages (none for an evaluation recipe)."""
-    names = TRAINER_YAML_FIELDS.get(recipe.method, ())
-    return [_read_yaml(getattr(recipe, name)) | {"_dpo": "dpo" in name} for name in names]
+    trainers = METHODS[recipe.method].trainers if recipe.method in METHODS else ()
+    return [_read_yaml(getattr(recipe, TRAINER_YAML_FIELDS[t])) | {"_dpo": t == DPO} for t in trainers]
 
 
 def policy_size(recipe: Recipe, yamls: list[dict]) -> ModelSize | None:

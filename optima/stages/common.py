@@ -21,11 +21,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from optima.config.rules import loss_model, trainer_base_yaml, trainer_overrides_for
 from optima.evaluation.metrics import TIMEOUTS
 from optima.hardware.layout import loss_server_wanted
+from optima.methods import DPO, TrainerKind
 from optima.paths import StagePaths
 from optima.run_context import RunContext
 from optima.tasks import select_questions as slice_questions
@@ -221,23 +222,23 @@ def verifier_stats(verifier) -> dict:
     return {} if verifier is None else {TIMEOUTS: verifier.timeouts}
 
 
-def trainer_launch(call: StageCall, kind: Literal["sft", "dpo"]) -> TrainLaunch:
+def trainer_launch(call: StageCall, kind: TrainerKind) -> TrainLaunch:
     """The trainer process of the part's train stage: its environment, trainer YAML and placement."""
     ctx = call.ctx
     return launch_for(ctx.recipe, kind, ctx.envs["train"], call.sp.trainer_yaml, ctx.gpu, ctx.hardware.training)
 
 
-def trainer_peak(call: StageCall, config: dict[str, Any], kind: Literal["sft", "dpo"]) -> TrainerPeak | None:
+def trainer_peak(call: StageCall, config: dict[str, Any], kind: TrainerKind) -> TrainerPeak | None:
     """The trainer's estimated peak on the stage's saved rows, when a policy server would idle on the CPU beside it
     (None otherwise: nothing to weigh, nothing tokenised)."""
     if not call.ctx.servers.idles_on_cpu or not call.sp.dataset.is_dir():
         return None
     from optima.hardware.training import rows_trainer_peak
 
-    return rows_trainer_peak(call.recipe, config, kind == "dpo", call.sp.dataset, call.ctx.tokenizer())
+    return rows_trainer_peak(call.recipe, config, kind == DPO, call.sp.dataset, call.ctx.tokenizer())
 
 
-def iteration_values(call: StageCall, kind: Literal["sft", "dpo"], start: str) -> dict[str, Any]:
+def iteration_values(call: StageCall, kind: TrainerKind, start: str) -> dict[str, Any]:
     """The trainer YAML values of this iteration: model, data, output, seed, the run's trackers and a run name
     (``optima.tracking``), and the ``gradient_accumulation_steps`` that keeps the released global batch on the
     planned processes (``optima.hardware.batch``; only where it differs from the YAML's)."""
@@ -252,7 +253,7 @@ def iteration_values(call: StageCall, kind: Literal["sft", "dpo"], start: str) -
 
 def train_checkpoint(
     call: StageCall,
-    kind: Literal["sft", "dpo"],
+    kind: TrainerKind,
     start: str,
     overrides: dict[str, Any] | None = None,
     check: Callable[[dict[str, Any]], None] | None = None,

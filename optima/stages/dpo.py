@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from optima.agents.generation import GenerationPlan, TokenCounter, generate_conversations
 from optima.config.rules import train_start, workers
+from optima.methods import DPO
 from optima.paths import StagePaths
 from optima.reward import counted_tokens, has_answer, is_cut, search_t_max
 from optima.run_context import RunContext
@@ -202,4 +203,4 @@ def train(call: StageCall) -> dict:
         validate_lengths(config.get("max_length"), config.get("max_prompt_length"))
 
     start = train_start(call.recipe, call.model, call.part)
-    return common.train_checkpoint(call, "dpo", start, {"rpo_alpha": call.recipe.rpo_alpha}, check)
+    return common.train_checkpoint(call, DPO, start, {"rpo_alpha": call.recipe.rpo_alpha}, check)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from optima.agents.generation import GenerationHooks, generate_conversations, plan_generation
 from optima.config.rules import loss_model, train_start
 from optima.loss_stream import StreamingLosses, load_known_losses
+from optima.methods import SFT
 from optima.selection.io import save_splits, write_jsonl
 from optima.selection.sft import KEPT, select_questions, split_rows
 from optima.stages import common
@@ -34,7 +35,7 @@ def generate(call: StageCall) -> dict:
     starts as soon as the policy answers: the loss server (started beside it) is waited for by the first score.
     """
     ctx, sp = call.ctx, call.sp
-    examples = common.training_questions(ctx, call.iteration, "sft")
+    examples = common.training_questions(ctx, call.iteration, SFT)
     endpoints = ctx.servers.endpoints(call.model, sp)
     plan = plan_generation(call.recipe, call.iteration)
     with contextlib.ExitStack() as stack:
@@ -102,4 +103,4 @@ def nothing_kept(recipe: SFTFields, selected: dict) -> str | None:
 
 def train(call: StageCall) -> dict:
     """Fine-tune with TRL under accelerate, from the part's model (or the initial model with ``from_initial``)."""
-    return common.train_checkpoint(call, "sft", train_start(call.recipe, call.model, call.part))
+    return common.train_checkpoint(call, SFT, train_start(call.recipe, call.model, call.part))

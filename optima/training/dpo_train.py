@@ -40,6 +40,8 @@ import copy
 import logging
 from typing import Any
 
+from optima.methods import SFT
+
 logger = logging.getLogger(__name__)
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -97,13 +99,13 @@ def apply_rpo(training_args: Any, rpo_alpha: float | None) -> None:
     if not rpo_alpha:
         return
     loss_types = list(training_args.loss_type)
-    if "sft" in loss_types:
+    if SFT in loss_types:
         raise ValueError(
             f"rpo_alpha ({rpo_alpha}) adds the 'sft' loss, but loss_type already has it ({loss_types}); "
             "set only one of them"
         )
     weights = list(training_args.loss_weights or [1.0] * len(loss_types))
-    training_args.loss_type = [*loss_types, "sft"]
+    training_args.loss_type = [*loss_types, SFT]  # TRL names the NLL-on-chosen loss after SFT
     training_args.loss_weights = [*weights, float(rpo_alpha)]
 
 

@@ -19,11 +19,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from optima.environments import REPO_ROOT, PythonEnv
 from optima.hardware.accelerate import read_accelerate_config, resolve_accelerate_config
 from optima.hardware.placement import TrainingPlacement
+from optima.methods import DPO, SFT, TrainerKind
 from optima.store import write_yaml
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HANDBOOK = REPO_ROOT / "alignment-handbook"
-SCRIPTS = {"sft": HANDBOOK / "scripts" / "run_sft.py", "dpo": HANDBOOK / "scripts" / "run_dpo.py"}
+SCRIPTS = {SFT: HANDBOOK / "scripts" / "run_sft.py", DPO: HANDBOOK / "scripts" / "run_dpo.py"}
 # glibc serves each large tensor (activations, logits, gradients) with its own mmap and gives its pages back at
 # free, so every training step faults the same gigabytes in again: 15-20% of a CPU trainer's time went into the
 # kernel. Served from the heap and never trimmed, the pages stay mapped from one step to the next (the same
@@ -115,7 +116,7 @@ class TrainLaunch:
         placement: The hardware plan's training processes: process count, GPUs, nodes (wins over num_processes).
     """
 
-    kind: Literal["sft", "dpo"]
+    kind: TrainerKind
     env: PythonEnv
     accelerate_config: Path
     trainer_yaml: Path
@@ -184,7 +185,7 @@ class TrainLaunch:
 
 def launch_for(
     recipe: TrainingFields,
-    kind: Literal["sft", "dpo"],
+    kind: TrainerKind,
     env: PythonEnv,
     trainer_yaml: Path,
     gpu: bool,

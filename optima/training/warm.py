@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.environments import REPO_ROOT, PythonEnv
+from optima.methods import SFT
 from optima.serving.processes import PARENT_ENV, stop_group
 from optima.training.errors import STOP_TIMEOUT_S, TrainingError, failure_message
 from optima.training.launch_config import TrainLaunch, cpu_allocator_env, launch_for
@@ -163,5 +164,5 @@ def warm_trainer_for(
     if env is None or not recipe.warm_trainer or gpu:
         return WarmTrainer(env, Path(log_dir) / WARM_LOG, enabled=False)
     # The accelerate config and the process count are the same for every train stage (SFT and DPO alike).
-    launch = launch_for(recipe, "sft", env, Path("trainer.yaml"), gpu, placement)
+    launch = launch_for(recipe, SFT, env, Path("trainer.yaml"), gpu, placement)
     return WarmTrainer(env, Path(log_dir) / WARM_LOG, enabled=launch.single_cpu_process())
