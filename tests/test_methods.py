@@ -11,7 +11,7 @@ from optima import config, plan
 from optima.__main__ import RECIPE_CLASSES
 from optima.config.groups import TrainingFields
 from optima.hardware.training import trainer_yamls
-from optima.methods import DPO, METHODS, PART_FOLDERS, SFT, SFT_DPO, TRAINER_YAML_FIELDS, method_of_trainers
+from optima.methods import DPO, METHODS, PART_FOLDERS, SFT, SFT_DPO, TRAINER_YAML_FIELDS, method_of_trainers, runs
 
 REPO = Path(__file__).resolve().parent.parent
 TABLE = REPO / "optima" / "methods.py"
@@ -61,6 +61,7 @@ def test_every_reader_follows_the_table():
         assert [part for part, _ in plan.METHOD_PARTS[name]] == [part for part, _ in method.parts]
         assert method_of_trainers(set(method.trainers)) is method
     assert set(plan.METHOD_PARTS) == set(METHODS)
+    assert [name for name in METHODS if runs(name, DPO)] == [DPO, SFT_DPO] and not runs("inference", SFT)
     assert PART_FOLDERS == ("", SFT, DPO)  # the iteration's own folder, then iSFT-DPO's two parts, in run order
     assert plan.METHOD_PARTS[SFT_DPO][1][1] == plan.METHOD_PARTS[DPO][0][1]  # a part runs its trainer's stages
     names = {f.name for f in dataclasses.fields(TrainingFields)} | {
