@@ -177,3 +177,11 @@ def tiny_trainer_yaml(path: Path, model: Path, dataset: Path, output: Path, **ex
     } | extra
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def finished_stages(manifest: Path) -> list[str]:
+    """The stages that ``manifest`` records as finished (a started stage has an entry too, without a result)."""
+    import json
+
+    stages = json.loads(manifest.read_text())["stages"] if manifest.exists() else {}
+    return [name for name, entry in stages.items() if "result" in entry]

@@ -42,7 +42,7 @@ from optima.training.common import is_complete
 from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import requires_vllm
 from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply
-from tests.helpers import arc_examples, child_groups, count_lines, wait_for, with_default_signals
+from tests.helpers import arc_examples, child_groups, count_lines, finished_stages, wait_for, with_default_signals
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = resolve_test_data_dir()
@@ -102,8 +102,7 @@ def start_sft(recipe: Path) -> subprocess.Popen:
 
 
 def stages_done(run: Path) -> list[str]:
-    manifest = run / "iteration_0" / "manifest.json"
-    return list(json.loads(manifest.read_text())["stages"]) if manifest.exists() else []
+    return finished_stages(run / "iteration_0" / "manifest.json")
 
 
 # ---------------------------------------------------------------- broken model output and server errors

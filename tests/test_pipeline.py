@@ -76,4 +76,4 @@ def test_nothing_selected_can_carry_the_model_forward(tmp_path):
     assert metrics["stages"]["select"]["kept_conversations"] == 0 and "train" not in metrics["stages"]
     assert (ctx.paths.output_dir / "recipe.yaml").exists() and ctx.paths.driver_log.exists()
     report = (ctx.paths.output_dir / "report.md").read_text()  # written after every iteration, trained or not
-    assert "| 1 | 0 | 0 | - | - | 50.0 | - | - | 0 | - | 2.1 |" in report  # no flexible numbers recorded
+    assert "| 1 | 0 | 0 | - | - | 50.0 | - | - | - | 0 | - | 2.1 |" in report  # nothing flexible or copied recorded

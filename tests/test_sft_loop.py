@@ -25,7 +25,7 @@ from optima.store import load_records
 from optima.training.common import is_complete
 from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import requires_vllm
-from tests.helpers import assert_ran_what_the_dry_run_printed, child_groups, wait_for
+from tests.helpers import assert_ran_what_the_dry_run_printed, child_groups, finished_stages, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = resolve_test_data_dir()
@@ -67,7 +67,7 @@ def command(recipe: Path) -> list[str]:
 
 
 def stages_done(manifest: Path) -> list[str]:
-    return list(json.loads(manifest.read_text())["stages"]) if manifest.exists() else []
+    return finished_stages(manifest)
 
 
 def test_sft_loop_resumes_after_kill_and_finishes(tiny_model, tmp_path):
