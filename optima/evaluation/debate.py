@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from optima.agents.conversation import ConversationResult
+from optima.agents.conversation import ConversationResult, CountTokens, reply_tokens
 from optima.agents.generation import (
     ConversationRunner,
     GenerationHooks,
@@ -129,7 +129,7 @@ def run_debate(
     settings: DebateSettings,
     max_tokens: int,
     matcher: AnswerMatcher,
-    count_tokens: Callable[[str], int] | None = None,
+    count_tokens: CountTokens | None = None,
 ) -> ConversationResult:
     """Run one debate; its utterances are every agent's reply, round by round.
 
@@ -139,7 +139,7 @@ def run_debate(
         settings: Agents and rounds.
         max_tokens: Tokens per reply at most (a reply reaching it is cut: no answer that round).
         matcher: Whether two answers vote together.
-        count_tokens: Token counter used when a reply carries no ``completion_tokens``.
+        count_tokens: ``(text, speaker) -> tokens``, used when a reply carries no ``completion_tokens``.
     """
     task = get_task(example.task)
     reminder = COT_PROMPTS[task.prompt_set].reminder
@@ -163,9 +163,7 @@ def run_debate(
             replies.append(reply)
             result.replica = reply.replica
         for agent, reply in enumerate(replies):  # every agent answered this round before anyone revises
-            tokens = reply.completion_tokens
-            if tokens is None:
-                tokens = count_tokens(reply.text) if count_tokens else 0
+            tokens = reply_tokens(reply, "Alice", count_tokens)  # the agents share one model and tokenizer
             cut[agent] = reply.finish_reason == "length" or tokens >= max_tokens
             result.cut_replies += cut[agent]
             latest[agent] = reply.text.strip()
@@ -234,8 +232,7 @@ class DebateRunner(ConversationRunner):
             return reply
 
         matcher = AnswerMatcher(job.example, getattr(self.recipe, "cluster_f1", 0.9))
-        count = functools.partial(self.count_tokens, speaker="Alice")  # the agents share one model and tokenizer
-        result = run_debate(job.example, generate, self.settings, self.recipe.max_tokens, matcher, count)
+        result = run_debate(job.example, generate, self.settings, self.recipe.max_tokens, matcher, self.count_tokens)
         if result.replica is None:
             result.replica = replica
         record = self.build_record(job, (build_cot_messages(job.example, task)[0]["content"], ""), result)
