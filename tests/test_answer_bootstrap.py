@@ -46,6 +46,8 @@ def matches(example: Example, reply: str) -> bool:
         (ARC, "<A>C) 5</A>" + " word" * 30, True),  # ... thirty words at most
         (ARC, "<A>C) 5</A>" + " word" * 31, False),
         (ARC, "<A>C) 5</A> " + "x" * 33, False),
+        (ARC, "<A>B) 4</A> because 2 + 2 = 4. Bob: I agree", False),  # no turn of another speaker after it
+        (ARC, "<A>B) 4</A> because 2 + 2 = 4.\nAlice: and so", False),  # ... nor a second turn of its own
         (ARC, "Bob: <A>B) 4</A>", False),  # the name prefix is the speaker's own
         (ARC, "C: <A>B) 4</A>", False),
         (ARC, "I think <A>B) 4</A>", False),  # the prompt asks for the answer first, as the pre-fill put it

@@ -15,7 +15,9 @@ Around the span, free text where the prompts and the pre-fill put it, bounded in
 
 * a tag answer (multiple choice, information exchange) comes first, where the pre-fill put its `<A>`: the speaker's
   name prefix (`Alice: `, optional), the span, then at most `WORDS_AFTER` words ("Reply as: <A>..</A> then one
-  short reason"); free text beside a tag holds no `<`, so the span is the reply's only tag;
+  short reason"); free text beside a tag holds no `<`, so the span is the reply's only tag, and no `:`, so the
+  reply never goes on into a turn of its own (`Bob: ...`, `Alice: ...`: about one iteration-0 conversation in
+  twenty did, with free words that allowed it);
 * a boxed answer (GSM8K, MATH) comes last, as the prompts ask: at most `WORDS_BEFORE` words of reasoning (LaTeX
   allowed, but no `\\boxed`), then the box, then nothing.
 
@@ -41,7 +43,7 @@ _SPECIAL = set("\\.^$*+?{}[]|()")
 _QA_WORD = rf"[^\s<>{{}}\[\]]{{1,{WORD_CHARS}}}"  # no bracket or brace: no bracketed placeholder fits
 _NUMBER_SPAN = r"-?[0-9]{1,15}(\.[0-9]{1,6})?"
 _MATH_SPAN = r"([^{}\n]|\{[^{}\n]*\})+"
-_TAG_WORD = rf"[^\s<]{{1,{WORD_CHARS}}}"  # a word beside a tag answer: no second tag
+_TAG_WORD = rf"[^\s<:]{{1,{WORD_CHARS}}}"  # a word beside a tag answer: no second tag, no speaker's `Name:`
 # A word of reasoning: LaTeX commands allowed, but no `\b...` (`\boxed`).
 _BOX_WORD = rf"([^\\\s]|\\[^b\s]){{1,{WORD_CHARS}}}"
 _SPACE = r"\s{1,4}"  # between words
