@@ -1,5 +1,5 @@
 # Optima: the two commands of the README, and their parts.
-#   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU: about 12 min after set-up),
+#   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU: about 13 min after set-up, the held-out table included),
 #               then print its time per iteration and its report (python -m optima demo)
 #   make demo-hotpot   the same on HotpotQA (information exchange; CPU: about 15 min after set-up)
 #   make test   set up (if needed) and run the default test suite (about 6 min on a quiet 2-core box)
