@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     layout = plan_layout(recipe, [], sorted(os.sched_getaffinity(0)))
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     with ServerHolder(recipe, resolve_env(None, "vllm"), args.model, workdir / "logs", layout=layout) as holder:
-        touch(holder.endpoints(args.model, RunPaths.from_recipe(recipe).stage(0)), recipe.served_model_name)
-        touch(holder.loss_endpoints(), recipe.served_model_name)
-        holder.sleep_for_training()  # the kept policy idles
+        touch(holder.serve(args.model, RunPaths.from_recipe(recipe).stage(0)), recipe.served_model_name)
+        touch(holder.loss_urls(), recipe.served_model_name)
+        holder.release_for_training()  # the kept policy idles
         loss = [holder.loss.server.pgid]
         policy = [group for group in child_groups(os.getpid()) if group not in loss]
         for round_index in range(args.rounds):

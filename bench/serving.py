@@ -144,13 +144,13 @@ def measure_restart(args) -> dict:
     stage = RunPaths.from_recipe(recipe).stage(0)
     with new_holder(args, recipe, run_dir) as holder:
         started = time.monotonic()
-        holder.endpoints(args.model, stage)
+        holder.serve(args.model, stage)
         start_s = time.monotonic() - started
-        holder.sleep_for_training()
+        holder.release_for_training()
         groups = child_groups(os.getpid())  # the policy (no loss server in this arrangement)
         idle = idle_cpu_share(groups, args.idle_window) if args.idle_window > 0 else None
         started = time.monotonic()
-        holder.endpoints(args.model, stage)
+        holder.serve(args.model, stage)
         reload_s = time.monotonic() - started
     return {"arrangement": "restart", "start_s": round(start_s, 1), "reload_s": round(reload_s, 2),
             "idle_policy_cpu_per_s": idle}  # fmt: skip
@@ -173,8 +173,8 @@ def generate_and_score(name: str, recipe, examples, tokenizer, holder: ServerHol
     """Generation with the LM-loss scoring of this arrangement; seconds, tokens and the conversations' hash."""
     result: dict = {}
     model = str(recipe.initial_model_path)
-    urls = holder.endpoints(model, stage)
-    loss_urls = holder.loss_endpoints() or urls
+    urls = holder.serve(model, stage)
+    loss_urls = holder.loss_urls() or urls
     scorer = VLLMLossScorer(loss_urls, recipe.served_model_name, tokenizer, recipe)
     plan = plan_generation(recipe, 0)
     if name in AFTER:
@@ -222,8 +222,8 @@ def run_arrangement(args, name: str, examples, tokenizer) -> dict:
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         started = time.monotonic()
-        holder.endpoints(str(recipe.initial_model_path), stage)
-        holder.loss_endpoints()
+        holder.serve(str(recipe.initial_model_path), stage)
+        holder.loss_urls()
         result["startup_s"] = round(time.monotonic() - started, 1)
         result |= generate_and_score(name, recipe, examples, tokenizer, holder, stage)
         if name == "beside" and args.idle_window > 0:

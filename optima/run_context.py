@@ -69,14 +69,20 @@ class RunContext:
     def servers(self) -> ServerHolder:
         """The policy server (one model at a time) and the loss server beside it, placed as the hardware plan says."""
         vllm_env, log_dir = self.envs.get("vllm"), self.paths.driver_log.parent
-        holder = ServerHolder(self.recipe, vllm_env, loss_model(self.recipe), log_dir, layout=self.hardware.layout)
-        holder.demand = self.policy_demand
-        training = self.hardware.training
+        training, node_launcher = self.hardware.training, None
         if training is not None and training.multi_node:  # every node serves the policy (ServerLayout.nodes)
             from optima.training.nodes import NodeCommands
 
-            holder.node_launcher = NodeCommands(training)
-        return holder
+            node_launcher = NodeCommands(training)
+        return ServerHolder(
+            self.recipe,
+            vllm_env,
+            loss_model(self.recipe),
+            log_dir,
+            layout=self.hardware.layout,
+            demand=self.policy_demand,
+            node_launcher=node_launcher,
+        )
 
     def policy_demand(self, model: str) -> PolicyDemand:
         """What the run's conversations ask of a policy server of ``model``: measured on a sample of the training

@@ -28,8 +28,8 @@ def main() -> int:
         recipe, FAKE_ENV, "/models/base", Path(sys.argv[1]) / "logs", layout=plan_layout(recipe, [], [0, 1])
     )
     with sigterm_as_exit(), holder:
-        holder.endpoints("/models/base", RunPaths.from_recipe(recipe).stage(0))
-        holder.loss_endpoints()
+        holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
+        holder.loss_urls()
         print("READY", flush=True)
         threading.Event().wait()
     return 0

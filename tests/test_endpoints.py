@@ -123,9 +123,9 @@ def test_every_stage_checks_again_even_for_the_same_model(make_recipe, server, m
     recipe = make_recipe(endpoints=[server.root_url])
     with ServerHolder(recipe, None, layout=None) as holder:  # external endpoints: nothing placed
         stage = RunPaths(tmp_path / "run").stage(0)
-        assert holder.endpoints(models["ckpt"], stage) == [server.base_url]
+        assert holder.serve(models["ckpt"], stage) == [server.base_url]
         server.weight_version = "default"  # someone restarted it between two stages
-        holder.endpoints(models["ckpt"], stage)
+        holder.serve(models["ckpt"], stage)
     assert server.reloads == [models["ckpt"], models["ckpt"]]
 
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from optima.hardware.capacity import GIB, PolicyDemand
+from optima.hardware.capacity import GIB, PolicyDemand, available_memory_bytes
 from optima.hardware.layout import ServerLayout, plan_layout
 from optima.hardware.placement import Placement
 from optima.hardware.training import TrainerPeak, row_messages, rows_trainer_peak
@@ -66,20 +66,23 @@ def scripted(monkeypatch):
         finally:
             server.stop()
 
-    monkeypatch.setattr(holder_module, "serve", serve)
+    monkeypatch.setattr(holder_module, "serve_replicas", serve)
     return factory
 
 
-def holder_for(tmp_path, layout: ServerLayout, **overrides) -> tuple[ServerHolder, object]:
+def holder_for(
+    tmp_path, layout: ServerLayout, *, demand=None, available_memory=available_memory_bytes, **overrides
+) -> tuple[ServerHolder, object]:
     recipe = sft_recipe(tmp_path, cal_ppl=False, **overrides)  # no loss server: the policy alone
-    return ServerHolder(recipe, FAKE_ENV, layout=layout), RunPaths.from_recipe(recipe).stage(0)
+    holder = ServerHolder(recipe, FAKE_ENV, layout=layout, demand=demand, available_memory=available_memory)
+    return holder, RunPaths.from_recipe(recipe).stage(0)
 
 
 def test_the_same_model_is_reused_while_its_server_answers(tmp_path, scripted):
     holder, stage = holder_for(tmp_path, CPU_KEPT)
     with holder:
-        first = holder.endpoints("/models/base", stage)
-        assert holder.endpoints("/models/base", stage) == first
+        first = holder.serve("/models/base", stage)
+        assert holder.serve("/models/base", stage) == first
     assert [model for model, _, _ in scripted.starts] == ["/models/base"]
     assert scripted.starts[0][1] == ReplicaLayout(CPU_KEPT.policy, busy_ports=(), loss_starting=False)
 
@@ -87,12 +90,12 @@ def test_the_same_model_is_reused_while_its_server_answers(tmp_path, scripted):
 def test_after_training_a_kept_cpu_policy_reloads_the_checkpoint_and_empties_its_prefix_cache(tmp_path, scripted):
     holder, stage = holder_for(tmp_path, CPU_KEPT)
     with holder:
-        first = holder.endpoints("/models/base", stage)
-        holder.sleep_for_training()
-        holder.sleep_for_training()  # twice: still kept, nothing sent
+        first = holder.serve("/models/base", stage)
+        holder.release_for_training()
+        holder.release_for_training()  # twice: still kept, nothing sent
         server = scripted.starts[0][2]
         assert holder.asleep and server.posts == []  # on CPU the server only idles
-        assert holder.endpoints("/ckpt/iteration_0", stage) == first
+        assert holder.serve("/ckpt/iteration_0", stage) == first
         assert server.posts == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache"]
         assert server.reloads == ["/ckpt/iteration_0"]  # then the tied LM head packed again (cpu_reload)
         assert holder.model == "/ckpt/iteration_0" and not holder.asleep
@@ -102,9 +105,9 @@ def test_after_training_a_kept_cpu_policy_reloads_the_checkpoint_and_empties_its
 def test_a_kept_gpu_policy_sleeps_then_wakes_with_the_checkpoint(tmp_path, scripted):
     holder, stage = holder_for(tmp_path, GPU_KEPT)
     with holder:
-        holder.endpoints("/models/base", stage)
-        holder.sleep_for_training()
-        holder.reload("/ckpt/iteration_0")
+        holder.serve("/models/base", stage)
+        holder.release_for_training()
+        holder.load_in_place("/ckpt/iteration_0")
         server = scripted.starts[0][2]
         assert server.posts[0] == "/sleep?level=2" and server.reloads == ["/ckpt/iteration_0"]
         assert server.posts[-1] == "/reset_prefix_cache" and holder.model == "/ckpt/iteration_0"
@@ -113,12 +116,12 @@ def test_a_kept_gpu_policy_sleeps_then_wakes_with_the_checkpoint(tmp_path, scrip
 def test_without_sleep_mode_training_stops_the_policy(tmp_path, scripted):
     holder, stage = holder_for(tmp_path, CPU_FRESH)
     with holder:
-        holder.endpoints("/models/base", stage)
-        holder.sleep_for_training()
+        holder.serve("/models/base", stage)
+        holder.release_for_training()
         assert holder.model is None and not holder.asleep
         with pytest.raises(RuntimeError, match="no kept policy replicas"):
-            holder.reload("/ckpt/iteration_0")
-        holder.endpoints("/ckpt/iteration_0", stage)
+            holder.load_in_place("/ckpt/iteration_0")
+        holder.serve("/ckpt/iteration_0", stage)
     assert [model for model, _, _ in scripted.starts] == ["/models/base", "/ckpt/iteration_0"]
 
 
@@ -138,12 +141,12 @@ def test_models_served_in_turn_load_in_place_when_the_replicas_are_kept(tmp_path
 def test_a_policy_that_died_is_replaced_by_a_fresh_start(tmp_path, scripted, caplog, asleep):
     holder, stage = holder_for(tmp_path, CPU_KEPT)
     with holder, caplog.at_level(logging.WARNING, logger="optima.serving.holder"):
-        holder.endpoints("/models/base", stage)
+        holder.serve("/models/base", stage)
         if asleep:
-            holder.sleep_for_training()
+            holder.release_for_training()
         scripted.starts[0][2].stop()  # killed, e.g. by the OOM killer while the trainer ran
         needed = "/ckpt/iteration_0" if asleep else "/models/base"
-        urls = holder.endpoints(needed, stage)
+        urls = holder.serve(needed, stage)
         assert urls == [scripted.starts[1][2].base_url] and holder.model == needed and not holder.asleep
     assert [model for model, _, _ in scripted.starts] == ["/models/base", needed]
     assert "do not answer /health" in caplog.text and "starting fresh ones" in caplog.text
@@ -155,11 +158,11 @@ def test_a_failed_reload_is_replaced_by_a_fresh_start(tmp_path, scripted, caplog
         scripted.server_class = StuckCache
     holder, stage = holder_for(tmp_path, CPU_KEPT)
     with holder, caplog.at_level(logging.WARNING, logger="optima.serving.holder"):
-        holder.endpoints("/models/base", stage)
+        holder.serve("/models/base", stage)
         scripted.starts[0][2].fail_reload = failure == "reload answers 500"
-        holder.sleep_for_training()
+        holder.release_for_training()
         scripted.server_class = FakeOpenAIServer
-        holder.endpoints("/ckpt/iteration_0", stage)
+        holder.serve("/ckpt/iteration_0", stage)
         assert holder.model == "/ckpt/iteration_0" and len(scripted.starts) == 2
     assert "loading /ckpt/iteration_0 in place failed" in caplog.text
 
@@ -167,9 +170,9 @@ def test_a_failed_reload_is_replaced_by_a_fresh_start(tmp_path, scripted, caplog
 def test_a_gpu_policy_that_cannot_sleep_is_stopped(tmp_path, scripted, caplog):
     holder, stage = holder_for(tmp_path, GPU_KEPT)
     with holder, caplog.at_level(logging.WARNING, logger="optima.serving.holder"):
-        holder.endpoints("/models/base", stage)
+        holder.serve("/models/base", stage)
         scripted.starts[0][2].stop()
-        holder.sleep_for_training()  # the memory must be free for the trainer either way
+        holder.release_for_training()  # the memory must be free for the trainer either way
         assert holder.model is None and not holder.asleep
     assert "could not be put to sleep" in caplog.text
 
@@ -178,14 +181,13 @@ def test_a_gpu_policy_that_cannot_sleep_is_stopped(tmp_path, scripted, caplog):
 def test_a_trainer_that_does_not_fit_beside_the_idle_cpu_policy_stops_it(
     tmp_path, scripted, caplog, available_gib, kept
 ):
-    holder, stage = holder_for(tmp_path, CPU_KEPT)
-    holder.available_memory = lambda: available_gib * GIB  # MemAvailable at training time
+    holder, stage = holder_for(tmp_path, CPU_KEPT, available_memory=lambda: available_gib * GIB)  # at training time
     with holder, caplog.at_level(logging.INFO, logger="optima.serving.holder"):
-        holder.endpoints("/models/base", stage)
+        holder.serve("/models/base", stage)
         assert holder.idles_on_cpu
-        holder.sleep_for_training(TrainerPeak(peak_bytes=6 * GIB, row_tokens=416))
+        holder.release_for_training(TrainerPeak(peak_bytes=6 * GIB, row_tokens=416))
         assert holder.asleep is kept and (holder.model == "/models/base") is kept and not holder.idles_on_cpu
-        holder.endpoints("/ckpt/iteration_0", stage)  # reloaded in place, or a fresh start
+        holder.serve("/ckpt/iteration_0", stage)  # reloaded in place, or a fresh start
     assert len(scripted.starts) == (1 if kept else 2)
     said = "the policy stays up through training" if kept else "does not fit"
     level = logging.INFO if kept else logging.WARNING
@@ -203,32 +205,30 @@ def test_a_trainer_that_does_not_fit_beside_the_idle_cpu_policy_stops_it(
 def test_what_the_conversations_ask_goes_to_an_automatic_cpu_cache_only(
     tmp_path, scripted, layout, overrides, sized_here
 ):
-    holder, stage = holder_for(tmp_path, layout, **overrides)
     demand = PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
-    holder.demand = lambda model: demand
+    holder, stage = holder_for(tmp_path, layout, demand=lambda model: demand, **overrides)
     with holder:
-        holder.endpoints("/models/base", stage)
+        holder.serve("/models/base", stage)
     assert scripted.starts[0][1].demand == (demand if sized_here else None)
 
 
 def test_a_policy_stopped_for_a_trainer_restarts_with_room_for_the_rows_it_saw(tmp_path, scripted):
-    holder, stage = holder_for(tmp_path, CPU_KEPT)
-    holder.demand = lambda model: PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
-    holder.available_memory = lambda: 5 * GIB
+    demand = PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
+    holder, stage = holder_for(tmp_path, CPU_KEPT, demand=lambda model: demand, available_memory=lambda: 5 * GIB)
     with holder:
-        holder.endpoints("/models/base", stage)
-        holder.sleep_for_training(TrainerPeak(peak_bytes=9 * GIB, row_tokens=900))  # does not fit: stopped
-        holder.endpoints("/ckpt/iteration_0", stage)
+        holder.serve("/models/base", stage)
+        holder.release_for_training(TrainerPeak(peak_bytes=9 * GIB, row_tokens=900))  # does not fit: stopped
+        holder.serve("/ckpt/iteration_0", stage)
     assert [start[1].demand.row_tokens for start in scripted.starts] == [500, 900]
 
 
 def test_on_a_gpu_the_trainer_peak_does_not_decide_the_sleep(tmp_path, scripted):
-    holder, stage = holder_for(tmp_path, GPU_KEPT)
-    holder.available_memory = lambda: 0  # the host's memory is not the trainer's: GPU memory is planned instead
+    # The host's memory is not the trainer's: GPU memory is planned instead.
+    holder, stage = holder_for(tmp_path, GPU_KEPT, available_memory=lambda: 0)
     with holder:
-        holder.endpoints("/models/base", stage)
+        holder.serve("/models/base", stage)
         assert not holder.idles_on_cpu
-        holder.sleep_for_training(TrainerPeak(peak_bytes=60 * GIB, row_tokens=4096))
+        holder.release_for_training(TrainerPeak(peak_bytes=60 * GIB, row_tokens=4096))
         assert holder.asleep and scripted.starts[0][2].posts == ["/sleep?level=2"]
 
 
@@ -238,8 +238,7 @@ def test_the_real_rows_decide_whether_the_policy_stays_up_through_training(tmp_p
     """Rows of a few dozen tokens need ~3.4 GiB of trainer; rows cut at max_length 1024 ~10 GiB: 9 GiB holds one."""
     from transformers import AutoTokenizer
 
-    holder, stage = holder_for(tmp_path, CPU_KEPT, initial_model_path=str(SMOLLM2))
-    holder.available_memory = lambda: 9 * GIB
+    holder, stage = holder_for(tmp_path, CPU_KEPT, available_memory=lambda: 9 * GIB, initial_model_path=str(SMOLLM2))
     question = " ".join(["word"] * words)
     rows = [{"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "Alice: B"}]}]
     save_splits({"train": rows * 3}, stage.dataset)
@@ -247,8 +246,8 @@ def test_the_real_rows_decide_whether_the_policy_stays_up_through_training(tmp_p
     peak = rows_trainer_peak(holder.recipe, config, False, stage.dataset, AutoTokenizer.from_pretrained(SMOLLM2))
     assert (peak.row_tokens < 100) is kept and peak.row_tokens <= 1024
     with holder:
-        holder.endpoints("/models/base", stage)
-        holder.sleep_for_training(peak)
+        holder.serve("/models/base", stage)
+        holder.release_for_training(peak)
         assert holder.asleep is kept
 
 
@@ -273,10 +272,10 @@ def test_a_reload_that_serves_other_weights_stops_the_run(tmp_path, scripted):
     scripted.server_class = OtherWeights
     holder, stage = holder_for(tmp_path, CPU_KEPT)
     with holder:
-        holder.endpoints("/models/base", stage)
-        holder.sleep_for_training()
+        holder.serve("/models/base", stage)
+        holder.release_for_training()
         with pytest.raises(WeightsMismatch, match=f"does not serve the weights of {checkpoint}"):
-            holder.endpoints(str(checkpoint), stage)
+            holder.serve(str(checkpoint), stage)
     assert len(scripted.starts) == 1
 
 
@@ -285,8 +284,8 @@ def test_external_endpoints_are_never_put_to_sleep(tmp_path, monkeypatch):
         recipe = sft_recipe(tmp_path, cal_ppl=False, endpoints=[server.base_url], endpoint_sync="off")
         with ServerHolder(recipe, None, layout=plan_layout(recipe, [], [0, 1])) as holder:
             assert not holder.kept
-            holder.endpoints("/models/base", RunPaths.from_recipe(recipe).stage(0))
-            holder.sleep_for_training()
+            holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
+            holder.release_for_training()
             assert holder.model is None
         assert server.posts == []
 
@@ -303,15 +302,15 @@ def test_killed_processes_are_replaced_and_nothing_outlives_the_run(tmp_path, ca
     holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder, caplog.at_level(logging.WARNING, logger="optima.serving.holder"):
-        holder.endpoints("/models/base", stage)
-        holder.loss_endpoints()
+        holder.serve("/models/base", stage)
+        holder.loss_urls()
         loss_group = holder.loss.server.pgid
         (policy_group,) = [group for group in child_groups(os.getpid()) if group != loss_group]
-        holder.sleep_for_training()
+        holder.release_for_training()
         kill_group(policy_group)
         kill_group(loss_group)
-        holder.endpoints("/ckpt/iteration_0", stage)
-        holder.loss_endpoints()
+        holder.serve("/ckpt/iteration_0", stage)
+        holder.loss_urls()
         groups = child_groups(os.getpid())
         assert len(groups) == 2 and policy_group not in groups and loss_group not in groups
         assert holder.model == "/ckpt/iteration_0"
@@ -351,11 +350,11 @@ def test_generation_starts_before_the_loss_server_answers(tmp_path, monkeypatch)
     class Servers:
         loss = "a loss server beside the policy"
 
-        def endpoints(self, model, stage_paths):
+        def serve(self, model, stage_paths):
             events.append("policy ready")
             return ["http://127.0.0.1:1/v1"]
 
-        def loss_endpoints(self):
+        def loss_urls(self):
             events.append("loss server ready")
             return ["http://127.0.0.1:2/v1"]
 
@@ -395,7 +394,7 @@ def test_a_scorer_that_cannot_be_built_is_not_built_again_by_every_conversation(
 
 def test_a_holder_takes_the_plans_layout_and_never_plans_itself(tmp_path, monkeypatch):
     """The hardware plan is made once, before anything starts, and handed in: no layout is a type error, None only
-    stands for external endpoints, and reading the layout plans nothing."""
+    stands for external endpoints, and reading the layout plans nothing; constructing the holder starts nothing."""
     recipe = sft_recipe(tmp_path)
     with pytest.raises(TypeError, match="layout"):
         ServerHolder(recipe, FAKE_ENV)  # type: ignore[call-arg]
@@ -407,5 +406,7 @@ def test_a_holder_takes_the_plans_layout_and_never_plans_itself(tmp_path, monkey
     layout = plan_layout(recipe, [], [0, 1])
     holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=layout)
     assert holder.layout is layout and holder.kept
+    # The loss server is made with the holder (reading ``loss`` makes nothing), and nothing starts before ``serve``.
+    assert holder.loss is not None and holder.loss.server is None and not holder.loss.running
     outside = ServerHolder(sft_recipe(tmp_path, endpoints=["http://127.0.0.1:1/v1"]), None, layout=None)
     assert not outside.kept  # external endpoints: nothing placed, nothing kept

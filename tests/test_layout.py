@@ -167,14 +167,14 @@ def test_the_loss_server_lives_across_policy_models_and_stops_with_the_run(tmp_p
     holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
-        first = holder.endpoints("/models/base", stage)
-        loss_urls = holder.loss_endpoints()
+        first = holder.serve("/models/base", stage)
+        loss_urls = holder.loss_urls()
         loss_group = holder.loss.server.pgid
         assert loss_urls != first  # its own server, on its own port
-        holder.sleep_for_training()  # without sleep_mode the policy stops, the loss server stays
+        holder.release_for_training()  # without sleep_mode the policy stops, the loss server stays
         assert holder.model is None and group_members(loss_group)
-        second = holder.endpoints("/ckpt/iteration_0", stage)
-        assert holder.loss_endpoints() == loss_urls and holder.loss.server.pgid == loss_group
+        second = holder.serve("/ckpt/iteration_0", stage)
+        assert holder.loss_urls() == loss_urls and holder.loss.server.pgid == loss_group
         assert second != loss_urls
     assert group_members(loss_group) == []  # nothing outlives the run
     assert len(server_log_lines(tmp_path / "logs" / "loss_server.log")) == 1  # started once
@@ -193,11 +193,11 @@ def test_the_policy_kv_budget_counts_a_starting_loss_server_once(tmp_path, monke
     holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
-        holder.endpoints("/models/base", stage)
+        holder.serve("/models/base", stage)
         assert asked == [MemoryShare(policy_replicas=1, loss_kv_gb=1)]  # the loss server's own is fixed
         assert asked[0].servers == 2
-        holder.sleep_for_training()
-        holder.endpoints("/ckpt/iteration_0", stage)
+        holder.release_for_training()
+        holder.serve("/ckpt/iteration_0", stage)
         assert asked[1:] == [MemoryShare(policy_replicas=1)]
 
 
@@ -205,7 +205,7 @@ def test_an_error_stops_the_loss_server_too(tmp_path):
     recipe = sft_recipe(tmp_path)
     holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     with pytest.raises(RuntimeError, match="boom"), holder:
-        holder.endpoints("/models/base", RunPaths.from_recipe(recipe).stage(0))
+        holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
         group = holder.loss.server.pgid
         raise RuntimeError("boom")
     assert group_members(group) == []
@@ -253,9 +253,9 @@ def test_a_kept_policy_serves_the_next_checkpoint_without_a_restart(tmp_path):
     holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
-        first = holder.endpoints("/models/base", stage)
-        holder.sleep_for_training()  # the process stays
-        assert holder.asleep and holder.endpoints("/ckpt/iteration_0", stage) == first
+        first = holder.serve("/models/base", stage)
+        holder.release_for_training()  # the process stays
+        assert holder.asleep and holder.serve("/ckpt/iteration_0", stage) == first
         assert holder.model == "/ckpt/iteration_0" and not holder.asleep
     assert len(server_log_lines(stage.server_log(0))) == 1
 
@@ -277,10 +277,10 @@ def test_search_and_score_stage_use_the_loss_server_never_the_driver(tmp_path, m
     holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
-        policy = holder.endpoints("/ckpt/iteration_0", stage)  # the policy is not the loss model
+        policy = holder.serve("/ckpt/iteration_0", stage)  # the policy is not the loss model
         score = common.loss_scorer(SimpleNamespace(recipe=recipe, servers=holder), stage, keep_served=keep_served)
         assert score(["Alice: hi"]) == [1.0]
-        assert asked == [holder.loss_endpoints()] and asked[0] != policy
+        assert asked == [holder.loss_urls()] and asked[0] != policy
         assert holder.model == "/ckpt/iteration_0"  # the policy kept serving
 
 

@@ -7,7 +7,7 @@ forward pass of each checkpoint), and the process must be the same.
 Tied embeddings (SmolLM2's LM head is its embedding matrix; the checkpoint stores it once): a reloaded server must
 answer exactly as a server started fresh on the checkpoint, prompt log-probabilities and greedy replies alike
 (replies are sent before the reload too, so a prefix cache kept from the old weights would show). The run-like
-sequence: start, ``sleep_for_training``, reload (weights probe checked), then the server killed as the OOM killer
+sequence: start, ``release_for_training``, reload (weights probe checked), then the server killed as the OOM killer
 would during training, and a fresh start in its place.
 """
 
@@ -68,10 +68,10 @@ def test_a_kept_cpu_policy_serves_the_new_checkpoint_after_a_reload(tiny_model, 
     stage = RunPaths.from_recipe(recipe).stage(0)
     layout = plan_this_machine(recipe).layout
     with ServerHolder(recipe, resolve_env(None, "vllm"), str(tiny_model), layout=layout) as holder:
-        urls = holder.endpoints(str(tiny_model), stage)
+        urls = holder.serve(str(tiny_model), stage)
         before = VLLMLossScorer(urls, recipe.served_model_name, tokenizer, recipe).score(TEXTS)
-        holder.sleep_for_training()  # training would run now
-        assert holder.endpoints(str(checkpoint), stage) == urls
+        holder.release_for_training()  # training would run now
+        assert holder.serve(str(checkpoint), stage) == urls
         after = VLLMLossScorer(urls, recipe.served_model_name, tokenizer, recipe).score(TEXTS)
     assert before == pytest.approx(HFLossScorer(str(tiny_model), tokenizer).score(TEXTS), abs=1e-3)
     assert after == pytest.approx(HFLossScorer(str(checkpoint), tokenizer).score(TEXTS), abs=1e-3)
@@ -168,21 +168,21 @@ def test_a_reloaded_tied_model_answers_as_a_fresh_start_and_a_killed_server_is_r
         caplog.at_level(logging.INFO),
     ):
         started = time.monotonic()
-        urls = holder.endpoints(str(base), stage)
+        urls = holder.serve(str(base), stage)
         start_s = time.monotonic() - started
         before = served_answers(urls, recipe)  # the old weights' KV blocks now sit in the prefix cache
-        holder.sleep_for_training()
+        holder.release_for_training()
         started = time.monotonic()
-        assert holder.endpoints(str(checkpoint), stage) == urls  # reloaded in place, weights probe checked
+        assert holder.serve(str(checkpoint), stage) == urls  # reloaded in place, weights probe checked
         reload_s = time.monotonic() - started
         assert f"answer the weights probe of {checkpoint} after a wake with new weights" in caplog.text
         reloaded = served_answers(urls, recipe)
-        holder.sleep_for_training()  # the next training, during which the server is killed
+        holder.release_for_training()  # the next training, during which the server is killed
         (group,) = child_groups(os.getpid())
         os.killpg(group, signal.SIGKILL)
         assert wait_group_exit(group, 60)
         started = time.monotonic()
-        fresh_urls = holder.endpoints(str(checkpoint), stage)  # a fresh start of the checkpoint
+        fresh_urls = holder.serve(str(checkpoint), stage)  # a fresh start of the checkpoint
         fresh_start_s = time.monotonic() - started
         fresh = served_answers(fresh_urls, recipe)
     logger.info(

@@ -98,11 +98,10 @@ def test_the_holder_pools_every_nodes_servers_and_stops_them_for_training(tmp_pa
     recipe = sft_recipe(tmp_path, cal_ppl=False, sleep_mode=False, cpu_kvcache_space_gb=1, **hosts)
     plan = plan_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
     assert plan.layout.nodes == (NodeServers(1, "127.0.0.1", (Placement(),)),)
-    holder = ServerHolder(recipe, FAKE_ENV, layout=plan.layout)
-    holder.node_launcher = NodeCommands(plan.training)
+    holder = ServerHolder(recipe, FAKE_ENV, layout=plan.layout, node_launcher=NodeCommands(plan.training))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
-        urls = holder.endpoints("/models/base", stage)
+        urls = holder.serve("/models/base", stage)
         assert len(urls) == 2 and len(set(urls)) == 2  # node 0's replica and node 1's, one pool
         assert all(answers_health(url) for url in urls)
         (call,) = calls.read_text().splitlines()  # node 1's server went through the launcher, node 0's did not
@@ -112,7 +111,7 @@ def test_the_holder_pools_every_nodes_servers_and_stops_them_for_training(tmp_pa
         assert stage.server_log(1).read_text().startswith("=== optima: starting")
         launcher_group = holder.node_servers[0].pgid
         assert group_members(launcher_group)
-        holder.sleep_for_training()  # without sleep_mode every replica stops, on every node
+        holder.release_for_training()  # without sleep_mode every replica stops, on every node
         assert not any(answers_health(url) for url in urls) and group_members(launcher_group) == []
         assert holder.node_servers == []
 
@@ -163,7 +162,7 @@ def test_after_on_a_gpu_the_search_scores_on_a_loss_server_it_starts_and_stops(t
     ctx = SimpleNamespace(recipe=recipe, servers=holder)
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
-        policy = holder.endpoints("/ckpt/iteration_0", stage)  # the policy is not the loss model
+        policy = holder.serve("/ckpt/iteration_0", stage)  # the policy is not the loss model
         with search_loss(ctx, stage) as score:
             assert score(["Alice: hi"]) == [1.0]
             (urls,) = no_driver_scoring
@@ -182,7 +181,7 @@ def test_the_policy_scores_the_search_while_it_serves_the_loss_model(tmp_path, n
     holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=layout)
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
-        policy = holder.endpoints("/models/judge", stage)
+        policy = holder.serve("/models/judge", stage)
         with search_loss(SimpleNamespace(recipe=recipe, servers=holder), stage) as score:
             score(["Alice: hi"])
         assert no_driver_scoring == [policy]
@@ -195,10 +194,9 @@ def test_no_process_outlives_the_node_servers(tmp_path):
     hosts = {"train_hosts": ["127.0.0.1", "127.0.0.1"], "train_launcher_executable": str(shim)}
     recipe = sft_recipe(tmp_path, cal_ppl=False, cpu_kvcache_space_gb=1, **hosts)
     plan = plan_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
-    holder = ServerHolder(recipe, FAKE_ENV, layout=plan.layout)
-    holder.node_launcher = NodeCommands(plan.training)
+    holder = ServerHolder(recipe, FAKE_ENV, layout=plan.layout, node_launcher=NodeCommands(plan.training))
     with holder:
-        holder.endpoints("/models/base", RunPaths.from_recipe(recipe).stage(0))
+        holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
         launcher_group = holder.node_servers[0].pgid
         assert group_members(launcher_group)
     assert group_members(launcher_group) == []

@@ -152,11 +152,11 @@ def loop(tmp_path, monkeypatch):
         original = getattr(sft, name)
         monkeypatch.setattr(sft, name, lambda *a, _original=original: (budget.spend(), _original(*a))[1])
 
-    def endpoints(self, model, sp):
+    def serve(self, model, sp):
         script.model = model_tag(model)
         return [server.base_url]
 
-    monkeypatch.setattr(ServerHolder, "endpoints", endpoints)
+    monkeypatch.setattr(ServerHolder, "serve", serve)
     monkeypatch.setattr(
         common, "loss_scorer", lambda ctx, sp, keep_served=False: fake_losses(ctx) if ctx.recipe.cal_ppl else None
     )

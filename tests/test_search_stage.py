@@ -60,7 +60,7 @@ def searched(tmp_path_factory):
     recipe = load_recipe(DPORecipe, REPO / "train/dpo_recipes/arc.yaml", overrides, check_paths=False)
     with pytest.MonkeyPatch.context() as monkeypatch, FakeOpenAIServer(respond) as server:
         monkeypatch.setattr(common, "training_questions", lambda ctx, iteration, stage, count: QUESTIONS)
-        servers = SimpleNamespace(endpoints=lambda model, sp: [server.base_url], loss=None, model="m")
+        servers = SimpleNamespace(serve=lambda model, sp: [server.base_url], loss=None, model="m")
         ctx = SimpleNamespace(recipe=recipe, servers=servers, task=get_task("arc"))
         sp = StagePaths(tmp_path / "run" / "iteration_0")
         sp.root.mkdir(parents=True)

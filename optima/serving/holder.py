@@ -3,20 +3,26 @@
 ``ServerHolder`` keeps at most one policy model served across stages and, with ``loss_placement: beside``, one
 vLLM server of the fixed loss model that starts with the first policy and lives until the run ends, so that every
 conversation (and every tree-search rollout) is scored on it as soon as it finishes, while the policy keeps
-generating. Placement: ``optima.hardware.layout``. Its verbs say what happens to the processes:
+generating. Placement: ``optima.hardware.layout``, given at construction. Its verbs say what happens to the
+processes:
 
-* ``endpoints(model, stage_paths)``: URLs serving ``model``: the running replicas when they serve it already, the
-  kept replicas given its weights in place after training (``reload``), else replicas started now;
-* ``sleep_for_training(trainer)``: give the policy's resources back for training (or an in-process scorer): with
+* ``serve(model, stage_paths)``: have ``model`` served and return its URLs: the running replicas when they serve it
+  already, the kept replicas given its weights in place after training (``load_in_place``), else replicas started
+  now (any others stopped first);
+* ``serve_in_turn(model, stage_paths)``: as ``serve``, for models served one after another (the held-out
+  evaluation): kept replicas serving another model are given ``model``'s weights in place;
+* ``load_in_place(model)``: load a checkpoint into the kept replicas (``optima.serving.sleep_mode``), prefix cache
+  reset and weights probe checked (``optima.serving.reload_check``);
+* ``release_for_training(trainer)``: give the policy's resources back for training (or an in-process scorer): with
   ``sleep_mode`` (on by default, CPU and GPU) it sleeps (GPU) or idles (CPU) and keeps its process, else it stops.
   On a CPU an idle policy keeps its memory: when the trainer's peak estimated on the stage's rows does not fit in
   the memory available now (``available_memory``, with a margin), the policy is stopped for that training
   instead, and the next stage starts a fresh one;
-* ``serve_in_turn(model, stage_paths)``: as ``endpoints``, for models served one after another (the held-out
-  evaluation): kept replicas serving another model are given ``model``'s weights in place;
-* ``reload(model)``: load a checkpoint into the kept replicas (``optima.serving.sleep_mode``), prefix cache reset
-  and weights probe checked (``optima.serving.reload_check``);
+* ``loss_urls()``: the loss server's URLs, waiting until it answers (started now if it is not up, again if it died);
+  ``serve_loss_for_search()``: a block during which the tree search has the loss model served;
 * ``stop_policy()``: stop the policy replicas; ``stop_all()``: every server (the end of the run, or any error).
+
+Nothing starts at construction: ``loss`` (the loss server, when the recipe wants one) is made there, not started.
 
 The loss server stays up through training: idle, a vLLM server takes no CPU time worth counting
 (``bench/RESULTS.md`` has the measurement), and a restart would cost a start-up per iteration.
@@ -42,7 +48,8 @@ from optima.hardware.layout import ServerLayout, loss_server_wanted
 from optima.hardware.placement import Placement
 from optima.hardware.training import TRAINER_MARGIN_BYTES, TrainerPeak
 from optima.paths import RunPaths, StagePaths
-from optima.serving.replicas import ReplicaLayout, serve
+from optima.serving.replicas import ReplicaLayout
+from optima.serving.replicas import serve as serve_replicas
 from optima.serving.vllm_server import (
     ServerSpec,
     VLLMServer,
@@ -64,7 +71,7 @@ REUSE_HEALTH_TIMEOUT_S = 10.0
 
 
 class LossServer:
-    """The loss model's vLLM server: started once (``start`` does not wait), ready on ``urls()``, stopped by ``stop``.
+    """The loss model's vLLM server: started by ``start`` (no wait) or ``serve`` (waits for it), stopped by ``stop``.
 
     Args:
         recipe: Serving fields.
@@ -108,8 +115,8 @@ class LossServer:
         server.__enter__()
         self.server = server
 
-    def urls(self) -> list[str]:
-        """Its OpenAI base URL, once it answers ``/health`` (started now if needed, again if it died)."""
+    def serve(self) -> list[str]:
+        """Its OpenAI base URL, waiting until it answers ``/health`` (started now if needed, again if it died)."""
         if self.server is not None and self.server.ready and not self.server.is_healthy():
             self._replace_dead("does not answer /health")
         self.start()
@@ -143,10 +150,10 @@ class ServerHolder:
 
         layout: Where the servers run: the hardware plan's placements (``HardwarePlan.layout``, made and checked
             before anything starts); None only for a recipe with external ``endpoints``, where nothing is placed.
-
-    Set by the run after construction: ``demand`` (what the run's conversations ask of a policy server of a model,
-    ``optima.agents.footprint.policy_demand``; None: unknown) and ``available_memory`` (the reader of the memory
-    available now, ``MemAvailable``; tests give their own).
+        demand: What the run's conversations ask of a policy server of a model
+            (``optima.agents.footprint.policy_demand``); None: unknown.
+        available_memory: Reads the memory available now (default ``MemAvailable``; tests give their own).
+        node_launcher: Starts the other nodes' servers (``layout.nodes``); None on one node.
     """
 
     def __init__(
@@ -157,27 +164,27 @@ class ServerHolder:
         log_dir: Path | None = None,
         *,
         layout: ServerLayout | None,
+        demand: Callable[[str], PolicyDemand] | None = None,
+        available_memory: Callable[[], int] = available_memory_bytes,
+        node_launcher: NodeLauncher | None = None,
     ):
         if layout is None and not recipe.endpoints:
             raise ValueError("ServerHolder needs the hardware plan's layout (None only with external endpoints)")
         self.recipe, self.vllm_env = recipe, vllm_env
         self.loss_model, self.log_dir = loss_model, log_dir
+        self.layout: ServerLayout = layout or ENDPOINTS_LAYOUT
+        self.demand, self.available_memory, self.node_launcher = demand, available_memory, node_launcher
         self.model: str | None = None
         self.urls: list[str] = []
         self.asleep = False  # kept replicas, given back for training, wait for the next checkpoint's weights
         self._stack: contextlib.ExitStack | None = None
-        self._layout = layout or ENDPOINTS_LAYOUT
-        self._loss: LossServer | None = None
-        self.demand: Callable[[str], PolicyDemand] | None = None
-        self.available_memory: Callable[[], int] = available_memory_bytes
         self.trained_rows: int | None = None  # the longest row of the last training weighed here (its tokens)
-        self.node_launcher: NodeLauncher | None = None  # starts the other nodes' servers (``layout.nodes``)
         self.node_servers: list[VLLMServer] = []  # the other nodes' replicas now up (their launchers here)
-
-    @property
-    def layout(self) -> ServerLayout:
-        """Placements of the run's servers: the hardware plan's (``optima.hardware.plan``), given at construction."""
-        return self._layout
+        # The run's loss server, made here and started with the first policy; None: the loss is scored another way.
+        self.loss: LossServer | None = None
+        if vllm_env is not None and loss_model is not None and loss_server_wanted(recipe):
+            log = (log_dir or Path(recipe.output_dir) / "logs") / "loss_server.log"
+            self.loss = LossServer(recipe, vllm_env, loss_model, self.layout, log)
 
     @property
     def kept(self) -> bool:
@@ -189,17 +196,9 @@ class ServerHolder:
         """Whether a policy server is up that training would leave idle on the CPU, holding its memory."""
         return self._stack is not None and not self.asleep and self.kept and self.layout.policy[0].on_cpu
 
-    @property
-    def loss(self) -> LossServer | None:
-        """The loss server of the run, or None when the loss is scored another way."""
-        wanted = self.vllm_env is not None and self.loss_model is not None and loss_server_wanted(self.recipe)
-        if self._loss is None and wanted:
-            log = (self.log_dir or Path(self.recipe.output_dir) / "logs") / "loss_server.log"
-            self._loss = LossServer(self.recipe, self.vllm_env, self.loss_model, self.layout, log)
-        return self._loss
-
-    def endpoints(self, model: str, stage_paths: StagePaths) -> list[str]:
-        """OpenAI base URLs serving ``model``: reused, reloaded in place (kept replicas after training), or started.
+    def serve(self, model: str, stage_paths: StagePaths) -> list[str]:
+        """Have ``model`` served and return its OpenAI base URLs: reused, loaded in place (kept replicas after
+        training), or started now (any other policy replicas stopped first).
 
         Our own replicas must answer ``/health`` before any reuse: dead ones are replaced by a fresh start, as are
         kept ones whose reload request fails. External endpoints are checked again before every stage
@@ -213,33 +212,33 @@ class ServerHolder:
                 self.stop_policy()
             elif self.asleep:
                 try:
-                    return self.reload(model)
+                    return self.load_in_place(model)
                 except ReloadFailed as exc:
                     logger.warning("serve | loading %s in place failed (%s); starting a fresh server", model, exc)
                     self.stop_policy()
             elif self.model == model:
                 return self.urls
-        return self._start_policy(model, stage_paths)
+        return self._start_fresh(model, stage_paths)
 
     def serve_in_turn(self, model: str, stage_paths: StagePaths) -> list[str]:
         """URLs serving ``model`` when several models are served one after another (the held-out evaluation):
         kept replicas that serve another model take its weights in place, as after training (no restart); others
         are stopped and ``model``'s started."""
         if self._stack is not None and not self.asleep and self.model != str(model):
-            self.sleep_for_training()  # kept replicas wait for the next weights (GPU: asleep), others stop
-        return self.endpoints(model, stage_paths)
+            self.release_for_training()  # kept replicas wait for the next weights (GPU: asleep), others stop
+        return self.serve(model, stage_paths)
 
-    def reload(self, model: str) -> list[str]:
+    def load_in_place(self, model: str) -> list[str]:
         """Give the kept replicas ``model``'s weights in place (no restart): wake (GPU), reload, reset prefix cache.
 
         Raises:
-            ReloadFailed: a request failed (``endpoints`` then starts a fresh server).
+            ReloadFailed: a request failed (``serve`` then starts a fresh server).
             WeightsMismatch: the replicas do not answer the weights probe recorded with ``model``.
         """
         from optima.serving.sleep_mode import wake_with_weights
 
         if self._stack is None or not self.kept:
-            raise RuntimeError(f"reload({model}): no kept policy replicas to load it into")
+            raise RuntimeError(f"load_in_place({model}): no kept policy replicas to load it into")
         self.asleep = True  # until the new weights are in: a failure half-way leaves nothing worth reusing
         wake_with_weights(self.urls, str(model), self.recipe, gpu=not self.layout.policy[0].on_cpu)
         self.model, self.asleep = str(model), False
@@ -257,8 +256,8 @@ class ServerHolder:
             )
         return not silent
 
-    def _start_policy(self, model: str, stage_paths: StagePaths) -> list[str]:
-        """Stop any policy replicas, then start ``model``'s (with the loss server, when it is not up yet)."""
+    def _start_fresh(self, model: str, stage_paths: StagePaths) -> list[str]:
+        """Stop any policy replicas, then start ``model``'s (and the loss server, when it is not up yet)."""
         self.stop_policy()
         policy = self.layout.policy
         loss = self.loss if not self.recipe.endpoints else None
@@ -270,7 +269,7 @@ class ServerHolder:
             loss.start()  # loads while the policy loads (CPU); a shared GPU waits below
             starting = () if running else loss.ports
             if not self.layout.loss.on_cpu and self.layout.loss.gpus == policy[0].gpus[:1]:
-                loss.urls()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
+                loss.serve()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
         stack = contextlib.ExitStack()
         with contextlib.ExitStack() as failing:  # on an error before the end, everything started here stops
             failing.enter_context(stack)
@@ -279,7 +278,7 @@ class ServerHolder:
             busy = starting + tuple(server.spec.port for server in nodes)
             # The planned placements always: they carry the sleep-mode flag that opens vLLM's reload routes.
             layout = ReplicaLayout(policy, busy, bool(starting), self._demand(model))
-            urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
+            urls = stack.enter_context(serve_replicas(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
             wait_until_all_ready(nodes, self.recipe.server_startup_timeout_s)
             failing.pop_all()
         self.urls = urls + [server.spec.api_url for server in nodes]
@@ -325,21 +324,22 @@ class ServerHolder:
         demand = self.demand(model)
         return demand if self.trained_rows is None else dataclasses.replace(demand, row_tokens=self.trained_rows)
 
-    def loss_endpoints(self) -> list[str] | None:
-        """The loss server's URLs (waiting until it is ready), or None without a loss server."""
-        return self.loss.urls() if self.loss is not None else None
+    def loss_urls(self) -> list[str] | None:
+        """The loss server's URLs, waiting until it answers (started now if not up, again if it died); None without
+        a loss server."""
+        return self.loss.serve() if self.loss is not None else None
 
     @contextlib.contextmanager
-    def search_loss_endpoints(self) -> Iterator[Callable[[], list[str]] | None]:
-        """The loss model's URLs while the policy stays served (the tree search), or None: scored another way.
+    def serve_loss_for_search(self) -> Iterator[Callable[[], list[str]] | None]:
+        """Have the loss model served while the policy stays served (the tree search); None: scored another way.
 
-        Yields a function that waits until they answer: the run's loss server (``beside``); else the policy
-        replicas while they serve the loss model; else, where the plan placed one for the search (``loss_placement:
-        after`` on a GPU: ``layout.loss``, not resident), a loss server started now, loading while the policy
-        samples, and stopped when the block ends, before anything trains.
+        Yields a function that waits until the loss model's URLs answer and returns them: the run's loss server
+        (``beside``); else the policy replicas while they serve the loss model; else, where the plan placed one for
+        the search (``loss_placement: after`` on a GPU: ``layout.loss``, not resident), a loss server started now,
+        loading while the policy samples, and stopped when the block ends, before anything trains.
         """
         if self.loss is not None:
-            yield self.loss_endpoints
+            yield self.loss_urls
             return
         if self._stack is not None and self.model == self.loss_model:
             urls = list(self.urls)
@@ -354,11 +354,11 @@ class ServerHolder:
         try:
             server.start()
             logger.info("serve | loss server for the tree search: %s (stopped when the search ends)", self.loss_model)
-            yield server.urls
+            yield server.serve
         finally:
             server.stop()
 
-    def sleep_for_training(self, trainer: TrainerPeak | None = None) -> None:
+    def release_for_training(self, trainer: TrainerPeak | None = None) -> None:
         """Give the policy's cores and memory back for training: kept replicas sleep (GPU) or idle (CPU), others stop.
 
         The loss server stays up. A sleep request that fails stops the replicas instead (the next stage starts
@@ -421,8 +421,8 @@ class ServerHolder:
         try:
             self.stop_policy()
         finally:
-            if self._loss is not None:
-                self._loss.stop()
+            if self.loss is not None:
+                self.loss.stop()
 
     def __enter__(self) -> ServerHolder:
         return self

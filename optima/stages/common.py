@@ -191,13 +191,13 @@ def loss_scorer(ctx: RunContext, sp: StagePaths, keep_served: bool = False) -> S
         return None
     model = loss_model(recipe)
     if route == "loss server":
-        return built_on_first_use(lambda: served_loss_scorer(ctx, ctx.servers.loss_endpoints()))
+        return built_on_first_use(lambda: served_loss_scorer(ctx, ctx.servers.loss_urls()))
     if route == "served":
-        return built_on_first_use(lambda: served_loss_scorer(ctx, ctx.servers.endpoints(model, sp)))
+        return built_on_first_use(lambda: served_loss_scorer(ctx, ctx.servers.serve(model, sp)))
     from optima.lm_loss import HFLossScorer
 
     if not keep_served:
-        ctx.servers.sleep_for_training()  # the in-process scorer needs the cores / memory, as training does
+        ctx.servers.release_for_training()  # the in-process scorer needs the cores / memory, as training does
     logger.info("loss | %s scored with transformers in this process (loss_backend %s)", model, recipe.loss_backend)
     return HFLossScorer(model, ctx.tokenizer(), recipe.loss_batch_size).score
 
@@ -276,7 +276,7 @@ def train_checkpoint(
     config = render_trainer_config(Path(base), values, trainer_overrides_for(recipe, kind))
     if check is not None:
         check(config)
-    ctx.servers.sleep_for_training(trainer_peak(call, config, kind))
+    ctx.servers.release_for_training(trainer_peak(call, config, kind))
     write_trainer_config(config, sp.trainer_yaml)
     launch = trainer_launch(call, kind)
     label = f"train iteration {call.iteration + 1}" + (f" {call.part}" if call.part else "")

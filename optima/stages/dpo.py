@@ -49,7 +49,7 @@ def probe(call: StageCall) -> dict:
     """Sample ``probe_count`` conversations and take the token quantile as ``T_max`` (docs/method.md#idpo)."""
     ctx, recipe, sp = call.ctx, call.recipe, call.sp
     examples = common.training_questions(ctx, call.iteration, "probe", recipe.probe_count)
-    endpoints = ctx.servers.endpoints(call.model, sp)
+    endpoints = ctx.servers.serve(call.model, sp)
     plan = GenerationPlan(call.iteration, recipe.temperature, 1, use_prompt_pool=False, stage="probe")
     stats = generate_conversations(recipe, examples, endpoints, sp.probe, plan)
     records = load_records(sp.probe)[0]
@@ -85,13 +85,13 @@ class CachedLoss:
 def search_loss(ctx: RunContext, sp: StagePaths) -> Iterator[CachedLoss | None]:
     """LM loss during the search (the policy stays served), each utterance scored once.
 
-    With the vLLM backend on a served loss model (``ServerHolder.search_loss_endpoints``: the run's loss server, the
+    With the vLLM backend on a served loss model (``ServerHolder.serve_loss_for_search``: the run's loss server, the
     policy when it serves the loss model, or with ``loss_placement: after`` on a GPU a loss server that runs for the
     block only); else as ``loss_scorer`` says (transformers in the driver: ``loss_backend: hf``, or on a CPU).
     """
     recipe = ctx.recipe
     if recipe.cal_ppl and recipe.loss_backend == "vllm":
-        with ctx.servers.search_loss_endpoints() as urls:
+        with ctx.servers.serve_loss_for_search() as urls:
             if urls is not None:
                 yield CachedLoss(common.built_on_first_use(lambda: common.served_loss_scorer(ctx, urls())))
                 return
@@ -108,7 +108,7 @@ def search(call: StageCall) -> dict:
     ctx, recipe, sp, iteration = call.ctx, call.recipe, call.sp, call.iteration
     t_max = call.results["probe"]["t_max"]
     examples = common.training_questions(ctx, iteration, "search", recipe.monte_sample_count)
-    urls = ctx.servers.endpoints(call.model, sp)
+    urls = ctx.servers.serve(call.model, sp)
     done = {task_id for task_id, _ in prepare_resume(sp.rollouts)}
     todo = [(q, ex) for q, ex in enumerate(examples) if (ex.id, 0) not in done]
     logger.info(

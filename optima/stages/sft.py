@@ -36,12 +36,12 @@ def generate(call: StageCall) -> dict:
     """
     ctx, sp = call.ctx, call.sp
     examples = common.training_questions(ctx, call.iteration, SFT)
-    endpoints = ctx.servers.endpoints(call.model, sp)
+    endpoints = ctx.servers.serve(call.model, sp)
     plan = plan_generation(call.recipe, call.iteration)
     with contextlib.ExitStack() as stack:
         stream = None
         if call.recipe.cal_ppl and ctx.servers.loss is not None:
-            scorer = common.built_on_first_use(lambda: common.served_loss_scorer(ctx, ctx.servers.loss_endpoints()))
+            scorer = common.built_on_first_use(lambda: common.served_loss_scorer(ctx, ctx.servers.loss_urls()))
             stream = stack.enter_context(StreamingLosses(scorer, sp.losses, loss_model(call.recipe)))
         hooks = GenerationHooks(on_record=stream.submit if stream else None)
         stats = generate_conversations(call.recipe, examples, endpoints, sp.generations, plan, hooks)
