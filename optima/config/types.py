@@ -13,7 +13,9 @@ A function that takes the recipe names what it reads, as narrowly as one type sa
   any recipe and tells the kinds apart itself (``MethodRecipe`` in the run and stage contexts, ``Recipe``).
 
 Import them under ``TYPE_CHECKING`` (nothing here is needed at run time). ``tests/test_recipe_types.py`` checks that
-every ``recipe`` parameter of ``optima/`` is annotated, and that each ``recipe.<field>`` it reads exists on its type.
+every ``recipe`` parameter of ``optima/`` is annotated, and that each ``recipe.<field>`` it reads exists on its type;
+``tests/test_recipe_groups.py`` that one naming a composite or a union needs more than one group (a function that
+reads one group's fields, and hands the recipe only to functions taking that group, names the group).
 """
 
 from __future__ import annotations

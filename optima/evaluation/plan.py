@@ -9,11 +9,15 @@ k samples per question.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optima.config import InferenceRecipe, MultiSCRecipe
 from optima.environments import PythonEnv
 from optima.evaluation.runs import describe_limit
 from optima.lineage import lineage_checkpoints
+
+if TYPE_CHECKING:
+    from optima.config.types import ServingFields
 
 
 def list_models(recipe: InferenceRecipe) -> list[tuple[str, Path]]:
@@ -24,7 +28,7 @@ def list_models(recipe: InferenceRecipe) -> list[tuple[str, Path]]:
     return models
 
 
-def describe_serving(recipe: InferenceRecipe) -> str:
+def describe_serving(recipe: ServingFields) -> str:
     """Where the models are served: the external endpoints, or the GPUs of the vLLM replicas."""
     if recipe.endpoints:
         return f"endpoints {', '.join(recipe.endpoints)} (endpoint_sync: {recipe.endpoint_sync})"

@@ -31,7 +31,7 @@ from optima.hardware.spec import Hardware
 from optima.methods import DPO, METHODS, TRAINER_YAML_FIELDS
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, MethodRecipe, Recipe, TrainingFields
+    from optima.config.types import MethodRecipe, Recipe, TrainingFields
 
 
 def read_hosts(recipe: TrainingFields) -> list[str]:
@@ -201,7 +201,7 @@ def check_loopback_hosts(hosts: list[str], plan) -> None:
         )
 
 
-def plan_training(recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], plan) -> None:
+def plan_training(recipe: TrainingFields, hardware: Hardware, size: ModelSize | None, yamls: list[dict], plan) -> None:
     """Place the training processes and claim their peak on each GPU (see the module docstring)."""
     config = read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))
     strategy = strategy_of(config)
