@@ -4,8 +4,8 @@
 #   make demo-hotpot   the same on HotpotQA (information exchange; CPU: about 15 min after set-up)
 #   make test   set up (if needed) and run the default test suite (about 6 min on a quiet 2-core box)
 #   (set-up: about 2 min with the wheels on local disk, about 6 min downloading them; 4.8 GB of disk)
-#   make gpu-check  on one NVIDIA GPU: set up, one iSFT + one iDPO iteration (bf16, ZeRO-3), reload, PASS/FAIL
-#                   (python3 -m optima gpu-check)
+#   make gpu-check  on one NVIDIA GPU: set up, iSFT + iDPO (bf16, ZeRO-3), wake with new weights, loss server beside
+#                   the policy, 2-rank ZeRO-3 save; each stage PASS/FAIL/SKIP (python3 -m optima gpu-check)
 #   make bench  the benchmarks of bench/ (python -m bench.run_all), written to bench/RESULTS.md
 PYTHON ?= python3
 TRAIN_PY := .venvs/train/bin/python

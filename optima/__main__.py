@@ -10,7 +10,7 @@ python -m optima compare --model M --dataset_type arc --limit 40 [--methods ...]
 python -m optima recipe-keys all [--write docs/recipes.md]  # every recipe key (--write: docs/recipes.md's table)
 python -m optima demo                   # make demo: the iSFT CPU demo, its time per iteration and its report
 python -m optima times runs/demo_arc_sft   # the time per iteration of a finished iSFT run
-python3 -m optima gpu-check             # make gpu-check: on one NVIDIA GPU, iSFT + iDPO in bf16, reload, PASS/FAIL
+python3 -m optima gpu-check             # make gpu-check: on one NVIDIA GPU, iSFT + iDPO, wake, loss server, ZeRO-3
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ OWN_PARSERS = {
     "compare": "CoT, CoT-SC, MAD, AutoForm and Optima checkpoints on the same questions: table and plot",
     "demo": "the iSFT CPU demo (make demo): the run, its time per iteration and its report",
     "times": "time per iteration of a finished iSFT run (generation, training, start-ups, busy share)",
-    "gpu-check": "on one NVIDIA GPU: set up, one iSFT + one iDPO iteration in bf16, reload, PASS/FAIL",
+    "gpu-check": "on one NVIDIA GPU: iSFT + iDPO in bf16, wake with new weights, loss server, 2-rank ZeRO-3 save",
 }
 
 

@@ -2,16 +2,21 @@
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
         python -m tests.sharded_save_driver --strategy fsdp2 --model M --out O
+    ... DS_ACCELERATOR=cuda LOCAL_RANK=0 python -m tests.sharded_save_driver --strategy zero3 --device cuda ...
 
 accelerate 1.15 builds FSDP and DeepSpeed only for accelerator devices, so on CPU ranks it would train the model
 whole on every process. This driver shards for real, without accelerate's process count: ``fsdp2`` wraps every
 decoder layer and then the model with ``torch.distributed.fsdp.fully_shard``; ``zero3`` sets the HF DeepSpeed
 config first (as accelerate does, so transformers builds the model inside ``deepspeed.zero.Init``) and trains
 through ``deepspeed.initialize`` with DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``). Both train
-``STEPS`` steps, rank r on its own batches (``batches``), once fully and once with LoRA, each time calling
-``optima.training.common.save_checkpoint`` with a trainer whose accelerator is accelerate's own
+``STEPS`` steps, rank r on its own batches (``batches``, moved to ``--device``), once fully and once with LoRA,
+each time calling ``optima.training.common.save_checkpoint`` with a trainer whose accelerator is accelerate's own
 ``Accelerator.get_state_dict`` on the sharded model: the save, the rank-0 check of the files and the LoRA merge
 are the trainer scripts' code.
+
+``--device cuda`` (``make gpu-check``'s ``zero3-2proc``): ZeRO-3 with DeepSpeed's CUDA accelerator, still over gloo,
+so that two ranks may share one GPU (``LOCAL_RANK=0`` for both; NCCL refuses two ranks on one device: "Duplicate GPU
+detected"); gloo runs its collectives on CUDA tensors through host copies.
 
 ``train_reference`` trains the same model unsharded in one process on both ranks' batches at once: equal token
 counts per rank make the mean of the ranks' losses equal that batch's loss, so the weights must agree.
@@ -127,7 +132,7 @@ def build_sharded(strategy: str, model_path: str, lora: bool):
     return model, model, optimizer
 
 
-def train_and_save(strategy: str, model_path: str, out: str, lora: bool) -> None:
+def train_and_save(strategy: str, model_path: str, out: str, lora: bool, device: str = "cpu") -> None:
     """Shard, train ``STEPS`` steps on this rank's batches, save through ``save_checkpoint`` (all ranks call it)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
@@ -137,6 +142,7 @@ def train_and_save(strategy: str, model_path: str, out: str, lora: bool) -> None
     rank = dist.get_rank()
     module, wrapped, optimizer = build_sharded(strategy, model_path, lora)
     for ids in batches(rank, module.config.vocab_size):
+        ids = ids.to(device)
         loss = wrapped(input_ids=ids, labels=ids).loss
         if strategy == "zero3":
             wrapped.backward(loss)
@@ -157,7 +163,10 @@ def main() -> int:
     parser.add_argument("--strategy", choices=["fsdp2", "zero3"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True, help="checkpoints go to OUT/full and OUT/lora")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: ZeRO-3 on LOCAL_RANK's GPU")
     args = parser.parse_args()
+    if args.device == "cuda" and args.strategy != "zero3":
+        parser.error("--device cuda is for --strategy zero3 (FSDP2 here shards CPU tensors)")
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     import torch.distributed as dist
 
@@ -168,7 +177,8 @@ def main() -> int:
     else:
         dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     for variant in VARIANTS:  # one process group for both: the imports are most of the time
-        train_and_save(args.strategy, args.model, os.path.join(args.out, variant), lora=variant == "lora")
+        out = os.path.join(args.out, variant)
+        train_and_save(args.strategy, args.model, out, lora=variant == "lora", device=args.device)
     dist.destroy_process_group()
     return 0
 

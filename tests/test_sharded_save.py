@@ -17,8 +17,6 @@ import contextlib
 import importlib.util
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from optima.serving.vllm_server import find_free_port
+from optima.training import launch
 from optima.training.common import is_complete, read_completion
 from optima.weights_probe import TOLERANCES, compare_probe, read_probe, score_ids
 from tests.sharded_save_driver import VARIANTS, train_reference
@@ -36,35 +35,15 @@ RUN_TIMEOUT_S = 240  # both ranks together; a rank left alone in a collective fa
 
 
 def run_ranks(strategy: str, model: Path, out: Path, world_size: int = 2) -> None:
-    """Run every rank of the driver; fail with the logs when one fails or the run outlives its deadline."""
+    """Run every rank of the driver (``optima.training.launch.run_ranks``, as ``make gpu-check`` does); fail with the
+    logs when one fails or the run outlives its deadline."""
     port = find_free_port("127.0.0.1", 29500 + os.getpid() % 3000)
     argv = [sys.executable, "-m", "tests.sharded_save_driver", "--strategy", strategy, "--model", str(model)]
     argv += ["--out", str(out)]
-    base = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    base |= {"WORLD_SIZE": str(world_size), "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env |= {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     logs = [out.parent / f"{out.name}.rank{rank}.log" for rank in range(world_size)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("wb") as handle:
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    env=base | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    cwd=REPO,
-                    stdout=handle,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )  # fmt: skip
-            )
-    try:
-        codes = [proc.wait(timeout=RUN_TIMEOUT_S) for proc in procs]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    codes = launch.run_ranks(argv, env, logs, RUN_TIMEOUT_S)
     tails = "\n".join(f"--- {log.name}\n{log.read_text()[-2500:]}" for log in logs)
     assert codes == [0] * world_size, f"ranks ended with {codes} (None: still running at the deadline)\n{tails}"
 

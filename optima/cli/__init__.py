@@ -4,7 +4,9 @@
 * ``loop``: the three training scripts; ``evaluate``: the two evaluation scripts;
 * ``compare``: ``python -m optima compare``; ``folders``: ``report`` and ``show``;
 * ``demo``: ``demo`` and ``times`` (the run's time per iteration: ``iteration_times``, the busy share: ``cpu_busy``);
-* ``gpu_check``: ``gpu-check`` (imports only the standard library at the top: it runs before set-up).
+* ``gpu_check``: ``gpu-check`` (imports only the standard library at the top: it runs before set-up);
+  ``gpu_stages``: its checks that drive the run's servers and saves (``python -m optima.cli.gpu_stages``, run in the
+  training environment; not imported here).
 """
 
 from optima.cli.compare import run_compare_script

@@ -1,4 +1,4 @@
-r"""One-GPU check of the GPU path: set up, one iSFT and one iDPO iteration of SmolLM2 in bf16, reload, PASS/FAIL.
+r"""One-GPU check of the GPU path: set up, iSFT and iDPO in bf16, wake and reload, loss server, 2-rank ZeRO-3 save.
 
     make gpu-check                                  # = python3 -m optima gpu-check
     python3 -m optima gpu-check --dry-run           # print the stages and their commands; start nothing
@@ -10,19 +10,29 @@ imports only the standard library at the top. The stages:
 1. ``setup``: ``python3 -m optima setup`` (the CUDA builds of torch and vLLM, DeepSpeed, flash-attn where a
    wheel for the installed torch/CUDA exists, the SmolLM2 folder).
 2. ``trainer-yamls``: the demo trainer YAMLs with the GPU settings, written into ``--output-dir``.
-   ``plan``: the hardware plan of the iSFT stage on this machine (``sft_script.py --dry-run``: servers, training
-   processes, memory per GPU); a plan that cannot run stops the check here, before anything starts. The loss model
+3. ``plan``: the hardware plan of the iSFT stage on this machine (``sft_script.py --dry-run``: servers, training
+   processes, memory per GPU); a plan that cannot run stops every stage that needs it, before it starts. The loss model
    is served after generation (``loss_placement: after``) so that one GPU is enough: a loss server that stays up
    would hold the only GPU the trainer has.
-3. ``isft``: one iSFT iteration of the arc demo recipe, trained with ``deepspeed_zero3`` on one process in bf16
+4. ``loss-beside-policy``: the loss server started beside the policy on GPU 0 with the planned memory shares
+   (``loss_placement: beside``), the policy answering a chat request and the loss server LM-loss requests.
+5. ``isft``: one iSFT iteration of the arc demo recipe, trained with ``deepspeed_zero3`` on one process in bf16
    (trainer YAML: the demo's, with ``bf16: true``, ``dtype: bfloat16`` and ``attn_implementation:
    flash_attention_2``; without flash-attn the trainer falls back to ``sdpa`` and says so once), served in bf16.
-4. ``idpo``: one iDPO iteration of the arc demo recipe from the iSFT checkpoint, same settings.
-5. ``reload``: each checkpoint's files checked (every tensor present, expected shapes, not all zero; the same check
+6. ``wake-reload``: a kept policy replica serving the base model goes to sleep and wakes with the iSFT checkpoint's
+   weights in place; it must answer that checkpoint's weights probe (every iteration after the first).
+7. ``idpo``: one iDPO iteration of the arc demo recipe from the iSFT checkpoint, same settings.
+8. ``reload``: each checkpoint's files checked (every tensor present, expected shapes, not all zero; the same check
    the trainer runs before marking a checkpoint complete), loaded on the GPU in bf16, and asked for a few tokens.
+9. ``zero3-2proc``: two ZeRO-3 ranks sharing GPU 0 (over gloo: NCCL refuses two ranks on one device) train SmolLM2
+   and save through the trainers' save path; each checkpoint must pass the checkpoint check. Skipped, with the
+   reason, when the GPU's free memory is too small or this torch's gloo lacks a collective on CUDA tensors.
 
-It prints the seconds each stage took and ends with one line, ``GPU CHECK: PASS`` or ``GPU CHECK: FAIL (...)``
-(exit code 0 or 1). Target: under 10 minutes on one H100-class GPU, setup included when the wheels download fast.
+Stages 4, 6 and 9 are ``optima.cli.gpu_stages`` (what each stands for in the 8-GPU run is there). Each stage prints
+``PASS``, ``FAIL (reason)`` or ``SKIP (reason)`` and its seconds; a stage whose earlier stage did not pass is skipped
+(``STAGE_NEEDS``: a failed iSFT skips wake-reload, iDPO and reload, not the loss server or the ZeRO-3 save). The last
+line is ``GPU CHECK: PASS (n passed, m skipped, T s)`` or ``GPU CHECK: FAIL (failed: names; ...)``, exit code 0 or
+1. Target: under 10 minutes on one H100-class GPU, setup included when the wheels download fast.
 The logs of each stage are under ``--output-dir``.
 """
 
@@ -32,6 +42,7 @@ import argparse
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -44,7 +55,22 @@ GPU_RECIPE = {
     "num_processes": 1,
     "loss_placement": "after",
 }
-SERVE_BF16 = "vllm_extra_args=[--dtype, bfloat16]"
+SERVE_BF16_ARGS = ["--dtype", "bfloat16"]
+SERVE_BF16 = f"vllm_extra_args=[{', '.join(SERVE_BF16_ARGS)}]"
+SKIP_EXIT = 77  # an internal stage's "this GPU cannot host the check" (its log says why on a "SKIP: " line)
+GPU_STAGES = "optima.cli.gpu_stages"  # the checks that drive the run's servers and saves
+# The stages a stage needs to have passed (a stage not listed needs every stage before it; one not run, such as
+# setup under --skip-setup, counts as passed).
+STAGE_NEEDS = {
+    "trainer-yamls": ("setup",),
+    "plan": ("trainer-yamls",),
+    "loss-beside-policy": ("plan",),
+    "isft": ("plan",),
+    "wake-reload": ("isft",),
+    "idpo": ("isft",),
+    "reload": ("isft", "idpo"),
+    "zero3-2proc": ("setup",),
+}
 
 
 def write_gpu_trainer_yaml(base: Path, path: Path) -> Path:
@@ -84,14 +110,18 @@ def build_stages(out: Path, skip_setup: bool, hardware: str | None = None) -> li
         "--set",
         SERVE_BF16,
     ]
+    check = [str(TRAIN_PY), "-m", GPU_STAGES]
     stages += [
         ("trainer-yamls", yamls),
         ("plan", [*isft, "--dry-run", *(["--hardware", hardware] if hardware else [])]),
+        ("loss-beside-policy", [*check, "loss-beside-policy", str(out)]),
         ("isft", isft),
+        ("wake-reload", [*check, "wake-reload", str(out)]),
         ("idpo", [str(TRAIN_PY), "dpo_script.py", "--train_config_path", "train/dpo_recipes/demo_arc.yaml",
                   *overrides(dpo), "--set", SERVE_BF16]),
         ("reload", [str(TRAIN_PY), "-m", "optima", "gpu-check", "--reload", str(sft_checkpoint),
                     str(dpo_checkpoint)]),
+        ("zero3-2proc", [*check, "zero3-2proc", str(out)]),
     ]  # fmt: skip
     return stages
 
@@ -131,21 +161,70 @@ def render_plan(hardware: str) -> list[str]:
     return plan_hardware(recipe, parse_hardware(hardware), [0]).render()
 
 
-def run_stages(stages: list[tuple[str, list[str]]], out: Path) -> tuple[dict[str, float], str | None]:
-    """Run the stages in order, each logged to ``<out>/<name>.log``; stop at the first failure."""
+@dataclass(frozen=True)
+class Outcome:
+    """How one stage ended: ``PASS``, ``FAIL`` or ``SKIP``, its seconds, and why (FAIL, SKIP)."""
+
+    name: str
+    status: str
+    seconds: float = 0.0
+    reason: str = ""
+
+    def line(self) -> str:
+        """``gpu-check | isft | PASS | 12 s`` / ``... | FAIL (reason) | 3 s``."""
+        status = f"{self.status} ({self.reason})" if self.reason else self.status
+        return f"gpu-check | {self.name} | {status} | {self.seconds:.0f} s"
+
+
+def stage_outcome(name: str, code: int, seconds: float, log: Path) -> Outcome:
+    """The outcome of a stage that exited with ``code`` (its ``FAIL: ``/``SKIP: `` line, else its last line)."""
+    if code == 0:
+        return Outcome(name, "PASS", seconds)
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    if code == SKIP_EXIT:
+        said = [ln.removeprefix("SKIP: ") for ln in lines if ln.startswith("SKIP: ")]
+        return Outcome(name, "SKIP", seconds, said[-1] if said else f"no reason given, see {log}")
+    said = [ln.removeprefix("FAIL: ") for ln in lines if ln.startswith("FAIL: ")] or lines[-1:]
+    detail = f"{said[-1][:400]}; " if said else ""
+    return Outcome(name, "FAIL", seconds, f"{detail}exit {code}, see {log}")
+
+
+def unmet_need(name: str, done: dict[str, Outcome]) -> str | None:
+    """The earlier stage ``name`` needs that did not pass (None: it may run)."""
+    needs = STAGE_NEEDS.get(name, tuple(done))
+    for need in needs:
+        if need in done and done[need].status != "PASS":
+            return need
+    return None
+
+
+def run_stages(stages: list[tuple[str, list[str]]], out: Path) -> list[Outcome]:
+    """Run the stages in order, each logged to ``<out>/<name>.log``; a stage whose needs did not pass is skipped."""
     from optima.serving import run_to_end  # standard library only: works before setup
 
-    times: dict[str, float] = {}
+    done: dict[str, Outcome] = {}
     for name, argv in stages:
-        start = time.monotonic()
-        log = out / f"{name}.log"
-        say(f"gpu-check | {name} | {' '.join(argv)} | log {log}")
-        code = run_to_end(argv, cwd=REPO, log=log)
-        times[name] = time.monotonic() - start
-        say(f"gpu-check | {name} | {times[name]:.0f} s | exit {code}")
-        if code != 0:
-            return times, f"{name} exited with {code}, see {log}"
-    return times, None
+        need = unmet_need(name, done)
+        if need is not None:
+            done[name] = Outcome(name, "SKIP", 0.0, f"needs {need}, which did not pass")
+        else:
+            start = time.monotonic()
+            log = out / f"{name}.log"
+            say(f"gpu-check | {name} | {' '.join(argv)} | log {log}")
+            code = run_to_end(argv, cwd=REPO, log=log)
+            done[name] = stage_outcome(name, code, time.monotonic() - start, log)
+        say(done[name].line())
+    return list(done.values())
+
+
+def summarize(outcomes: list[Outcome]) -> tuple[str, int]:
+    """The last line of the check and its exit code: PASS (0) when no stage failed, else FAIL (1) naming them."""
+    count = {status: sum(o.status == status for o in outcomes) for status in ("PASS", "FAIL", "SKIP")}
+    tally = f"{count['PASS']} passed, {count['SKIP']} skipped"
+    failed = [o.name for o in outcomes if o.status == "FAIL"]
+    if failed:
+        return f"GPU CHECK: FAIL (failed: {', '.join(failed)}; {tally})", 1
+    return f"GPU CHECK: PASS ({tally}, {sum(o.seconds for o in outcomes):.0f} s)", 0
 
 
 def say(line: str) -> None:
@@ -187,7 +266,8 @@ def run_gpu_check_command(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)  # a fresh run each time: the loop scripts would resume from an old one
     out.mkdir(parents=True)
-    times, failure = run_stages(stages, out)
-    say("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items()))
-    say(f"GPU CHECK: FAIL ({failure})" if failure else f"GPU CHECK: PASS ({sum(times.values()):.0f} s)")
-    return 1 if failure else 0
+    outcomes = run_stages(stages, out)
+    say("stages: " + ", ".join(f"{o.name} {o.status} {o.seconds:.0f} s" for o in outcomes))
+    line, code = summarize(outcomes)
+    say(line)
+    return code

@@ -68,3 +68,41 @@ def gpu_memory_mib(
 def has_gpu(environ: Mapping[str, str] | None = None) -> bool:
     """True when at least one NVIDIA GPU is visible to this process."""
     return bool(visible_gpus(environ))
+
+
+def query_nvidia_smi(args: list[str], nvidia_smi: str | None = None) -> list[list[str]]:
+    """The rows of an ``nvidia-smi --query-...`` in CSV without header or units (empty when it cannot answer)."""
+    exe = nvidia_smi or shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        result = subprocess.run([exe, *args, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                check=False, timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if result.returncode != 0:
+        return []
+    return [[cell.strip() for cell in line.split(",")] for line in result.stdout.splitlines() if line.strip()]
+
+
+def gpu_memory_used_mib(gpu: str | None = None, nvidia_smi: str | None = None) -> int | None:
+    """Memory in use (MiB) on GPU ``gpu`` (an id of ``visible_gpus``; default the first visible one), by all its
+    processes; None: unknown (no GPU, no ``nvidia-smi``, or a UUID in ``CUDA_VISIBLE_DEVICES``)."""
+    gpus = [gpu] if gpu is not None else visible_gpus(nvidia_smi=nvidia_smi)[:1]
+    if not gpus or not gpus[0].isdigit():
+        return None
+    rows = query_nvidia_smi(["--query-gpu=memory.used"], nvidia_smi)
+    try:
+        return int(float(rows[int(gpus[0])][0]))
+    except (IndexError, ValueError):
+        return None
+
+
+def process_memory_mib(nvidia_smi: str | None = None) -> dict[int, int]:
+    """GPU memory (MiB) of each process that ``nvidia-smi`` lists, by PID (empty: none visible, e.g. in a container
+    with its own PID namespace)."""
+    memory: dict[int, int] = {}
+    for row in query_nvidia_smi(["--query-compute-apps=pid,used_memory"], nvidia_smi):
+        if len(row) == 2 and row[0].isdigit() and row[1].replace(".", "", 1).isdigit():
+            memory[int(row[0])] = memory.get(int(row[0]), 0) + int(float(row[1]))
+    return memory

@@ -12,6 +12,11 @@ checkpoint folder that the resumed run is about to redo.
 
 A single-process CPU stage runs instead as a fork of the run's warm trainer (``optima.training.warm``), with the
 same log, state file, progress bar and error.
+
+Before either starts, the build locks of torch's JIT extensions that a killed build left behind are removed
+(``optima.training.extensions``): DeepSpeed builds its ops there, and a stale lock would make every rank wait forever.
+``run_ranks`` starts the ranks of a distributed program directly (no accelerate: ``make gpu-check``'s 2-process
+ZeRO-3 save on one GPU, the sharded-save tests on CPU processes), with the same clean-up.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import IO, TYPE_CHECKING
 from optima.environments import REPO_ROOT
 from optima.serving.processes import PARENT_ENV, die_with_parent, group_members, stop_group
 from optima.training.errors import STOP_TIMEOUT_S, TrainingError, failure_message
+from optima.training.extensions import extensions_root, remove_stale_build_locks
 from optima.training.launch_config import TrainLaunch
 from optima.training.progress import STATE_ENV, TrainingProgress
 
@@ -75,6 +81,7 @@ def run_training(
         STATE_ENV: str(state_file),
     }
     bar = TrainingProgress(state_file, progress, desc) if progress is not None else contextlib.nullcontext()
+    remove_stale_build_locks(extensions_root(env))  # a killed DeepSpeed op build would hang every rank
     if warm is not None and warm.serves(launch):
         logger.info("train | warm trainer | %s | log %s", " ".join(launch.script_argv()), log_path)
         with bar:
@@ -105,6 +112,43 @@ def run_guarded(argv: list[str], env: dict[str, str], log_path: Path, bar) -> in
         finally:
             if proc.returncode is None:
                 stop_trainer(proc)
+
+
+def run_ranks(
+    argv: list[str], env: dict[str, str], logs: list[Path], timeout_s: float, local_ranks: list[int] | None = None
+) -> list[int] | None:
+    """Run ``len(logs)`` ranks of ``argv`` (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` set) to their end, each in its own
+    process group with its own log; None when one still ran at the deadline (then every rank is killed).
+
+    Args:
+        argv: The command of every rank.
+        env: Their environment (``MASTER_ADDR``, ``MASTER_PORT`` and the like).
+        logs: One log per rank.
+        timeout_s: Deadline for all ranks together.
+        local_ranks: Each rank's ``LOCAL_RANK`` (its device); default its rank. Several ranks may share one GPU.
+    """
+    remove_stale_build_locks(extensions_root(env))
+    local_ranks = list(range(len(logs))) if local_ranks is None else local_ranks
+    procs = []
+    try:
+        for rank, log in enumerate(logs):
+            ids = {"RANK": str(rank), "LOCAL_RANK": str(local_ranks[rank]), "WORLD_SIZE": str(len(logs))}
+            with log.open("wb") as handle:
+                procs.append(
+                    subprocess.Popen(
+                        argv, env=env | ids, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, start_new_session=True,
+                    )
+                )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        return [proc.wait(timeout=max(deadline - time.monotonic(), 0)) for proc in procs]
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def stop_trainer(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:

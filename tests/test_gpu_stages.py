@@ -1,0 +1,106 @@
+"""The GPU checks of ``make gpu-check`` (``optima.cli.gpu_stages``) on a machine without a GPU.
+
+What can be shown here: each check refuses clearly when torch sees no CUDA device (this machine's torch is the CPU
+build), the recipes and plans they run with (a kept policy replica; the loss server beside it on one GPU), the
+memory estimate and skip reason of the 2-rank ZeRO-3 save, the reading of a gloo refusal, and the sleep's memory
+test. The servers, the wake and the ZeRO-3 ranks themselves run only on a GPU (never run here).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from optima.cli import gpu_stages
+from optima.hardware.plan import plan_hardware
+from optima.hardware.spec import parse_hardware
+
+GIB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    """The recipes name their files relative to the repository, as the check runs them (cwd: the repository)."""
+    monkeypatch.chdir(gpu_stages.REPO)
+
+
+@pytest.mark.parametrize("check", sorted(gpu_stages.CHECKS))
+def test_every_check_refuses_clearly_when_torch_sees_no_cuda_device(check, tmp_path, capsys):
+    import torch
+
+    assert torch.cuda.device_count() == 0  # this machine: the CPU build of torch
+    assert gpu_stages.CHECKS[check](tmp_path) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL: torch in the training environment sees no CUDA device"), out
+    assert not any(tmp_path.iterdir())  # refused before anything started or was written
+
+
+def test_cuda_refusal_only_without_devices():
+    assert gpu_stages.cuda_refusal(1) is None and "CUDA_VISIBLE_DEVICES" in gpu_stages.cuda_refusal(0)
+
+
+def test_the_wake_check_serves_a_kept_replica_that_the_plan_accepts_on_one_gpu(tmp_path):
+    recipe = gpu_stages.check_recipe(tmp_path, "wake_reload")
+    plan = plan_hardware(recipe, parse_hardware("1x80GB"), [0])
+    assert plan.problems == []
+    assert plan.layout.policy[0].carry_over and plan.layout.loss is None  # sleep mode on; iSFT: no loss server
+    assert recipe.vllm_extra_args == ["--dtype", "bfloat16"] and recipe.output_dir == str(tmp_path / "wake_reload")
+
+
+@pytest.mark.parametrize("hardware", ["1x80GB", "1x141GB", "1x24GB"])
+def test_the_loss_check_plans_a_resident_loss_server_beside_the_policy_on_gpu_0(hardware, tmp_path):
+    recipe = gpu_stages.check_recipe(tmp_path, "loss_beside", loss_placement="beside")
+    plan = gpu_stages.server_plan(recipe, parse_hardware(hardware))
+    assert plan.problems == []
+    policy, loss = plan.layout.policy[0], plan.layout.loss
+    assert loss is not None and plan.layout.loss_resident and loss.gpus == policy.gpus == ("0",)
+    # The loss server's share comes out of the policy's: together they take gpu_memory_utilization.
+    assert loss.gpu_memory_utilization == plan.loss_share > 0
+    assert policy.gpu_memory_utilization + loss.gpu_memory_utilization == pytest.approx(recipe.gpu_memory_utilization)
+    assert any(line.startswith("loss server: GPUs 0") and "stays up through training" in line for line in plan.lines)
+
+
+def test_the_loss_check_reports_an_unknown_gpu_memory_as_a_problem(tmp_path):
+    from optima.hardware.spec import Hardware
+
+    recipe = gpu_stages.check_recipe(tmp_path, "loss_beside", loss_placement="beside")
+    plan = gpu_stages.server_plan(recipe, Hardware(1, 1, 0.0, gpu_ids=("0",), source="test"))
+    assert plan.layout is None and "memory is unknown" in plan.problems[0]
+
+
+def test_two_zero3_ranks_need_more_than_one_and_a_small_gpu_is_skipped_with_the_numbers():
+    need = gpu_stages.zero3_need_bytes()
+    assert need > gpu_stages.zero3_need_bytes(ranks=1) and 2 * GIB < need < 16 * GIB
+    reason = gpu_stages.zero3_skip_reason(2048, need)
+    assert reason.startswith("GPU 0 has 2.0 GiB free, two ZeRO-3 ranks of SmolLM2 need ~") and "GiB" in reason
+    assert gpu_stages.zero3_skip_reason(80 * 1024, need) is None
+    assert gpu_stages.zero3_skip_reason(None, need) is None  # unknown: tried (the ranks' error would say)
+    assert gpu_stages.zero3_skip_reason(2048, None) is None
+
+
+@pytest.mark.parametrize(
+    ("line", "found"),
+    [
+        ("RuntimeError: ProcessGroupGloo does not support reduce_scatter", True),
+        ("RuntimeError: gloo: allgather_into_tensor_coalesced: unsupported device type cuda", True),
+        ("RuntimeError: No backend type associated with device type cuda", True),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", False),
+        ("UserWarning: flash attention is not supported on this GPU", False),
+    ],
+)
+def test_a_gloo_refusal_in_a_ranks_log_is_found_and_other_errors_are_not(line, found, tmp_path):
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    logs[0].write_text("loading\n")
+    logs[1].write_text(f"Traceback (most recent call last):\n{line}\n")
+    assert (gpu_stages.unsupported_collective(logs) == line) is found
+
+
+@pytest.mark.parametrize(
+    ("idle", "awake", "asleep", "problem"),
+    [
+        (500, 120_000, 1_500, None),  # weights and KV cache given back
+        (500, 120_000, 100_000, "the sleeping server still holds 99500 MiB of the 119500 MiB it held awake"),
+        (None, 120_000, 1_500, None),  # nvidia-smi could not tell: not judged
+    ],
+)
+def test_a_sleep_must_give_back_most_of_the_servers_memory(idle, awake, asleep, problem):
+    assert gpu_stages.sleep_freed_problem(idle, awake, asleep) == problem
