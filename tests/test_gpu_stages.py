@@ -40,9 +40,11 @@ def test_cuda_refusal_only_without_devices():
 
 def test_the_wake_check_serves_a_kept_replica_that_the_plan_accepts_on_one_gpu(tmp_path):
     recipe = gpu_stages.check_recipe(tmp_path, "wake_reload")
-    plan = plan_hardware(recipe, parse_hardware("1x80GB"), [0])
-    assert plan.problems == []
+    plan = gpu_stages.server_plan(recipe, parse_hardware("1x80GB"))
+    assert plan.problems == [] and plan.layout.policy[0].gpus == ("0",)
     assert plan.layout.policy[0].carry_over and plan.layout.loss is None  # sleep mode on; iSFT: no loss server
+    assert any("sleeps during training" in line for line in plan.lines)
+    assert plan_hardware(recipe, parse_hardware("1x80GB"), [0]).problems == []  # the whole run's plan agrees
     assert recipe.vllm_extra_args == ["--dtype", "bfloat16"] and recipe.output_dir == str(tmp_path / "wake_reload")
 
 

@@ -1,17 +1,18 @@
 """The checks of ``make gpu-check`` that drive the run's own servers and saves on one GPU (training environment).
 
-Each runs as one internal stage of ``optima.cli.gpu_check`` (``python -m optima gpu-check --<stage> OUT``) and ends
+Each runs as one stage of ``optima.cli.gpu_check`` (``python -m optima.cli.gpu_stages <check> OUT``) and ends
 with exit code 0 (PASS), 1 (FAIL, with a ``FAIL: reason`` line, or the traceback of the error that stopped it) or
 ``SKIP_EXIT`` (with a ``SKIP: reason`` line: this GPU cannot host the check). What each stands for in the 8-GPU run:
 
 * ``wake-reload``: every iteration after the first. A kept policy replica (``sleep_mode``, the recipe's switch for
-  kept replicas) serves the base model on the GPU, answers a chat request, goes to sleep as for training
-  (``ServerHolder.sleep_for_training``: ``/sleep?level=2``, ``/is_sleeping`` must say so and the GPU memory it held
-  must mostly come back), then wakes with the iSFT checkpoint's weights in place (``ServerHolder.reload``: wake the
-  weights, ``reload_weights`` over ``/collective_rpc``, wake the KV cache, reset the prefix cache) and must answer
-  the weights probe recorded with the checkpoint (``optima.serving.reload_check``) and a chat request again. The
-  base model is asked the same probe first: when it already matches (a checkpoint too close to the base for the
-  bf16 tolerance) the output says so, since the probe then proves less.
+  kept replicas), placed by the servers' part of the hardware plan, serves the base model on the GPU, answers a chat
+  request, goes to sleep as for training (``ServerHolder.sleep_for_training``: ``/sleep?level=2``; ``/is_sleeping``
+  must say so and at least half the GPU memory it held must come back), then wakes with the iSFT checkpoint's weights
+  in place (``ServerHolder.reload``: wake the weights, ``reload_weights`` over ``/collective_rpc``, wake the KV cache,
+  reset the prefix cache) and must answer the weights probe recorded with the checkpoint
+  (``optima.serving.reload_check``) and a chat request again. The base model is asked the same probe first: when it
+  already matches (a checkpoint too close to the base for the bf16 tolerance) the output says so, since the probe then
+  proves less.
 * ``loss-beside-policy``: ``loss_placement: beside`` on one GPU. The servers' part of the hardware plan (training
   excluded: it would not run beside a resident loss server on the only GPU) puts the loss server on GPU 0 with the
   share computed from its weights and the policy with the rest; the run's ``ServerHolder`` starts both (the loss
@@ -127,7 +128,6 @@ def check_wake_reload(out: Path) -> int:
     import torch
 
     from optima.hardware.gpus import gpu_memory_used_mib
-    from optima.hardware.plan import plan_this_machine
     from optima.paths import RunPaths
     from optima.serving.reload_check import probe_mismatch
     from optima.weights_probe import read_probe
@@ -140,9 +140,9 @@ def check_wake_reload(out: Path) -> int:
     if probe is None:
         return fail(f"{checkpoint} has no recorded weights probe (the isft stage did not complete it)")
     recipe = check_recipe(out, "wake_reload")
-    plan = plan_this_machine(recipe)
+    plan = server_plan(recipe)
     if plan.problems:
-        return fail("the hardware plan refuses: " + "; ".join(plan.problems))
+        return fail("the servers' plan refuses: " + "; ".join(plan.problems))
     if not plan.layout.policy[0].carry_over:
         return fail("the plan does not keep the policy replica across checkpoints (sleep_mode off?)")
     base, idle = str(recipe.initial_model_path), gpu_memory_used_mib()
