@@ -126,6 +126,13 @@ def _default_text(f) -> str:
 def run_own_parser(command: str, argv: list[str]) -> int:
     """A command of ``OWN_PARSERS``, its arguments read by its own parser."""
     if command == "gpu-check":  # runs before set-up: its module imports only the standard library at the top
+        from optima.install import SetupError, check_python
+
+        try:  # with the system's python3, before optima.cli, whose imports need Python 3.11 (enum.StrEnum)
+            check_python(command="gpu-check")
+        except SetupError as error:
+            sys.stderr.write(f"gpu-check: {error}\n")
+            return 2
         from optima.cli.gpu_check import run_gpu_check_command
 
         return run_gpu_check_command(argv)

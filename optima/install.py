@@ -62,8 +62,16 @@ class SetupError(Exception):
     """Setup cannot go on; the message says what is missing and which flag or variable changes it."""
 
 
-def check_python(version: tuple[int, ...] | None = None, executable: str | None = None) -> None:
+def check_python(
+    version: tuple[int, ...] | None = None, executable: str | None = None, command: str = "setup"
+) -> None:
     """Refuse a Python older than ``MIN_PYTHON``: the environments are built with the Python running setup.
+
+    Args:
+        version: The version to check (default: this interpreter's).
+        executable: Its path, for the message (default: this interpreter's).
+        command: The ``python -m optima`` command and ``make`` target the message tells to run again (``setup``,
+            ``gpu-check``).
 
     Raises:
         SetupError: naming the version found, the one needed and how to pick another (Ubuntu 22.04's python3 is
@@ -73,9 +81,9 @@ def check_python(version: tuple[int, ...] | None = None, executable: str | None 
     if tuple(version[:2]) < MIN_PYTHON:
         found, needed = ".".join(map(str, version[:3])), ".".join(map(str, MIN_PYTHON))
         raise SetupError(
-            f"Python {found} ({executable}) is too old: Optima needs Python >= {needed}. Run setup with a newer "
-            f"one, e.g. `python{needed} -m optima setup` or `make setup PYTHON=python{needed}` (on Ubuntu 22.04: "
-            f"apt install python{needed} python{needed}-venv)"
+            f"Python {found} ({executable}) is too old: Optima needs Python >= {needed}. Run {command} with a newer "
+            f"one, e.g. `python{needed} -m optima {command}` or `make {command} PYTHON=python{needed}` (on Ubuntu "
+            f"22.04: apt install python{needed} python{needed}-venv)"
         )
 
 

@@ -6,6 +6,9 @@ Pure functions only: the plan reads the recipes, the trainer YAMLs and the built
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,23 @@ def test_setup_checks_the_python_version(version, refused):
             install.check_python(version, "/usr/bin/python3")
     else:
         install.check_python(version, "/usr/bin/python3")
+
+
+def test_gpu_check_refuses_an_old_python_before_importing_what_needs_a_newer_one(tmp_path):
+    """``make gpu-check`` runs the system's python3 (3.10 on Ubuntu 22.04): a clear refusal, not an ImportError of
+    ``enum.StrEnum`` from ``optima.cli``'s imports."""
+    code = (
+        "import sys, optima.install; from optima.__main__ import main; sys.version_info = (3, 10, 12, 'final', 0); "
+        f"code = main(['gpu-check', '--dry-run', '--output-dir', {str(tmp_path / 'o')!r}]); "
+        "print('optima.cli' in sys.modules, 'optima.config.stage_names' in sys.modules); raise SystemExit(code)"
+    )
+    result = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.split() == ["False", "False"]  # refused before optima.cli was imported
+    assert re.search(
+        r"gpu-check: Python 3\.10\.12 .* too old: Optima needs Python >= 3\.11\. Run gpu-check", result.stderr
+    )
+    assert "make gpu-check PYTHON=python3.11" in result.stderr and not (tmp_path / "o").exists()
 
 
 def test_setup_stops_before_building_on_an_old_python(tmp_path, monkeypatch, capsys):
