@@ -106,3 +106,31 @@ def test_a_gloo_refusal_in_a_ranks_log_is_found_and_other_errors_are_not(line, f
 )
 def test_a_sleep_must_give_back_most_of_the_servers_memory(idle, awake, asleep, problem):
     assert gpu_stages.sleep_freed_problem(idle, awake, asleep) == problem
+
+
+def fake_nvidia_smi(folder, pid: int):
+    """An ``nvidia-smi`` that knows two GPUs' used memory and three processes (``pid`` twice, PID 1 once)."""
+    smi = folder / "nvidia-smi"
+    smi.write_text(
+        '#!/bin/sh\ncase "$1" in\n'
+        "  --query-gpu=memory.used) printf '1200\\n80000\\n' ;;\n"
+        f"  --query-compute-apps=pid,used_memory) printf '{pid}, 700\\n1, 300\\n{pid}, 50\\n' ;;\n"
+        "  *) exit 1 ;;\nesac\n"
+    )
+    smi.chmod(0o755)
+    return smi
+
+
+def test_the_memory_a_server_holds_is_read_from_nvidia_smi_by_process_group(tmp_path, monkeypatch):
+    import os
+
+    from optima.hardware.gpus import gpu_memory_used_mib, process_memory_mib
+
+    smi = fake_nvidia_smi(tmp_path, os.getpid())
+    assert gpu_memory_used_mib("1", str(smi)) == 80000 and gpu_memory_used_mib("0", str(smi)) == 1200
+    assert gpu_memory_used_mib("GPU-3f2a", str(smi)) is None  # a UUID: which row is unknown
+    assert process_memory_mib(str(smi)) == {os.getpid(): 750, 1: 300}
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert gpu_stages.group_memory_mib(os.getpgid(0)) == (750, 300)  # this test's group, and PID 1 apart
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert gpu_stages.group_memory_mib(os.getpgid(0)) == (None, None)  # no nvidia-smi: not visible
