@@ -32,7 +32,7 @@ Stages 4, 6 and 9 are ``optima.cli.gpu_stages`` (what each stands for in the 8-G
 ``PASS``, ``FAIL (reason)`` or ``SKIP (reason)`` and its seconds; a stage whose earlier stage did not pass is skipped
 (``STAGE_NEEDS``: a failed iSFT skips wake-reload, iDPO and reload, not the loss server or the ZeRO-3 save). The last
 line is ``GPU CHECK: PASS (n passed, m skipped, T s)`` or ``GPU CHECK: FAIL (failed: names; ...)``, exit code 0 or
-1. Target: under 10 minutes on one H100-class GPU, setup included when the wheels download fast.
+1. Target (not measured): under 15 minutes on one H100-class GPU, setup included when the wheels download fast.
 The logs of each stage are under ``--output-dir``.
 """
 
