@@ -6,10 +6,10 @@ with exit code 0 (PASS), 1 (FAIL, with a ``FAIL: reason`` line, or the traceback
 
 * ``wake-reload``: every iteration after the first. A kept policy replica (``sleep_mode``, the recipe's switch for
   kept replicas), placed by the servers' part of the hardware plan, serves the base model on the GPU, answers a chat
-  request, goes to sleep as for training (``ServerHolder.sleep_for_training``: ``/sleep?level=2``; ``/is_sleeping``
+  request, goes to sleep as for training (``ServerHolder.release_for_training``: ``/sleep?level=2``; ``/is_sleeping``
   must say so and at least half the GPU memory it held must come back), then wakes with the iSFT checkpoint's weights
-  in place (``ServerHolder.reload``: wake the weights, ``reload_weights`` over ``/collective_rpc``, wake the KV cache,
-  reset the prefix cache) and must answer the weights probe recorded with the checkpoint
+  in place (``ServerHolder.load_in_place``: wake the weights, ``reload_weights`` over ``/collective_rpc``, wake the KV
+  cache, reset the prefix cache) and must answer the weights probe recorded with the checkpoint
   (``optima.serving.reload_check``) and a chat request again. The base model is asked the same probe first: when it
   already matches (a checkpoint too close to the base for the bf16 tolerance) the output says so, since the probe then
   proves less.
@@ -147,13 +147,13 @@ def check_wake_reload(out: Path) -> int:
         return fail("the plan does not keep the policy replica across checkpoints (sleep_mode off?)")
     base, idle = str(recipe.initial_model_path), gpu_memory_used_mib()
     with new_holder(recipe, plan.layout, out / "wake_reload" / "logs") as holder:
-        url = holder.endpoints(base, RunPaths.from_recipe(recipe).stage(0))[0]
+        url = holder.serve(base, RunPaths.from_recipe(recipe).stage(0))[0]
         say(f"wake-reload | {base} served on {url} | reply {ask(url, recipe)!r}")
         control = probe_mismatch(url, probe, recipe, None)
         verdict = f"differs ({control})" if control else "indistinguishable at bf16 tolerance (the probe proves less)"
         say(f"wake-reload | the base model against the checkpoint's probe: {verdict}")
         awake = gpu_memory_used_mib()
-        holder.sleep_for_training()
+        holder.release_for_training()
         if not holder.asleep:
             return fail("the policy replica did not go to sleep (stopped instead; see the driver's warning)")
         asleep = gpu_memory_used_mib()
@@ -164,7 +164,7 @@ def check_wake_reload(out: Path) -> int:
         if problem:
             return fail(problem)
         started = time.monotonic()
-        holder.reload(str(checkpoint))  # wake, reload in place, cache reset; raises unless the probe matches
+        holder.load_in_place(str(checkpoint))  # wake, reload in place, cache reset; raises unless the probe matches
         say(f"wake-reload | woke with {checkpoint} in {time.monotonic() - started:.1f} s, weights probe matched")
         say(f"wake-reload | reply after the wake {ask(url, recipe)!r}")
     return 0
@@ -228,8 +228,8 @@ def check_loss_beside_policy(out: Path) -> int:
     shares = {name: p.gpu_memory_utilization or recipe.gpu_memory_utilization
               for name, p in (("policy", layout.policy[0]), ("loss server", layout.loss))}  # fmt: skip
     with new_holder(recipe, layout, out / "loss_beside" / "logs") as holder:
-        url = holder.endpoints(str(recipe.initial_model_path), RunPaths.from_recipe(recipe).stage(0))[0]
-        loss_urls = holder.loss_endpoints()
+        url = holder.serve(str(recipe.initial_model_path), RunPaths.from_recipe(recipe).stage(0))[0]
+        loss_urls = holder.loss_urls()
         say(f"loss-beside-policy | policy {url} reply {ask(url, recipe)!r}")
         tokenizer = AutoTokenizer.from_pretrained(loss_model(recipe))
         losses = VLLMLossScorer(loss_urls, recipe.served_model_name, tokenizer, recipe).score(list(SCORED_TEXTS))
