@@ -8,6 +8,8 @@ test. The servers, the wake and the ZeRO-3 ranks themselves run only on a GPU (n
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from optima.cli import gpu_stages
@@ -134,3 +136,20 @@ def test_the_memory_a_server_holds_is_read_from_nvidia_smi_by_process_group(tmp_
     assert gpu_stages.group_memory_mib(os.getpgid(0)) == (750, 300)  # this test's group, and PID 1 apart
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert gpu_stages.group_memory_mib(os.getpgid(0)) == (None, None)  # no nvidia-smi: not visible
+
+
+def test_the_checks_call_what_the_run_s_server_holder_has():
+    """The checks drive the run's own ``ServerHolder`` and never run here: a renamed verb must fail on CPU."""
+    import ast
+    import inspect
+
+    from optima.serving import holder
+
+    used = {
+        node.attr
+        for node in ast.walk(ast.parse(inspect.getsource(gpu_stages)))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "holder"
+    }
+    assigned = set(re.findall(r"self\.(\w+)(?:: [^=]+)? = ", inspect.getsource(holder.ServerHolder)))
+    assert {"serve", "release_for_training", "load_in_place", "loss_urls", "asleep", "loss"} <= used
+    assert not [name for name in used if not hasattr(holder.ServerHolder, name) and name not in assigned]
