@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.benchlib import add_model_args, shown
-from optima.agents import ConversationRunner, GenerationHooks, GenerationPlan, generate_conversations
+from optima.agents import ConversationRunner, GenerationHooks, GenerationSettings, generate_conversations
 from optima.config import InferenceRecipe, load_recipe
 from optima.environments import resolve_env
 from optima.logging_utils import setup_logging
@@ -149,9 +149,9 @@ class TurnRecordingRunner(ConversationRunner):
 
     log = GeneratorLog()
 
-    def __init__(self, recipe, plan, pool):
+    def __init__(self, recipe, generation, pool):
         self._local = threading.local()
-        super().__init__(recipe, plan, _TurnRecordingPool(pool, self.log, self._local))
+        super().__init__(recipe, generation, _TurnRecordingPool(pool, self.log, self._local))
 
     def run(self, job):
         self._local.turn = 0
@@ -209,12 +209,12 @@ def main(argv=None) -> int:
     )
     examples = TASKS[args.task].load_train(data_dir=args.data_dir)[: args.questions]
     stage = RunPaths(run_dir).stage(0)  # an evaluation recipe has no checkpoint root
-    plan = GenerationPlan(iteration=1, temperature=args.temperature, samples=args.samples, stage="bench")
+    generation = GenerationSettings(iteration=1, temperature=args.temperature, samples=args.samples, stage="bench")
     with serve(recipe, args.model, resolve_env(None, "vllm"), stage) as endpoints:
         run_plain_client(endpoints[0], recipe, [SentRequest([{"role": "user", "content": "Hi"}], None, 8)], 1, 0.0)
         reset_prefix_cache(endpoints[0])
         hooks = GenerationHooks(TurnRecordingRunner)
-        stats = generate_conversations(recipe, examples, endpoints, stage.generations, plan, hooks)
+        stats = generate_conversations(recipe, examples, endpoints, stage.generations, generation, hooks)
         log = TurnRecordingRunner.log
         requests = log.requests
         in_flight = plain_client_threads(log, stats.kv.get("in_flight"), args.threads)

@@ -3,7 +3,7 @@
     .venvs/train/bin/python -m bench.idle_server                   # SmolLM2, demo layout, max_steps 3, 2 rounds
     .venvs/train/bin/python -m bench.idle_server --rounds 1 --max-steps 1
 
-The servers of the CPU demo start once, as a run places them (``ServerHolder`` with the hardware plan's layout:
+The servers of the CPU demo start once, as a run places them (``ServerHolder`` with the hardware allocation's layout:
 policy bound to core 0, the loss server to core 1 on two cores), each answers one request (so that its threads
 exist, as after generation), and then stay up while the pipeline's SFT launch (``bench/sft.py``'s ``ours`` side:
 ``run_sft.py`` under ``accelerate launch``) trains ``--max-steps`` steps. Sides, alternating in every round:
@@ -30,7 +30,7 @@ from bench.serving import child_groups, cpu_seconds
 from bench.sft import BASE_YAML, run_side, write_configs
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import resolve_env
-from optima.hardware import plan_layout
+from optima.hardware import place_servers
 from optima.paths import RunPaths
 from optima.serving import ServerHolder
 
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     config = write_configs(args, workdir)["ours"]
     values = {"initial_model_path": args.model, "output_dir": str(workdir / "run"), "port": args.port}
     recipe = load_recipe(SFTRecipe, DEMO_RECIPE, values)
-    layout = plan_layout(recipe, [], sorted(os.sched_getaffinity(0)))
+    layout = place_servers(recipe, [], sorted(os.sched_getaffinity(0)))
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     with ServerHolder(recipe, resolve_env(None, "vllm"), args.model, workdir / "logs", layout=layout) as holder:
         touch(holder.serve(args.model, RunPaths.from_recipe(recipe).stage(0)), recipe.served_model_name)

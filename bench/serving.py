@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 
 from bench.benchlib import REPO, add_model_args
-from optima.agents import GenerationHooks, generate_conversations, plan_generation
+from optima.agents import GenerationHooks, generate_conversations, generation_settings
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import resolve_env
-from optima.hardware import Placement, ServerLayout, plan_this_machine
+from optima.hardware import Placement, ServerLayout, allocate_this_machine
 from optima.lm_loss import VLLMLossScorer
 from optima.logging_utils import setup_logging
 from optima.loss_stream import StreamingLosses, conversation_texts
@@ -132,8 +132,8 @@ def idle_cpu_share(pgids: list[int], window_s: float) -> float:
 
 
 def new_holder(args, recipe: SFTRecipe, run_dir: Path, arrange=lambda layout: layout) -> ServerHolder:
-    """The servers of ``recipe``, placed as the hardware plan of this machine says (``arrange`` changes them)."""
-    layout = arrange(plan_this_machine(recipe).layout)
+    """The servers of ``recipe``, placed as the hardware allocation of this machine says (``arrange`` changes them)."""
+    layout = arrange(allocate_this_machine(recipe).layout)
     return ServerHolder(recipe, resolve_env(None, "vllm"), args.model, run_dir / "logs", layout=layout)
 
 
@@ -176,16 +176,18 @@ def generate_and_score(name: str, recipe, examples, tokenizer, holder: ServerHol
     urls = holder.serve(model, stage)
     loss_urls = holder.loss_urls() or urls
     scorer = VLLMLossScorer(loss_urls, recipe.served_model_name, tokenizer, recipe)
-    plan = plan_generation(recipe, 0)
+    generation = generation_settings(recipe, 0)
     if name in AFTER:
-        stats = generate_conversations(recipe, examples, urls, stage.generations, plan)
+        stats = generate_conversations(recipe, examples, urls, stage.generations, generation)
         scored = time.monotonic()
         scorer.score([t for record in load_records(stage.generations)[0] for t in conversation_texts(record)])
         result["scoring_not_hidden_s"] = round(time.monotonic() - scored, 1)
     else:
         with StreamingLosses(scorer.score, stage.losses, model) as stream:
             out = stage.generations
-            stats = generate_conversations(recipe, examples, urls, out, plan, GenerationHooks(on_record=stream.submit))
+            stats = generate_conversations(
+                recipe, examples, urls, out, generation, GenerationHooks(on_record=stream.submit)
+            )
             result["scoring_not_hidden_s"] = stream.finish()["wait_s"]
     result["generation_s"] = round(stats.elapsed_s, 1)
     result["generated_tokens"] = stats.generated_tokens

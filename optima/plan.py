@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from optima.agents.generation import plan_generation
+from optima.agents.generation import generation_settings
 from optima.config import DPORecipe, SFTRecipe
 from optima.config.fields import stage_fields
 from optima.config.rules import loss_model, selection_range, train_start, trainer_base_yaml, trainer_overrides_for
@@ -60,7 +60,7 @@ class StageDef:
 
 
 def _describe_generate(call: StageCall) -> dict:
-    recipe, generation = call.recipe, plan_generation(call.recipe, call.iteration)  # what ``sft.generate`` runs
+    recipe, generation = call.recipe, generation_settings(call.recipe, call.iteration)  # what ``sft.generate`` runs
     return {
         "questions": f"{recipe.sample_count} (train split, slice from seed {recipe.seed})",
         "conversations per question": generation.samples,
@@ -340,12 +340,12 @@ def build_plan(
         gpu: False plans for this machine without its GPUs (tests); default: the hardware's.
         hardware: The machine(s) (``optima.hardware.spec.Hardware``; default: detected).
     """
-    from optima.hardware.plan import plan_this_machine
+    from optima.hardware.allocation import allocate_this_machine
     from optima.hardware.spec import Hardware
 
     if hardware is None and gpu is False:
         hardware = Hardware(1, 0, 0.0, source="no GPU")
-    hardware_plan = plan_this_machine(recipe, hardware)
+    hardware_plan = allocate_this_machine(recipe, hardware)
     ctx = RunContext(recipe=recipe, paths=RunPaths.from_recipe(recipe), envs=envs, hardware=hardware_plan)
     parts: list[PlanPart] = []
     model = recipe.initial_model_path

@@ -20,7 +20,7 @@ from optima.config.recipe_file import save_recipe
 from optima.config.rules import loss_model, tokenizer_path
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
-from optima.hardware.claims import HardwarePlan
+from optima.hardware.claims import HardwareAllocation
 from optima.logging_utils import attach_driver_log
 from optima.manifest import Manifest
 from optima.paths import RunPaths, StagePaths
@@ -47,7 +47,8 @@ class RunContext:
         recipe: The validated recipe.
         paths: Every file of the run.
         envs: ``{"vllm": ..., "train": ...}``.
-        hardware: Where every process runs (``optima.hardware.plan.HardwarePlan``), checked before the run starts.
+        hardware: Where every process runs (``optima.hardware.claims.HardwareAllocation``), checked before the run
+            starts.
         progress: Training progress bars on the console (``--quiet``: none).
         report_to: The run's trackers (``auto`` resolved by ``prepare``).
     """
@@ -55,7 +56,7 @@ class RunContext:
     recipe: MethodRecipe
     paths: RunPaths
     envs: dict[str, PythonEnv]
-    hardware: HardwarePlan
+    hardware: HardwareAllocation
     progress: bool = True
     report_to: list[str] = field(default_factory=list)
     _tokenizer: Any = field(default=None, repr=False)
@@ -67,7 +68,8 @@ class RunContext:
 
     @cached_property
     def servers(self) -> ServerHolder:
-        """The policy server (one model at a time) and the loss server beside it, placed as the hardware plan says."""
+        """The policy server (one model at a time) and the loss server beside it, placed as the hardware allocation
+        says."""
         vllm_env, log_dir = self.envs.get("vllm"), self.paths.driver_log.parent
         training, node_launcher = self.hardware.training, None
         if training is not None and training.multi_node:  # every node serves the policy (ServerLayout.nodes)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import plan_generation
+from optima.agents.generation import generation_settings
 from optima.agents.prompts import templates_identity
 from optima.config.rules import loss_model, train_start, trainer_base_yaml
 from optima.identity import digest, file_digest, model_identity
@@ -47,7 +47,7 @@ def file_identity(path: str | None) -> str | None:
 
 
 def _prompt_pool(call) -> str | None:
-    used = plan_generation(call.recipe, call.iteration).use_prompt_pool  # the generate stage's own plan
+    used = generation_settings(call.recipe, call.iteration).use_prompt_pool  # the generate stage's own plan
     return file_identity(call.recipe.prompt_pool_path) if used else None
 
 

@@ -13,7 +13,7 @@ import random
 import re
 from pathlib import Path
 
-from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationSettings, generate_conversations
 from optima.config import SFTDPORecipe, load_recipe
 from optima.paths import RunPaths
 from optima.plan import build_plan
@@ -80,7 +80,7 @@ class TreeScript:
 def write_sft_stage(recipe, paths: RunPaths, url: str) -> None:
     sp = paths.stage(0, "sft")
     examples = arc_examples(QUESTIONS)
-    generate_conversations(recipe, examples, [url], sp.generations, GenerationPlan(0, 1.0, 2))
+    generate_conversations(recipe, examples, [url], sp.generations, GenerationSettings(0, 1.0, 2))
     reward_generations(recipe, sp.generations, sp.rewarded, RewardScorers(score_texts=fake_losses))
     sft_part = build_plan(recipe, {}, gpu=False).parts[0]  # iteration 0's SFT part: its folder is ``sp``
     assert sft_part.call.sp.root == sp.root
@@ -90,7 +90,7 @@ def write_sft_stage(recipe, paths: RunPaths, url: str) -> None:
 def write_dpo_stage(recipe, paths: RunPaths, url: str) -> None:
     sp = paths.stage(0, "dpo")
     examples = arc_examples(2)
-    generate_conversations(recipe, examples, [url], sp.probe, GenerationPlan(0, 1.0, 1, stage="probe"))
+    generate_conversations(recipe, examples, [url], sp.probe, GenerationSettings(0, 1.0, 1, stage="probe"))
     with JsonlWriter(sp.rollouts) as writer:
         for position, example in enumerate(examples):
             score = build_rollout_scorer(example, recipe, 60.0, fake_losses)

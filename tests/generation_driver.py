@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from optima.agents.generation import GenerationPlan, generate_conversations  # noqa: E402
+from optima.agents.generation import GenerationSettings, generate_conversations  # noqa: E402
 from optima.environments import PythonEnv, resolve_env  # noqa: E402
 from optima.logging_utils import setup_logging  # noqa: E402
 from optima.paths import RunPaths  # noqa: E402
@@ -35,8 +35,8 @@ def main() -> int:
     stage = RunPaths.from_recipe(recipe).stage(0)
     with serve(recipe, config.get("model", "model"), env, stage, config.get("cpu_replicas", 1)) as urls:
         print("READY", json.dumps(urls), flush=True)
-        plan = GenerationPlan(iteration=0, temperature=0.7, samples=config["samples"])
-        generate_conversations(recipe, arc_examples(config["examples"]), urls, Path(config["out"]), plan)
+        generation = GenerationSettings(iteration=0, temperature=0.7, samples=config["samples"])
+        generate_conversations(recipe, arc_examples(config["examples"]), urls, Path(config["out"]), generation)
     print("DONE", flush=True)
     return 0
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from optima.hardware.layout import plan_layout  # noqa: E402
+from optima.hardware.layout import place_servers  # noqa: E402
 from optima.paths import RunPaths  # noqa: E402
 from optima.serving.holder import ServerHolder  # noqa: E402
 from optima.serving.processes import sigterm_as_exit  # noqa: E402
@@ -25,7 +25,7 @@ def main() -> int:
     # A fixed policy cache: sized from this machine's memory, a warning could come before READY on a busy box.
     recipe = sft_recipe(Path(sys.argv[1]), cpu_kvcache_space_gb=1)
     holder = ServerHolder(
-        recipe, FAKE_ENV, "/models/base", Path(sys.argv[1]) / "logs", layout=plan_layout(recipe, [], [0, 1])
+        recipe, FAKE_ENV, "/models/base", Path(sys.argv[1]) / "logs", layout=place_servers(recipe, [], [0, 1])
     )
     with sigterm_as_exit(), holder:
         holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from optima.agents.generation import GenerationPlan, generate_conversations, plan_generation
+from optima.agents.generation import GenerationSettings, generate_conversations, generation_settings
 from optima.config import RecipeError
 from optima.serving.client import PROBE_REPLY, ConstraintRejected
 from optima.store import load_records
@@ -123,8 +123,8 @@ def test_grammar_constrains_the_answering_turns_and_records_them(make_recipe, tm
     recipe = make_recipe(max_tokens=256)
     out = tmp_path / "gen.jsonl"
     with FakeOpenAIServer(constrained_reply) as server:
-        plan = GenerationPlan(0, 0.3, 1, answer_bootstrap="grammar")
-        stats = generate_conversations(recipe, [ARC], [server.base_url], out, plan)
+        generation = GenerationSettings(0, 0.3, 1, answer_bootstrap="grammar")
+        stats = generate_conversations(recipe, [ARC], [server.base_url], out, generation)
         probe = server.bodies()[0]
         sent = constraints_sent(server)
         bodies = server.bodies()
@@ -146,8 +146,8 @@ def test_information_exchange_is_constrained_from_the_third_turn_for_both_agents
 
     out = tmp_path / "gen.jsonl"
     with FakeOpenAIServer(respond) as server:
-        plan = GenerationPlan(0, 0.3, 1, answer_bootstrap="grammar")
-        generate_conversations(make_recipe(max_tokens=256), [HOTPOT], [server.base_url], out, plan)
+        generation = GenerationSettings(0, 0.3, 1, answer_bootstrap="grammar")
+        generate_conversations(make_recipe(max_tokens=256), [HOTPOT], [server.base_url], out, generation)
         sent = constraints_sent(server)
     patterns = {name: reply_pattern(get_task("hotpot_qa"), HOTPOT, name) for name in ("Alice", "Bob")}
     assert patterns["Bob"].startswith("(Bob: ?)?<A>")  # each agent's own name prefix
@@ -159,8 +159,8 @@ def test_information_exchange_is_constrained_from_the_third_turn_for_both_agents
 @pytest.mark.parametrize("mode", ["prefill", "off"])
 def test_other_bootstraps_send_no_constraint(make_recipe, fake_server, tmp_path, mode):
     out = tmp_path / "gen.jsonl"
-    plan = GenerationPlan(0, 0.3, 1, answer_bootstrap=mode)
-    generate_conversations(make_recipe(max_tokens=256), [ARC], [fake_server.base_url], out, plan)
+    generation = GenerationSettings(0, 0.3, 1, answer_bootstrap=mode)
+    generate_conversations(make_recipe(max_tokens=256), [ARC], [fake_server.base_url], out, generation)
     assert not any("structured_outputs" in body for body in fake_server.bodies())
     assert any("continue_final_message" in body for body in fake_server.bodies()) is (mode == "prefill")
     (record,), _ = load_records(out)
@@ -174,17 +174,17 @@ def test_other_bootstraps_send_no_constraint(make_recipe, fake_server, tmp_path,
 def test_a_server_without_the_constraint_stops_the_run_naming_the_endpoint(make_recipe, tmp_path, reply, said):
     out = tmp_path / "gen.jsonl"
     with FakeOpenAIServer(lambda body: reply) as server:
-        plan = GenerationPlan(0, 0.3, 1, answer_bootstrap="grammar")
+        generation = GenerationSettings(0, 0.3, 1, answer_bootstrap="grammar")
         with pytest.raises(ConstraintRejected, match=rf"{re.escape(server.base_url)} {said}.*answer_bootstrap"):
-            generate_conversations(make_recipe(max_tokens=256), [ARC], [server.base_url], out, plan)
+            generate_conversations(make_recipe(max_tokens=256), [ARC], [server.base_url], out, generation)
         assert len(server.bodies()) == 1  # the probe only: no conversation ran
     assert load_records(out)[0] == []
 
 
 def test_the_bootstrap_runs_in_the_first_iterations_only(make_recipe):
     recipe = make_recipe(answer_bootstrap="grammar", answer_bootstrap_iterations=2)
-    assert [plan_generation(recipe, i).answer_bootstrap for i in range(3)] == ["grammar", "grammar", "off"]
-    assert plan_generation(make_recipe(), 0).answer_bootstrap == "off"  # off unless asked for
+    assert [generation_settings(recipe, i).answer_bootstrap for i in range(3)] == ["grammar", "grammar", "off"]
+    assert generation_settings(make_recipe(), 0).answer_bootstrap == "off"  # off unless asked for
 
 
 def test_the_legacy_prefill_switch_reads_as_the_bootstrap(make_recipe, caplog):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
-from optima.agents.generation import GenerationPlan
+from optima.agents.generation import GenerationSettings
 from optima.config import MultiSCRecipe
 from optima.config.fields import RecipeError
 from optima.evaluation.autoform import AUTOFORM_RULE, autoform_prompts, generate_autoform
@@ -141,8 +141,8 @@ def test_debates_through_the_fake_server_record_every_reply_and_its_tokens(tmp_p
 
         examples = load_eval_examples(recipe)
         out = tmp_path / "mad.jsonl"
-        plan = GenerationPlan(-1, 0.7, 1, stage="mad")
-        stats = generate_debates(recipe, examples, [server.base_url], out, plan, DebateSettings(2, 2))
+        generation = GenerationSettings(-1, 0.7, 1, stage="mad")
+        stats = generate_debates(recipe, examples, [server.base_url], out, generation, DebateSettings(2, 2))
         bodies = server.bodies()
     assert stats.written == 2 and len(bodies) == 2 * 2 * 3
     assert {b["temperature"] for b in bodies} == {0.7} and len({b["seed"] for b in bodies}) == len(bodies)
@@ -156,7 +156,7 @@ def test_debates_through_the_fake_server_record_every_reply_and_its_tokens(tmp_p
         assert record["debate"] == shape and record["stage"] == "mad"
     # Rerun: complete, nothing sent.
     with FakeOpenAIServer(respond=debating_reply) as again:
-        generate_debates(recipe, examples, [again.base_url], out, plan, DebateSettings(2, 2))
+        generate_debates(recipe, examples, [again.base_url], out, generation, DebateSettings(2, 2))
         assert again.requests == []
 
 
@@ -175,7 +175,7 @@ def test_autoform_conversations_send_the_autoform_prompts(tmp_path):
         from optima.evaluation.runs import load_eval_examples
 
         out = tmp_path / "autoform.jsonl"
-        generate_autoform(recipe, load_eval_examples(recipe), [server.base_url], out, GenerationPlan(-1, 0.0, 1))
+        generate_autoform(recipe, load_eval_examples(recipe), [server.base_url], out, GenerationSettings(-1, 0.0, 1))
         bodies = server.bodies()
     assert len(bodies) == 6  # two conversations of three utterances: the ordinary loop and stop rule
     assert all("not write in natural language" in b["messages"][0]["content"] for b in bodies)

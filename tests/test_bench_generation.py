@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import bench.generation as bench
-from optima.agents.generation import GenerationHooks, GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationHooks, GenerationSettings, generate_conversations
 from tests.fake_openai import FakeOpenAIServer, agreeing_reply
 from tests.test_generation import hotpot_examples
 
@@ -22,7 +22,7 @@ def test_plain_client_gets_the_conversations_the_generator_had_in_flight(make_re
         recipe = make_recipe(thread_count=8, max_turns=6)
         hooks = GenerationHooks(bench.TurnRecordingRunner)
         stats = generate_conversations(recipe, hotpot_examples(3), [server.base_url], tmp_path / "g.jsonl",
-                                       GenerationPlan(1, 0.7, 1), hooks)  # fmt: skip
+                                       GenerationSettings(1, 0.7, 1), hooks)  # fmt: skip
     log = bench.TurnRecordingRunner.log
     assert (log.peak_in_flight, log.in_flight) == (3, 0)
     assert bench.plain_client_threads(log, kv_in_flight=8, threads=64) == 3

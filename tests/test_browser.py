@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
-from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationSettings, generate_conversations
 from optima.browser import sample_conversations, write_conversations_page
 from optima.paths import PAGE, RunPaths
 from optima.store import load_records
@@ -162,9 +162,9 @@ def test_an_evaluation_folder_gets_the_same_view(tmp_path):
     examples = arc_examples(3)
     with FakeOpenAIServer(scripted_reply) as server:
         recipe = build_recipe(tmp_path / "unused", server.port)
-        plan = GenerationPlan(0, 0.0, 1, stage="eval")
-        generate_conversations(recipe, examples, [server.base_url], out / "iteration_1.jsonl", plan)
-        generate_cot_answers(recipe, examples, [server.base_url], out / "base.cot.jsonl", plan)
+        generation = GenerationSettings(0, 0.0, 1, stage="eval")
+        generate_conversations(recipe, examples, [server.base_url], out / "iteration_1.jsonl", generation)
+        generate_cot_answers(recipe, examples, [server.base_url], out / "base.cot.jsonl", generation)
     (out / "summary.json").write_text(json.dumps({"models": []}))
     page = write_conversations_page(out).read_text()
     titles = [piece.split("</h2>")[0] for piece in page.split("<h2>")[1:]]

@@ -306,7 +306,7 @@ def test_generation_keeps_in_flight_what_the_kv_cache_holds(make_recipe, tmp_pat
     import time
 
     from optima.agents.footprint import conversation_footprint
-    from optima.agents.generation import GenerationPlan, generate_conversations
+    from optima.agents.generation import GenerationSettings, generate_conversations
     from tests.fake_openai import FakeOpenAIServer, agreeing_reply
     from tests.helpers import arc_examples
 
@@ -333,7 +333,7 @@ def test_generation_keeps_in_flight_what_the_kv_cache_holds(make_recipe, tmp_pat
 
     with FakeOpenAIServer(respond, metrics=metrics) as server:
         stats = generate_conversations(
-            recipe, examples, [server.base_url], tmp_path / "gen.jsonl", GenerationPlan(1, 0.7, 2)
+            recipe, examples, [server.base_url], tmp_path / "gen.jsonl", GenerationSettings(1, 0.7, 2)
         )
     assert stats.written == 12 and 1 <= peak[0] <= 2
     kv = stats.kv

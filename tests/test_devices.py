@@ -8,7 +8,7 @@ import pytest
 
 from optima.config import RecipeError
 from optima.config.devices import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag, parse_devices
-from optima.hardware.layout import plan_replicas
+from optima.hardware.layout import place_replicas
 from tests.test_scripts import load_script
 
 EIGHT = [str(i) for i in range(8)]
@@ -71,12 +71,12 @@ def test_bad_device_flag(flag, message):
     ],
 )
 def test_recipe_devices_pick_replicas(make_recipe, devices, gpus, replicas):
-    assert [p.gpus for p in plan_replicas(make_recipe(devices=devices), gpus, [0])] == replicas
+    assert [p.gpus for p in place_replicas(make_recipe(devices=devices), gpus, [0])] == replicas
 
 
 def test_original_eight_gpu_recipe_on_four_gpus_names_the_fix(make_recipe):
     with pytest.raises(RecipeError, match=r"GPU 4 of \[0, 1, 2, 3, 4, 5, 6, 7\] is not visible.*as a list"):
-        plan_replicas(make_recipe(devices=7), ["0", "1", "2", "3"], [0])
+        place_replicas(make_recipe(devices=7), ["0", "1", "2", "3"], [0])
 
 
 @pytest.mark.parametrize(

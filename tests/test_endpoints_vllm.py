@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from optima.environments import resolve_env
-from optima.hardware.layout import plan_replicas
+from optima.hardware.layout import place_replicas
 from optima.identity import model_identity
 from optima.paths import RunPaths
 from optima.serving import start_replicas
@@ -59,7 +59,7 @@ def two_servers(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("endpoints_run")
     port = find_free_port("127.0.0.1", 27000 + os.getpid() % 5000)
     recipe = build_test_recipe(root, port=port, server_startup_timeout_s=300.0, request_timeout_s=120.0)
-    placements = plan_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=2)
+    placements = place_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=2)
     stage, env = RunPaths.from_recipe(recipe).stage(0), resolve_env(None, "vllm")
     dev = build_replica_specs(recipe, str(tiny_model), env, stage, placements[:1])[0]
     dev = dataclasses.replace(dev, env=dev.env | {"VLLM_SERVER_DEV_MODE": "1"})

@@ -153,7 +153,7 @@ def test_fingerprint_differences_and_tokenizer_identity(tmp_path):
 
 def test_a_models_fingerprint_and_scorer_are_built_once_for_all_its_jobs(make_recipe, tmp_path):
     """The weights hash, the questions hash and the tokenizer are the model's: every job of it shares them."""
-    from optima.agents.generation import GenerationPlan
+    from optima.agents.generation import GenerationSettings
     from optima.evaluation.fingerprint import model_fingerprint, producer_fingerprint
     from optima.evaluation.runs import GenerationJob, RecordScorers
     from tests.helpers import arc_examples
@@ -164,7 +164,7 @@ def test_a_models_fingerprint_and_scorer_are_built_once_for_all_its_jobs(make_re
     (model / "config.json").write_text("{}")
     shared = model_fingerprint(recipe, model, examples)
     jobs = [
-        GenerationJob(label, tmp_path / f"{label}.jsonl", GenerationPlan(0, t, 1))
+        GenerationJob(label, tmp_path / f"{label}.jsonl", GenerationSettings(0, t, 1))
         for label, t in (("a", 0.0), ("b", 0.7))
     ]
     prints = [producer_fingerprint(recipe, job, examples, shared) for job in jobs]

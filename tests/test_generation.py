@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import GenerationPlan, Prefill, generate_conversations, plan_generation
+from optima.agents.generation import GenerationSettings, Prefill, generate_conversations, generation_settings
 from optima.agents.prompts import build_agent_messages, build_system_prompt
 from optima.serving import NoReplicaLeft, RequestFailed
 from optima.serving.processes import group_members
@@ -24,12 +24,12 @@ from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply, quest
 from tests.helpers import arc_examples, child_groups, count_lines, wait_for, with_default_signals
 
 DRIVER = Path(__file__).with_name("generation_driver.py")
-PLAN = GenerationPlan(iteration=1, temperature=0.7, samples=2)
+SETTINGS = GenerationSettings(iteration=1, temperature=0.7, samples=2)
 
 
-def run(recipe, servers, out: Path, examples=None, plan: GenerationPlan = PLAN):
+def run(recipe, servers, out: Path, examples=None, generation: GenerationSettings = SETTINGS):
     examples = examples if examples is not None else arc_examples(3)
-    return generate_conversations(recipe, examples, [s.base_url for s in servers], out, plan)
+    return generate_conversations(recipe, examples, [s.base_url for s in servers], out, generation)
 
 
 def keys(path: Path) -> list[tuple[str, int]]:
@@ -58,7 +58,7 @@ def test_conversations_are_written_and_routed_round_robin(make_recipe, fake_serv
 
 def test_record_keeps_what_reward_and_selection_need(make_recipe, fake_server, tmp_path):
     out = tmp_path / "gen.jsonl"
-    run(make_recipe(), [fake_server], out, arc_examples(1), GenerationPlan(3, 0.5, 1))
+    run(make_recipe(), [fake_server], out, arc_examples(1), GenerationSettings(3, 0.5, 1))
     (record,), _ = load_records(out)
     assert record["system_prompts"] == {
         "Alice": build_system_prompt("arc", "Alice"),
@@ -118,9 +118,9 @@ def test_request_seeds_are_reproducible_and_distinct(make_recipe, tmp_path):
 
 
 def test_prompt_pool_is_drawn_per_conversation_and_reproducibly(make_recipe, fake_server, tmp_path):
-    plan = GenerationPlan(iteration=0, temperature=0.3, samples=4, use_prompt_pool=True)
-    run(make_recipe(), [fake_server], tmp_path / "a.jsonl", arc_examples(3), plan)
-    run(make_recipe(), [fake_server], tmp_path / "b.jsonl", arc_examples(3), plan)
+    generation = GenerationSettings(iteration=0, temperature=0.3, samples=4, use_prompt_pool=True)
+    run(make_recipe(), [fake_server], tmp_path / "a.jsonl", arc_examples(3), generation)
+    run(make_recipe(), [fake_server], tmp_path / "b.jsonl", arc_examples(3), generation)
     first, second = load_records(tmp_path / "a.jsonl")[0], load_records(tmp_path / "b.jsonl")[0]
     prompts = {(r["task_id"], r["sample_index"]): r["system_prompts"]["Alice"] for r in first}
     assert prompts == {(r["task_id"], r["sample_index"]): r["system_prompts"]["Alice"] for r in second}
@@ -137,9 +137,14 @@ def test_prompt_pool_is_drawn_per_conversation_and_reproducibly(make_recipe, fak
         ("arc", 0, 0.9, 0.9, True),
     ],
 )
-def test_plan_follows_the_temperature_schedule(make_recipe, task, iteration, override, temperature, pool):
-    plan = plan_generation(make_recipe(dataset_type=task, temperature_iteration0=override), iteration)
-    assert (plan.temperature, plan.use_prompt_pool, plan.samples, plan.iteration) == (temperature, pool, 2, iteration)
+def test_settings_follow_the_temperature_schedule(make_recipe, task, iteration, override, temperature, pool):
+    generation = generation_settings(make_recipe(dataset_type=task, temperature_iteration0=override), iteration)
+    assert (generation.temperature, generation.use_prompt_pool, generation.samples, generation.iteration) == (
+        temperature,
+        pool,
+        2,
+        iteration,
+    )
 
 
 def test_a_replica_dying_mid_run_fails_over(make_recipe, tmp_path):
@@ -167,7 +172,7 @@ def test_no_replica_left_stops_the_run_without_error_records(make_recipe, tmp_pa
     dead = [f"http://127.0.0.1:{find_free_port('127.0.0.1', 24000 + i)}/v1" for i in range(2)]
     out = tmp_path / "gen.jsonl"
     with pytest.raises(NoReplicaLeft):
-        generate_conversations(make_recipe(max_retries=0), arc_examples(2), dead, out, PLAN)
+        generate_conversations(make_recipe(max_retries=0), arc_examples(2), dead, out, SETTINGS)
     assert count_lines(out) == 0
 
 
@@ -239,7 +244,7 @@ def test_information_exchange_prefills_bobs_opening_view_beside_alices_first_tur
 
     out = tmp_path / "gen.jsonl"
     with FakeOpenAIServer(respond) as server:
-        stats = run(make_recipe(max_turns=6), [server], out, hotpot_examples(2), GenerationPlan(1, 0.7, 1))
+        stats = run(make_recipe(max_turns=6), [server], out, hotpot_examples(2), GenerationSettings(1, 0.7, 1))
     assert alice_waited == [True, True]  # sent beside Alice's first turn, not after it
     records = load_records(out)[0]
     prefills = [body for body in server.bodies() if body["max_tokens"] == 1]
@@ -269,7 +274,13 @@ def test_an_agents_second_prompt_holds_its_first_reply_byte_for_byte(make_recipe
         return agreeing_reply(body)
 
     with FakeOpenAIServer(respond) as server:
-        run(make_recipe(max_turns=6), [server], tmp_path / "gen.jsonl", hotpot_examples(1), GenerationPlan(1, 0.7, 1))
+        run(
+            make_recipe(max_turns=6),
+            [server],
+            tmp_path / "gen.jsonl",
+            hotpot_examples(1),
+            GenerationSettings(1, 0.7, 1),
+        )
     turns = [body["messages"] for body in server.bodies() if body["max_tokens"] > 1]
     alice_first, bob_first, alice_second = turns
     assert alice_second[: len(alice_first)] == alice_first

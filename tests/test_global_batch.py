@@ -1,8 +1,9 @@
 """The paper's global batch on any number of training processes (issue 32, item 2; optima/hardware/batch.py).
 
 Each shipped Llama recipe on 8x80GB, 4x80GB and 2x8x80GB: the global batch it trains with equals the released one
-(the trainer YAML's per-device batch x accumulation x the accelerate config's 8 processes), through the plan's
-process count and ``gradient_accumulation_steps``, or the plan is refused with the reason. Pure but for the dry runs.
+(the trainer YAML's per-device batch x accumulation x the accelerate config's 8 processes), through the allocation's
+process count and ``gradient_accumulation_steps``, or the allocation is refused with the reason. Pure but for the dry
+runs.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import yaml
 
 from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe, load_recipe
 from optima.config.rules import trainer_base_yaml
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.batch import TrainerBatch, processes_per_node
-from optima.hardware.claims import HardwarePlan
-from optima.hardware.plan import plan_hardware
+from optima.hardware.claims import HardwareAllocation
 from optima.hardware.spec import parse_hardware
 from optima.stages.common import StageCall, iteration_values
 
@@ -51,42 +52,43 @@ def released(recipe, kind: str) -> int:
 @pytest.mark.parametrize("path", LLAMA, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_llama_recipe_keeps_its_released_global_batch(path, machine):
     """With the loss server on GPU 0, 7 processes trained (global batch 14 / 56 instead of 16 / 64, 28 / 112 on two
-    nodes): now the processes and the accumulation keep the released batch, or the plan says why it cannot run."""
+    nodes): now the processes and the accumulation keep the released batch, or the allocation says why it cannot
+    run."""
     recipe = load(path, **MACHINES[machine])
-    plan = plan_hardware(recipe, parse_hardware(machine), [0])
-    if plan.training is None:  # refused before training was placed (e.g. devices beyond the machine)
-        assert plan.problems
+    allocation = allocate_hardware(recipe, parse_hardware(machine), [0])
+    if allocation.training is None:  # refused before training was placed (e.g. devices beyond the machine)
+        assert allocation.problems
         return
-    found = {m.group(1): m for m in map(LINE.search, plan.lines) if m}
+    found = {m.group(1): m for m in map(LINE.search, allocation.lines) if m}
     kinds = {"sft_recipes": ["sft"], "dpo_recipes": ["dpo"], "sft_dpo_recipes": ["sft", "dpo"]}[path.parent.name]
-    assert sorted(found) == sorted(kinds), plan.lines
+    assert sorted(found) == sorted(kinds), allocation.lines
     for kind, m in found.items():
         value, per_device, steps, processes, shown = (int(m.group(i)) for i in range(2, 7))
         assert value == per_device * steps * processes == shown == released(recipe, kind)
-        assert processes == plan.training.num_processes
-        assert plan.accumulation.get(kind, steps) == steps
+        assert processes == allocation.training.num_processes
+        assert allocation.accumulation.get(kind, steps) == steps
     if machine == "8x80GB":
-        assert not plan.problems, plan.problems
-        assert plan.training.num_processes == 4  # of the 7 free GPUs: 16 and 64 are multiples of 4, not 7
+        assert not allocation.problems, allocation.problems
+        assert allocation.training.num_processes == 4  # of the 7 free GPUs: 16 and 64 are multiples of 4, not 7
 
 
-def test_the_plans_accumulation_goes_into_the_trainer_yaml(tmp_path):
+def test_the_allocations_accumulation_goes_into_the_trainer_yaml(tmp_path):
     recipe = load(REPO / "train/sft_dpo_recipes/arc.yaml")
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    assert plan.accumulation == {"sft": 4, "dpo": 16}  # base YAMLs: 2 and 8 on 8 processes; 4 train here
-    ctx = SimpleNamespace(recipe=recipe, hardware=plan, report_to=[], paths=SimpleNamespace(output_dir=tmp_path))
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert allocation.accumulation == {"sft": 4, "dpo": 16}  # base YAMLs: 2 and 8 on 8 processes; 4 train here
+    ctx = SimpleNamespace(recipe=recipe, hardware=allocation, report_to=[], paths=SimpleNamespace(output_dir=tmp_path))
     sp = SimpleNamespace(dataset=tmp_path / "data", root=tmp_path / "iteration_0")
     call = StageCall(ctx=ctx, iteration=0, part="dpo", model="m", sp=sp, out=tmp_path / "out")
     assert iteration_values(call, "dpo", "m")["gradient_accumulation_steps"] == 16
-    ctx.hardware = HardwarePlan(plan.hardware)  # nothing to adjust: the YAML's value stays
+    ctx.hardware = HardwareAllocation(allocation.hardware)  # nothing to adjust: the YAML's value stays
     assert "gradient_accumulation_steps" not in iteration_values(call, "sft", "m")
 
 
 def test_the_users_accumulation_is_kept_and_the_difference_shown():
     recipe = load(REPO / "train/sft_recipes/arc.yaml", trainer_overrides={"gradient_accumulation_steps": 2})
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    assert plan.training.num_processes == 7 and plan.accumulation == {}
-    line = next(line for line in plan.lines if "global batch" in line)
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert allocation.training.num_processes == 7 and allocation.accumulation == {}
+    line = next(line for line in allocation.lines if "global batch" in line)
     assert "sft global batch 14 = 1 per device x 2 accumulation x 7 processes" in line and "released 16" in line
     assert "set in trainer_overrides" in line
 
@@ -97,9 +99,9 @@ def test_a_batch_that_no_process_count_keeps_is_refused():
     assert processes_per_node(batches, 8, 2) == 8
     assert processes_per_node(batches, 7, 3) == 0  # 16 is no multiple of 3 nodes
     recipe = load(REPO / "train/sft_recipes/arc.yaml", train_hosts=["a", "b", "c"], loss_placement="after")
-    plan = plan_hardware(recipe, parse_hardware("3x8x80GB"), [0])
+    allocation = allocate_hardware(recipe, parse_hardware("3x8x80GB"), [0])
     assert any("released global batch (sft 16 (1 per device)) cannot be split evenly over 3 node(s)" in p
-               for p in plan.problems)  # fmt: skip
+               for p in allocation.problems)  # fmt: skip
 
 
 @pytest.mark.parametrize("path", LLAMA, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -120,10 +122,10 @@ def test_dry_run_prints_the_released_global_batch(path, tmp_path, capsys):
 def test_a_batch_kept_on_too_few_gpus_for_memory_says_how_to_use_the_others():
     """4x80GB beside the loss server: 2 of 3 free GPUs keep DPO's 64, and ZeRO-3 on 2 does not fit 80 GiB."""
     recipe = load(REPO / "train/dpo_recipes/arc.yaml", devices=None)
-    plan = plan_hardware(recipe, parse_hardware("4x80GB"), [0])
-    training = [p for p in plan.problems if p.startswith("training:")]
-    assert plan.idle_for_batch == 1 and training
+    allocation = allocate_hardware(recipe, parse_hardware("4x80GB"), [0])
+    training = [p for p in allocation.problems if p.startswith("training:")]
+    assert allocation.idle_for_batch == 1 and training
     assert "loss_placement: after" in training[0] and "the 1 idle GPU(s) per node" in training[0]
-    after = plan_hardware(load(REPO / "train/dpo_recipes/arc.yaml", devices=None, loss_placement="after"),
+    after = allocate_hardware(load(REPO / "train/dpo_recipes/arc.yaml", devices=None, loss_placement="after"),
                           parse_hardware("4x80GB"), [0])  # fmt: skip
     assert not after.problems and after.training.num_processes == 4

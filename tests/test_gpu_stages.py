@@ -13,7 +13,7 @@ import re
 import pytest
 
 from optima.cli import gpu_stages
-from optima.hardware.plan import plan_hardware
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.spec import parse_hardware
 
 GIB = 2**30
@@ -42,33 +42,37 @@ def test_cuda_refusal_only_without_devices():
 
 def test_the_wake_check_serves_a_kept_replica_that_the_plan_accepts_on_one_gpu(tmp_path):
     recipe = gpu_stages.check_recipe(tmp_path, "wake_reload")
-    plan = gpu_stages.server_plan(recipe, parse_hardware("1x80GB"))
-    assert plan.problems == [] and plan.layout.policy[0].gpus == ("0",)
-    assert plan.layout.policy[0].carry_over and plan.layout.loss is None  # sleep mode on; iSFT: no loss server
-    assert any("sleeps during training" in line for line in plan.lines)
-    assert plan_hardware(recipe, parse_hardware("1x80GB"), [0]).problems == []  # the whole run's plan agrees
+    allocation = gpu_stages.server_allocation(recipe, parse_hardware("1x80GB"))
+    assert allocation.problems == [] and allocation.layout.policy[0].gpus == ("0",)
+    assert (
+        allocation.layout.policy[0].carry_over and allocation.layout.loss is None
+    )  # sleep mode on; iSFT: no loss server
+    assert any("sleeps during training" in line for line in allocation.lines)
+    assert allocate_hardware(recipe, parse_hardware("1x80GB"), [0]).problems == []  # the whole run's allocation agrees
     assert recipe.vllm_extra_args == ["--dtype", "bfloat16"] and recipe.output_dir == str(tmp_path / "wake_reload")
 
 
 @pytest.mark.parametrize("hardware", ["1x80GB", "1x141GB", "1x24GB"])
 def test_the_loss_check_plans_a_resident_loss_server_beside_the_policy_on_gpu_0(hardware, tmp_path):
     recipe = gpu_stages.check_recipe(tmp_path, "loss_beside", loss_placement="beside")
-    plan = gpu_stages.server_plan(recipe, parse_hardware(hardware))
-    assert plan.problems == []
-    policy, loss = plan.layout.policy[0], plan.layout.loss
-    assert loss is not None and plan.layout.loss_resident and loss.gpus == policy.gpus == ("0",)
+    allocation = gpu_stages.server_allocation(recipe, parse_hardware(hardware))
+    assert allocation.problems == []
+    policy, loss = allocation.layout.policy[0], allocation.layout.loss
+    assert loss is not None and allocation.layout.loss_resident and loss.gpus == policy.gpus == ("0",)
     # The loss server's share comes out of the policy's: together they take gpu_memory_utilization.
-    assert loss.gpu_memory_utilization == plan.loss_share > 0
+    assert loss.gpu_memory_utilization == allocation.loss_share > 0
     assert policy.gpu_memory_utilization + loss.gpu_memory_utilization == pytest.approx(recipe.gpu_memory_utilization)
-    assert any(line.startswith("loss server: GPUs 0") and "stays up through training" in line for line in plan.lines)
+    assert any(
+        line.startswith("loss server: GPUs 0") and "stays up through training" in line for line in allocation.lines
+    )
 
 
 def test_the_loss_check_reports_an_unknown_gpu_memory_as_a_problem(tmp_path):
     from optima.hardware.spec import Hardware
 
     recipe = gpu_stages.check_recipe(tmp_path, "loss_beside", loss_placement="beside")
-    plan = gpu_stages.server_plan(recipe, Hardware(1, 1, 0.0, gpu_ids=("0",), source="test"))
-    assert plan.layout is None and "memory is unknown" in plan.problems[0]
+    allocation = gpu_stages.server_allocation(recipe, Hardware(1, 1, 0.0, gpu_ids=("0",), source="test"))
+    assert allocation.layout is None and "memory is unknown" in allocation.problems[0]
 
 
 def test_two_zero3_ranks_need_more_than_one_and_a_small_gpu_is_skipped_with_the_numbers():

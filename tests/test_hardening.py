@@ -27,7 +27,7 @@ import pytest
 import requests
 import yaml
 
-from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationSettings, generate_conversations
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import PythonEnv
 from optima.paths import RunPaths
@@ -196,7 +196,7 @@ def test_a_torn_score_stage_resumes_without_loss_or_duplicates(fake_server, tmp_
     values = {"dataset_type": "arc", "initial_model_path": "m", "origin_yaml_path": "t.yaml", "cal_ppl": False}
     recipe = load_recipe(SFTRecipe, None, values | {"output_dir": str(tmp_path)}, check_paths=False)
     generations = tmp_path / "generations.jsonl"
-    generate_conversations(recipe, arc_examples(5), [fake_server.base_url], generations, GenerationPlan(1, 0.7, 2))
+    generate_conversations(recipe, arc_examples(5), [fake_server.base_url], generations, GenerationSettings(1, 0.7, 2))
     whole = reward_generations(recipe, generations, tmp_path / "whole.jsonl")
     lines = (tmp_path / "whole.jsonl").read_bytes().splitlines(keepends=True)
     torn = tmp_path / "rewarded.jsonl"

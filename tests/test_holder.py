@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from optima.hardware.capacity import GIB, PolicyDemand, available_memory_bytes
-from optima.hardware.layout import ServerLayout, plan_layout
+from optima.hardware.layout import ServerLayout, place_servers
 from optima.hardware.placement import Placement
 from optima.hardware.training import TrainerPeak, row_messages, rows_trainer_peak
 from optima.identity import COMPLETE_MARKER
@@ -282,7 +282,7 @@ def test_a_reload_that_serves_other_weights_stops_the_run(tmp_path, scripted):
 def test_external_endpoints_are_never_put_to_sleep(tmp_path, monkeypatch):
     with FakeOpenAIServer(root="/models/base") as server:
         recipe = sft_recipe(tmp_path, cal_ppl=False, endpoints=[server.base_url], endpoint_sync="off")
-        with ServerHolder(recipe, None, layout=plan_layout(recipe, [], [0, 1])) as holder:
+        with ServerHolder(recipe, None, layout=place_servers(recipe, [], [0, 1])) as holder:
             assert not holder.kept
             holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
             holder.release_for_training()
@@ -299,7 +299,9 @@ def kill_group(pgid: int) -> None:
 def test_killed_processes_are_replaced_and_nothing_outlives_the_run(tmp_path, caplog):
     """The fake ``vllm`` as real processes: the kept policy and the loss server both killed during training."""
     recipe = sft_recipe(tmp_path)  # sleep_mode: the default (kept); the loss server beside it
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
+    holder = ServerHolder(
+        recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=place_servers(recipe, [], [0, 1])
+    )
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder, caplog.at_level(logging.WARNING, logger="optima.serving.holder"):
         holder.serve("/models/base", stage)
@@ -358,7 +360,7 @@ def test_generation_starts_before_the_loss_server_answers(tmp_path, monkeypatch)
             events.append("loss server ready")
             return ["http://127.0.0.1:2/v1"]
 
-    def generate(recipe, examples, endpoints, path, plan, hooks=None):
+    def generate(recipe, examples, endpoints, path, generation, hooks=None):
         events.append("generation starts")
         hooks.on_record(record)
         return SimpleNamespace(to_dict=dict)
@@ -393,17 +395,20 @@ def test_a_scorer_that_cannot_be_built_is_not_built_again_by_every_conversation(
 
 
 def test_a_holder_takes_the_plans_layout_and_never_plans_itself(tmp_path, monkeypatch):
-    """The hardware plan is made once, before anything starts, and handed in: no layout is a type error, None only
-    stands for external endpoints, and reading the layout plans nothing; constructing the holder starts nothing."""
+    """The hardware allocation is made once, before anything starts, and handed in: no layout is a type error, None
+    only stands for external endpoints, and reading the layout allocates nothing; constructing the holder starts
+    nothing."""
     recipe = sft_recipe(tmp_path)
     with pytest.raises(TypeError, match="layout"):
         ServerHolder(recipe, FAKE_ENV)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="hardware plan's layout"):
         ServerHolder(recipe, FAKE_ENV, layout=None)
-    import optima.hardware.plan as plan_module
+    import optima.hardware.allocation as allocation_module
 
-    monkeypatch.setattr(plan_module, "plan_hardware", lambda *a, **k: pytest.fail("the holder planned hardware"))
-    layout = plan_layout(recipe, [], [0, 1])
+    monkeypatch.setattr(
+        allocation_module, "allocate_hardware", lambda *a, **k: pytest.fail("the holder planned hardware")
+    )
+    layout = place_servers(recipe, [], [0, 1])
     holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=layout)
     assert holder.layout is layout and holder.kept
     # The loss server is made with the holder (reading ``loss`` makes nothing), and nothing starts before ``serve``.

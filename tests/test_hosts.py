@@ -1,7 +1,7 @@
 """Multi-node hosts checked before start and the variables ssh carries (issue 32, items 5 and 7).
 
 ``optima/training/hosts.py`` (resolution, loopback, the driver on the first host), ``ssh -G`` through a stand-in,
-the plan's refusal of a loopback name beside other nodes, and ``optima/training/nodes.py``'s allow-list. Fast: no
+the allocation's refusal of a loopback name beside other nodes, and ``optima/training/nodes.py``'s allow-list. Fast: no
 real ssh, no DNS beyond this machine's own names.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from optima.config import SFTRecipe, load_recipe
 from optima.config.fields import RecipeError
-from optima.hardware.plan import plan_hardware
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.spec import parse_hardware
 from optima.training.hosts import Resolver, check_hosts, is_local, verify_hosts
 from optima.training.nodes import FORWARDED_ENV, forwarded_env, ssh_destination
@@ -88,14 +88,14 @@ def test_ssh_destination_reads_ssh_dash_g(tmp_path):
     assert ssh_destination("bob@plain", str(tmp_path / "missing-ssh")) == "plain"  # no ssh: the host after user@
 
 
-def test_the_plan_refuses_a_loopback_name_beside_other_nodes(monkeypatch):
+def test_the_allocation_refuses_a_loopback_name_beside_other_nodes(monkeypatch):
     """``train_hosts: [localhost, node2]`` planned as feasible and node 2 waited on its own loopback."""
     monkeypatch.chdir(REPO)
     recipe = load_recipe(
         SFTRecipe, REPO / "train/sft_recipes/arc.yaml", {"train_hosts": ["localhost", "node2"]}, check_paths=False
     )
-    plan = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0])
-    assert any("'localhost' is a loopback name beside other nodes" in p for p in plan.problems)
+    allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
+    assert any("'localhost' is a loopback name beside other nodes" in p for p in allocation.problems)
 
 
 def test_the_launcher_refuses_unresolvable_hosts_before_any_ssh(tmp_path):
@@ -131,8 +131,8 @@ def test_the_recipe_replaces_the_allow_list(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     values = {"train_hosts": ["node1", "node2"], "train_forward_env": ["NCCL_*", "MY_VAR"]}
     recipe = load_recipe(SFTRecipe, REPO / "train/sft_recipes/arc.yaml", values, check_paths=False)
-    plan = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0])
-    wrapped = plan.training.wrap(["/py"], ["accelerate"])
+    allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
+    wrapped = allocation.training.wrap(["/py"], ["accelerate"])
     assert wrapped[wrapped.index("--forward") + 1] == "NCCL_*,MY_VAR"
     report = "import os; print(os.environ.get('OPTIMA_MARK'), os.environ.get('SECRET_TOKEN'))"
     argv = [sys.executable, "-m", "optima.training.nodes", "--launcher", "ssh", "--hosts", "127.0.0.1,127.0.0.1"]

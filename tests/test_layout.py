@@ -20,7 +20,7 @@ from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.hardware import memory
 from optima.hardware.capacity import GIB, MemoryShare, PolicyDemand
-from optima.hardware.layout import ServerLayout, describe_layout, plan_layout
+from optima.hardware.layout import ServerLayout, describe_layout, place_servers
 from optima.hardware.placement import Placement
 from optima.hardware.training import cpu_trainer_peak_bytes, trainer_shape
 from optima.paths import RunPaths
@@ -54,7 +54,7 @@ def sft_recipe(tmp_path: Path, **overrides):
     [([0, 1], "0", "1"), ([0, 1, 2, 3, 4, 5, 6, 7], "0,1,2,3,4,5", "6,7"), ([3, 5, 4], "3,4", "5")],
 )
 def test_on_cpu_each_server_gets_its_own_cores(tmp_path, cpus, policy, loss):
-    layout = plan_layout(sft_recipe(tmp_path), [], cpus)
+    layout = place_servers(sft_recipe(tmp_path), [], cpus)
     # The loss model has no local config here: its KV cache is the minimum, 1 GiB.
     assert layout == ServerLayout(
         (Placement(cpu_bind=policy, carry_over=True),), Placement(cpu_bind=loss, cpu_kvcache_gb=1)
@@ -70,27 +70,27 @@ def test_on_cpu_each_server_gets_its_own_cores(tmp_path, cpus, policy, loss):
 )
 def test_without_a_loss_server_the_policy_keeps_vllms_own_binding(tmp_path, overrides):
     kept = "endpoints" not in overrides  # external endpoints are never ours to keep
-    assert plan_layout(sft_recipe(tmp_path, **overrides), [], [0, 1]) == ServerLayout(
+    assert place_servers(sft_recipe(tmp_path, **overrides), [], [0, 1]) == ServerLayout(
         (Placement(carry_over=kept),), None
     )
 
 
 def test_one_core_is_shared(tmp_path):
-    assert plan_layout(sft_recipe(tmp_path), [], [0]) == ServerLayout(
+    assert place_servers(sft_recipe(tmp_path), [], [0]) == ServerLayout(
         (Placement(carry_over=True),), Placement(cpu_kvcache_gb=1)
     )
 
 
 @pytest.mark.parametrize(("sleep_mode", "kept"), [(None, True), (True, True), (False, False)])
 def test_the_policy_is_kept_across_checkpoints_by_default_on_cpu_too(tmp_path, sleep_mode, kept):
-    layout = plan_layout(sft_recipe(tmp_path, sleep_mode=sleep_mode), [], [0, 1])
+    layout = place_servers(sft_recipe(tmp_path, sleep_mode=sleep_mode), [], [0, 1])
     assert layout.policy[0].carry_over is kept and layout.loss.carry_over is False
     assert ("(weights reloaded)" in describe_layout(sft_recipe(tmp_path), "/m", layout)["policy replica 0"]) is kept
 
 
 def test_on_a_shared_gpu_the_loss_server_takes_its_share_from_the_first_replica(tmp_path):
     recipe = sft_recipe(tmp_path, gpu_memory_utilization=0.9, loss_gpu_memory_utilization=0.15)
-    layout = plan_layout(recipe, ["0", "1"], [0, 1])
+    layout = place_servers(recipe, ["0", "1"], [0, 1])
     assert layout.policy == (
         Placement(gpus=("0",), gpu_memory_utilization=0.75, carry_over=True),
         Placement(gpus=("1",), carry_over=True),
@@ -107,33 +107,33 @@ def test_on_a_shared_gpu_the_loss_server_takes_its_share_from_the_first_replica(
 
 def test_named_loss_devices_keep_every_share_whole(tmp_path):
     recipe = sft_recipe(tmp_path, devices=[0], loss_devices="1", sleep_mode=False)
-    layout = plan_layout(recipe, ["4", "5"], [0, 1])
+    layout = place_servers(recipe, ["4", "5"], [0, 1])
     assert layout == ServerLayout((Placement(gpus=("4",)),), Placement(gpus=("5",), scoring=True))
     with pytest.raises(RecipeError, match="loss_devices.*GPU 3 is not visible"):
-        plan_layout(sft_recipe(tmp_path, loss_devices=[3]), ["0"], [0])
+        place_servers(sft_recipe(tmp_path, loss_devices=[3]), ["0"], [0])
 
 
 def test_a_loss_share_that_leaves_the_policy_nothing_is_refused(tmp_path):
     recipe = sft_recipe(tmp_path, gpu_memory_utilization=0.3, loss_gpu_memory_utilization=0.3)
     with pytest.raises(RecipeError, match="loss_gpu_memory_utilization"):
-        plan_layout(recipe, ["0"], [0])
+        place_servers(recipe, ["0"], [0])
     with pytest.raises(RecipeError, match="loss_gpu_memory_utilization"):
         sft_recipe(tmp_path, loss_gpu_memory_utilization=1.0)
 
 
 def test_dry_run_lines_name_both_servers(tmp_path):
     recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
-    lines = describe_layout(recipe, "/models/judge", plan_layout(recipe, [], [0, 1]))
+    lines = describe_layout(recipe, "/models/judge", place_servers(recipe, [], [0, 1]))
     assert lines == {
         "policy replica 0": "CPU cores 0, kept across iterations (weights reloaded), KV cache sized at start: what 64 "
         "conversations need, within the memory available",
         "loss server": "/models/judge on CPU cores 1, KV cache 1 GiB (one scoring batch), started once per run",
     }
     fixed = sft_recipe(tmp_path, loss_model_path="/models/judge", cpu_kvcache_space_gb=3)
-    lines = describe_layout(fixed, "/models/judge", plan_layout(fixed, [], [0, 1]))
+    lines = describe_layout(fixed, "/models/judge", place_servers(fixed, [], [0, 1]))
     assert lines["policy replica 0"].endswith(", KV cache 3 GiB (cpu_kvcache_space_gb)")
     assert "KV cache 1 GiB (one scoring batch)" in lines["loss server"]  # the recipe's budget is the policy's only
-    gpu = describe_layout(recipe, "/models/judge", plan_layout(recipe, ["0"], [0, 1], loss_share=0.1))
+    gpu = describe_layout(recipe, "/models/judge", place_servers(recipe, ["0"], [0, 1], loss_share=0.1))
     assert gpu["policy replica 0"] == "GPUs 0 (memory share 0.8, sleeps during training)"
     assert gpu["loss server"] == "/models/judge on GPUs 0 (memory share 0.1), started once per run"
 
@@ -164,7 +164,9 @@ def server_log_lines(path: Path) -> list[str]:
 
 def test_the_loss_server_lives_across_policy_models_and_stops_with_the_run(tmp_path):
     recipe = sft_recipe(tmp_path, sleep_mode=False)  # a fresh policy per model
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
+    holder = ServerHolder(
+        recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=place_servers(recipe, [], [0, 1])
+    )
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         first = holder.serve("/models/base", stage)
@@ -190,7 +192,9 @@ def test_the_policy_kv_budget_counts_a_starting_loss_server_once(tmp_path, monke
     asked = []
     monkeypatch.setattr(vllm_server, "resolve_cpu_kvcache_gb", lambda explicit, model, share: asked.append(share) or 1)
     recipe = sft_recipe(tmp_path, sleep_mode=False)  # a fresh policy per model
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
+    holder = ServerHolder(
+        recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=place_servers(recipe, [], [0, 1])
+    )
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         holder.serve("/models/base", stage)
@@ -203,7 +207,9 @@ def test_the_policy_kv_budget_counts_a_starting_loss_server_once(tmp_path, monke
 
 def test_an_error_stops_the_loss_server_too(tmp_path):
     recipe = sft_recipe(tmp_path)
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
+    holder = ServerHolder(
+        recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=place_servers(recipe, [], [0, 1])
+    )
     with pytest.raises(RuntimeError, match="boom"), holder:
         holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
         group = holder.loss.server.pgid
@@ -232,7 +238,7 @@ def test_a_signalled_driver_leaves_neither_server_behind(tmp_path, sig, code):
 
 def test_on_cpu_a_kept_policy_only_reloads_its_weights(tmp_path):
     recipe = sft_recipe(tmp_path, sleep_mode=True)
-    layout = plan_layout(recipe, [], [0, 1])
+    layout = place_servers(recipe, [], [0, 1])
     assert layout.policy == (Placement(cpu_bind="0", carry_over=True),)
     assert "--enable-sleep-mode" not in build_serve_command(recipe, "/m", 8000, VENV, layout.policy[0])  # GPU only
     assert build_serve_env(recipe, VENV, layout.policy[0], tmp_path, "/m")["VLLM_SERVER_DEV_MODE"] == "1"
@@ -250,7 +256,9 @@ def test_on_cpu_a_kept_policy_only_reloads_its_weights(tmp_path):
 
 def test_a_kept_policy_serves_the_next_checkpoint_without_a_restart(tmp_path):
     recipe = sft_recipe(tmp_path, sleep_mode=True)
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
+    holder = ServerHolder(
+        recipe, FAKE_ENV, "/models/base", tmp_path / "logs", layout=place_servers(recipe, [], [0, 1])
+    )
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         first = holder.serve("/models/base", stage)
@@ -274,7 +282,9 @@ def test_search_and_score_stage_use_the_loss_server_never_the_driver(tmp_path, m
     monkeypatch.setattr(lm_loss.HFLossScorer, "__init__", no_hf)
     monkeypatch.setattr(common, "served_loss_scorer", lambda ctx, urls: lambda texts: asked.append(urls) or [1.0])
     recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
-    holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=plan_layout(recipe, [], [0, 1]))
+    holder = ServerHolder(
+        recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=place_servers(recipe, [], [0, 1])
+    )
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         policy = holder.serve("/ckpt/iteration_0", stage)  # the policy is not the loss model
@@ -327,7 +337,7 @@ def test_the_reserve_at_start_is_the_trainer_at_the_estimated_row_and_the_need_c
 def test_the_recipes_kv_budget_is_the_policys_and_the_loss_server_keeps_its_need(tmp_path):
     model = smollm2_config(tmp_path / "smollm2")
     recipe = sft_recipe(tmp_path, initial_model_path=str(model), cpu_kvcache_space_gb=3)
-    layout = plan_layout(recipe, [], [0, 1])
+    layout = place_servers(recipe, [], [0, 1])
     assert layout.loss.cpu_kvcache_gb == 1  # one scoring batch of SmolLM2: 16,000 tokens, 0.7 GiB
     assert build_serve_env(recipe, VENV, layout.loss, tmp_path, str(model))["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert build_serve_env(recipe, VENV, layout.policy[0], tmp_path, str(model))["VLLM_CPU_KVCACHE_SPACE"] == "3"
@@ -340,6 +350,6 @@ def test_the_cpu_default_is_the_measured_one(tmp_path):
     servers and engine cores away gained 3%, within the noise: they stay where the kernel puts them."""
     recipe = sft_recipe(tmp_path)
     assert recipe.loss_placement == "beside"
-    layout = plan_layout(recipe, [], [0, 1])
+    layout = place_servers(recipe, [], [0, 1])
     assert [p.cpu_bind for p in (*layout.policy, layout.loss)] == ["0", "1"]
     assert [p.service_bind for p in (*layout.policy, layout.loss)] == [None, None]

@@ -13,7 +13,7 @@ import pytest
 
 from optima.config import DPORecipe, load_recipe
 from optima.config.rules import loss_model
-from optima.hardware.plan import plan_hardware
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.spec import parse_hardware
 from optima.stages.common import loss_route
 
@@ -53,5 +53,5 @@ def test_dry_run_says_the_search_scores_in_the_driver(tmp_path, capsys):
 
 
 def test_with_the_loss_server_the_dry_run_names_it():
-    plan = plan_hardware(dpo(), parse_hardware("8x80GB"), [0])
-    assert not any("tree search scores" in note for note in plan.notes)
+    allocation = allocate_hardware(dpo(), parse_hardware("8x80GB"), [0])
+    assert not any("tree search scores" in note for note in allocation.notes)

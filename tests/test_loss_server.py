@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from optima.environments import resolve_env
-from optima.hardware.plan import plan_this_machine
+from optima.hardware.allocation import allocate_this_machine
 from optima.paths import RunPaths
 from optima.serving.holder import ServerHolder
 from optima.serving.processes import wait_group_exit
@@ -66,7 +66,7 @@ def test_a_kept_cpu_policy_serves_the_new_checkpoint_after_a_reload(tiny_model, 
     )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     stage = RunPaths.from_recipe(recipe).stage(0)
-    layout = plan_this_machine(recipe).layout
+    layout = allocate_this_machine(recipe).layout
     with ServerHolder(recipe, resolve_env(None, "vllm"), str(tiny_model), layout=layout) as holder:
         urls = holder.serve(str(tiny_model), stage)
         before = VLLMLossScorer(urls, recipe.served_model_name, tokenizer, recipe).score(TEXTS)
@@ -162,7 +162,7 @@ def test_a_reloaded_tied_model_answers_as_a_fresh_start_and_a_killed_server_is_r
         cpu_kvcache_space_gb=1,
     )  # fmt: skip  (sleep_mode: the default; no loss server beside the policy)
     stage = RunPaths.from_recipe(recipe).stage(0)
-    layout = plan_this_machine(recipe).layout
+    layout = allocate_this_machine(recipe).layout
     with (
         ServerHolder(recipe, resolve_env(None, "vllm"), str(base), layout=layout) as holder,
         caplog.at_level(logging.INFO),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import GenerationHooks, GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationHooks, GenerationSettings, generate_conversations
 from optima.loss_stream import StreamingLosses, conversation_texts, load_known_losses, texts_sha1
 from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.store import load_records
@@ -39,9 +39,9 @@ def refuse(texts):
 def generate(tmp_path: Path, recipe, on_record=None) -> Path:
     out = tmp_path / "generations.jsonl"
     with FakeOpenAIServer() as server:
-        plan = GenerationPlan(0, 0.3, 3)
+        generation = GenerationSettings(0, 0.3, 3)
         generate_conversations(
-            recipe, arc_examples(5), [server.base_url], out, plan, GenerationHooks(on_record=on_record)
+            recipe, arc_examples(5), [server.base_url], out, generation, GenerationHooks(on_record=on_record)
         )
     return out
 

@@ -70,7 +70,7 @@ def test_every_reader_follows_the_table():
     assert set(TRAINER_YAML_FIELDS.values()) <= names
 
 
-def test_the_hardware_plan_reads_each_trainers_yaml(tmp_path):
+def test_the_hardware_allocation_reads_each_trainers_yaml(tmp_path):
     (tmp_path / "sft.yaml").write_text("max_length: 11\n")
     (tmp_path / "dpo.yaml").write_text("max_length: 22\n")
     values = {"origin_yaml_path": str(tmp_path / "sft.yaml"), "origin_dpo_yaml_path": str(tmp_path / "dpo.yaml")}

@@ -1,7 +1,7 @@
 """Two training "nodes" on the loopback, each started by the project's own launch path through a stand-in for ssh.
 
-The recipe names two hosts (``train_hosts: [127.0.0.1, 127.0.0.1]``); the hardware plan makes them machine ranks 0
-and 1 with one CPU process each (gloo), ``launch_for`` builds the nodes launcher (``optima.training.nodes``) and
+The recipe names two hosts (``train_hosts: [127.0.0.1, 127.0.0.1]``); the hardware allocation makes them machine ranks
+0 and 1 with one CPU process each (gloo), ``launch_for`` builds the nodes launcher (``optima.training.nodes``) and
 ``run_training`` runs it as a train stage does. ``train_launcher_executable`` points at a shim that takes ssh's
 command line (``ssh -tt -o BatchMode=yes HOST COMMAND``) and runs COMMAND here in a fresh environment (only what the
 command carries: as on another machine), recording each call. The checkpoint equals
@@ -18,7 +18,7 @@ import pytest
 
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import resolve_env
-from optima.hardware.plan import plan_hardware
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.spec import Hardware
 from optima.selection.io import save_splits
 from optima.training.common import is_complete
@@ -82,10 +82,10 @@ def test_two_loopback_nodes_train_the_checkpoint_of_one_node_with_two_processes(
         "main_process_port": free_port(),
     }
     recipe = load_recipe(SFTRecipe, None, values, check_paths=False)
-    plan = plan_hardware(recipe, Hardware(1, 0, 0.0), [0])
-    plan.check()
-    assert [(n.host, n.machine_rank) for n in plan.training.nodes] == [("127.0.0.1", 0), ("127.0.0.1", 1)]
-    launch = launch_for(recipe, "sft", resolve_env(sys.executable, "train"), trainer_yaml, False, plan.training)
+    allocation = allocate_hardware(recipe, Hardware(1, 0, 0.0), [0])
+    allocation.check()
+    assert [(n.host, n.machine_rank) for n in allocation.training.nodes] == [("127.0.0.1", 0), ("127.0.0.1", 1)]
+    launch = launch_for(recipe, "sft", resolve_env(sys.executable, "train"), trainer_yaml, False, allocation.training)
     assert launch.argv()[1:6] == ["-m", "optima.training.nodes", "--launcher", "ssh", "--hosts"]
     run_training(launch, tmp_path / "two_nodes.log", extra_env=launch_env(tmp_path / "audit"))
 

@@ -1,6 +1,6 @@
 """Every training node serves the policy, and the tree search's LM loss is served whatever the loss placement.
 
-Issue 32 items 10 and 3. The plan places the other nodes' replicas (``ServerLayout.nodes``) and claims them on
+Issue 32 items 10 and 3. The allocation places the other nodes' replicas (``ServerLayout.nodes``) and claims them on
 their nodes; the holder starts them through the training's launcher (here a stand-in for ssh that runs the command
 on this machine, recording it) and pools them with node 0's; with ``loss_placement: after`` on a GPU the search
 scores on a loss server started for it and stopped after it. Servers are the fake ``vllm`` (``tests/fake_vllm.py``).
@@ -15,16 +15,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from optima.hardware.layout import NodeServers, describe_layout, plan_layout
+from optima.hardware.allocation import allocate_hardware
+from optima.hardware.layout import NodeServers, describe_layout, place_servers
 from optima.hardware.placement import Placement
-from optima.hardware.plan import plan_hardware
 from optima.hardware.spec import Hardware, parse_hardware
 from optima.paths import RunPaths
 from optima.serving.holder import ServerHolder
 from optima.serving.processes import group_members
 from optima.serving.vllm_server import answers_health
 from optima.training.nodes import NodeCommands
-from tests.test_hardware_plan import recipe_at
+from tests.test_hardware_allocation import recipe_at
 from tests.test_layout import FAKE_ENV, sft_recipe
 
 SHIM = '''#!{python}
@@ -47,41 +47,43 @@ def write_shim(folder: Path) -> tuple[Path, Path]:
     return shim, calls
 
 
-def test_the_plan_gives_every_training_node_the_policy_replicas_and_claims_them_there():
+def test_the_allocation_gives_every_training_node_the_policy_replicas_and_claims_them_there():
     recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "n2"])
-    plan = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0])
-    assert not plan.problems
-    (node,) = plan.layout.nodes
+    allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
+    assert not allocation.problems
+    (node,) = allocation.layout.nodes
     assert (node.rank, node.host) == (1, "n2")
     # node 0's replicas, but each keeps the whole share (no loss server there), and sleeps for training
     assert node.policy == tuple(Placement(gpus=(str(g),), carry_over=True) for g in range(8))
-    claims = plan.claims[(1, "0")]
+    claims = allocation.claims[(1, "0")]
     assert [(c.what, c.generation, c.training) for c in claims[:2]] == [
         ("node 1 policy replica 0", True, False),
         ("node 1 policy replica 0 asleep", False, True),
     ]
     assert any(c.what.startswith("trainer") for c in claims)  # the trainer is weighed beside the sleeping server
-    assert not any("the other nodes train only" in note for note in plan.notes)
-    lines = describe_layout(recipe, "/m", plan.layout)
+    assert not any("the other nodes train only" in note for note in allocation.notes)
+    lines = describe_layout(recipe, "/m", allocation.layout)
     assert "started through ssh" in lines["node 1 policy replica 7"]
 
 
 def test_srun_nodes_bind_to_their_names_so_they_need_an_api_key():
     recipe = recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun")
-    plan = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0])
-    assert any("nodes 1-1: its servers bind to each Slurm node's name" in p and "api_key" in p for p in plan.problems)
+    allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
+    assert any(
+        "nodes 1-1: its servers bind to each Slurm node's name" in p and "api_key" in p for p in allocation.problems
+    )
 
 
 def test_node_commands_tunnel_ssh_to_the_nodes_loopback_and_srun_a_step_on_the_node(monkeypatch):
     recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "me@n2"])
-    training = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0]).training
+    training = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0]).training
     commands = NodeCommands(training)
     assert commands.host(1) == "127.0.0.1"
     ssh = commands.command(1, ["vllm", "serve", "m"], {"CUDA_VISIBLE_DEVICES": "0"}, 8001)
     assert ssh[:6] == ["ssh", "-o", "ExitOnForwardFailure=yes", "-L", "8001:127.0.0.1:8001", "-tt"]
     assert ssh[-2] == "me@n2" and "CUDA_VISIBLE_DEVICES=0 vllm serve m" in ssh[-1]
     srun = NodeCommands(
-        plan_hardware(
+        allocate_hardware(
             recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun"), parse_hardware("2x8x80GB")
         ).training
     )
@@ -96,9 +98,9 @@ def test_the_holder_pools_every_nodes_servers_and_stops_them_for_training(tmp_pa
     shim, calls = write_shim(tmp_path)
     hosts = {"train_hosts": ["127.0.0.1", "127.0.0.1"], "train_launcher_executable": str(shim)}
     recipe = sft_recipe(tmp_path, cal_ppl=False, sleep_mode=False, cpu_kvcache_space_gb=1, **hosts)
-    plan = plan_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
-    assert plan.layout.nodes == (NodeServers(1, "127.0.0.1", (Placement(),)),)
-    holder = ServerHolder(recipe, FAKE_ENV, layout=plan.layout, node_launcher=NodeCommands(plan.training))
+    allocation = allocate_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
+    assert allocation.layout.nodes == (NodeServers(1, "127.0.0.1", (Placement(),)),)
+    holder = ServerHolder(recipe, FAKE_ENV, layout=allocation.layout, node_launcher=NodeCommands(allocation.training))
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         urls = holder.serve("/models/base", stage)
@@ -124,17 +126,17 @@ def dpo_after(tmp_path: Path, **overrides):
 
 def test_after_on_a_gpu_plans_a_loss_server_for_the_search_only():
     recipe = recipe_at("train/dpo_recipes/arc.yaml", loss_placement="after")
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    assert not plan.problems and plan.layout.loss is not None and not plan.layout.loss_resident
-    claims = {c.what: c for c in plan.claims[(0, "0")]}
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert not allocation.problems and allocation.layout.loss is not None and not allocation.layout.loss_resident
+    claims = {c.what: c for c in allocation.claims[(0, "0")]}
     assert claims["search loss server"].generation and not claims["search loss server"].training
     assert any(c.startswith("trainer") for c in claims)  # training still runs on the GPU it shared
-    assert plan.training.num_processes == 8
-    policy_share = plan.layout.policy[0].gpu_memory_utilization
-    assert policy_share == round(recipe.gpu_memory_utilization - plan.layout.loss.gpu_memory_utilization, 4)
-    text = describe_layout(recipe, "/m", plan.layout)["tree search LM loss"]
+    assert allocation.training.num_processes == 8
+    policy_share = allocation.layout.policy[0].gpu_memory_utilization
+    assert policy_share == round(recipe.gpu_memory_utilization - allocation.layout.loss.gpu_memory_utilization, 4)
+    text = describe_layout(recipe, "/m", allocation.layout)["tree search LM loss"]
     assert "started with each search and stopped after it" in text and "policy server itself" in text
-    cpu = plan_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])  # CPU: the driver scores, and the dry run says so
+    cpu = allocate_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])  # CPU: the driver scores, and the dry run says so
     assert cpu.layout.loss is None
     assert "transformers in the driver" in describe_layout(recipe, "/m", cpu.layout)["tree search LM loss"]
 
@@ -157,7 +159,7 @@ def test_after_on_a_gpu_the_search_scores_on_a_loss_server_it_starts_and_stops(t
     from optima.stages.dpo import search_loss
 
     recipe = dpo_after(tmp_path)
-    layout = plan_layout(recipe, ["0"], [0, 1], loss_share=0.2)
+    layout = place_servers(recipe, ["0"], [0, 1], loss_share=0.2)
     holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=layout)
     ctx = SimpleNamespace(recipe=recipe, servers=holder)
     stage = RunPaths.from_recipe(recipe).stage(0)
@@ -177,7 +179,7 @@ def test_the_policy_scores_the_search_while_it_serves_the_loss_model(tmp_path, n
     from optima.stages.dpo import search_loss
 
     recipe = dpo_after(tmp_path)
-    layout = plan_layout(recipe, ["0"], [0, 1], loss_share=0.2)
+    layout = place_servers(recipe, ["0"], [0, 1], loss_share=0.2)
     holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=layout)
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
@@ -193,8 +195,8 @@ def test_no_process_outlives_the_node_servers(tmp_path):
     shim, _ = write_shim(tmp_path)
     hosts = {"train_hosts": ["127.0.0.1", "127.0.0.1"], "train_launcher_executable": str(shim)}
     recipe = sft_recipe(tmp_path, cal_ppl=False, cpu_kvcache_space_gb=1, **hosts)
-    plan = plan_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
-    holder = ServerHolder(recipe, FAKE_ENV, layout=plan.layout, node_launcher=NodeCommands(plan.training))
+    allocation = allocate_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
+    holder = ServerHolder(recipe, FAKE_ENV, layout=allocation.layout, node_launcher=NodeCommands(allocation.training))
     with holder:
         holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
         launcher_group = holder.node_servers[0].pgid
@@ -210,10 +212,10 @@ def test_a_node_servers_api_key_is_redacted_from_its_log(tmp_path):
     shim, calls = write_shim(tmp_path)
     hosts = {"train_hosts": ["127.0.0.1", "127.0.0.1"], "train_launcher_executable": str(shim)}
     recipe = sft_recipe(tmp_path, cal_ppl=False, cpu_kvcache_space_gb=1, api_key="s3cret-key", **hosts)
-    plan = plan_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
+    allocation = allocate_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
     stage = RunPaths.from_recipe(recipe).stage(0)
-    launcher = NodeCommands(plan.training)
-    (spec,) = node_server_specs(recipe, "/models/base", FAKE_ENV, stage, plan.layout.nodes, launcher, (), 1)
+    launcher = NodeCommands(allocation.training)
+    (spec,) = node_server_specs(recipe, "/models/base", FAKE_ENV, stage, allocation.layout.nodes, launcher, (), 1)
     assert "VLLM_API_KEY=s3cret-key" in spec.argv[-1]
     with VLLMServer(spec) as server:
         server.wait_until_ready(60)

@@ -13,7 +13,7 @@ import pytest
 
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
-from optima.hardware.layout import plan_replicas
+from optima.hardware.layout import place_replicas
 from optima.hardware.placement import Placement
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, VLLMServer, build_serve_command, serve, start_replicas
@@ -84,13 +84,13 @@ def test_serve_env_keeps_the_api_key_out_of_argv(make_recipe, tmp_path):
 )
 def test_one_replica_per_tensor_parallel_group(make_recipe, devices, tp, gpus, expected):
     recipe = make_recipe(devices=devices, tensor_parallel_size=tp)
-    assert [p.gpus for p in plan_replicas(recipe, gpus, [0])] == expected
+    assert [p.gpus for p in place_replicas(recipe, gpus, [0])] == expected
 
 
 @pytest.mark.parametrize(("devices", "tp"), [([0, 1, 2], 2), ([5], 1)])
 def test_impossible_gpu_layouts_fail(make_recipe, devices, tp):
     with pytest.raises(RecipeError, match="devices"):
-        plan_replicas(make_recipe(devices=devices, tensor_parallel_size=tp), ["0", "1", "2"], [0])
+        place_replicas(make_recipe(devices=devices, tensor_parallel_size=tp), ["0", "1", "2"], [0])
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def test_impossible_gpu_layouts_fail(make_recipe, devices, tp):
     [(1, [0, 1], [None]), (2, [0, 1], ["0", "1"]), (2, [0, 1, 2, 3], ["0,1", "2,3"]), (3, [0, 1], ["0", "1", "0"])],
 )
 def test_cpu_replicas_split_the_cores(make_recipe, replicas, cpus, binds):
-    placements = plan_replicas(make_recipe(), [], cpus, replicas)
+    placements = place_replicas(make_recipe(), [], cpus, replicas)
     assert [p.cpu_bind for p in placements] == binds and all(p.on_cpu for p in placements)
 
 

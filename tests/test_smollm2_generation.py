@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from optima.agents.generation import GenerationPlan, generate_conversations, plan_generation
+from optima.agents.generation import GenerationSettings, generate_conversations, generation_settings
 from optima.agents.prompts import build_agent_messages
 from optima.environments import resolve_env
 from optima.paths import RunPaths
@@ -41,9 +41,11 @@ def test_smollm2_talks_about_four_arc_questions(tmp_path):
     )
     examples = TASKS["arc"].load_train(data_dir=DATA_DIR)[:4]
     stage = RunPaths.from_recipe(recipe).stage(0)
-    plan = plan_generation(recipe, iteration=0)  # T=0.3 and the format pool, as SFT data generation at iteration 0
+    generation = generation_settings(
+        recipe, iteration=0
+    )  # T=0.3 and the format pool, as SFT data generation at iteration 0
     with serve(recipe, SMOLLM2, resolve_env(None, "vllm"), stage) as endpoints:
-        stats = generate_conversations(recipe, examples, endpoints, stage.generations, plan)
+        stats = generate_conversations(recipe, examples, endpoints, stage.generations, generation)
     records, torn = load_records(stage.generations)
     assert not torn and len(records) == 8 and stats.written == 8
     assert {r["task_id"] for r in records} == {e.id for e in examples}
@@ -72,9 +74,9 @@ def test_smollm2_constrained_answers_are_options_of_their_questions(tmp_path):
     examples = TASKS["arc"].load_train(data_dir=DATA_DIR)[:6]
     others = [TASKS[name].load_train(data_dir=DATA_DIR)[0] for name in ("gsm8k", "math", "hotpot_qa")]
     stage = RunPaths.from_recipe(recipe).stage(0)
-    plan = GenerationPlan(0, 0.7, 2, answer_bootstrap="grammar")
+    generation = GenerationSettings(0, 0.7, 2, answer_bootstrap="grammar")
     with serve(recipe, SMOLLM2, resolve_env(None, "vllm"), stage) as endpoints:
-        generate_conversations(recipe, examples, endpoints, stage.generations, plan)
+        generate_conversations(recipe, examples, endpoints, stage.generations, generation)
         pool = ReplicaPool(endpoints, recipe)
         try:
             replies = [(example, constrained_reply(pool, example, recipe.max_tokens)) for example in others]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from optima import pipeline, plan
-from optima.agents.generation import plan_generation
+from optima.agents.generation import generation_settings
 from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, defaults, load_recipe, rules
 from optima.config.fields import field
 from optima.config.stage_names import Stage
@@ -92,11 +92,11 @@ def test_a_redoes_tag_must_name_a_stage():
     assert all(isinstance(name, Stage) for name in names | tags)
 
 
-def test_the_dry_run_shows_the_generation_plan_the_stage_runs(tmp_path):
+def test_the_dry_run_shows_the_generation_settings_the_stage_runs(tmp_path):
     recipe = make_recipe(tmp_path, "sft", temperature_iteration0=0.2, answer_bootstrap="grammar")
     the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False)
     shown = [part.stages[0].describe(part.call) for part in the_plan.parts]
-    runs = [plan_generation(recipe, part.call.iteration) for part in the_plan.parts]
+    runs = [generation_settings(recipe, part.call.iteration) for part in the_plan.parts]
     assert [(s["temperature"], s["conversations per question"]) for s in shown] == [(0.2, 10), (0.7, 10)]
     assert [(g.temperature, g.samples) for g in runs] == [(0.2, 10), (0.7, 10)]
     assert [(s["prompt pool"], s["answer bootstrap"]) for s in shown] == [("built-in", "grammar"), ("off", "off")]

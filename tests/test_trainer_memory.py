@@ -16,8 +16,8 @@ import pytest
 
 from optima.config import SFTRecipe, load_recipe
 from optima.hardware import memory
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.memory import TrainerShape
-from optima.hardware.plan import plan_hardware
 from optima.hardware.spec import parse_hardware
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def test_fsdp2_under_mixed_precision_holds_fp32_master_weights():
     mixed, plain = peak("fsdp", mixed_precision=True), peak("fsdp")
     expected = (16 - 4 * 2) * LLAMA.params / 7 * (1 + memory.TRAINER_OVERHEAD_SHARE)
     assert math.isclose(mixed - plain, expected, rel_tol=1e-6)
-    assert 25 * GIB < mixed < 30 * GIB  # ~28 GiB on 7 processes, where the plan said 17.5 (issue 32)
+    assert 25 * GIB < mixed < 30 * GIB  # ~28 GiB on 7 processes, where the allocation said 17.5 (issue 32)
 
 
 def test_ddp_counts_its_gradient_buckets_and_one_process_does_not():
@@ -48,14 +48,14 @@ def test_ddp_counts_its_gradient_buckets_and_one_process_does_not():
     assert ddp > 80 * GIB  # Llama-3-8B full fine-tuning under DDP does not fit an 80 GB card
 
 
-def test_the_plan_reads_mixed_precision_from_the_accelerate_config():
+def test_the_allocation_reads_mixed_precision_from_the_accelerate_config():
     recipe = load_recipe(
         SFTRecipe, REPO / "train/sft_recipes/arc.yaml", {"accelerate_config": "fsdp"}, check_paths=False
     )
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    line = next(line for line in plan.lines if line.startswith("training: fsdp"))
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    line = next(line for line in allocation.lines if line.startswith("training: fsdp"))
     shape = dict(SHAPE, mixed_precision=True)
-    expected = memory.trainer_peak_bytes(LLAMA, TrainerShape("fsdp", plan.training.num_processes, **shape))
+    expected = memory.trainer_peak_bytes(LLAMA, TrainerShape("fsdp", allocation.training.num_processes, **shape))
     assert f"peak ~{memory.gib(expected)} GiB" in line
 
 
@@ -64,16 +64,16 @@ def test_ddp_sft_on_80gb_cards_is_refused_with_advice_that_applies():
     recipe = load_recipe(
         SFTRecipe, REPO / "train/sft_recipes/arc.yaml", {"accelerate_config": "multi_gpu"}, check_paths=False
     )
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    training = [p for p in plan.problems if p.startswith("training:")]
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    training = [p for p in allocation.problems if p.startswith("training:")]
     assert training and "deepspeed_zero3 or fsdp" in training[0]
 
 
 PEAK_SITE = Path(__file__).resolve().parent / "peak_rss"
-# The estimate is an upper bound (the plan refuses on it), so a measurement above it is a failure; one far below it
-# (more than this) would make the plan refuse machines that fit. Measured on this 2-core machine, SmolLM2-135M fp32,
-# 2 gloo processes, batch 2, 128 tokens: DDP 3.24 GiB per rank (estimate 5.19), FSDP2 3.26 (estimate 3.68); the
-# Python stack, torch and the allocator's cache weigh more than the sharded states at this size.
+# The estimate is an upper bound (the allocation refuses on it), so a measurement above it is a failure; one far below
+# it (more than this) would make the allocation refuse machines that fit. Measured on this 2-core machine,
+# SmolLM2-135M fp32, 2 gloo processes, batch 2, 128 tokens: DDP 3.24 GiB per rank (estimate 5.19), FSDP2 3.26
+# (estimate 3.68); the Python stack, torch and the allocator's cache weigh more than the sharded states at this size.
 SLACK = int(2.5 * GIB)
 
 

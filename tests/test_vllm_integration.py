@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import GenerationHooks, GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationHooks, GenerationSettings, generate_conversations
 from optima.environments import resolve_env
-from optima.hardware.layout import plan_replicas
+from optima.hardware.layout import place_replicas
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, serve, start_replicas
 from optima.serving.processes import group_members
@@ -37,7 +37,7 @@ LIMITS = {
     "request_timeout_s": 120.0,
     "server_startup_timeout_s": 300.0,
 }
-PLAN = GenerationPlan(iteration=1, temperature=1.0, samples=2)
+SETTINGS = GenerationSettings(iteration=1, temperature=1.0, samples=2)
 
 
 def free_port() -> int:
@@ -48,7 +48,7 @@ def free_port() -> int:
 def tiny_servers(tiny_model, tmp_path_factory):
     """Two CPU replicas of the tiny model (one core each), shared by the tests of this module."""
     recipe = build_test_recipe(tmp_path_factory.mktemp("vllm_run"), port=free_port(), **LIMITS)
-    placements = plan_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=2)
+    placements = place_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=2)
     stage = RunPaths.from_recipe(recipe).stage(0)
     specs = build_replica_specs(recipe, str(tiny_model), resolve_env(None, "vllm"), stage, placements)
     with start_replicas(specs, recipe.server_startup_timeout_s) as servers:
@@ -108,14 +108,16 @@ def test_real_interrupted_driver_leaves_no_vllm_process(tiny_model, tmp_path, si
 def test_real_conversations_end_to_end(tiny_servers, tmp_path):
     recipe, servers = tiny_servers
     out = tmp_path / "gen.jsonl"
-    stats = generate_conversations(recipe, arc_examples(4), [s.spec.api_url for s in servers], out, PLAN)
+    stats = generate_conversations(recipe, arc_examples(4), [s.spec.api_url for s in servers], out, SETTINGS)
     records = check_records(out, 8, recipe.max_tokens)
     assert sum(len(r["utterances"]) for r in records) > 8  # multi-turn conversations happened
     assert {r["replica"] for r in records} == {0, 1}
     assert all(r["replica"] == int(r["task_id"][1:]) % 2 for r in records)
     assert stats.generated_tokens > 0 and sum(stats.statuses.values()) == 8
     # A rerun has nothing left to do.
-    assert generate_conversations(recipe, arc_examples(4), [s.spec.api_url for s in servers], out, PLAN).written == 0
+    assert (
+        generate_conversations(recipe, arc_examples(4), [s.spec.api_url for s in servers], out, SETTINGS).written == 0
+    )
 
 
 def test_lm_loss_backends_agree(tiny_servers, tiny_model):
@@ -150,7 +152,7 @@ def test_scoring_while_generating_on_a_real_loss_server_matches_scoring_after(ti
     out, losses = tmp_path / "gen.jsonl", tmp_path / "losses.jsonl"
     with StreamingLosses(scorer.score, losses, str(tiny_model)) as stream:
         generate_conversations(
-            recipe, arc_examples(4), [servers[0].spec.api_url], out, PLAN, GenerationHooks(on_record=stream.submit)
+            recipe, arc_examples(4), [servers[0].spec.api_url], out, SETTINGS, GenerationHooks(on_record=stream.submit)
         )
         summary = stream.finish()
     finished = sum(r["status"] == "ok" for r in load_records(out)[0])
@@ -173,7 +175,7 @@ def test_real_replica_killed_mid_run_fails_over(tiny_servers, tmp_path):
 
     killer = threading.Thread(target=kill_replica_1)
     killer.start()
-    stats = generate_conversations(recipe, arc_examples(8), [s.spec.api_url for s in servers], out, PLAN)
+    stats = generate_conversations(recipe, arc_examples(8), [s.spec.api_url for s in servers], out, SETTINGS)
     killer.join()
     records = check_records(out, 16, recipe.max_tokens)
     assert sum(stats.statuses.values()) == 16 and "error" not in stats.statuses

@@ -1,4 +1,4 @@
-"""vLLM's own memory in the hardware plan (issue 32, item 1): the parts of a server's need from vLLM's arguments,
+"""vLLM's own memory in the hardware allocation (issue 32, item 1): the parts of a server's need from vLLM's arguments,
 and the loss server's command sized for scoring. Pure: nothing starts (no GPU here; docs/gpu.md)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 from optima.config import SFTRecipe, load_recipe
 from optima.config.rules import loss_server_limits
 from optima.hardware import memory, vllm_memory
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.placement import Placement
-from optima.hardware.plan import plan_hardware
 from optima.hardware.spec import parse_hardware
 from optima.serving.vllm_server import build_serve_command
-from tests.test_hardware_plan import VENV
+from tests.test_hardware_allocation import VENV
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -78,8 +78,8 @@ def test_the_loss_server_is_started_with_the_limits_scoring_needs():
     vLLM's own memory; now it gets --max-model-len, --max-num-seqs and --max-num-batched-tokens for scoring, and its
     share is sized from the parts those imply."""
     recipe = sft()
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    loss = build_serve_command(recipe, "meta-llama/Meta-Llama-3-8B-Instruct", 8001, VENV, plan.layout.loss)
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    loss = build_serve_command(recipe, "meta-llama/Meta-Llama-3-8B-Instruct", 8001, VENV, allocation.layout.loss)
     expected = loss_server_limits(recipe, None)
     assert expected == (2000 + 64, 32, 1024)
     assert (flag(loss, "--max-model-len"), flag(loss, "--max-num-seqs"), flag(loss, "--max-num-batched-tokens")) == (
@@ -87,12 +87,16 @@ def test_the_loss_server_is_started_with_the_limits_scoring_needs():
         "32",
         "1024",
     )
-    policy = build_serve_command(recipe, "meta-llama/Meta-Llama-3-8B-Instruct", 8000, VENV, plan.layout.policy[0])
+    policy = build_serve_command(
+        recipe, "meta-llama/Meta-Llama-3-8B-Instruct", 8000, VENV, allocation.layout.policy[0]
+    )
     assert "--max-num-seqs" not in policy  # the policy keeps vLLM's defaults (and the recipe's max_model_len)
     need = vllm_memory.server_need(
         LLAMA, memory.loss_kv_min_bytes(LLAMA, recipe, 2), 1, 2, vllm_memory.loss_args(recipe, LLAMA)
     )
-    assert need.total <= plan.loss_share * 80 * GIB < need.total + 0.01 * 80 * GIB  # the smallest share that holds it
+    assert (
+        need.total <= allocation.loss_share * 80 * GIB < need.total + 0.01 * 80 * GIB
+    )  # the smallest share that holds it
     assert need.part("prompt logprobs") == 1024 * VOCAB * (2 + 8)
 
 

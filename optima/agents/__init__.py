@@ -9,9 +9,9 @@ from optima import lazy_exports
 _EXPORTS = {
     "ConversationRunner": "generation",
     "GenerationHooks": "generation",
-    "GenerationPlan": "generation",
+    "GenerationSettings": "generation",
     "generate_conversations": "generation",
-    "plan_generation": "generation",
+    "generation_settings": "generation",
     "Utterance": "prompts",
     "render_utterance": "prompts",
 }

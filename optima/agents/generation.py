@@ -2,8 +2,9 @@
 
 See docs/method.md#isft.
 
-``generate_conversations(recipe, examples, endpoints, out_path, plan[, hooks])`` runs ``plan.samples`` conversations
-per question (docs/method.md, D5 and D6: not one thread per question with its samples in sequence, nor lost futures):
+``generate_conversations(recipe, examples, endpoints, out_path, generation[, hooks])`` runs ``generation.samples``
+conversations per question (docs/method.md, D5 and D6: not one thread per question with its samples in sequence,
+nor lost futures):
 
 * ``thread_count`` conversations are in flight at once (``ThreadPoolExecutor`` + ``as_completed``), fewer when
   the servers' KV caches cannot hold that many (``optima.hardware.capacity``); the stage's KV figures and prefix-cache
@@ -20,8 +21,8 @@ per question (docs/method.md, D5 and D6: not one thread per question with its sa
 * a failed request ends its conversation with ``status: error`` (retried on the next run); if every replica is
   gone the run stops with ``NoReplicaLeft``.
 
-Temperature and pool follow docs/method.md#sampling-schedule (``plan_generation``); evaluation and tree search build
-their own plans.
+Temperature and pool follow docs/method.md#sampling-schedule (``generation_settings``); evaluation and tree search
+build their own settings.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ PREFILL_TOKENS = 1  # a prefill request generates one token, discarded
 
 
 @dataclass(frozen=True)
-class GenerationPlan:
+class GenerationSettings:
     """How one generation stage samples.
 
     Args:
@@ -106,15 +107,16 @@ class GenerationPlan:
         return self.answer_bootstrap == "prefill"
 
 
-def plan_generation(recipe: LoopRecipe, iteration: int, stage: str = SFT) -> GenerationPlan:
+def generation_settings(recipe: LoopRecipe, iteration: int, stage: str = SFT) -> GenerationSettings:
     """SFT data generation: ``explore_count`` samples; the pool and the low temperature at iteration 0, the answer
     bootstrap in the first ``answer_bootstrap_iterations``.
 
-    The one rule of the generate stage's sampling: the stage runs this plan, ``--dry-run`` prints it and the stage's
-    key reads its prompt pool (``optima.plan``, ``optima.stage_identity``). See docs/method.md#sampling-schedule.
+    The one rule of the generate stage's sampling: the stage runs these settings, ``--dry-run`` prints them and
+    the stage's key reads its prompt pool (``optima.plan``, ``optima.stage_identity``).
+    See docs/method.md#sampling-schedule.
     """
     first = iteration == 0
-    return GenerationPlan(
+    return GenerationSettings(
         iteration=iteration,
         temperature=generation_temperature(recipe, iteration),
         samples=recipe.explore_count,
@@ -243,8 +245,8 @@ class Prefill:
 class ConversationRunner:
     """Runs one ``Job`` against the replica pool and turns the result into a JSONL record."""
 
-    def __init__(self, recipe: Recipe, plan: GenerationPlan, pool: ReplicaPool):
-        self.recipe, self.plan, self.pool = recipe, plan, pool
+    def __init__(self, recipe: Recipe, generation: GenerationSettings, pool: ReplicaPool):
+        self.recipe, self.generation, self.pool = recipe, generation, pool
         self.limits = TurnLimits(recipe.max_turns, recipe.max_tokens)
         self.count_tokens = TokenCounter(recipe)
         self._pools: dict[str, tuple[str, ...]] = {}
@@ -252,10 +254,12 @@ class ConversationRunner:
 
     def system_prompts(self, task: Task, job: Job) -> tuple[str, str]:
         """Base prompts, or (iteration-0 SFT data) a seeded draw from the task's format pool."""
-        if not self.plan.use_prompt_pool:
+        if not self.generation.use_prompt_pool:
             return build_system_prompt(task, AGENT_NAMES[0]), build_system_prompt(task, AGENT_NAMES[1])
-        plan = self.plan
-        rng = stable_rng(self.recipe.seed, "pool", plan.stage, plan.iteration, job.example.id, job.sample_index)
+        generation = self.generation
+        rng = stable_rng(
+            self.recipe.seed, "pool", generation.stage, generation.iteration, job.example.id, job.sample_index
+        )
         return draw_pool_prompts(self._pool_for(task), task, rng)
 
     def _pool_for(self, task: Task) -> tuple[str, ...]:
@@ -276,7 +280,14 @@ class ConversationRunner:
         replica = self.pool.route(job.position)
         turns = iter(range(self.recipe.max_turns))
         constrained: list[int] = []  # the turns sent with the answer constraint
-        seed_parts = (self.recipe.seed, "turn", self.plan.stage, self.plan.iteration, job.example.id, job.sample_index)
+        seed_parts = (
+            self.recipe.seed,
+            "turn",
+            self.generation.stage,
+            self.generation.iteration,
+            job.example.id,
+            job.sample_index,
+        )
         prefill = self.start_prefill(job, task, agents, replica)
 
         def generate(messages: list[dict], speaker: str):
@@ -290,7 +301,7 @@ class ConversationRunner:
             if agents.constraint(turn):
                 extra = (extra or {}) | regex_constraint(agents.constraint(turn))
                 constrained.append(turn)
-            sampling = Sampling(self.plan.temperature, self.recipe.max_tokens, seed, extra)
+            sampling = Sampling(self.generation.temperature, self.recipe.max_tokens, seed, extra)
             reply = self.pool.chat(replica, messages, sampling)
             replica = reply.replica  # after a failover the rest of the conversation stays on the new replica
             return reply
@@ -302,10 +313,10 @@ class ConversationRunner:
         return self.build_record(job, agents.system, result) | {"constrained_turns": constrained}, result.token_count
 
     def agent_prompts(self, task: Task, job: Job) -> AgentPrompts:
-        """The agents' prompts of one job, with the plan's answer bootstrap (pre-fill, or the answer constraint)."""
-        grammar = self.plan.answer_bootstrap == "grammar"
+        """The agents' prompts of one job, with the settings' answer bootstrap (pre-fill, or the answer constraint)."""
+        grammar = self.generation.answer_bootstrap == "grammar"
         patterns = [reply_pattern(task, job.example, name) if grammar else "" for name in AGENT_NAMES]
-        return build_agent_prompts(task, self.system_prompts(task, job), self.plan.prefill_answer, patterns)
+        return build_agent_prompts(task, self.system_prompts(task, job), self.generation.prefill_answer, patterns)
 
     def start_prefill(self, job: Job, task: Task, agents: AgentPrompts, replica: int) -> Prefill:
         """Information exchange: send Bob's opening view with ``max_tokens`` 1 beside Alice's first turn.
@@ -339,11 +350,11 @@ class ConversationRunner:
             "stop_reason": result.stop_reason,
             "error": result.error,
             "system_prompts": dict(zip(AGENT_NAMES, prompts, strict=True)),
-            "prompt_pool": self.plan.use_prompt_pool,
-            "answer_bootstrap": self.plan.answer_bootstrap,
-            "iteration": self.plan.iteration,
-            "stage": self.plan.stage,
-            "temperature": self.plan.temperature,
+            "prompt_pool": self.generation.use_prompt_pool,
+            "answer_bootstrap": self.generation.answer_bootstrap,
+            "iteration": self.generation.iteration,
+            "stage": self.generation.stage,
+            "temperature": self.generation.temperature,
             "replica": result.replica,
             "example": example.to_dict(),
         }
@@ -367,26 +378,26 @@ def generate_conversations(
     examples: Sequence[Example],
     endpoints: Sequence[str],
     out_path: Path,
-    plan: GenerationPlan,
+    generation: GenerationSettings,
     hooks: GenerationHooks = GenerationHooks(),
 ) -> GenerationStats:
-    """Generate ``plan.samples`` conversations per example into ``out_path`` (resuming what is there).
+    """Generate ``generation.samples`` conversations per example into ``out_path`` (resuming what is there).
 
     Args:
         recipe: A recipe (serving, generation and ``seed`` fields).
         examples: The questions, in a fixed order (their position picks the replica).
         endpoints: OpenAI base URLs (from ``optima.serving.serve``).
         out_path: The JSONL output (e.g. ``StagePaths.generations``).
-        plan: Iteration, temperature, samples per question, prompt pool.
+        generation: Iteration, temperature, samples per question, prompt pool.
         hooks: The runner of one job and the callback on each written record.
 
     Raises:
         NoReplicaLeft: every replica died; what was written stays and the next run resumes from it.
     """
-    jobs = pending_jobs(examples, out_path, plan)
-    stats = GenerationStats(requested=len(examples) * plan.samples)
+    jobs = pending_jobs(examples, out_path, generation)
+    stats = GenerationStats(requested=len(examples) * generation.samples)
     stats.already_done = stats.requested - len(jobs)
-    _log_start(plan, len(examples), len(endpoints), stats)
+    _log_start(generation, len(examples), len(endpoints), stats)
     if jobs:
         # Never more conversations in flight than the servers' KV caches hold (else they thrash: see capacity.py).
         monitor = KVMonitor(endpoints, recipe.api_key)
@@ -395,9 +406,9 @@ def generate_conversations(
             in_flight = monitor.bound(in_flight, conversation_footprint(recipe, examples, monitor.model))
         pool = ReplicaPool(endpoints, recipe)
         try:
-            if plan.answer_bootstrap == "grammar":
+            if generation.answer_bootstrap == "grammar":
                 check_structured_outputs(pool)  # a server without the constraint stops the run before it starts
-            _run_jobs(hooks.runner_cls(recipe, plan, pool), jobs, out_path, stats, hooks.on_record, in_flight)
+            _run_jobs(hooks.runner_cls(recipe, generation, pool), jobs, out_path, stats, hooks.on_record, in_flight)
         finally:
             pool.close()
         stats.kv = monitor.report()
@@ -411,7 +422,7 @@ def generate_conversations(
     return stats
 
 
-def pending_jobs(examples: Sequence[Example], out_path: Path, plan: GenerationPlan) -> list[Job]:
+def pending_jobs(examples: Sequence[Example], out_path: Path, generation: GenerationSettings) -> list[Job]:
     """The conversations not yet in ``out_path`` (a torn last line is cut first); the file exists afterwards."""
     ids = [example.id for example in examples]
     if len(set(ids)) != len(ids):
@@ -422,23 +433,25 @@ def pending_jobs(examples: Sequence[Example], out_path: Path, plan: GenerationPl
     return [
         Job(position, example, k)
         for position, example in enumerate(examples)
-        for k in range(plan.samples)
+        for k in range(generation.samples)
         if (example.id, k) not in done
     ]
 
 
-def _log_start(plan: GenerationPlan, questions: int, endpoints: int, stats: GenerationStats) -> None:
+def _log_start(generation: GenerationSettings, questions: int, endpoints: int, stats: GenerationStats) -> None:
     logger.info(
         "%sgenerate (%s) | %d questions x %d | %d to do, %d done | %d endpoints | T=%.2f%s",
-        f"iteration {plan.iteration} | " if plan.iteration >= 0 else "",  # evaluation runs have no iteration
-        plan.stage,
+        f"iteration {generation.iteration} | "
+        if generation.iteration >= 0
+        else "",  # evaluation runs have no iteration
+        generation.stage,
         questions,
-        plan.samples,
+        generation.samples,
         stats.requested - stats.already_done,
         stats.already_done,
         endpoints,
-        plan.temperature,
-        " | prompt pool" if plan.use_prompt_pool else "",
+        generation.temperature,
+        " | prompt pool" if generation.use_prompt_pool else "",
     )
 
 

@@ -9,8 +9,8 @@ from optima.cli.common import emit, guarded, resolve_envs
 from optima.cli.evaluate import (
     add_debate_args,
     add_eval_args,
+    allocate_evaluation,
     baseline_settings,
-    eval_hardware_plan,
     eval_recipe_from_args,
     resolve_machine,
 )
@@ -72,12 +72,12 @@ def build_compare_parser() -> argparse.ArgumentParser:
 
 
 def run_compare_script(argv: list[str] | None) -> int:
-    """Body of ``python -m optima compare``: flags -> recipe and options -> plan or run."""
+    """Body of ``python -m optima compare``: flags -> recipe and options -> dry run or run."""
     args = build_compare_parser().parse_args(argv)
     setup_logging()
 
     def body() -> int:
-        from optima.evaluation.compare import CompareOptions, parse_optima_rows, render_compare_plan
+        from optima.evaluation.compare import CompareOptions, parse_optima_rows, render_compare_dry_run
 
         tasks = compare_tasks(args)
         recipes = [compare_recipe(args, task, len(tasks) > 1 or bool(args.tasks)) for task in tasks]
@@ -85,13 +85,13 @@ def run_compare_script(argv: list[str] | None) -> int:
         methods = tuple(dict.fromkeys(m for m in args.methods if m != "none"))
         options = CompareOptions(methods, parse_optima_rows(args.optima), settings, args.optima_sc)
         machine = resolve_machine(args.hardware)
-        hardware = [eval_hardware_plan(recipe, machine) for recipe in recipes]
+        hardware = [allocate_evaluation(recipe, machine) for recipe in recipes]
         if args.dry_run:
-            for recipe, plan in zip(recipes, hardware, strict=True):
-                emit(render_compare_plan(recipe, options) + "\n" + "\n".join(plan.render()))
+            for recipe, allocation in zip(recipes, hardware, strict=True):
+                emit(render_compare_dry_run(recipe, options) + "\n" + "\n".join(allocation.render()))
             return 0
-        for plan in hardware:
-            plan.check()  # an impossible placement stops here, before any server starts
+        for allocation in hardware:
+            allocation.check()  # an impossible placement stops here, before any server starts
         envs = resolve_envs(args.vllm_env, train=False)
         with run_lock(Path(args.output_path) if args.tasks else Path(recipes[0].output_root_path)):
             if args.tasks:

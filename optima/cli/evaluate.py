@@ -137,11 +137,11 @@ def resolve_machine(given: str | None):
     return resolve_hardware(given)
 
 
-def eval_hardware_plan(recipe: InferenceRecipe, machine):
-    """The hardware plan of an evaluation run (its servers only) on ``machine`` (``resolve_machine``)."""
-    from optima.hardware.plan import plan_this_machine
+def allocate_evaluation(recipe: InferenceRecipe, machine):
+    """The hardware allocation of an evaluation run (its servers only) on ``machine`` (``resolve_machine``)."""
+    from optima.hardware.allocation import allocate_this_machine
 
-    return plan_this_machine(recipe, machine)
+    return allocate_this_machine(recipe, machine)
 
 
 def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:
@@ -171,12 +171,12 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
             settings = baseline_settings(args, recipe.num_samples, recipe.sc_temperature)
         else:
             settings = baseline_settings(args)
-        hardware = eval_hardware_plan(recipe, resolve_machine(args.hardware))
+        hardware = allocate_evaluation(recipe, resolve_machine(args.hardware))
         if args.dry_run:
-            from optima.evaluation.plan import render_eval_plan
+            from optima.evaluation.dry_run import render_dry_run
 
             shown = ", ".join("cot, cot-SC" if b == "cot" and multi_sc else b for b in baselines)
-            text = render_eval_plan(recipe, envs) + (f"\n  baseline: {shown}" if baselines else "")
+            text = render_dry_run(recipe, envs) + (f"\n  baseline: {shown}" if baselines else "")
             emit(text + "\n" + "\n".join(hardware.render()))
             return 0
         hardware.check()

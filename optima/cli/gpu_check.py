@@ -10,7 +10,7 @@ imports only the standard library at the top. The stages:
 1. ``setup``: ``python3 -m optima setup`` (the CUDA builds of torch and vLLM, DeepSpeed, flash-attn where a
    wheel for the installed torch/CUDA exists, the SmolLM2 folder).
 2. ``trainer-yamls``: the demo trainer YAMLs with the GPU settings, written into ``--output-dir``.
-3. ``plan``: the hardware plan of the iSFT stage on this machine (``sft_script.py --dry-run``: servers, training
+3. ``plan``: the hardware allocation of the iSFT stage on this machine (``sft_script.py --dry-run``: servers, training
    processes, memory per GPU); a plan that cannot run stops every stage that needs it, before it starts. The loss model
    is served after generation (``loss_placement: after``) so that one GPU is enough: a loss server that stays up
    would hold the only GPU the trainer has.
@@ -151,14 +151,14 @@ def reload_checkpoints(paths: list[str]) -> int:
     return 0
 
 
-def render_plan(hardware: str) -> list[str]:
-    """The hardware plan of the iSFT stage on ``hardware`` (needs the training env's PyYAML: dry runs only)."""
+def render_allocation(hardware: str) -> list[str]:
+    """The hardware allocation of the iSFT stage on ``hardware`` (needs the training env's PyYAML: dry runs only)."""
     from optima.config import SFTRecipe, load_recipe
-    from optima.hardware.plan import plan_hardware
+    from optima.hardware.allocation import allocate_hardware
     from optima.hardware.spec import parse_hardware
 
     recipe = load_recipe(SFTRecipe, REPO / "train/sft_recipes/demo_arc.yaml", GPU_RECIPE, check_paths=False)
-    return plan_hardware(recipe, parse_hardware(hardware), [0]).render()
+    return allocate_hardware(recipe, parse_hardware(hardware), [0]).render()
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def run_gpu_check_command(argv: list[str] | None = None) -> int:
         for name, command in stages:
             say(f"{name}: {' '.join(command)}")
         if args.hardware:
-            say("\n".join(render_plan(args.hardware)))
+            say("\n".join(render_allocation(args.hardware)))
         return 0
     from optima.hardware.gpus import has_gpu  # standard library only: works before setup
 

@@ -4,8 +4,8 @@ Each runs as one stage of ``optima.cli.gpu_check`` (``python -m optima.cli.gpu_s
 with exit code 0 (PASS), 1 (FAIL, with a ``FAIL: reason`` line, or the traceback of the error that stopped it) or
 ``SKIP_EXIT`` (with a ``SKIP: reason`` line: this GPU cannot host the check). What each stands for in the 8-GPU run:
 
-* ``wake-reload``: every iteration after the first. A kept policy replica (``sleep_mode``, the recipe's switch for
-  kept replicas), placed by the servers' part of the hardware plan, serves the base model on the GPU, answers a chat
+* ``wake-reload``: every iteration after the first. A kept policy replica (``sleep_mode``, the recipe's switch for kept
+  replicas), placed by the servers' part of the hardware allocation, serves the base model on the GPU, answers a chat
   request, goes to sleep as for training (``ServerHolder.release_for_training``: ``/sleep?level=2``; ``/is_sleeping``
   must say so and at least half the GPU memory it held must come back), then wakes with the iSFT checkpoint's weights
   in place (``ServerHolder.load_in_place``: wake the weights, ``reload_weights`` over ``/collective_rpc``, wake the KV
@@ -13,7 +13,7 @@ with exit code 0 (PASS), 1 (FAIL, with a ``FAIL: reason`` line, or the traceback
   (``optima.serving.reload_check``) and a chat request again. The base model is asked the same probe first: when it
   already matches (a checkpoint too close to the base for the bf16 tolerance) the output says so, since the probe then
   proves less.
-* ``loss-beside-policy``: ``loss_placement: beside`` on one GPU. The servers' part of the hardware plan (training
+* ``loss-beside-policy``: ``loss_placement: beside`` on one GPU. The servers' part of the hardware allocation (training
   excluded: it would not run beside a resident loss server on the only GPU) puts the loss server on GPU 0 with the
   share computed from its weights and the policy with the rest; the run's ``ServerHolder`` starts both (the loss
   server first, vLLM sizes its cache from the memory free at start-up), the policy answers a chat request and the
@@ -140,13 +140,13 @@ def check_wake_reload(out: Path) -> int:
     if probe is None:
         return fail(f"{checkpoint} has no recorded weights probe (the isft stage did not complete it)")
     recipe = check_recipe(out, "wake_reload")
-    plan = server_plan(recipe)
-    if plan.problems:
-        return fail("the servers' plan refuses: " + "; ".join(plan.problems))
-    if not plan.layout.policy[0].carry_over:
-        return fail("the plan does not keep the policy replica across checkpoints (sleep_mode off?)")
+    allocation = server_allocation(recipe)
+    if allocation.problems:
+        return fail("the servers' allocation refuses: " + "; ".join(allocation.problems))
+    if not allocation.layout.policy[0].carry_over:
+        return fail("the allocation does not keep the policy replica across checkpoints (sleep_mode off?)")
     base, idle = str(recipe.initial_model_path), gpu_memory_used_mib()
-    with new_holder(recipe, plan.layout, out / "wake_reload" / "logs") as holder:
+    with new_holder(recipe, allocation.layout, out / "wake_reload" / "logs") as holder:
         url = holder.serve(base, RunPaths.from_recipe(recipe).stage(0))[0]
         say(f"wake-reload | {base} served on {url} | reply {ask(url, recipe)!r}")
         control = probe_mismatch(url, probe, recipe, None)
@@ -170,22 +170,22 @@ def check_wake_reload(out: Path) -> int:
     return 0
 
 
-def server_plan(recipe, hardware=None):
-    """The servers' part of the hardware plan of ``recipe`` on ``hardware`` (default: this machine's), training
+def server_allocation(recipe, hardware=None):
+    """The servers' part of the hardware allocation of ``recipe`` on ``hardware`` (default: this machine's), training
     excluded."""
-    from optima.hardware.claims import HardwarePlan
-    from optima.hardware.plan import plan_servers, unknown_memory_problem
+    from optima.hardware.allocation import allocate_servers, unknown_memory_problem
+    from optima.hardware.claims import HardwareAllocation
     from optima.hardware.spec import detect_hardware
     from optima.hardware.training import policy_size, trainer_yamls
 
     hardware = hardware or detect_hardware()
-    plan = HardwarePlan(hardware)
+    allocation = HardwareAllocation(hardware)
     if hardware.has_gpu and hardware.gpu_gib <= 0:
-        plan.problems.append(unknown_memory_problem(hardware))
-        return plan
+        allocation.problems.append(unknown_memory_problem(hardware))
+        return allocation
     size = policy_size(recipe, trainer_yamls(recipe))
-    plan_servers(recipe, hardware, size, plan, sorted(os.sched_getaffinity(0)))
-    return plan
+    allocate_servers(recipe, hardware, size, allocation, sorted(os.sched_getaffinity(0)))
+    return allocation
 
 
 def group_memory_mib(pgid: int | None) -> tuple[int | None, int | None]:
@@ -218,13 +218,13 @@ def check_loss_beside_policy(out: Path) -> int:
     if refusal:
         return fail(refusal)
     recipe = check_recipe(out, "loss_beside", loss_placement="beside")
-    plan = server_plan(recipe)
-    if plan.problems:
-        return fail("the servers' plan refuses: " + "; ".join(plan.problems))
-    layout = plan.layout
+    allocation = server_allocation(recipe)
+    if allocation.problems:
+        return fail("the servers' allocation refuses: " + "; ".join(allocation.problems))
+    layout = allocation.layout
     if layout.loss is None or not layout.loss_resident or layout.loss.gpus != layout.policy[0].gpus[:1]:
-        return fail(f"the plan does not put a resident loss server beside the policy on its GPU: {layout}")
-    gib = plan.hardware.gpu_gib
+        return fail(f"the allocation does not put a resident loss server beside the policy on its GPU: {layout}")
+    gib = allocation.hardware.gpu_gib
     shares = {name: p.gpu_memory_utilization or recipe.gpu_memory_utilization
               for name, p in (("policy", layout.policy[0]), ("loss server", layout.loss))}  # fmt: skip
     with new_holder(recipe, layout, out / "loss_beside" / "logs") as holder:

@@ -21,7 +21,7 @@ from optima.methods import METHODS, TRAINERS
 
 DATA_DIR_ENV = "OPTIMA_DATA_DIR"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-# accelerate's multi-node flags: the hardware plan sets them for each node it starts (train_hosts).
+# accelerate's multi-node flags: the hardware allocation sets them for each node it starts (train_hosts).
 MULTI_NODE_FLAGS = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--num_processes")
 
 # The stages whose output a field decides (``field(redoes=...)``): the stage tables of ``optima.plan`` read them.
@@ -333,7 +333,7 @@ class TrainingFields:
         redoes=TRAINED,
     )
     num_processes: int | None = field(
-        None, help="training processes in all nodes; null = every GPU the hardware plan leaves for training"
+        None, help="training processes in all nodes; null = every GPU the hardware allocation leaves for training"
     )
     accelerate_extra_args: list[str] = field([], help="more 'accelerate launch' flags (not the multi-node ones)")
     warm_trainer: bool = field(
@@ -392,8 +392,8 @@ class TrainingFields:
         require(
             not planned,
             "accelerate_extra_args",
-            f"{planned[0] if planned else ''} is set by the hardware plan (alone it started this node only): use "
-            "num_processes, and train_hosts (or train_hostfile, or train_launcher: srun) for several nodes, each "
+            f"{planned[0] if planned else ''} is set by the hardware allocation (alone it started this node only): "
+            "use num_processes, and train_hosts (or train_hostfile, or train_launcher: srun) for several nodes, each "
             "of which is then started for you",
         )
         require(

@@ -48,7 +48,7 @@ DPOLoopRecipe = DPORecipe | SFTDPORecipe
 # One of the three loops' recipes, as a run's and a stage's context carry it: the stage that reads it (an iSFT or a
 # DPO stage) is what tells which groups it has.
 MethodRecipe = SFTRecipe | DPORecipe | SFTDPORecipe
-# Any recipe, loop or evaluation, for the code that tells them apart (the hardware plan, the server layout).
+# Any recipe, loop or evaluation, for the code that tells them apart (the hardware allocation, the server layout).
 Recipe = LoopRecipe | InferenceRecipe
 
 __all__ = [

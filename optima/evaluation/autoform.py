@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from optima.agents.generation import (
     ConversationRunner,
     GenerationHooks,
-    GenerationPlan,
+    GenerationSettings,
     GenerationStats,
     Job,
     generate_conversations,
@@ -56,7 +56,7 @@ def generate_autoform(
     examples: Sequence[Example],
     endpoints: Sequence[str],
     out_path: Path,
-    plan: GenerationPlan,
+    generation: GenerationSettings,
 ) -> GenerationStats:
-    """``plan.samples`` AutoForm conversations per example into ``out_path`` (resuming what is there)."""
-    return generate_conversations(recipe, examples, endpoints, out_path, plan, GenerationHooks(AutoFormRunner))
+    """``generation.samples`` AutoForm conversations per example into ``out_path`` (resuming what is there)."""
+    return generate_conversations(recipe, examples, endpoints, out_path, generation, GenerationHooks(AutoFormRunner))

@@ -119,7 +119,7 @@ class Row:
     job: GenerationJob
 
 
-def plan_rows(recipe: InferenceRecipe, options: CompareOptions) -> list[Row]:
+def table_rows(recipe: InferenceRecipe, options: CompareOptions) -> list[Row]:
     """The rows in table order: the baselines on the base model, then the Optima checkpoints (and their SC)."""
     out_root, base, s = Path(recipe.output_root_path), Path(recipe.model_root_path), options.settings
     rows = [Row(LABELS[m], base.name, base, method_job(m, out_root, base.name, s)) for m in options.methods]
@@ -135,7 +135,7 @@ def plan_rows(recipe: InferenceRecipe, options: CompareOptions) -> list[Row]:
     return rows
 
 
-def render_compare_plan(recipe: InferenceRecipe, options: CompareOptions) -> str:
+def render_compare_dry_run(recipe: InferenceRecipe, options: CompareOptions) -> str:
     """What ``compare`` would run, one line per row."""
     questions = describe_limit(recipe) or "the default eval size"
     s = options.settings
@@ -145,7 +145,7 @@ def render_compare_plan(recipe: InferenceRecipe, options: CompareOptions) -> str
         f"{s.debate.rounds} rounds at T={s.temperature}, {s.debate.context} context"
         + (f"; Optima SC: {options.optima_sc} samples" if options.optima_sc else ""),
     ]
-    lines += [f"  [{row.label}] serve {row.model_path} -> {row.job.out_path}" for row in plan_rows(recipe, options)]
+    lines += [f"  [{row.label}] serve {row.model_path} -> {row.job.out_path}" for row in table_rows(recipe, options)]
     return "\n".join(lines)
 
 
@@ -176,7 +176,7 @@ def compare_rows(
     """Generate every row's file of one task (resuming) and score them; return the rows and the header."""
     prepare_output(recipe)
     examples = load_eval_examples(recipe)
-    rows = plan_rows(recipe, options)
+    rows = table_rows(recipe, options)
     session = EvalSession(recipe, envs, examples, Path(recipe.output_root_path))
     by_model: dict[Path, list[Row]] = {}
     for row in rows:  # one server per model folder, however its path was written
@@ -197,7 +197,7 @@ def compare_rows(
         for row in rows:
             records = load_results(row.job.out_path, recipe.cluster_f1)
             scorer = scorer_of(row.model_path)
-            summary = method_row(records, row.job.plan.samples, scorer, recipe.cluster_f1)
+            summary = method_row(records, row.job.generation.samples, scorer, recipe.cluster_f1)
             producers[row.label] = producer = read_producer(row.job.out_path)
             results.append({"method": row.label, "model": row.model} | summary | {"producer": digest(producer)})
     header = {"questions": len(examples), "settings": settings_header(options), "producers": producers}

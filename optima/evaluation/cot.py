@@ -24,7 +24,7 @@ from optima.agents.conversation import AgentPrompts, TurnLimits, run_conversatio
 from optima.agents.generation import (
     ConversationRunner,
     GenerationHooks,
-    GenerationPlan,
+    GenerationSettings,
     GenerationStats,
     Job,
     generate_conversations,
@@ -99,9 +99,11 @@ class CoTRunner(ConversationRunner):
         task = get_task(job.example.task)
         messages = build_cot_messages(job.example, task)
         replica = self.pool.route(job.position)
-        plan = self.plan
-        seed = stable_rng(self.recipe.seed, "turn", plan.stage, plan.iteration, job.example.id, job.sample_index, 0)
-        sampling = Sampling(plan.temperature, self.recipe.max_tokens, seed.randrange(2**31))
+        generation = self.generation
+        seed = stable_rng(
+            self.recipe.seed, "turn", generation.stage, generation.iteration, job.example.id, job.sample_index, 0
+        )
+        sampling = Sampling(generation.temperature, self.recipe.max_tokens, seed.randrange(2**31))
 
         def generate(_agent_view: list[dict], _speaker: str):
             # The loop renders Alice's two-agent view; the baseline sends its own single-agent chat instead.
@@ -120,10 +122,10 @@ def generate_cot_answers(
     examples: Sequence[Example],
     endpoints: Sequence[str],
     out_path: Path,
-    plan: GenerationPlan,
+    generation: GenerationSettings,
 ) -> GenerationStats:
-    """``plan.samples`` single-agent answers per example into ``out_path`` (resuming what is there).
+    """``generation.samples`` single-agent answers per example into ``out_path`` (resuming what is there).
 
     Same contract as ``optima.agents.generation.generate_conversations``, which it runs with the CoT runner.
     """
-    return generate_conversations(recipe, examples, endpoints, out_path, plan, GenerationHooks(CoTRunner))
+    return generate_conversations(recipe, examples, endpoints, out_path, generation, GenerationHooks(CoTRunner))

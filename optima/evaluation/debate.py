@@ -16,7 +16,7 @@ scorer, and ``token_count`` sums the server's ``completion_tokens`` of every rep
 prompts are not counted). A reply cut at ``max_tokens`` stays in the debate (the others read it) and counts its
 tokens (``cut_replies`` counts such replies), but states no answer that round (docs/method.md#cut-replies).
 Status: ``error`` when a request failed for good, ``too_long`` when no last-round answer was parsed and a
-last-round reply was cut, else ``ok``. Agents sample at the plan's temperature
+last-round reply was cut, else ``ok``. Agents sample at the settings' temperature
 (identical greedy agents would agree from the start), seeded per (question, sample, agent, round).
 """
 
@@ -33,7 +33,7 @@ from optima.agents.conversation import ConversationResult, CountTokens, reply_to
 from optima.agents.generation import (
     ConversationRunner,
     GenerationHooks,
-    GenerationPlan,
+    GenerationSettings,
     GenerationStats,
     Job,
     generate_conversations,
@@ -213,21 +213,32 @@ class DebateRunner(ConversationRunner):
     """Runs one debate against the replica pool and records it like a conversation (plus a ``debate`` field)."""
 
     def __init__(
-        self, recipe: InferenceRecipe, plan: GenerationPlan, pool, settings: DebateSettings = DebateSettings()
+        self,
+        recipe: InferenceRecipe,
+        generation: GenerationSettings,
+        pool,
+        settings: DebateSettings = DebateSettings(),
     ):
-        super().__init__(recipe, plan, pool)
+        super().__init__(recipe, generation, pool)
         self.settings = settings
 
     def run(self, job: Job) -> tuple[dict, int]:
         task = get_task(job.example.task)
         replica = self.pool.route(job.position)
-        plan = self.plan
-        seed_parts = (self.recipe.seed, "turn", plan.stage, plan.iteration, job.example.id, job.sample_index)
+        generation = self.generation
+        seed_parts = (
+            self.recipe.seed,
+            "turn",
+            generation.stage,
+            generation.iteration,
+            job.example.id,
+            job.sample_index,
+        )
 
         def generate(messages: list[dict], agent: int, round_index: int) -> ChatReply:
             nonlocal replica
             seed = stable_rng(*seed_parts, agent, round_index).randrange(2**31)
-            reply = self.pool.chat(replica, messages, Sampling(plan.temperature, self.recipe.max_tokens, seed))
+            reply = self.pool.chat(replica, messages, Sampling(generation.temperature, self.recipe.max_tokens, seed))
             replica = reply.replica
             return reply
 
@@ -245,12 +256,12 @@ def generate_debates(
     examples: Sequence[Example],
     endpoints: Sequence[str],
     out_path: Path,
-    plan: GenerationPlan,
+    generation: GenerationSettings,
     settings: DebateSettings = DebateSettings(),
 ) -> GenerationStats:
-    """``plan.samples`` debates per example into ``out_path`` (resuming what is there).
+    """``generation.samples`` debates per example into ``out_path`` (resuming what is there).
 
     Same contract as ``optima.agents.generation.generate_conversations``, which it runs with the debate runner.
     """
     runner = functools.partial(DebateRunner, settings=settings)
-    return generate_conversations(recipe, examples, endpoints, out_path, plan, GenerationHooks(runner))
+    return generate_conversations(recipe, examples, endpoints, out_path, generation, GenerationHooks(runner))

@@ -118,25 +118,25 @@ def producer_fingerprint(recipe: InferenceRecipe, job, examples: Sequence[Exampl
 
     Args:
         recipe: The evaluation recipe (generation settings, seed).
-        job: The ``GenerationJob`` (plan, method parameters, prompt renderer).
+        job: The ``GenerationJob`` (generation, method parameters, prompt renderer).
         examples: The eval set.
         shared: ``model_fingerprint`` of the served model on ``examples``.
     """
     render = job.prompts or conversation_prompts
-    plan = job.plan
+    generation = job.generation
     return {
         "method": {"label": job.label} | dict(job.params) | {name: getattr(recipe, name, None) for name in job.reads},
         "model": shared["model"],
         "tokenizer": shared["tokenizer"],
         "prompts": {"templates": shared["templates"], "rendered": digest([render(e) for e in examples])},
         "generation": {
-            "temperature": plan.temperature,
-            "samples": plan.samples,
+            "temperature": generation.temperature,
+            "samples": generation.samples,
             "max_tokens": recipe.max_tokens,
             "max_turns": recipe.max_turns,
             "seed": recipe.seed,
-            "stage": plan.stage,
-            "iteration": plan.iteration,
+            "stage": generation.stage,
+            "iteration": generation.iteration,
         },
         "serving": {"max_model_len": recipe.max_model_len, "dtype": vllm_dtype_arg(recipe.vllm_extra_args)},
         "questions": shared["questions"],

@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optima.agents.generation import GenerationPlan
+from optima.agents.generation import GenerationSettings
 from optima.config.fields import RecipeError
 from optima.evaluation.autoform import autoform_request_texts, generate_autoform
 from optima.evaluation.cot import build_cot_messages, generate_cot_answers
@@ -89,26 +89,26 @@ def method_job(
     """
     path, t = out_root / f"{name}.{method}.jsonl", settings.temperature
     if method == "optima":
-        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="eval"))
+        return GenerationJob(method, path, GenerationSettings(iteration, 0.0, 1, stage="eval"))
     if method == "optima_sc":
-        return GenerationJob(method, path, GenerationPlan(iteration, t, settings.samples, stage="sc"))
+        return GenerationJob(method, path, GenerationSettings(iteration, t, settings.samples, stage="sc"))
     cot = {"generate": generate_cot_answers, "prompts": build_cot_messages}
     if method == "cot":
-        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="cot"), **cot)
+        return GenerationJob(method, path, GenerationSettings(iteration, 0.0, 1, stage="cot"), **cot)
     if method == "cot_sc":
-        return GenerationJob(method, path, GenerationPlan(iteration, t, settings.samples, stage="cot_sc"), **cot)
+        return GenerationJob(method, path, GenerationSettings(iteration, t, settings.samples, stage="cot_sc"), **cot)
     if method == "mad":
         debate = functools.partial(generate_debates, settings=settings.debate)
         shape = {"agents": settings.debate.agents, "rounds": settings.debate.rounds}  # the context: in the prompts
         prompts = functools.partial(debate_prompts, settings=settings.debate)
-        plan = GenerationPlan(iteration, t, 1, stage="mad")
-        return GenerationJob(method, path, plan, debate, shape, prompts, reads=("cluster_f1",))  # the vote
+        generation = GenerationSettings(iteration, t, 1, stage="mad")
+        return GenerationJob(method, path, generation, debate, shape, prompts, reads=("cluster_f1",))  # the vote
     autoform = {"generate": generate_autoform, "prompts": autoform_request_texts}
     if method == "autoform":
-        return GenerationJob(method, path, GenerationPlan(iteration, 0.0, 1, stage="autoform"), **autoform)
+        return GenerationJob(method, path, GenerationSettings(iteration, 0.0, 1, stage="autoform"), **autoform)
     if method == "autoform_sc":
-        plan = GenerationPlan(iteration, t, settings.samples, stage="autoform_sc")
-        return GenerationJob(method, path, plan, **autoform)
+        generation = GenerationSettings(iteration, t, settings.samples, stage="autoform_sc")
+        return GenerationJob(method, path, generation, **autoform)
     raise RecipeError("methods", f"unknown method {method!r}; choose from {tuple(LABELS)}")
 
 

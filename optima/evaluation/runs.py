@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationPlan, generate_conversations
+from optima.agents.generation import GenerationSettings, generate_conversations
 from optima.config.recipe_file import save_recipe
 from optima.config.rules import tokenizer_path
 from optima.environments import PythonEnv, check_env
@@ -47,7 +47,7 @@ class GenerationJob:
     Args:
         label: Method label for logs (``eval``, ``optima_sc``, ``cot``, ``cot_sc``).
         out_path: The JSONL result file.
-        plan: Temperature and samples per question.
+        generation: Temperature and samples per question.
         generate: ``generate_conversations`` or another function with its signature (the CoT baseline).
         params: The method's own parameters (MAD's agents, rounds, context), part of the file's fingerprint.
         prompts: Renders the texts the method sends for one question (its prompt version); None: Optima's
@@ -58,7 +58,7 @@ class GenerationJob:
 
     label: str
     out_path: Path
-    plan: GenerationPlan
+    generation: GenerationSettings
     generate: Callable = generate_conversations
     params: dict = field(default_factory=dict)
     prompts: Callable[[Example], list] | None = None
@@ -168,7 +168,7 @@ class EvalSession:
         shared = model_fingerprint(self.recipe, model_path, self.examples)  # hashes the weights once per model
         for job in jobs:
             claim_result_file(job.out_path, producer_fingerprint(self.recipe, job, self.examples, shared))
-        todo = [job for job in jobs if pending_count(job.out_path, self.examples, job.plan.samples)]
+        todo = [job for job in jobs if pending_count(job.out_path, self.examples, job.generation.samples)]
         if not todo:
             logger.info("%s | skip: %d result files complete, no server started", name, len(jobs))
             return {}
@@ -180,7 +180,7 @@ class EvalSession:
         with self._serve(name, model_path) as endpoints:
             self.servers_started += 1
             for job in todo:
-                result = job.generate(self.recipe, self.examples, endpoints, job.out_path, job.plan)
+                result = job.generate(self.recipe, self.examples, endpoints, job.out_path, job.generation)
                 stats[job.label] = result.to_dict()
         return stats
 

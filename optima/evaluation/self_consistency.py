@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from optima.agents.generation import GenerationPlan
+from optima.agents.generation import GenerationSettings
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.debate import DebateSettings
+from optima.evaluation.dry_run import list_models
 from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import LABELS, BaselineSettings, method_job
 from optima.evaluation.metrics import TIMEOUTS, RecordScorer, metric_names, summarize_records, with_timeouts
-from optima.evaluation.plan import list_models
 from optima.evaluation.report import plot_self_consistency, render_table, write_csv, write_json
 from optima.evaluation.runs import (
     EvalSession,
@@ -115,7 +115,7 @@ def base_model(recipe: RunFields, models: list[tuple[str, Path]]) -> tuple[str, 
 
 def sc_jobs(recipe: MultiSCRecipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
     """The Optima samples of one model."""
-    optima = GenerationPlan(checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples, stage="sc")
+    optima = GenerationSettings(checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples, stage="sc")
     return [GenerationJob("optima_sc", out_root / f"{name}.sc.jsonl", optima)]
 
 
@@ -126,7 +126,7 @@ def baseline_jobs(recipe: MultiSCRecipe, out_root: Path, name: str, options: SCO
     return [method_job(m, out_root, name, settings) for m in methods]
 
 
-def plan_models(
+def model_jobs(
     recipe: MultiSCRecipe, out_root: Path, options: SCOptions
 ) -> dict[str, tuple[Path, list[GenerationJob]]]:
     """Per model name: its folder and its result files (Optima's samples; the baselines on the base model)."""
@@ -143,7 +143,7 @@ def analyze_model(jobs: list[GenerationJob], max_k: int, scorer: RecordScorer, c
     results = {}
     for job in jobs:
         records = load_results(job.out_path, cluster_f1)
-        if job.plan.samples == 1:  # one answer per question: the sweep's summary
+        if job.generation.samples == 1:  # one answer per question: the sweep's summary
             results[job.label] = summarize_records(records, scorer)
         else:
             results[job.label] = analyze_self_consistency(records, max_k, scorer, cluster_f1)
@@ -222,7 +222,7 @@ def run_self_consistency(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], opti
     results, producers = {}, {}
     with MathVerifier() as verifier:
         scorer_of = RecordScorers(recipe, verifier)
-        for name, (path, jobs) in plan_models(recipe, out_root, options).items():
+        for name, (path, jobs) in model_jobs(recipe, out_root, options).items():
             logger.info("self-consistency | %s | %d questions | %s", name, len(examples), [j.label for j in jobs])
             session.run(name, path, jobs)
             results[name] = analyze_model(jobs, max_k, scorer_of(path), recipe.cluster_f1)

@@ -25,13 +25,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationPlan
+from optima.agents.generation import GenerationSettings
 from optima.environments import PythonEnv
 from optima.evaluation.compare import write_comparison
+from optima.evaluation.dry_run import list_models
 from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import LABELS, BaselineSettings, method_job, method_row
 from optima.evaluation.metrics import RecordScorer, metric_names, summarize_records, with_timeouts
-from optima.evaluation.plan import list_models
 from optima.evaluation.report import plot_sweep, render_table, write_csv, write_json
 from optima.evaluation.runs import (
     EvalSession,
@@ -69,8 +69,8 @@ TABLE_COLUMNS = (
 
 def sweep_job(out_root: Path, name: str) -> GenerationJob:
     """The greedy eval file of one checkpoint: one conversation per question, temperature 0, no prompt pool."""
-    plan = GenerationPlan(checkpoint_iteration(name), 0.0, 1, use_prompt_pool=False, stage="eval")
-    return GenerationJob("eval", out_root / f"{name}.jsonl", plan)
+    generation = GenerationSettings(checkpoint_iteration(name), 0.0, 1, use_prompt_pool=False, stage="eval")
+    return GenerationJob("eval", out_root / f"{name}.jsonl", generation)
 
 
 def summarize_checkpoint(recipe: InferenceRecipe, name: str, scorer: RecordScorer) -> dict:
@@ -121,7 +121,7 @@ def comparison_rows(
         for job in jobs:
             records = load_results(job.out_path, getattr(recipe, "cluster_f1", 0.9))
             label = LABELS["optima" if job.label == "eval" else job.label]
-            rows.append({"method": label, "model": name} | method_row(records, job.plan.samples, scorer))
+            rows.append({"method": label, "model": name} | method_row(records, job.generation.samples, scorer))
     return rows
 
 

@@ -1,5 +1,5 @@
 """The accelerate configs a training stage may use: which file a recipe's ``accelerate_config`` names, what it says,
-and the distributed strategy the hardware plan estimates memory for.
+and the distributed strategy the hardware allocation estimates memory for.
 
 The shipped configs are ``alignment-handbook/recipes/accelerate_configs/<name>.yaml``; the training launch
 (``optima.training.launch_config``) hands the same file to ``accelerate launch``.

@@ -3,7 +3,7 @@
 A trainer's global batch is ``per_device_train_batch_size x gradient_accumulation_steps x processes`` (processes
 in all nodes). The released recipes were run with the accelerate config's processes (``num_processes x
 num_machines``: 8 GPUs for the shipped Llama configs), so their global batch is the trainer YAML's two values x 8:
-SFT 1 x 2 x 8 = 16, DPO 1 x 8 x 8 = 64 (arc), at learning rates tuned for them. The plan trains on other counts
+SFT 1 x 2 x 8 = 16, DPO 1 x 8 x 8 = 64 (arc), at learning rates tuned for them. The allocation trains on other counts
 (7 GPUs beside the loss server, 14 on two nodes), so it keeps the released batch:
 
 * ``gradient_accumulation_steps = released / (per_device x processes)`` when that divides;
@@ -13,7 +13,7 @@ SFT 1 x 2 x 8 = 16, DPO 1 x 8 x 8 = 64 (arc), at learning rates tuned for them. 
 * else a refusal naming the batch, the per-device size and the nodes.
 
 ``gradient_accumulation_steps`` set in ``trainer_overrides`` is the user's choice: nothing is adjusted, and the
-plan prints the global batch it gives beside the released one. CPU training (the demo recipes) is reported, never
+allocation prints the global batch it gives beside the released one. CPU training (the demo recipes) is reported, never
 adjusted: its recipes are this project's own, not released ones.
 """
 
@@ -72,7 +72,7 @@ class TrainerBatch:
 
 
 def trainer_batches(recipe: TrainingFields, yamls: list[dict], released_processes: int) -> list[TrainerBatch]:
-    """The batch of each trainer YAML of the recipe (``optima.hardware.plan.trainer_yamls``)."""
+    """The batch of each trainer YAML of the recipe (``optima.hardware.allocation.trainer_yamls``)."""
     batches = []
     for yaml in yamls:
         kind = DPO if yaml.get("_dpo") else SFT
@@ -96,7 +96,7 @@ def processes_per_node(batches: list[TrainerBatch], free_per_node: int, nodes: i
 
 
 def accumulation_overrides(batches: list[TrainerBatch], processes: int) -> dict[str, int]:
-    """``kind -> gradient_accumulation_steps`` the plan sets (only where it differs from the trainer's YAML)."""
+    """``kind -> gradient_accumulation_steps`` the allocation sets (only where it differs from the trainer's YAML)."""
     return {
         b.kind: b.accumulation_for(processes)
         for b in batches
@@ -104,25 +104,25 @@ def accumulation_overrides(batches: list[TrainerBatch], processes: int) -> dict[
     }
 
 
-def keep_global_batch(batches: list[TrainerBatch], free_per_node: int, nodes: int, plan) -> int:
-    """The processes per node that keep the released batches (``plan.accumulation`` set, a note when fewer than
+def keep_global_batch(batches: list[TrainerBatch], free_per_node: int, nodes: int, allocation) -> int:
+    """The processes per node that keep the released batches (``allocation.accumulation`` set, a note when fewer than
     ``free_per_node`` train); 0 with a problem when none can."""
     per_node = processes_per_node(batches, free_per_node, nodes)
     if per_node == 0:
         wanted = ", ".join(f"{b.kind} {b.released} ({b.per_device} per device)" for b in batches)
-        plan.problems.append(
+        allocation.problems.append(
             f"training: the released global batch ({wanted}) cannot be split evenly over {nodes} node(s) with "
             f"at most {free_per_node} process(es) each: change the nodes or GPUs, or set "
             f"{ACCUMULATION} (and {PER_DEVICE}) in trainer_overrides to choose another global batch"
         )
         return 0
     if per_node < free_per_node:
-        plan.idle_for_batch = free_per_node - per_node
-        plan.notes.append(
+        allocation.idle_for_batch = free_per_node - per_node
+        allocation.notes.append(
             f"{per_node} of the {free_per_node} free GPUs per node train, so that the released global batch "
             f"({', '.join(str(b.released) for b in batches)}) is kept: it is not a multiple of "
             f"{free_per_node * nodes} processes. To train on more, free a GPU (loss_placement: after, or "
             f"loss_devices) or set {ACCUMULATION} in trainer_overrides (another global batch)"
         )
-    plan.accumulation = accumulation_overrides(batches, per_node * nodes)
+    allocation.accumulation = accumulation_overrides(batches, per_node * nodes)
     return per_node

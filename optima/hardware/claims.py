@@ -1,8 +1,8 @@
-"""What a hardware plan holds: each process's claim on each GPU, and the plan itself (``HardwarePlan``).
+"""What a hardware allocation holds: each process's claim on each GPU, and the allocation (``HardwareAllocation``).
 
-``optima.hardware.plan`` places the servers and claims their shares; ``optima.hardware.training`` places the
-trainer and claims its peak; both write into one ``HardwarePlan``, which refuses an impossible plan (``check``) and
-renders it for ``--dry-run``.
+``optima.hardware.allocation`` places the servers and claims their shares; ``optima.hardware.training`` places the
+trainer and claims its peak; both write into one ``HardwareAllocation``, which refuses an impossible allocation
+(``check``) and renders it for ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def phase_total(claims: list[Claim], phase: str) -> int:
 
 
 @dataclass
-class HardwarePlan:
+class HardwareAllocation:
     """Placements and claims of a run on some hardware (see the module docstring).
 
     Args:
@@ -50,9 +50,9 @@ class HardwarePlan:
         training: The training processes (None: an evaluation recipe).
         claims: ``(node, gpu id) -> claims`` on that GPU.
         lines: What ``render`` shows about each process.
-        problems: Why the plan cannot run (empty: it can).
+        problems: Why the allocation cannot run (empty: it can).
         notes: Remarks that do not stop the run.
-        loss_share: The loss server's memory share the plan computed (None: the recipe's, or no loss server).
+        loss_share: The loss server's memory share the allocation computed (None: the recipe's, or no loss server).
         accumulation: ``gradient_accumulation_steps`` per trainer (``sft``, ``dpo``) that keeps the released
             global batch on the planned processes, where it differs from the trainer YAML's
             (``optima.hardware.batch``).
@@ -76,13 +76,13 @@ class HardwarePlan:
     def check(self) -> None:
         """Raise every problem, numbered, as one ``RecipeError`` (nothing has started yet)."""
         if len(self.problems) == 1:
-            raise RecipeError("hardware plan", self.problems[0])
+            raise RecipeError("hardware allocation", self.problems[0])
         if self.problems:
             listed = " ".join(f"({i}) {problem}" for i, problem in enumerate(self.problems, 1))
-            raise RecipeError("hardware plan", f"{len(self.problems)} problems: {listed}")
+            raise RecipeError("hardware allocation", f"{len(self.problems)} problems: {listed}")
 
     def render(self) -> list[str]:
-        """The plan as ``--dry-run`` prints it."""
+        """What ``--dry-run`` prints of it."""
         out = [f"  hardware: {self.hardware.describe()}", *(f"      {line}" for line in self.lines)]
         for (node, gpu), claims in sorted(self.claims.items()):
             gen = [c for c in claims if c.generation]

@@ -12,9 +12,9 @@ policy is still generating (``loss_placement: beside``). The two must not fight 
   it starts.
 * GPU: the loss server runs on ``loss_devices`` when the recipe names them (each keeps the full
   ``gpu_memory_utilization``), else on the first policy GPU with ``loss_gpu_memory_utilization`` of its memory
-  (null: the share the hardware plan computes from the loss model's weights, ``optima.hardware.plan``), taken from
-  that replica's share; the other policy replicas keep theirs. Each server's tensor parallel size is the number of
-  its GPUs (``optima.serving.vllm_server.build_serve_command``).
+  (null: the share the hardware allocation computes from the loss model's weights, ``optima.hardware.allocation``),
+  taken from that replica's share; the other policy replicas keep theirs. Each server's tensor parallel size is the
+  number of its GPUs (``optima.serving.vllm_server.build_serve_command``).
 
 With ``sleep_mode`` (on by default, GPU and CPU) the policy replicas are kept from checkpoint to checkpoint:
 they sleep (GPU) or idle (CPU) during training and then load the new weights (``optima.serving.sleep_mode``).
@@ -120,7 +120,7 @@ def carry_over_on(recipe: ServingFields, gpus: Sequence[str]) -> bool:
     return True if recipe.sleep_mode is None else recipe.sleep_mode
 
 
-def plan_layout(
+def place_servers(
     recipe: Recipe, gpus: Sequence[str], cpus: Sequence[int], loss_share: float | None = None
 ) -> ServerLayout:
     """Placements of every server of an iteration recipe.
@@ -129,11 +129,11 @@ def plan_layout(
         recipe: Serving fields, ``loss_placement``, ``loss_devices``, ``loss_gpu_memory_utilization``, ``sleep_mode``.
         gpus: Visible GPU ids (empty: CPU machine).
         cpus: CPU ids this process may run on.
-        loss_share: The loss server's memory share when the recipe leaves it null (computed by the hardware plan).
+        loss_share: The loss server's memory share when the recipe leaves it null (from the hardware allocation).
     """
     beside, carry = loss_server_wanted(recipe), carry_over_on(recipe, gpus)
     if gpus:
-        policy = [dataclasses.replace(p, carry_over=carry) for p in plan_replicas(recipe, gpus, cpus)]
+        policy = [dataclasses.replace(p, carry_over=carry) for p in place_replicas(recipe, gpus, cpus)]
         resident = beside
         if not beside and not search_loss_server_wanted(recipe):
             return ServerLayout(tuple(policy), None)
@@ -145,7 +145,7 @@ def plan_layout(
             return ServerLayout(tuple(policy), loss, resident)
         share = recipe.loss_gpu_memory_utilization or loss_share
         if share is None:
-            raise ValueError("loss_gpu_memory_utilization is null: the hardware plan computes the share")
+            raise ValueError("loss_gpu_memory_utilization is null: the hardware allocation computes the share")
         left = round(recipe.gpu_memory_utilization - share, 4)
         if left <= 0:
             raise RecipeError(
@@ -158,10 +158,10 @@ def plan_layout(
         return ServerLayout(tuple(policy), loss, resident)
     if not beside:
         return ServerLayout((Placement(carry_over=carry),), None)
-    return plan_cpu_beside(recipe, sorted(cpus), carry)
+    return place_cpu_beside(recipe, sorted(cpus), carry)
 
 
-def plan_cpu_beside(recipe: LoopRecipe, cpus: list[int], carry: bool) -> ServerLayout:
+def place_cpu_beside(recipe: LoopRecipe, cpus: list[int], carry: bool) -> ServerLayout:
     """Policy and loss server on a CPU: their own cores, and the loss server's KV cache what scoring needs.
 
     The loss server gets the last quarter of the cores (at least one), the policy the rest; one core is shared.
@@ -174,7 +174,7 @@ def plan_cpu_beside(recipe: LoopRecipe, cpus: list[int], carry: bool) -> ServerL
     return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:])), cpu_kvcache_gb=loss_kv))
 
 
-def plan_replicas(
+def place_replicas(
     recipe: ServingFields, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1
 ) -> list[Placement]:
     """Where each replica runs (pure).

@@ -1,4 +1,4 @@
-"""Memory estimates of the GPU plan: model weights, KV caches, vLLM's own share, the trainer's peak (pure).
+"""Memory estimates of the GPU allocation: model weights, KV caches, vLLM's own share, the trainer's peak (pure).
 
 Sizes come from the model's ``config.json`` (a local folder) or, for a hub name without a local config, from
 ``KNOWN_MODELS`` (the models the shipped recipes use). A Llama-style decoder has
@@ -7,7 +7,7 @@ Sizes come from the model's ``config.json`` (a local folder) or, for a hub name 
              + layers x (2 x hidden^2 + 2 x hidden x kv_heads x head_dim      # q, o and k, v projections
                          + 3 x hidden x intermediate + 2 x hidden)            # gated MLP, two norms
 
-(Llama-3-8B: 8.03e9). Every estimate is in bytes; ``optima.hardware.plan`` turns them into per-GPU claims (a vLLM
+(Llama-3-8B: 8.03e9). Every estimate is in bytes; ``optima.hardware.allocation`` turns them into per-GPU claims (a vLLM
 server's, from its arguments: ``optima.hardware.vllm_memory``).
 
 The trainer's peak per GPU (``trainer_peak_bytes``), for P parameters, N training processes, w bytes per weight

@@ -1,7 +1,7 @@
 """Where each process of a run runs: a server's ``Placement`` and the training's ``TrainingPlacement``.
 
-The hardware plan (``optima.hardware.plan``) makes them; serving starts each server where its placement says
-(``optima.serving.vllm_server``), and the training launch starts the trainer on the nodes and GPUs of the training
+The hardware allocation (``optima.hardware.allocation``) makes them; serving starts each server where its placement
+says (``optima.serving.vllm_server``), and the training launch starts the trainer on the nodes and GPUs of the training
 placement (``optima.training.launch_config``; on several nodes ``optima.training.nodes`` starts every node).
 """
 

@@ -1,8 +1,8 @@
-"""The training part of the hardware plan: which GPUs of which nodes train, how many processes, at what peak.
+"""The training part of the hardware allocation: which GPUs of which nodes train, how many processes, at what peak.
 
 Training runs on the GPUs that no resident server holds (the loss server stays up for the whole run; a sleeping
 policy replica only keeps its CUDA context), the same number on every node (torchrun's rule), and ``num_processes``
-is what the plan says (the shipped accelerate configs' 8 never applies). The nodes are the recipe's
+is what the allocation says (the shipped accelerate configs' 8 never applies). The nodes are the recipe's
 ``train_hosts`` (or ``train_hostfile``), started by ``train_launcher``; with ``train_launcher: srun`` and no hosts,
 the nodes of the Slurm allocation (as many as the hardware has). Hardware with more nodes than the recipe names
 trains on node 0 only (a note says so).
@@ -176,51 +176,54 @@ def training_hosts(recipe: TrainingFields, hardware: Hardware) -> list[str]:
     return [""] * hardware.nodes if recipe.train_launcher == "srun" and hardware.nodes > 1 else []
 
 
-def node_hosts(recipe: TrainingFields, hardware: Hardware, plan) -> list[str]:
+def node_hosts(recipe: TrainingFields, hardware: Hardware, allocation) -> list[str]:
     """The hosts of the training nodes (``""``: a Slurm node found at run time); one entry per node."""
     hosts = training_hosts(recipe, hardware)
     if hosts:
         return hosts
     if hardware.nodes > 1:
-        plan.notes.append(
+        allocation.notes.append(
             f"the hardware has {hardware.nodes} nodes but the recipe names none (train_hosts, train_hostfile, or "
             "train_launcher: srun inside a Slurm allocation): training and serving use node 0 only"
         )
     return ["localhost"]
 
 
-def check_loopback_hosts(hosts: list[str], plan) -> None:
+def check_loopback_hosts(hosts: list[str], allocation) -> None:
     """Several nodes named beside a loopback one (``[localhost, node2]``): node 2 would wait for the rendezvous on
     its own loopback. All on the loopback is one machine's rehearsal (allowed). Names that only resolve to a
     loopback address are found at start (``optima.training.hosts``)."""
     loopback = [h for h in hosts if h.rsplit("@", 1)[-1] in LOOPBACK_HOSTS or h.rsplit("@", 1)[-1].startswith("127.")]
     if len(hosts) > 1 and loopback and len(loopback) < len(hosts):
-        plan.problems.append(
+        allocation.problems.append(
             f"train_hosts: {loopback[0]!r} is a loopback name beside other nodes ({', '.join(hosts)}): they would "
             "wait for the rendezvous on their own loopback; name every node by a host or address the others reach"
         )
 
 
-def plan_training(recipe: TrainingFields, hardware: Hardware, size: ModelSize | None, yamls: list[dict], plan) -> None:
+def allocate_training(
+    recipe: TrainingFields, hardware: Hardware, size: ModelSize | None, yamls: list[dict], allocation
+) -> None:
     """Place the training processes and claim their peak on each GPU (see the module docstring)."""
     config = read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))
     strategy = strategy_of(config)
     released = int(config.get("num_processes") or 1) * int(config.get("num_machines") or 1)
     batches = trainer_batches(recipe, yamls, released)
-    hosts = node_hosts(recipe, hardware, plan)
-    check_loopback_hosts(hosts, plan)
+    hosts = node_hosts(recipe, hardware, allocation)
+    check_loopback_hosts(hosts, allocation)
     launcher = "local" if len(hosts) == 1 else recipe.train_launcher
     port, exe, forward = recipe.main_process_port, recipe.train_launcher_executable, recipe.train_forward_env or ()
     if strategy == "cpu" or not hardware.has_gpu:
         per_node = max(1, (recipe.num_processes or 1) // len(hosts))
         nodes = tuple(NodeRanks(h, r) for r, h in enumerate(hosts))
-        plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port, tuple(forward))
-        plan.lines.append(
-            f"training: {strategy}, {plan.training.num_processes} CPU process(es) on {len(hosts)} node(s)"
+        allocation.training = TrainingPlacement(nodes, per_node, launcher, exe, port, tuple(forward))
+        allocation.lines.append(
+            f"training: {strategy}, {allocation.training.num_processes} CPU process(es) on {len(hosts)} node(s)"
         )
-        plan.lines += [b.describe(plan.training.num_processes, len(hosts)) for b in batches]  # reported only
+        # The batches are reported only (CPU training keeps the YAML's).
+        allocation.lines += [b.describe(allocation.training.num_processes, len(hosts)) for b in batches]
         return
-    resident = {gpu for (node, gpu), claims in plan.claims.items() if node == 0 and _resident(claims)}
+    resident = {gpu for (node, gpu), claims in allocation.claims.items() if node == 0 and _resident(claims)}
     free = [[g for g in hardware.gpu_ids if g not in resident]] + [list(hardware.gpu_ids)] * (len(hosts) - 1)
     per_node = min(len(f) for f in free)
     if recipe.num_processes is not None:
@@ -228,66 +231,68 @@ def plan_training(recipe: TrainingFields, hardware: Hardware, size: ModelSize | 
     if strategy == "single":
         per_node = min(per_node, 1)
         if len(hosts) > 1:
-            plan.problems.append(
+            allocation.problems.append(
                 f"training: accelerate_config {recipe.accelerate_config} (distributed_type NO) runs one process on "
                 f"one node (accelerate's simple launcher ignores --num_processes and --num_machines), so each of the "
                 f"{len(hosts)} nodes would train alone into one folder: use multi_gpu, fsdp or deepspeed_zero3 for "
                 "several nodes, or name one host"
             )
     if per_node:
-        per_node = keep_global_batch(batches, per_node, len(hosts), plan)
+        per_node = keep_global_batch(batches, per_node, len(hosts), allocation)
         if not per_node:
             return
     if per_node == 0:
         holders = ", ".join(sorted(resident))
-        plan.problems.append(
+        allocation.problems.append(
             f"training: no GPU of node 0 is free of a server that stays up through training (GPU {holders}: loss "
             "server): set loss_placement: after (the loss model is then served after generation and stopped "
             "before training), or loss_devices on a GPU outside devices with more GPUs"
         )
         return
     nodes = tuple(NodeRanks(h, r, tuple(free[r][:per_node])) for r, h in enumerate(hosts))
-    plan.training = TrainingPlacement(nodes, per_node, launcher, exe, port, tuple(forward))
+    allocation.training = TrainingPlacement(nodes, per_node, launcher, exe, port, tuple(forward))
     mixed = str(config.get("mixed_precision") or "no") != "no"
-    shapes = [trainer_shape(strategy, plan.training.num_processes, y, mixed) for y in yamls]
+    shapes = [trainer_shape(strategy, allocation.training.num_processes, y, mixed) for y in yamls]
     peak = max(memory.trainer_peak_bytes(size, s) for s in shapes) if size else 0
     where = "; ".join(f"node {n.machine_rank} ({n.host or 'Slurm'}) GPUs {','.join(n.gpus)}" for n in nodes)
-    plan.lines.append(
+    allocation.lines.append(
         f"training: {strategy}{' + LoRA' if any(s.lora_rank for s in shapes) else ''}, "
-        f"{plan.training.num_processes} process(es) ({per_node} per node, launcher {launcher}): {where}; "
+        f"{allocation.training.num_processes} process(es) ({per_node} per node, launcher {launcher}): {where}; "
         f"peak ~{gib(peak)} GiB per GPU"
     )
-    plan.lines += [b.describe(plan.training.num_processes, len(hosts)) for b in batches]
-    claim_training(plan, nodes, peak, strategy, any(s.lora_rank for s in shapes))
+    allocation.lines += [b.describe(allocation.training.num_processes, len(hosts)) for b in batches]
+    claim_training(allocation, nodes, peak, strategy, any(s.lora_rank for s in shapes))
 
 
 def _resident(claims) -> bool:
     return any(c.resident for c in claims)
 
 
-def claim_training(plan, nodes, peak: int, strategy: str, lora: bool = False) -> None:
+def claim_training(allocation, nodes, peak: int, strategy: str, lora: bool = False) -> None:
     """Claim the trainer's peak on its GPUs; a GPU over its memory in the training phase is a problem."""
-    total = int(plan.hardware.gpu_gib * memory.GIB)
+    total = int(allocation.hardware.gpu_gib * memory.GIB)
     over = []
     for node in nodes:
         for gpu in node.gpus:
-            plan.claim(node.machine_rank, gpu, Claim(f"trainer ({strategy})", peak, generation=False, training=True))
-            held = phase_total(plan.claims[(node.machine_rank, gpu)], "training")
+            allocation.claim(
+                node.machine_rank, gpu, Claim(f"trainer ({strategy})", peak, generation=False, training=True)
+            )
+            held = phase_total(allocation.claims[(node.machine_rank, gpu)], "training")
             if held > total:
                 over.append((node.machine_rank, gpu, held))
     if over:  # one problem for the training (the worst GPU), however many GPUs are over
         rank, gpu, held = max(over, key=lambda item: item[2])
-        plan.problems.append(
-            f"training: ~{gib(peak)} GiB per process ({strategy}, {plan.training.num_processes} processes) "
+        allocation.problems.append(
+            f"training: ~{gib(peak)} GiB per process ({strategy}, {allocation.training.num_processes} processes) "
             f"+ {gib(held - peak)} GiB of sleeping servers = {gib(held)} GiB on GPU {gpu} of node {rank}, which has "
-            f"{plan.hardware.gpu_gib:g} GiB: {training_fixes(strategy, lora, plan.idle_for_batch)}"
+            f"{allocation.hardware.gpu_gib:g} GiB: {training_fixes(strategy, lora, allocation.idle_for_batch)}"
         )
 
 
 def training_fixes(strategy: str, lora: bool, idle_for_batch: int = 0) -> str:
     """The fixes of a trainer over its GPU's memory that apply to its strategy (none it already uses).
 
-    ``idle_for_batch``: free GPUs per node the plan left idle to keep the released global batch
+    ``idle_for_batch``: free GPUs per node the allocation left idle to keep the released global batch
     (``optima.hardware.batch``); a sharded trainer would fit on them with another global batch.
     """
     fixes = []

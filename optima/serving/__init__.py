@@ -4,7 +4,7 @@ With ``optima.training.launch`` and the setup code, the only place that starts p
 they are stopped).
 
     with serve(recipe, model_path, vllm_env, stage_paths) as endpoints:     # ["http://127.0.0.1:8000/v1", ...]
-        generate_conversations(recipe, examples, endpoints, stage_paths.generations, plan)
+        generate_conversations(recipe, examples, endpoints, stage_paths.generations, generation)
 
 Names are imported on first use, so that ``optima.serving.client`` (what the conversation code needs) does not
 pull in the process code.

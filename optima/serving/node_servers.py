@@ -1,7 +1,7 @@
 """The policy servers of the other nodes of a multi-node run, started through the training's own launcher.
 
 With several training nodes (``train_hosts``, ``train_hostfile`` or ``train_launcher: srun``) every node samples:
-the hardware plan gives each node after the first the policy replicas node 0 has (``ServerLayout.nodes``, without
+the hardware allocation gives each node after the first the policy replicas node 0 has (``ServerLayout.nodes``, without
 the loss server's share), and ``ServerHolder`` starts them with node 0's and pools every URL in the run's replica
 pool. Each one's ``vllm serve`` command goes to its node the way the trainer does (``NodeLauncher``, built from the
 training placement by ``optima.training.nodes.NodeCommands``: ``ssh -tt HOST 'cd REPO && env ... vllm serve ...'``,

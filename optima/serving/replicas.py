@@ -28,7 +28,7 @@ from optima.config.rules import loss_model
 from optima.environments import PythonEnv
 from optima.hardware.capacity import MemoryShare, PolicyDemand, loss_kvcache_gb
 from optima.hardware.gpus import visible_gpus
-from optima.hardware.layout import plan_replicas
+from optima.hardware.layout import place_replicas
 from optima.hardware.placement import Placement
 from optima.paths import RunPaths, StagePaths
 from optima.serving.endpoints import normalize_base_url, sync_endpoints
@@ -130,7 +130,7 @@ def serve(
         stage_paths: Stage folder; replica logs go to its ``logs/vllm_<i>.log``.
         cpu_replicas: Replicas on a machine without GPU (default 1).
         layout: Placements of the replicas, the ports and memory of servers starting beside them
-            (``ReplicaLayout``, from ``optima.hardware.layout``); default: ``plan_replicas``, alone.
+            (``ReplicaLayout``, from ``optima.hardware.layout``); default: ``place_replicas``, alone.
     """
     with sigterm_as_exit():
         if recipe.endpoints:
@@ -142,7 +142,7 @@ def serve(
             raise ValueError("serve() needs a vLLM environment when the recipe lists no endpoints")
         if layout is None:
             cpus = sorted(os.sched_getaffinity(0))
-            layout = ReplicaLayout(plan_replicas(recipe, visible_gpus(), cpus, cpu_replicas))
+            layout = ReplicaLayout(place_replicas(recipe, visible_gpus(), cpus, cpu_replicas))
         placements = layout.placements
         share = memory_share(recipe, layout)
         specs = build_replica_specs(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationPlan, TokenCounter, generate_conversations
+from optima.agents.generation import GenerationSettings, TokenCounter, generate_conversations
 from optima.config.rules import train_start, workers
 from optima.methods import DPO
 from optima.paths import StagePaths
@@ -50,8 +50,8 @@ def probe(call: StageCall) -> dict:
     ctx, recipe, sp = call.ctx, call.recipe, call.sp
     examples = common.training_questions(ctx, call.iteration, "probe", recipe.probe_count)
     endpoints = ctx.servers.serve(call.model, sp)
-    plan = GenerationPlan(call.iteration, recipe.temperature, 1, use_prompt_pool=False, stage="probe")
-    stats = generate_conversations(recipe, examples, endpoints, sp.probe, plan)
+    generation = GenerationSettings(call.iteration, recipe.temperature, 1, use_prompt_pool=False, stage="probe")
+    stats = generate_conversations(recipe, examples, endpoints, sp.probe, generation)
     records = load_records(sp.probe)[0]
     counts = counted_tokens(records)
     if not counts:

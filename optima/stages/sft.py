@@ -11,7 +11,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationHooks, generate_conversations, plan_generation
+from optima.agents.generation import GenerationHooks, generate_conversations, generation_settings
 from optima.config.rules import loss_model, train_start
 from optima.loss_stream import StreamingLosses, load_known_losses
 from optima.methods import SFT
@@ -37,14 +37,14 @@ def generate(call: StageCall) -> dict:
     ctx, sp = call.ctx, call.sp
     examples = common.training_questions(ctx, call.iteration, SFT)
     endpoints = ctx.servers.serve(call.model, sp)
-    plan = plan_generation(call.recipe, call.iteration)
+    generation = generation_settings(call.recipe, call.iteration)
     with contextlib.ExitStack() as stack:
         stream = None
         if call.recipe.cal_ppl and ctx.servers.loss is not None:
             scorer = common.built_on_first_use(lambda: common.served_loss_scorer(ctx, ctx.servers.loss_urls()))
             stream = stack.enter_context(StreamingLosses(scorer, sp.losses, loss_model(call.recipe)))
         hooks = GenerationHooks(on_record=stream.submit if stream else None)
-        stats = generate_conversations(call.recipe, examples, endpoints, sp.generations, plan, hooks)
+        stats = generate_conversations(call.recipe, examples, endpoints, sp.generations, generation, hooks)
         streamed = {"loss_stream": stream.finish()} if stream else {}
     return {"questions": len(examples)} | stats.to_dict() | streamed
 

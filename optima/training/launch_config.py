@@ -7,7 +7,7 @@ model, dataset and output folder, written into the run directory and handed to
     <train python> -m accelerate.commands.launch --config_file <accelerate yaml> \
         alignment-handbook/scripts/run_sft.py --config <run>/iteration_<i>/trainer.yaml
 
-The process count, the GPUs and, on several nodes, accelerate's multi-node flags come from the hardware plan's
+The process count, the GPUs and, on several nodes, accelerate's multi-node flags come from the hardware allocation's
 ``TrainingPlacement`` (``optima.training.nodes``, which also starts every node). ``optima.training.launch`` runs the
 command.
 """
@@ -113,7 +113,7 @@ class TrainLaunch:
         trainer_yaml: Rendered trainer recipe.
         num_processes: Overrides the accelerate config's process count (without a placement).
         extra_launch_args: More ``accelerate launch`` flags.
-        placement: The hardware plan's training processes: process count, GPUs, nodes (wins over num_processes).
+        placement: The hardware allocation's training processes: process count, GPUs, nodes (wins over num_processes).
     """
 
     kind: TrainerKind
@@ -191,7 +191,7 @@ def launch_for(
     gpu: bool,
     placement: TrainingPlacement | None = None,
 ) -> TrainLaunch:
-    """The training subprocess of a recipe's stage (accelerate config, the plan's processes, extra launch flags)."""
+    """The training subprocess of a recipe's stage (accelerate config, the allocated processes, extra launch flags)."""
     return TrainLaunch(
         kind,
         env,

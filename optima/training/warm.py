@@ -158,7 +158,7 @@ def warm_trainer_for(
         recipe: The recipe (``warm_trainer``, ``accelerate_config``, ``num_processes``, ...).
         env: The training environment (None: the run trains nothing).
         gpu: Whether a GPU is visible (GPU runs keep ``accelerate launch``).
-        placement: The hardware plan's ``TrainingPlacement`` (or None).
+        placement: The hardware allocation's ``TrainingPlacement`` (or None).
         log_dir: Where the server's log goes.
     """
     if env is None or not recipe.warm_trainer or gpu:

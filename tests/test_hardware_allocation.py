@@ -1,6 +1,6 @@
-"""The hardware plan: every shipped recipe on six machines, one test per GPU defect it fixes, the estimates.
+"""The hardware allocation: every shipped recipe on six machines, one test per GPU defect it fixes, the estimates.
 
-Pure functions only (no process starts): the plan reads the recipes, the trainer YAMLs and model configs.
+Pure functions only (no process starts): the allocation reads the recipes, the trainer YAMLs and model configs.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe, load_recipe
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv, resolve_env
 from optima.hardware import memory
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.claims import phase_total
 from optima.hardware.placement import Placement
-from optima.hardware.plan import plan_hardware
 from optima.hardware.spec import Hardware, detect_hardware, parse_hardware
 from optima.serving.vllm_server import build_serve_command
 from optima.training.launch_config import launch_for
@@ -48,23 +48,24 @@ def tp_of(argv: list[str]) -> int:
     return int(argv[argv.index("--tensor-parallel-size") + 1])
 
 
-def assert_feasible(plan, recipe) -> None:
+def assert_feasible(allocation, recipe) -> None:
     """No GPU over its memory in either phase, tp = GPUs of each server, training off resident servers' GPUs."""
-    total = plan.hardware.gpu_gib * GIB
-    for (node, gpu), claims in plan.claims.items():
+    total = allocation.hardware.gpu_gib * GIB
+    for (node, gpu), claims in allocation.claims.items():
         assert phase_total(claims, "generation") <= total, (node, gpu, claims)
         assert phase_total(claims, "training") <= total, (node, gpu, claims)
-    if plan.layout is not None and plan.hardware.has_gpu:
-        servers = [*plan.layout.policy, *([plan.layout.loss] if plan.layout.loss else [])]
+    if allocation.layout is not None and allocation.hardware.has_gpu:
+        servers = [*allocation.layout.policy, *([allocation.layout.loss] if allocation.layout.loss else [])]
         for placement in servers:
             assert tp_of(build_serve_command(recipe, "/m", 8000, VENV, placement)) == len(placement.gpus)
-        policy_gpus = [g for p in plan.layout.policy for g in p.gpus]
+        policy_gpus = [g for p in allocation.layout.policy for g in p.gpus]
         assert len(policy_gpus) == len(set(policy_gpus))  # no GPU in two replicas
-    resident = {key for key, claims in plan.claims.items() if any(c.resident for c in claims)}
-    if plan.training is not None:
-        trained = {(n.machine_rank, g) for n in plan.training.nodes for g in n.gpus}
+    resident = {key for key, claims in allocation.claims.items() if any(c.resident for c in claims)}
+    if allocation.training is not None:
+        trained = {(n.machine_rank, g) for n in allocation.training.nodes for g in n.gpus}
         assert not trained & resident, (trained, resident)
-        assert plan.training.num_processes == plan.training.processes_per_node * len(plan.training.nodes)
+        training = allocation.training
+        assert training.num_processes == training.processes_per_node * len(training.nodes)
 
 
 @pytest.mark.parametrize("variant", [{}, {"devices": None}], ids=["as shipped", "all GPUs"])
@@ -73,25 +74,25 @@ def assert_feasible(plan, recipe) -> None:
 def test_every_shipped_recipe_is_feasible_or_refused_before_start(path, machine, variant):
     """Each recipe as shipped (the Llama ones name GPUs 0-7) and with ``devices: null`` (every GPU there is)."""
     recipe = load(path, **variant)
-    plan = plan_hardware(recipe, parse_hardware(machine), [0, 1])
-    if plan.problems:
-        with pytest.raises(RecipeError, match="hardware plan"):
-            plan.check()
+    allocation = allocate_hardware(recipe, parse_hardware(machine), [0, 1])
+    if allocation.problems:
+        with pytest.raises(RecipeError, match="hardware allocation"):
+            allocation.check()
         return
-    plan.check()
-    assert_feasible(plan, recipe)
-    assert plan.training is not None and plan.training.num_processes >= 1
+    allocation.check()
+    assert_feasible(allocation, recipe)
+    assert allocation.training is not None and allocation.training.num_processes >= 1
     llama = "demo" not in path.name
     if llama and machine == "8x80GB":  # the shipped Llama-3-8B recipes run on one 8x80 GB machine
         # 4 of the 7 GPUs beside the loss server: the released global batches (16, 64) are multiples of 4, not 7
-        assert plan.training.num_processes == 4 and plan.layout.loss.gpus == ("0",)
+        assert allocation.training.num_processes == 4 and allocation.layout.loss.gpus == ("0",)
 
 
 @pytest.mark.parametrize("path", [p for p in RECIPES if "demo" not in p.name], ids=lambda p: p.stem)
 def test_shipped_llama_recipes_are_feasible_on_8x80gb(path):
-    plan = plan_hardware(load(path), parse_hardware("8x80GB"), [0, 1])
-    assert not plan.problems, plan.problems
-    assert "Meta-Llama-3-8B" in "\n".join(plan.lines)
+    allocation = allocate_hardware(load(path), parse_hardware("8x80GB"), [0, 1])
+    assert not allocation.problems, allocation.problems
+    assert "Meta-Llama-3-8B" in "\n".join(allocation.lines)
 
 
 def test_defect2_loss_server_share_is_computed_from_the_weights():
@@ -101,10 +102,10 @@ def test_defect2_loss_server_share_is_computed_from_the_weights():
     recipe = recipe_at("train/sft_recipes/arc.yaml")
     assert recipe.loss_gpu_memory_utilization is None
     for machine, expected in (("8x80GB", 0.25), ("8x141GB", 0.14)):
-        plan = plan_hardware(recipe, parse_hardware(machine), [0])
-        assert plan.loss_share == expected and plan.layout.loss.gpu_memory_utilization == expected
-        assert plan.layout.policy[0].gpu_memory_utilization == round(0.9 - expected, 4)
-    small = plan_hardware(
+        allocation = allocate_hardware(recipe, parse_hardware(machine), [0])
+        assert allocation.loss_share == expected and allocation.layout.loss.gpu_memory_utilization == expected
+        assert allocation.layout.policy[0].gpu_memory_utilization == round(0.9 - expected, 4)
+    small = allocate_hardware(
         recipe_at("train/sft_recipes/arc.yaml", loss_gpu_memory_utilization=0.1), parse_hardware("8x80GB")
     )
     assert len(small.problems) == 1
@@ -122,33 +123,34 @@ def test_defect3_tensor_parallel_is_the_gpus_of_each_placement():
     """Defect 3: ``--tensor-parallel-size`` came from the recipe for every server, so with tensor_parallel_size 2 the
     loss server on one GPU was asked to split over two. Now each server's tp is the number of its own GPUs."""
     recipe = recipe_at("train/sft_recipes/arc.yaml", tensor_parallel_size=2)
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    assert [p.gpus for p in plan.layout.policy] == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
-    assert tp_of(build_serve_command(recipe, "/m", 8000, VENV, plan.layout.policy[0])) == 2
-    assert plan.layout.loss.gpus == ("0",)
-    assert tp_of(build_serve_command(recipe, "/m", 8001, VENV, plan.layout.loss)) == 1
-    assert not plan.problems
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert [p.gpus for p in allocation.layout.policy] == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert tp_of(build_serve_command(recipe, "/m", 8000, VENV, allocation.layout.policy[0])) == 2
+    assert allocation.layout.loss.gpus == ("0",)
+    assert tp_of(build_serve_command(recipe, "/m", 8001, VENV, allocation.layout.loss)) == 1
+    assert not allocation.problems
 
 
 def test_defect4_every_node_is_started_by_a_launcher():
     """Defect 4: ``--num_machines/--machine_rank`` went into ``accelerate_extra_args`` and only this node started
     (the others waited for a human), with num_processes unset the configs' 8 was split over the nodes. Now those
-    flags are refused, and ``train_hosts`` starts every node through ssh (or srun) with the plan's process count."""
-    with pytest.raises(RecipeError, match="accelerate_extra_args: --num_machines is set by the hardware plan"):
+    flags are refused, and ``train_hosts`` starts every node through ssh (or srun) with the allocation's process
+    count."""
+    with pytest.raises(RecipeError, match="accelerate_extra_args: --num_machines is set by the hardware allocation"):
         recipe_at("train/sft_recipes/arc.yaml", accelerate_extra_args=["--num_machines", "2"])
     recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "n2"])
-    plan = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0])
-    assert not plan.problems
+    allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
+    assert not allocation.problems
     # 4 per node: the released global batch 16 is a multiple of 8 processes, not 14 (optima.hardware.batch)
-    assert [(n.host, n.machine_rank, len(n.gpus)) for n in plan.training.nodes] == [("n1", 0, 4), ("n2", 1, 4)]
+    assert [(n.host, n.machine_rank, len(n.gpus)) for n in allocation.training.nodes] == [("n1", 0, 4), ("n2", 1, 4)]
     train_env = resolve_env(sys.executable, "train")
-    launch = launch_for(recipe, "sft", train_env, Path("/run/t.yaml"), True, plan.training)
+    launch = launch_for(recipe, "sft", train_env, Path("/run/t.yaml"), True, allocation.training)
     argv = " ".join(launch.argv())
     assert "-m optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4/0,1,2,3 --" in argv
     assert "--num_processes 8 --num_machines 2 --machine_rank {machine_rank} --main_process_ip {main_host}" in argv
     srun = recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun")
-    plan = plan_hardware(srun, parse_hardware("2x8x80GB"), [0])
-    argv = " ".join(launch_for(srun, "sft", train_env, Path("/t.yaml"), True, plan.training).argv())
+    allocation = allocate_hardware(srun, parse_hardware("2x8x80GB"), [0])
+    argv = " ".join(launch_for(srun, "sft", train_env, Path("/t.yaml"), True, allocation.training).argv())
     assert "--launcher srun" in argv and "--main_process_ip {main_host}" in argv
 
 
@@ -157,12 +159,12 @@ def test_defect4_every_node_is_started_by_a_launcher():
 )
 def test_defect5_num_processes_comes_from_the_training_gpus(gpus, loss_placement, visible):
     """Defect 5: on 1-7 GPUs the shipped accelerate configs (``num_processes: 8``) still asked for 8 processes:
-    nothing passed ``--num_processes``. Now it is always the plan's training GPUs (as many of the free ones as keep
-    the released global batch 16: 2 of 3 beside the loss server)."""
+    nothing passed ``--num_processes``. Now it is always the allocation's training GPUs (as many of the free ones as
+    keep the released global batch 16: 2 of 3 beside the loss server)."""
     recipe = recipe_at("train/sft_recipes/arc.yaml", devices=None, loss_placement=loss_placement)
-    plan = plan_hardware(recipe, parse_hardware(f"{gpus}x141GB"), [0])
-    assert not plan.problems, plan.problems
-    launch = launch_for(recipe, "sft", VENV, Path("/t.yaml"), True, plan.training)
+    allocation = allocate_hardware(recipe, parse_hardware(f"{gpus}x141GB"), [0])
+    assert not allocation.problems, allocation.problems
+    launch = launch_for(recipe, "sft", VENV, Path("/t.yaml"), True, allocation.training)
     argv = launch.argv()
     assert argv[argv.index("--num_processes") + 1] == str(len(visible.split(",")))
     assert launch.env_vars()["CUDA_VISIBLE_DEVICES"] == visible
@@ -173,14 +175,14 @@ def test_defect6_training_never_shares_a_gpu_with_the_resident_loss_server():
     an OOM by design), and ``loss_devices`` overlapping the policy's GPUs were accepted. Now training runs on the
     other GPUs, an overlap is refused, and one GPU with a resident loss server is refused with the fix."""
     own_batch = {"trainer_overrides": {"gradient_accumulation_steps": 2}}  # every free GPU trains (batch 14)
-    plan = plan_hardware(recipe_at("train/sft_recipes/arc.yaml", **own_batch), parse_hardware("8x80GB"), [0])
-    assert plan.training.nodes[0].gpus == tuple("1234567")
-    overlap = plan_hardware(recipe_at("train/sft_recipes/arc.yaml", loss_devices=[3]), parse_hardware("8x80GB"))
+    allocation = allocate_hardware(recipe_at("train/sft_recipes/arc.yaml", **own_batch), parse_hardware("8x80GB"), [0])
+    assert allocation.training.nodes[0].gpus == tuple("1234567")
+    overlap = allocate_hardware(recipe_at("train/sft_recipes/arc.yaml", loss_devices=[3]), parse_hardware("8x80GB"))
     assert any("loss_devices [3] overlap the policy's GPUs on GPU 3" in p for p in overlap.problems)
     separate = recipe_at("train/sft_recipes/arc.yaml", devices=[0, 1, 2, 3, 4, 5, 6], loss_devices=[7], **own_batch)
-    plan = plan_hardware(separate, parse_hardware("8x80GB"), [0])
-    assert not plan.problems and plan.training.nodes[0].gpus == tuple("0123456")
-    one = plan_hardware(
+    allocation = allocate_hardware(separate, parse_hardware("8x80GB"), [0])
+    assert not allocation.problems and allocation.training.nodes[0].gpus == tuple("0123456")
+    one = allocate_hardware(
         recipe_at("train/sft_recipes/demo_arc.yaml", accelerate_config="multi_gpu"), parse_hardware("1x80GB")
     )
     assert any("no GPU of node 0 is free" in p and "loss_placement: after" in p for p in one.problems)
@@ -199,8 +201,8 @@ def test_defect6_training_never_shares_a_gpu_with_the_resident_loss_server():
 )
 def test_vllm_reload_routes_never_bind_to_a_public_address(host, extra, refused):
     recipe = recipe_at("train/sft_recipes/arc.yaml", host=host, api_key="k", **extra)
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    assert any("reload routes" in p for p in plan.problems) is refused
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert any("reload routes" in p for p in allocation.problems) is refused
 
 
 @pytest.mark.parametrize(
@@ -258,22 +260,22 @@ def test_trainer_peak_follows_the_strategy():
 
 def test_a_loss_model_of_unknown_size_needs_its_share_named():
     recipe = recipe_at("train/sft_recipes/arc.yaml", loss_model_path="org/unknown-model")
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    assert plan.problems == [
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert allocation.problems == [
         "loss server: the size of org/unknown-model is unknown (no config.json, not a known hub name): set "
         "loss_gpu_memory_utilization, or loss_devices"
     ]
     named = recipe_at(
         "train/sft_recipes/arc.yaml", loss_model_path="org/unknown-model", loss_gpu_memory_utilization=0.3
     )
-    assert not plan_hardware(named, parse_hardware("8x80GB"), [0]).problems
+    assert not allocate_hardware(named, parse_hardware("8x80GB"), [0]).problems
 
 
-def test_cpu_plan_trains_on_the_cpu_and_checks_no_gpu():
-    plan = plan_hardware(recipe_at("train/sft_recipes/demo_arc.yaml"), Hardware(1, 0, 0.0), [0, 1])
-    assert not plan.problems and not plan.claims
-    assert plan.training.num_processes == 1 and plan.training.nodes[0].gpus == ()
-    assert plan.layout.policy == (Placement(cpu_bind="0", carry_over=True),)  # kept through training
+def test_cpu_allocation_trains_on_the_cpu_and_checks_no_gpu():
+    allocation = allocate_hardware(recipe_at("train/sft_recipes/demo_arc.yaml"), Hardware(1, 0, 0.0), [0, 1])
+    assert not allocation.problems and not allocation.claims
+    assert allocation.training.num_processes == 1 and allocation.training.nodes[0].gpus == ()
+    assert allocation.layout.policy == (Placement(cpu_bind="0", carry_over=True),)  # kept through training
 
 
 def test_dry_run_prints_the_plan_and_a_refused_run_stops_before_start(tmp_path, capsys):
@@ -283,23 +285,26 @@ def test_dry_run_prints_the_plan_and_a_refused_run_stops_before_start(tmp_path, 
     argv += ["--alignment_env", sys.executable, "--set", f"output_dir={tmp_path / 'run'}"]
     assert run_loop_script(SFTRecipe, "", [*argv, "--dry-run", "--hardware", "8x80GB"]) == 0
     out = capsys.readouterr().out
-    assert "hardware: 1 node(s) x 8 GPU(s) x 80 GiB (--hardware 8x80GB)" in out and "plan: feasible" in out
+    assert "hardware: 1 node(s) x 8 GPU(s) x 80 GiB (--hardware 8x80GB)" in out and "allocation: feasible" in out
     assert "--num_processes 4" in out
     assert run_loop_script(SFTRecipe, "", [*argv, "--hardware", "8x24GB"]) == 2
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
 def test_this_machine_is_planned_by_one_helper(monkeypatch):
-    """``plan_this_machine``: the given machine (``--hardware``), else the detected one, with this process's cores."""
-    import optima.hardware.plan as plan_module
-    from optima.hardware.plan import plan_this_machine
+    """``allocate_this_machine``: the given machine (``--hardware``), else the detected one, with this process's
+    cores."""
+    import optima.hardware.allocation as allocation_module
+    from optima.hardware.allocation import allocate_this_machine
 
     recipe = recipe_at("train/sft_recipes/arc.yaml")
     seen = []
-    monkeypatch.setattr(plan_module, "plan_hardware", lambda recipe, hardware, cpus: seen.append((hardware, cpus)))
-    monkeypatch.setattr(plan_module, "detect_hardware", lambda: "detected")
+    monkeypatch.setattr(
+        allocation_module, "allocate_hardware", lambda recipe, hardware, cpus: seen.append((hardware, cpus))
+    )
+    monkeypatch.setattr(allocation_module, "detect_hardware", lambda: "detected")
     given = parse_hardware("1x80")
-    plan_this_machine(recipe, given)
-    plan_this_machine(recipe)
+    allocate_this_machine(recipe, given)
+    allocate_this_machine(recipe)
     cores = sorted(os.sched_getaffinity(0))
     assert seen == [(given, cores), ("detected", cores)]

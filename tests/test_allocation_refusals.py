@@ -1,7 +1,7 @@
-"""What the hardware plan refuses and how (issue 32, items 4, 8 and 9): memory unknown, the single-process config,
-every problem listed with advice that applies, and setup's Python version check.
+"""What the hardware allocation refuses and how (issue 32, items 4, 8 and 9): memory unknown, the single-process
+config, every problem listed with advice that applies, and setup's Python version check.
 
-Pure functions only: the plan reads the recipes, the trainer YAMLs and the built-in model table.
+Pure functions only: the allocation reads the recipes, the trainer YAMLs and the built-in model table.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 from optima import install
 from optima.config import SFTRecipe, load_recipe
 from optima.config.fields import RecipeError
-from optima.hardware.plan import plan_hardware
+from optima.hardware.allocation import allocate_hardware
 from optima.hardware.spec import Hardware, detect_hardware, parse_hardware
 from optima.hardware.training import training_fixes
 from optima.training.launch_config import launch_for
-from tests.test_hardware_plan import VENV
+from tests.test_hardware_allocation import VENV
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,35 +39,39 @@ def test_gpus_of_unknown_memory_are_refused_naming_hardware_not_divided_by(tmp_p
     was ``need / 0`` (ZeroDivisionError). Now one refusal naming --hardware."""
     hardware = detect_hardware({"PATH": str(tmp_path), "CUDA_VISIBLE_DEVICES": "0,1"})
     assert hardware.has_gpu and hardware.gpu_gib == 0 and hardware.source == "memory unknown"
-    plan = plan_hardware(sft(), hardware, [0])
-    assert len(plan.problems) == 1 and "--hardware" in plan.problems[0] and "memory is unknown" in plan.problems[0]
+    allocation = allocate_hardware(sft(), hardware, [0])
+    assert (
+        len(allocation.problems) == 1
+        and "--hardware" in allocation.problems[0]
+        and "memory is unknown" in allocation.problems[0]
+    )
     with pytest.raises(RecipeError, match="--hardware 2x80GB"):
-        plan.check()
+        allocation.check()
 
 
 def test_single_gpu_config_is_planned_as_one_process():
     """accelerate's simple launcher (distributed_type NO) starts one process whatever --num_processes says."""
     recipe = sft(accelerate_config="single_gpu", loss_placement="after")
-    plan = plan_hardware(recipe, parse_hardware("8x80GB"), [0])
-    assert plan.training.num_processes == 1 and plan.training.nodes[0].gpus == ("0",)
-    argv = launch_for(recipe, "sft", VENV, Path("/t.yaml"), True, plan.training).argv()
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert allocation.training.num_processes == 1 and allocation.training.nodes[0].gpus == ("0",)
+    argv = launch_for(recipe, "sft", VENV, Path("/t.yaml"), True, allocation.training).argv()
     assert argv[argv.index("--num_processes") + 1] == "1"
-    assert any(line.startswith("training: single,") for line in plan.lines)
+    assert any(line.startswith("training: single,") for line in allocation.lines)
 
 
 def test_single_gpu_config_on_several_nodes_is_refused():
     recipe = sft(accelerate_config="single_gpu", loss_placement="after", train_hosts=["n1", "n2"])
-    plan = plan_hardware(recipe, parse_hardware("2x8x80GB"), [0])
-    assert any("single_gpu (distributed_type NO) runs one process on one node" in p for p in plan.problems)
+    allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
+    assert any("single_gpu (distributed_type NO) runs one process on one node" in p for p in allocation.problems)
 
 
 def test_every_problem_is_listed_not_only_the_first():
     """A share too small and a trainer over its GPU: both are refused in one message (the second was dropped)."""
     recipe = sft(loss_gpu_memory_utilization=0.1, accelerate_config="multi_gpu")
-    plan = plan_hardware(recipe, parse_hardware("8x40GB"), [0])
-    assert [p.split(":")[0] for p in plan.problems] == ["loss server", "training"]
+    allocation = allocate_hardware(recipe, parse_hardware("8x40GB"), [0])
+    assert [p.split(":")[0] for p in allocation.problems] == ["loss server", "training"]
     with pytest.raises(RecipeError) as raised:
-        plan.check()
+        allocation.check()
     assert "2 problems: (1) loss server:" in str(raised.value) and "(2) training:" in str(raised.value)
 
 
@@ -86,8 +90,8 @@ def test_training_advice_applies_to_the_strategy(strategy, lora, wanted, unwante
 
 
 def test_zero3_over_its_gpu_is_not_told_to_use_zero3():
-    plan = plan_hardware(sft(), Hardware(1, 8, 24.0, source="test"), [0])
-    training = [p for p in plan.problems if p.startswith("training:")]
+    allocation = allocate_hardware(sft(), Hardware(1, 8, 24.0, source="test"), [0])
+    training = [p for p in allocation.problems if p.startswith("training:")]
     assert training and "use deepspeed_zero3" not in training[0] and "more nodes" in training[0]
 
 

@@ -36,8 +36,8 @@ def describe_serving(recipe: ServingFields) -> str:
     return f"GPUs {gpus}, one replica per {recipe.tensor_parallel_size} (one CPU replica without a GPU)"
 
 
-def render_eval_plan(recipe: InferenceRecipe | MultiSCRecipe, envs: dict[str, PythonEnv]) -> str:
-    """Human-readable plan of a sweep or a self-consistency run."""
+def render_dry_run(recipe: InferenceRecipe | MultiSCRecipe, envs: dict[str, PythonEnv]) -> str:
+    """What ``--dry-run`` prints for a sweep or a self-consistency run."""
     sc = isinstance(recipe, MultiSCRecipe)
     models = list_models(recipe)
     questions = describe_limit(recipe) or "default eval size (1000 or the test split)"

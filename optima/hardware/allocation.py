@@ -1,7 +1,7 @@
-"""The hardware plan of a run: (recipe, hardware) -> where every process runs and what it holds, checked before start.
+"""The hardware allocation of a run: (recipe, hardware) -> where every process runs and what it holds, checked first.
 
-One plan places the policy replicas and the loss server (``optima.hardware.layout``, whose memory share for the loss
-server is computed here from its weights when the recipe leaves ``loss_gpu_memory_utilization`` null), and the
+One allocation places the policy replicas and the loss server (``optima.hardware.layout``, whose memory share for the
+loss server is computed here from its weights when the recipe leaves ``loss_gpu_memory_utilization`` null), and the
 training processes (``optima.hardware.placement.TrainingPlacement``: GPUs, ``num_processes``, machine ranks per node).
 Each claim on a GPU carries an estimate (``optima.hardware.memory``), in the two phases of an iteration:
 
@@ -11,8 +11,8 @@ Each claim on a GPU carries an estimate (``optima.hardware.memory``), in the two
   CUDA context, a loss server (which stays up for the whole run) its whole share. Training never runs on a GPU of a
   server that stays resident.
 
-An impossible plan is refused before anything starts (``check``), with one message naming the GPU, the claims on it
-and a fix. ``--dry-run`` prints ``render()``. docs/gpu.md describes the plan and its estimates.
+An impossible allocation is refused before anything starts (``check``), with one message naming the GPU, the claims on
+it and a fix. ``--dry-run`` prints ``render()``. docs/gpu.md describes the allocation and its estimates.
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ from optima.config.fields import RecipeError
 from optima.config.groups import LOOPBACK_HOSTS
 from optima.config.rules import loss_model
 from optima.hardware import memory, vllm_memory
-from optima.hardware.claims import Claim, HardwarePlan, describe_claims, phase_total
+from optima.hardware.claims import Claim, HardwareAllocation, describe_claims, phase_total
 from optima.hardware.layout import (
     NodeServers,
     ServerLayout,
     bind_problem,
     carry_over_on,
     loss_server_wanted,
-    plan_layout,
+    place_servers,
     search_loss_server_wanted,
 )
 from optima.hardware.memory import GIB, ModelSize, gib
 from optima.hardware.placement import Placement
 from optima.hardware.spec import Hardware, detect_hardware
-from optima.hardware.training import plan_training, policy_size, trainer_yamls, training_hosts
+from optima.hardware.training import allocate_training, policy_size, trainer_yamls, training_hosts
 from optima.hardware.vllm_memory import ServerNeed
 from optima.methods import DPO, runs
 
@@ -50,45 +50,47 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MIN_LOSS_SHARE = 0.05
 
 
-def plan_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwarePlan:
-    """The plan of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs)."""
-    plan = HardwarePlan(hardware)
+def allocate_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwareAllocation:
+    """The allocation of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs)."""
+    allocation = HardwareAllocation(hardware)
     if hardware.has_gpu and hardware.gpu_gib <= 0:
-        plan.problems.append(unknown_memory_problem(hardware))
-        return plan
+        allocation.problems.append(unknown_memory_problem(hardware))
+        return allocation
     yamls = trainer_yamls(recipe)
     if yamls:  # evaluation serves each model once: no sleep mode, no reload routes
-        check_dev_mode_bind(recipe, hardware, plan)
+        check_dev_mode_bind(recipe, hardware, allocation)
     size = policy_size(recipe, yamls)
     if size is not None:
-        plan.lines.append(f"policy model: {_describe_size(size)}")
+        allocation.lines.append(f"policy model: {_describe_size(size)}")
     if recipe.endpoints:
-        plan.lines.append("servers: external endpoints " + ", ".join(recipe.endpoints) + " (nothing launched here)")
+        allocation.lines.append(
+            "servers: external endpoints " + ", ".join(recipe.endpoints) + " (nothing launched here)"
+        )
     else:
-        plan_servers(recipe, hardware, size, plan, cpus or [0])
+        allocate_servers(recipe, hardware, size, allocation, cpus or [0])
     if yamls:
-        plan_node_servers(recipe, hardware, size, plan, training_hosts(recipe, hardware))
-        plan_training(recipe, hardware, size, yamls, plan)
-        note_search_loss(recipe, hardware, plan)
-    return plan
+        allocate_node_servers(recipe, hardware, size, allocation, training_hosts(recipe, hardware))
+        allocate_training(recipe, hardware, size, yamls, allocation)
+        note_search_loss(recipe, hardware, allocation)
+    return allocation
 
 
-def note_search_loss(recipe: Recipe, hardware: Hardware, plan: HardwarePlan) -> None:
+def note_search_loss(recipe: Recipe, hardware: Hardware, allocation: HardwareAllocation) -> None:
     """The tree search (iDPO, iSFT-DPO) without a loss server scores with transformers in the driver, on the CPU,
     whenever the policy it searches with is not the loss model (``optima.stages.common.loss_route``)."""
     searches = runs(recipe.method, DPO) and getattr(recipe, "cal_ppl", False)
     if hardware.has_gpu and searches and not loss_server_wanted(recipe):
-        plan.notes.append(
+        allocation.notes.append(
             f"the tree search scores LM losses of {loss_model(recipe)} with transformers in the driver process "
             "(fp32, on the CPU) whenever the policy is not the loss model (--dry-run's [search] stages say which): "
             "slow for an 8B model; loss_placement: beside serves it with vLLM on a GPU"
         )
 
 
-def plan_this_machine(recipe: Recipe, hardware: Hardware | None = None) -> HardwarePlan:
-    """The plan of ``recipe`` on this machine: ``hardware`` (``--hardware``), else the detected one, and the CPU
+def allocate_this_machine(recipe: Recipe, hardware: Hardware | None = None) -> HardwareAllocation:
+    """The allocation of ``recipe`` on this machine: ``hardware`` (``--hardware``), else the detected one, and the CPU
     cores this process may run on (``os.sched_getaffinity``)."""
-    return plan_hardware(recipe, hardware or detect_hardware(), sorted(os.sched_getaffinity(0)))
+    return allocate_hardware(recipe, hardware or detect_hardware(), sorted(os.sched_getaffinity(0)))
 
 
 def unknown_memory_problem(hardware: Hardware) -> str:
@@ -104,14 +106,14 @@ def _describe_size(size: ModelSize) -> str:
     return f"{size.name}: {size.params / 1e9:.2f}e9 parameters ({size.source})"
 
 
-def check_dev_mode_bind(recipe: ServingFields, hardware: Hardware, plan: HardwarePlan) -> None:
+def check_dev_mode_bind(recipe: ServingFields, hardware: Hardware, allocation: HardwareAllocation) -> None:
     """Refuse vLLM's development routes (sleep mode's reloads: no API key guards them) on a public address."""
     if recipe.endpoints or not carry_over_on(recipe, hardware.gpu_ids if hardware.has_gpu else []):
         return
     host = recipe.host
     if host in LOOPBACK_HOSTS or (host in recipe.private_hosts and host not in WILDCARD_HOSTS):
         return
-    plan.problems.append(
+    allocation.problems.append(
         f"host {host!r}: sleep_mode opens vLLM's reload routes (VLLM_SERVER_DEV_MODE), which its API key does not "
         "guard; bind to 127.0.0.1 or to a private interface listed in private_hosts (never a wildcard), or set "
         "sleep_mode: false"
@@ -123,8 +125,8 @@ def loss_share_for(need: int, gpu_gib: float) -> float:
     return max(MIN_LOSS_SHARE, math.ceil(need / (gpu_gib * GIB) * 100) / 100)
 
 
-def plan_servers(
-    recipe: Recipe, hardware: Hardware, size: ModelSize | None, plan: HardwarePlan, cpus: list[int]
+def allocate_servers(
+    recipe: Recipe, hardware: Hardware, size: ModelSize | None, allocation: HardwareAllocation, cpus: list[int]
 ) -> None:
     """Place the servers on node 0 and claim their shares (generation), checking each against its need."""
     gpus = list(hardware.gpu_ids) if hardware.has_gpu else []
@@ -138,35 +140,43 @@ def plan_servers(
         tp = len(recipe.loss_devices or [0])
         loss_need = vllm_memory.server_need(loss_size, loss_kv, tp, dtype, vllm_memory.loss_args(recipe, loss_size))
         if recipe.loss_gpu_memory_utilization is None and recipe.loss_devices is None:
-            plan.loss_share = loss_share_for(loss_need.total, hardware.gpu_gib)
+            allocation.loss_share = loss_share_for(loss_need.total, hardware.gpu_gib)
     shared = beside and gpus and recipe.loss_devices is None
-    if shared and recipe.loss_gpu_memory_utilization is None and plan.loss_share is None:
-        plan.problems.append(
+    if shared and recipe.loss_gpu_memory_utilization is None and allocation.loss_share is None:
+        allocation.problems.append(
             f"loss server: the size of {loss_model(recipe)} is unknown (no config.json, not a known hub name): set "
             "loss_gpu_memory_utilization, or loss_devices"
         )
         return
     try:
-        plan.layout = plan_layout(recipe, gpus, cpus, loss_share=plan.loss_share)
+        allocation.layout = place_servers(recipe, gpus, cpus, loss_share=allocation.loss_share)
     except RecipeError as exc:
-        plan.problems.append(str(exc))
+        allocation.problems.append(str(exc))
         return
     if not hasattr(recipe, "accelerate_config"):  # evaluation: replicas started per model, never kept asleep
-        policy = tuple(dataclasses.replace(p, carry_over=False) for p in plan.layout.policy)
-        plan.layout = dataclasses.replace(plan.layout, policy=policy)
+        policy = tuple(dataclasses.replace(p, carry_over=False) for p in allocation.layout.policy)
+        allocation.layout = dataclasses.replace(allocation.layout, policy=policy)
     if not gpus:
-        plan.lines.append("servers: on the CPU (one policy server" + (" and the loss server)" if beside else ")"))
+        allocation.lines.append(
+            "servers: on the CPU (one policy server" + (" and the loss server)" if beside else ")")
+        )
         return
-    check_overlap(recipe, plan.layout, plan)
+    check_overlap(recipe, allocation.layout, allocation)
     if size is None:
-        plan.notes.append(f"the size of {recipe.initial_model_path} is unknown: the servers' memory is not checked")
-    for i, placement in enumerate(plan.layout.policy):
-        claim_server(plan, recipe, f"policy replica {i}", placement, policy_need(recipe, size, hardware, placement))
-    if plan.layout.loss is not None:
-        plan.lines.append(f"loss model: {_describe_size(loss_size)}" if loss_size else "loss model: size unknown")
-        name = "loss server" if plan.layout.loss_resident else "search loss server"
-        claim_server(plan, recipe, name, plan.layout.loss, loss_need)
-    check_generation_totals(plan)
+        allocation.notes.append(
+            f"the size of {recipe.initial_model_path} is unknown: the servers' memory is not checked"
+        )
+    for i, placement in enumerate(allocation.layout.policy):
+        claim_server(
+            allocation, recipe, f"policy replica {i}", placement, policy_need(recipe, size, hardware, placement)
+        )
+    if allocation.layout.loss is not None:
+        allocation.lines.append(
+            f"loss model: {_describe_size(loss_size)}" if loss_size else "loss model: size unknown"
+        )
+        name = "loss server" if allocation.layout.loss_resident else "search loss server"
+        claim_server(allocation, recipe, name, allocation.layout.loss, loss_need)
+    check_generation_totals(allocation)
 
 
 def policy_need(recipe: Recipe, size: ModelSize | None, hardware: Hardware, placement: Placement) -> ServerNeed | None:
@@ -179,62 +189,69 @@ def policy_need(recipe: Recipe, size: ModelSize | None, hardware: Hardware, plac
     return vllm_memory.server_need(size, kv, len(placement.gpus), dtype, args)
 
 
-def plan_node_servers(
-    recipe: Recipe, hardware: Hardware, size: ModelSize | None, plan: HardwarePlan, hosts: list[str]
+def allocate_node_servers(
+    recipe: Recipe, hardware: Hardware, size: ModelSize | None, allocation: HardwareAllocation, hosts: list[str]
 ) -> None:
     """Every training node after the first serves the policy too (``optima.serving.node_servers``): node 0's
     replicas without the loss server's share, each claimed on its node's GPUs (sleeping, or stopped, for training)."""
-    if len(hosts) < 2 or plan.layout is None or recipe.endpoints:
+    if len(hosts) < 2 or allocation.layout is None or recipe.endpoints:
         return
-    policy = tuple(Placement(gpus=p.gpus, carry_over=p.carry_over) for p in plan.layout.policy)
+    policy = tuple(Placement(gpus=p.gpus, carry_over=p.carry_over) for p in allocation.layout.policy)
     nodes = tuple(NodeServers(rank, host, policy) for rank, host in enumerate(hosts) if rank)
-    plan.layout = dataclasses.replace(plan.layout, nodes=nodes)
+    allocation.layout = dataclasses.replace(allocation.layout, nodes=nodes)
     if recipe.train_launcher == "srun":  # bound to each node's name (ssh tunnels to the node's loopback)
         problem = bind_problem(recipe, "each Slurm node's name", policy[0].carry_over and not recipe.private_hosts)
         if problem:
-            plan.problems.append(f"the servers of nodes 1-{len(nodes)}: {problem}")
+            allocation.problems.append(f"the servers of nodes 1-{len(nodes)}: {problem}")
     for node in nodes:
         if not hardware.has_gpu:
-            plan.lines.append(f"node {node.rank} ({node.host or 'Slurm'}): one CPU policy server, pooled with node 0")
+            allocation.lines.append(
+                f"node {node.rank} ({node.host or 'Slurm'}): one CPU policy server, pooled with node 0"
+            )
             continue
         for i, placement in enumerate(policy):
             need = policy_need(recipe, size, hardware, placement)
-            claim_server(plan, recipe, f"node {node.rank} policy replica {i}", placement, need, node.rank)
+            claim_server(allocation, recipe, f"node {node.rank} policy replica {i}", placement, need, node.rank)
 
 
-def check_generation_totals(plan: HardwarePlan) -> None:
+def check_generation_totals(allocation: HardwareAllocation) -> None:
     """The servers' shares on one GPU must fit in it (vLLM takes its whole share at start-up)."""
-    total = plan.hardware.gpu_gib * GIB
-    for (node, gpu), claims in sorted(plan.claims.items()):
+    total = allocation.hardware.gpu_gib * GIB
+    for (node, gpu), claims in sorted(allocation.claims.items()):
         held = phase_total(claims, "generation")
         if held > total:
-            plan.problems.append(
+            allocation.problems.append(
                 f"GPU {gpu} of node {node}: the servers' shares add up to {gib(held)} GiB of "
-                f"{plan.hardware.gpu_gib:g} GiB ({describe_claims([c for c in claims if c.generation])}): lower "
+                f"{allocation.hardware.gpu_gib:g} GiB ({describe_claims([c for c in claims if c.generation])}): lower "
                 "gpu_memory_utilization or loss_gpu_memory_utilization, or move loss_devices"
             )
 
 
-def check_overlap(recipe: Recipe, layout: ServerLayout, plan: HardwarePlan) -> None:
+def check_overlap(recipe: Recipe, layout: ServerLayout, allocation: HardwareAllocation) -> None:
     """``loss_devices`` on GPUs of the policy replicas: both servers would take their full share of one GPU."""
     if layout.loss is None or recipe.loss_devices is None:
         return
     policy = {g for p in layout.policy for g in p.gpus}
     shared = sorted(set(layout.loss.gpus) & policy)
     if shared:
-        plan.problems.append(
+        allocation.problems.append(
             f"loss_devices {recipe.loss_devices} overlap the policy's GPUs on GPU {shared[0]}: name GPUs outside "
             "devices, or leave loss_devices null to share the first policy GPU by memory share"
         )
 
 
 def claim_server(
-    plan: HardwarePlan, recipe: ServingFields, name: str, placement: Placement, need: ServerNeed | None, node: int = 0
+    allocation: HardwareAllocation,
+    recipe: ServingFields,
+    name: str,
+    placement: Placement,
+    need: ServerNeed | None,
+    node: int = 0,
 ) -> None:
     """Claim a server's share on each of its GPUs (of ``node``); a share below its need is a problem (with the share
     that fits)."""
     share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
-    budget = int(share * plan.hardware.gpu_gib * GIB)
+    budget = int(share * allocation.hardware.gpu_gib * GIB)
     tp = len(placement.gpus)
     resident = name == "loss server"  # it serves the whole run, training included
     sleeps = placement.carry_over
@@ -246,13 +263,15 @@ def claim_server(
     )
     if need is not None:
         text += f"; needs ~{gib(need.total)} GiB per GPU: {need.describe()}"
-    plan.lines.append(text)
+    allocation.lines.append(text)
     for gpu in placement.gpus:
-        plan.claim(node, gpu, Claim(name, budget, training=resident))
+        allocation.claim(node, gpu, Claim(name, budget, training=resident))
         if sleeps:
-            plan.claim(node, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, generation=False, training=True))
+            allocation.claim(
+                node, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, generation=False, training=True)
+            )
     if need is not None and need.total > budget:
-        plan.problems.append(_share_problem(name, placement, need, share, plan.hardware.gpu_gib))
+        allocation.problems.append(_share_problem(name, placement, need, share, allocation.hardware.gpu_gib))
 
 
 def _share_problem(name: str, placement: Placement, need: ServerNeed, share: float, gpu_gib: float) -> str:
