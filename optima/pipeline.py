@@ -1,6 +1,8 @@
 """The only place that runs a plan: the stages of ``optima.plan``'s tables, iteration by iteration.
 
-``run_plan`` runs exactly the plan's stages, in its order (what ``--dry-run`` printed). Every stage records
+``run_plan`` runs exactly the plan's stages, in its order (what ``--dry-run`` printed), in the run's
+``RunContext``: for each stage it builds a frozen ``StageCall`` from the run, the part and the model the part really
+starts from, with the results of the part's earlier stages, which it keeps itself. Every stage records
 itself in the iteration's ``manifest.json`` after it succeeds, with its key (the recipe fields it depends on and
 the identities of what it reads, chained from stage to stage and iteration to iteration: ``optima.stage_identity``),
 so the same command resumes at the first unfinished stage, a finished run is a no-op, and changing (say)
@@ -14,6 +16,7 @@ base model and every checkpoint (``optima.stages.heldout``), keyed and resumed b
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -25,7 +28,6 @@ from optima.reporting import write_run_report
 from optima.run_context import RunContext, check_writable, write_iteration_report
 from optima.serving.processes import sigterm_as_exit
 from optima.stage_identity import link, part_keys
-from optima.stages.common import TRAINER_LOGS, StageCall
 from optima.stages.heldout import run_heldout_stage
 from optima.training.hosts import verify_hosts
 from optima.training.nodes import ssh_resolver
@@ -47,52 +49,58 @@ def handle_empty(ctx: RunContext, label: str, message: str, model: str) -> None:
     logger.warning("%s%s; carrying %s forward", label, message, model)
 
 
-def set_aside_parts(parts: Sequence[PlanPart]) -> None:
+def set_aside_parts(ctx: RunContext, parts: Sequence[PlanPart]) -> None:
     """Move aside what ``parts`` wrote (folder, checkpoint, trainer logs): a part before them is redone, so they are
     of an earlier lineage (every key after a redone stage chains to it)."""
     for part in parts:
-        call = part.call
-        stale = [call.sp.root, call.out, call.output(TRAINER_LOGS)]
+        stale = [part.sp.root, part.out, ctx.paths.trainer_logs(part.sp)]
         set_aside(stale, "old-lineage", {"why": "an earlier part of the run is redone under another key"})
 
 
 def run_part(
-    part: PlanPart, call: StageCall, keys: dict[str, StageKey] | None = None, later: Sequence[PlanPart] = ()
+    ctx: RunContext,
+    part: PlanPart,
+    model: str,
+    keys: dict[str, StageKey] | None = None,
+    later: Sequence[PlanPart] = (),
 ) -> str | None:
-    """Run the stages of one iteration (or iSFT-DPO part) from ``call.model``; the new checkpoint, or None if none.
+    """Run the stages of one iteration (or iSFT-DPO part) from ``model``; the new checkpoint, or None if none.
 
     Args:
-        part: The part's stages.
-        call: The part's context for the model it really starts from (``part.call.starting_from(model)``).
+        ctx: The run.
+        part: The part: its stages, folder and checkpoint.
+        model: The model it really starts from (the previous part's checkpoint, or the one carried forward).
         keys: The stages' keys (default: the part's keys with no previous part).
         later: The parts whose keys chain to this one's: set aside when a stage of this one is redone.
 
     Finished stages are skipped (their recorded results reused); an unfinished one continues under the same key; the
     first whose key changed, finished or not, is set aside and redone with every stage after it, and the later parts
     are set aside. When the stage that builds the training set leaves nothing to train on, the part stops there
-    (``handle_empty``).
+    (``handle_empty``). Each stage gets its own ``StageCall`` with the results of the stages before it, which this
+    function keeps.
     """
-    ctx, recipe, model = call.ctx, call.recipe, call.model
-    manifest = Manifest(call.sp.manifest, keys or part_keys(call, part.stages))
-    outputs = {stage.name: [call.output(name) for name in stage.outputs] for stage in part.stages}
-    if manifest.invalidate_changed([stage.name for stage in part.stages], outputs, [call.sp.metrics]):
-        set_aside_parts(later)
-    label = f"iteration {call.iteration + 1}/{recipe.iteration_times} | {call.part + ' | ' if call.part else ''}"
+    first = part.stage_call(ctx, model)
+    manifest = Manifest(part.sp.manifest, keys or part_keys(first, part.stages))
+    outputs = {stage.name: [first.output(name) for name in stage.outputs] for stage in part.stages}
+    if manifest.invalidate_changed([stage.name for stage in part.stages], outputs, [part.sp.metrics]):
+        set_aside_parts(ctx, later)
+    label = f"iteration {part.iteration + 1}/{ctx.recipe.iteration_times} | {part.part + ' | ' if part.part else ''}"
+    results: dict[str, dict] = {}
     for stage in part.stages:
-        result = manifest.run(stage.name, lambda stage=stage: stage.run(call), label)
-        call.results[stage.name] = result
-        reason = stage.nothing_to_train(recipe, result) if stage.nothing_to_train else None
+        call = part.stage_call(ctx, model, results)
+        results[stage.name] = manifest.run(stage.name, functools.partial(stage.run, call), label)
+        reason = stage.nothing_to_train(ctx.recipe, results[stage.name]) if stage.nothing_to_train else None
         if reason:
             handle_empty(ctx, label, reason, model)
             break
-    trained = len(call.results) == len(part.stages)  # the last stage trains
-    write_iteration_report(ctx, call.iteration, call.sp, manifest, call.out if trained else None)
-    return str(call.out) if trained else None
+    trained = len(results) == len(part.stages)  # the last stage trains
+    write_iteration_report(ctx, part.iteration, part.sp, manifest, part.out if trained else None)
+    return str(part.out) if trained else None
 
 
-def run_plan(plan: Plan) -> str:
-    """Run every stage of an iSFT, iDPO or iSFT-DPO plan, in the plan's order; return the final model path."""
-    ctx = plan.ctx
+def run_plan(ctx: RunContext, plan: Plan) -> str:
+    """Run every stage of an iSFT, iDPO or iSFT-DPO plan in the run ``ctx``, in the plan's order; return the final
+    model path."""
     recipe = ctx.recipe
     for role, env in ctx.envs.items():
         check_env(env, role)
@@ -104,7 +112,7 @@ def run_plan(plan: Plan) -> str:
     with run_lock(ctx.paths.output_dir):  # one run writes a folder at a time
         ctx.prepare()
         set_aside_beyond(ctx.paths, recipe.iteration_times)
-        model = run_parts(plan)
+        model = run_parts(ctx, plan)
     if recipe.push_to_hub:
         from optima.hub import push_run
 
@@ -113,28 +121,28 @@ def run_plan(plan: Plan) -> str:
     return model
 
 
-def run_parts(plan: Plan) -> str:
+def run_parts(ctx: RunContext, plan: Plan) -> str:
     """Run the plan's parts in order, each from the model the one before it trained; return the last model."""
-    ctx, recipe = plan.ctx, plan.ctx.recipe
+    recipe = ctx.recipe
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
     with sigterm_as_exit(), ctx.servers, ctx.trainer:
         for index, part in enumerate(plan.parts):
             if part.skipped:
-                model, upstream = str(part.call.out), None
+                model, upstream = str(part.out), None
                 logger.info(
                     "iteration %d/%d | skipped (--skip_iteration), using %s",
-                    part.call.iteration + 1,
+                    part.iteration + 1,
                     recipe.iteration_times,
                     model,
                 )
                 continue
             # Each part's keys chain to the previous part's last stage (docs/method.md#resume).
-            call = part.call.starting_from(model)
-            keys = part_keys(call, part.stages, upstream)
-            upstream = link(call, part.stages[-1].name, keys[part.stages[-1].name])
+            first = part.stage_call(ctx, model)
+            keys = part_keys(first, part.stages, upstream)
+            upstream = link(first, part.stages[-1].name, keys[part.stages[-1].name])
             # A part that trained nothing (carry_forward) hands its own starting model on.
-            model = run_part(part, call, keys, chained_after(plan.parts, index)) or model
+            model = run_part(ctx, part, model, keys, chained_after(plan.parts, index)) or model
         if run_heldout_stage(ctx) is not None:
             write_run_report(ctx.paths.output_dir)  # the held-out table is the report's last
     return model

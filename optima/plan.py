@@ -3,15 +3,17 @@
 One table per loop lists its stages in the order they run: the stage's name, the recipe fields its output
 depends on (the fields marked ``redoes=`` in ``optima.config``), the outputs it writes, the function that runs it
 (``optima.stages``), the function that describes it for ``--dry-run``, and, for the stage that builds the training
-set, how to tell that nothing is left to train on. ``build_plan`` lays the tables out over the iterations, each
-part with the one context its stages get (``StageCall``, holding the run's ``RunContext``): ``--dry-run`` describes
-every stage from it and ``optima.pipeline.run_plan`` runs exactly the plan's stages with it.
+set, how to tell that nothing is left to train on. ``build_plan`` lays the tables out over the iterations: the plan
+is a description (which parts, which stages, which iteration, folder and checkpoint), not a context. The run's
+context is ``RunContext``; each stage gets a ``StageCall`` built from it, the part and the model the part starts
+from (``PlanPart.stage_call``): ``--dry-run`` describes every stage from one (``Plan.render``) and
+``optima.pipeline.run_plan`` runs exactly the plan's stages with them.
 docs/method.md#the-three-loops gives the stage order of iSFT, iDPO and iSFT-DPO.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,9 +23,8 @@ from optima.config import DPORecipe, SFTRecipe
 from optima.config.fields import stage_fields
 from optima.config.rules import loss_model, selection_range, train_start, trainer_base_yaml, trainer_overrides_for
 from optima.config.stage_names import Stage
-from optima.environments import PythonEnv
 from optima.methods import DPO, METHODS, SFT, TrainerKind
-from optima.paths import RunPaths
+from optima.paths import RunPaths, StagePaths
 from optima.run_context import RunContext
 from optima.stages import dpo, sft
 from optima.stages.common import CHECKPOINT, TRAINER_LOGS, StageCall, describe_loss, trainer_launch
@@ -60,7 +61,8 @@ class StageDef:
 
 
 def _describe_generate(call: StageCall) -> dict:
-    recipe, generation = call.recipe, generation_settings(call.recipe, call.iteration)  # what ``sft.generate`` runs
+    recipe = call.ctx.recipe
+    generation = generation_settings(recipe, call.iteration)  # what ``sft.generate`` runs
     return {
         "questions": f"{recipe.sample_count} (train split, slice from seed {recipe.seed})",
         "conversations per question": generation.samples,
@@ -73,7 +75,7 @@ def _describe_generate(call: StageCall) -> dict:
 
 
 def _describe_score(call: StageCall) -> dict:
-    recipe = call.recipe
+    recipe = call.ctx.recipe
     loss = f" + {recipe.lambda2} / LM loss ({describe_loss(recipe, call.model, keep_served=False)})"
     reward = f"task score {recipe.lambda1:+} * tokens/T_max" + (loss if recipe.cal_ppl else " (no LM-loss term)")
     return {"reward": reward, "output": call.sp.rewarded}
@@ -81,14 +83,14 @@ def _describe_score(call: StageCall) -> dict:
 
 def _describe_select(call: StageCall) -> dict:
     return {
-        "best per question, ranks": selection_range(call.recipe),
-        "epsilon": call.recipe.initial_epsilon,
+        "best per question, ranks": selection_range(call.ctx.recipe),
+        "epsilon": call.ctx.recipe.initial_epsilon,
         "dataset": call.sp.dataset,
     }
 
 
 def _describe_train(call: StageCall, kind: TrainerKind) -> dict:
-    recipe = call.recipe
+    recipe = call.ctx.recipe
     start = train_start(recipe, call.model, call.part)
     if kind == SFT:
         method = {"model": start, "trainer yaml": call.sp.trainer_yaml}
@@ -109,7 +111,7 @@ def _describe_train(call: StageCall, kind: TrainerKind) -> dict:
 
 
 def _describe_probe(call: StageCall) -> dict:
-    recipe = call.recipe
+    recipe = call.ctx.recipe
     return {
         "questions": recipe.probe_count,
         "T_max": f"P{round(recipe.token_quantile * 100)} of their token counts",
@@ -118,7 +120,7 @@ def _describe_probe(call: StageCall) -> dict:
 
 
 def _describe_search(call: StageCall) -> dict:
-    recipe = call.recipe
+    recipe = call.ctx.recipe
     sizes = f"{recipe.mcts_selections} selections x {recipe.mcts_rollouts} rollouts, depth {recipe.max_turns}"
     return {
         "questions": recipe.monte_sample_count,
@@ -129,7 +131,7 @@ def _describe_search(call: StageCall) -> dict:
 
 
 def _describe_pairs(call: StageCall) -> dict:
-    recipe = call.recipe
+    recipe = call.ctx.recipe
     return {
         "best child >": recipe.initial_dpo_epsilon,
         "best - worst >": recipe.initial_dpo_min_value,
@@ -218,48 +220,66 @@ METHOD_PARTS: dict[str, tuple[tuple[str | None, tuple[StageDef, ...]], ...]] = {
 
 @dataclass(frozen=True)
 class PlanPart:
-    """One iteration, or one part of it (``sft``/``dpo`` in iSFT-DPO): its stages in order and their context.
+    """One iteration, or one part of it (``sft``/``dpo`` in iSFT-DPO): where it runs and its stages in order.
 
     Args:
+        iteration: The iteration.
+        part: ``sft`` or ``dpo`` within an iSFT-DPO iteration, else None.
         stages: Its stages; empty when the iteration is skipped (``--skip_iteration``: its checkpoint is reused).
-        call: The context its stages get (iteration, part, folder, checkpoint), from the model it starts from when
-            every earlier part trained: what the plan shows. The run follows the models it really has (after
-            ``on_empty_selection: carry_forward``, the one carried forward): ``call.starting_from(model)``.
+        sp: Its folder.
+        out: Its checkpoint.
+        model: The model it starts from when every earlier part trained: what the plan shows. The run passes the
+            model it really has (after ``on_empty_selection: carry_forward``, the one carried forward).
     """
 
+    iteration: int
+    part: str | None
     stages: tuple[StageDef, ...]
-    call: StageCall
+    sp: StagePaths
+    out: Path
+    model: str
 
     @property
     def skipped(self) -> bool:
         return not self.stages
 
+    def stage_call(self, ctx: RunContext, model: str, results: Mapping[str, dict] | None = None) -> StageCall:
+        """The context of one of its stages in the run ``ctx``: from ``model``, after the earlier ``results``."""
+        return StageCall(
+            ctx=ctx,
+            iteration=self.iteration,
+            part=self.part,
+            model=model,
+            sp=self.sp,
+            out=self.out,
+            results=results or {},
+        )
 
-@dataclass
+
+@dataclass(frozen=True)
 class Plan:
-    """Everything a run would do: the run's context and its parts, in the order they run."""
+    """Everything a run would do: its parts, in the order they run. A description only: the run's context (the
+    recipe, paths, environments, hardware, servers) is the ``RunContext`` it is rendered and run with."""
 
-    ctx: RunContext
-    parts: list[PlanPart]
+    parts: tuple[PlanPart, ...]
 
     def stage_names(self) -> list[tuple[int, str | None, str]]:
         """``(iteration, part, stage)`` of every stage in run order (``skip`` for a skipped iteration)."""
         names = []
         for part in self.parts:
-            call = part.call
-            names += [(call.iteration, call.part, "skip")] if part.skipped else []
-            names += [(call.iteration, call.part, stage.name) for stage in part.stages]
+            names += [(part.iteration, part.part, "skip")] if part.skipped else []
+            names += [(part.iteration, part.part, stage.name) for stage in part.stages]
         return names
 
-    def render(self) -> str:
-        """Human-readable plan (what ``--dry-run`` prints)."""
-        recipe, paths, hardware = self.ctx.recipe, self.ctx.paths, self.ctx.hardware
+    def render(self, ctx: RunContext) -> str:
+        """Human-readable plan (what ``--dry-run`` prints), each stage described in the run ``ctx``."""
+        recipe, paths, hardware = ctx.recipe, ctx.paths, ctx.hardware
         lines = [
             f"Optima {recipe.method} plan: {recipe.dataset_type}, {recipe.iteration_times} iteration(s)",
             f"  run directory: {paths.output_dir}",
             f"  checkpoints:   {paths.checkpoints}",
         ]
-        for role, env in self.ctx.envs.items():
+        for role, env in ctx.envs.items():
             lines.append(f"  {role} env:     {env.describe()}")
         lines += hardware.render()
         lines.append("  inputs:")
@@ -268,18 +288,18 @@ class Plan:
             lines.append(f"      {name}: {value} [{'MISSING' if name in missing else 'ok'}]")
         current = None
         for part in self.parts:
-            call = part.call
-            if call.iteration != current:
-                current = call.iteration
+            if part.iteration != current:
+                current = part.iteration
                 lines.append(f"iteration {current + 1}/{recipe.iteration_times}")
             if part.skipped:
-                lines += _render_stage("skip", {"reuse": call.out})
+                lines += _render_stage("skip", {"reuse": part.out})
                 continue
-            lines += _render_stage("serve", _serve_details(recipe, call.model, hardware))
+            lines += _render_stage("serve", _serve_details(recipe, part.model, hardware))
+            call = part.stage_call(ctx, part.model)
             for stage in part.stages:
                 lines += _render_stage(stage.name, stage.describe(call))
         if recipe.heldout_size:
-            lines += ["after the last iteration", *_render_stage("heldout", describe_heldout(self.ctx))]
+            lines += ["after the last iteration", *_render_stage("heldout", describe_heldout(ctx))]
         return "\n".join(lines)
 
 
@@ -309,47 +329,37 @@ def server_layout_details(recipe: LoopRecipe, hardware) -> dict[str, str]:
     return describe_layout(recipe, loss_model(recipe), hardware.layout if hardware is not None else None)
 
 
-def iteration_parts(ctx: RunContext, iteration: int, model: str, skip: bool = False) -> list[PlanPart]:
-    """The parts of one iteration of the run's method, the first starting from ``model``.
+def iteration_parts(
+    recipe: MethodRecipe, paths: RunPaths, iteration: int, model: str, skip: bool = False
+) -> list[PlanPart]:
+    """The parts of one iteration of the recipe's method, the first starting from ``model``.
 
     The last part writes the iteration's checkpoint (``checkpoints/iteration_<i>``), an earlier one its own
     (``checkpoints/<part>_iteration_<i>``), which the next part starts from. A skipped iteration is one part with
     no stages.
     """
-    if ctx.recipe.method not in METHOD_PARTS:
-        raise TypeError(f"no stage table for {type(ctx.recipe).__name__}")
-    table = ((None, ()),) if skip else METHOD_PARTS[ctx.recipe.method]
+    if recipe.method not in METHOD_PARTS:
+        raise TypeError(f"no stage table for {type(recipe).__name__}")
+    table = ((None, ()),) if skip else METHOD_PARTS[recipe.method]
     parts = []
     for index, (part, stages) in enumerate(table):
-        out = ctx.paths.checkpoint(iteration, None if index == len(table) - 1 else part)
-        sp = ctx.paths.stage(iteration, part)
-        parts.append(PlanPart(stages, StageCall(ctx=ctx, iteration=iteration, part=part, model=model, sp=sp, out=out)))
+        out = paths.checkpoint(iteration, None if index == len(table) - 1 else part)
+        parts.append(PlanPart(iteration, part, stages, paths.stage(iteration, part), out, model))
         model = str(out)
     return parts
 
 
-def build_plan(
-    recipe: MethodRecipe, envs: dict[str, PythonEnv], skip_iteration: int = 0, gpu: bool | None = None, hardware=None
-) -> Plan:
-    """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe, and where their processes run.
+def build_plan(recipe: MethodRecipe, skip_iteration: int = 0) -> Plan:
+    """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe, in run order.
 
     Args:
         recipe: A validated `SFTRecipe`, `DPORecipe` or `SFTDPORecipe`.
-        envs: ``{"vllm": ..., "train": ...}``.
         skip_iteration: Iterations taken as done (their checkpoints are reused): ``--skip_iteration``.
-        gpu: False plans for this machine without its GPUs (tests); default: the hardware's.
-        hardware: The machine(s) (``optima.hardware.spec.Hardware``; default: detected).
     """
-    from optima.hardware.allocation import allocate_this_machine
-    from optima.hardware.spec import Hardware
-
-    if hardware is None and gpu is False:
-        hardware = Hardware(1, 0, 0.0, source="no GPU")
-    hardware_plan = allocate_this_machine(recipe, hardware)
-    ctx = RunContext(recipe=recipe, paths=RunPaths.from_recipe(recipe), envs=envs, hardware=hardware_plan)
+    paths = RunPaths.from_recipe(recipe)
     parts: list[PlanPart] = []
     model = recipe.initial_model_path
     for i in range(recipe.iteration_times):
-        parts += iteration_parts(ctx, i, model, skip=i < skip_iteration)
-        model = str(ctx.paths.checkpoint(i))
-    return Plan(ctx, parts)
+        parts += iteration_parts(recipe, paths, i, model, skip=i < skip_iteration)
+        model = str(paths.checkpoint(i))
+    return Plan(tuple(parts))

@@ -1,8 +1,9 @@
 """What every stage of a run shares: the recipe, paths, environments, the served model, the tokenizer, reports.
 
-``RunContext`` is the one object per run (the dry-run builds it too); each stage reaches it through its
-``optima.stages.common.StageCall``. The servers live in ``optima.serving.holder.ServerHolder``: the policy (one
-model at a time) and the loss server beside it for the whole run.
+``RunContext`` is the one object per run (``build_run_context``; the dry-run builds it too); each stage reaches it
+through its ``optima.stages.common.StageCall``, the other context object, built for each stage. The servers live
+in ``optima.serving.holder.ServerHolder``: the policy (one model at a time) and the loss server beside it for the
+whole run.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from optima.tasks import Task, get_task
 if TYPE_CHECKING:
     from optima.config.types import MethodRecipe
     from optima.hardware.capacity import PolicyDemand
+    from optima.hardware.spec import Hardware
     from optima.training.warm import WarmTrainer
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class RunContext:
-    """What every stage of a run shares: one per run, built by ``optima.plan.build_plan`` for the dry-run and the run.
+    """What every stage of a run shares: one per run, built by ``build_run_context`` for the dry-run and the run.
 
     A dry-run only describes, so it makes nothing: the servers, the task and the tokenizer are made on first use,
     and ``prepare`` (called by the run) writes the run directory's files and resolves the trackers.
@@ -128,6 +130,32 @@ class RunContext:
 
             self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(self.recipe))
         return self._tokenizer
+
+
+def build_run_context(
+    recipe: MethodRecipe,
+    envs: dict[str, PythonEnv],
+    hardware: Hardware | None = None,
+    gpu: bool | None = None,
+    progress: bool = True,
+) -> RunContext:
+    """The run's context, with the hardware allocation of the machine it runs on (checked when the run starts).
+
+    Args:
+        recipe: A validated loop recipe.
+        envs: ``{"vllm": ..., "train": ...}``.
+        hardware: The machine(s) (``optima.hardware.spec.Hardware``; default: detected).
+        gpu: False allocates this machine without its GPUs (tests); default: the hardware's.
+        progress: Training progress bars on the console (``--quiet``: none).
+    """
+    from optima.hardware.allocation import allocate_this_machine
+    from optima.hardware.spec import Hardware
+
+    if hardware is None and gpu is False:
+        hardware = Hardware(1, 0, 0.0, source="no GPU")
+    allocation = allocate_this_machine(recipe, hardware)
+    paths = RunPaths.from_recipe(recipe)
+    return RunContext(recipe=recipe, paths=paths, envs=envs, hardware=allocation, progress=progress)
 
 
 def check_writable(folder: Path) -> None:

@@ -47,8 +47,8 @@ def file_identity(path: str | None) -> str | None:
 
 
 def _prompt_pool(call) -> str | None:
-    used = generation_settings(call.recipe, call.iteration).use_prompt_pool  # the generate stage's own plan
-    return file_identity(call.recipe.prompt_pool_path) if used else None
+    used = generation_settings(call.ctx.recipe, call.iteration).use_prompt_pool  # the generate stage's own settings
+    return file_identity(call.ctx.recipe.prompt_pool_path) if used else None
 
 
 def data_identity(recipe: RunFields) -> str:
@@ -69,12 +69,12 @@ def data_identity(recipe: RunFields) -> str:
 # What a stage can read (the ``reads`` of a stage table row) -> its identity for one ``StageCall`` (None: unused).
 READERS: dict[str, Callable] = {
     "served model": lambda call: model_identity(call.model),
-    "loss model": lambda call: model_identity(loss_model(call.recipe)) if call.recipe.cal_ppl else None,
-    "start model": lambda call: model_identity(train_start(call.recipe, call.model, call.part)),
-    "SFT trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, SFT)),
-    "DPO trainer YAML": lambda call: file_identity(trainer_base_yaml(call.recipe, DPO)),
+    "loss model": lambda call: model_identity(loss_model(call.ctx.recipe)) if call.ctx.recipe.cal_ppl else None,
+    "start model": lambda call: model_identity(train_start(call.ctx.recipe, call.model, call.part)),
+    "SFT trainer YAML": lambda call: file_identity(trainer_base_yaml(call.ctx.recipe, SFT)),
+    "DPO trainer YAML": lambda call: file_identity(trainer_base_yaml(call.ctx.recipe, DPO)),
     "prompt pool": _prompt_pool,
-    "task data": lambda call: data_identity(call.recipe),
+    "task data": lambda call: data_identity(call.ctx.recipe),
     "role prompts": lambda call: templates_identity(),
     "answer checks": lambda call: f"parser {PARSER_VERSION}, scorer {SCORER_VERSION}",
 }
@@ -88,13 +88,13 @@ def part_keys(call, stages: Sequence, upstream: str | None = None) -> dict[str, 
         stages: The part's stage table rows (``name``, ``fields``, ``reads``).
         upstream: ``previous stage`` of the first stage (the last stage of the previous part; None for the first).
     """
-    keys = {}
+    recipe, keys = call.ctx.recipe, {}
     for stage in stages:
         inputs = {name: READERS[name](call) for name in stage.reads}
         inputs = {name: value for name, value in inputs.items() if value is not None}
         if upstream is not None:
             inputs["previous stage"] = upstream
-        key = StageKey(fields_hash(call.recipe, stage.fields), field_values(call.recipe, stage.fields), inputs)
+        key = StageKey(fields_hash(recipe, stage.fields), field_values(recipe, stage.fields), inputs)
         keys[stage.name] = key
         upstream = link(call, stage.name, key)
     return keys

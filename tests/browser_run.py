@@ -17,6 +17,7 @@ from optima.agents.generation import GenerationSettings, generate_conversations
 from optima.config import SFTDPORecipe, load_recipe
 from optima.paths import RunPaths
 from optima.plan import build_plan
+from optima.run_context import build_run_context
 from optima.selection.dpo import save_pairs
 from optima.selection.mcts import Reply, search_question
 from optima.selection.rollout_reward import build_rollout_scorer
@@ -82,9 +83,9 @@ def write_sft_stage(recipe, paths: RunPaths, url: str) -> None:
     examples = arc_examples(QUESTIONS)
     generate_conversations(recipe, examples, [url], sp.generations, GenerationSettings(0, 1.0, 2))
     reward_generations(recipe, sp.generations, sp.rewarded, RewardScorers(score_texts=fake_losses))
-    sft_part = build_plan(recipe, {}, gpu=False).parts[0]  # iteration 0's SFT part: its folder is ``sp``
-    assert sft_part.call.sp.root == sp.root
-    select(sft_part.call)
+    sft_part = build_plan(recipe).parts[0]  # iteration 0's SFT part: its folder is ``sp``
+    assert sft_part.sp.root == sp.root
+    select(sft_part.stage_call(build_run_context(recipe, {}, gpu=False), sft_part.model))
 
 
 def write_dpo_stage(recipe, paths: RunPaths, url: str) -> None:

@@ -14,6 +14,7 @@ from optima.evaluation.heldout_table import wilson_interval
 from optima.identity import digest
 from optima.plan import build_plan
 from optima.reporting import write_run_report
+from optima.run_context import build_run_context
 from optima.stages.heldout import heldout_models, run_heldout_stage
 from optima.tasks import get_task, select_questions
 from optima.tasks.multiple_choice import normalize_question
@@ -130,10 +131,12 @@ def test_every_model_answers_the_same_questions_and_a_rerun_generates_nothing(tm
 
 
 def test_the_plan_shows_the_heldout_evaluation_after_the_last_iteration(tmp_path):
-    the_plan = build_plan(sft_recipe(tmp_path, heldout_size=5, iteration_times=2), {"train": TRAIN_ENV}, gpu=False)
-    text = the_plan.render()
+    recipe = sft_recipe(tmp_path, heldout_size=5, iteration_times=2)
+    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
+    text = build_plan(recipe).render(ctx)
     assert text.index("[heldout]") > text.rindex("[train]") and "5 of the arc eval split" in text
-    checkpoint = model_folder(the_plan.ctx.paths.checkpoint(0), "0")  # iteration 2 has not trained yet
-    assert heldout_models(the_plan.ctx) == [("base", Path("/models/base")), ("iteration_0", checkpoint)]
-    assert run_heldout_stage(build_plan(sft_recipe(tmp_path), {}, gpu=False).ctx) is None  # off by default
-    assert "[heldout]" not in build_plan(sft_recipe(tmp_path), {"train": TRAIN_ENV}, gpu=False).render()
+    checkpoint = model_folder(ctx.paths.checkpoint(0), "0")  # iteration 2 has not trained yet
+    assert heldout_models(ctx) == [("base", Path("/models/base")), ("iteration_0", checkpoint)]
+    plain = sft_recipe(tmp_path)
+    assert run_heldout_stage(build_run_context(plain, {}, gpu=False)) is None  # off by default
+    assert "[heldout]" not in build_plan(plain).render(build_run_context(plain, {"train": TRAIN_ENV}, gpu=False))

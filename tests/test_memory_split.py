@@ -114,10 +114,10 @@ def test_the_train_stage_weighs_its_rows_only_beside_a_policy_idling_on_the_cpu(
 
 @requires_smollm2
 def test_the_runs_servers_measure_what_the_conversations_ask_on_the_training_questions(tmp_path):
-    from optima.plan import build_plan
+    from optima.run_context import build_run_context
 
     recipe = load_recipe(SFTRecipe, DEMO, {"output_dir": str(tmp_path / "run")})
     env = PythonEnv(sys.executable, "python", (sys.executable,))
-    servers = build_plan(recipe, {"train": env, "vllm": env}, gpu=False).ctx.servers
+    servers = build_run_context(recipe, {"train": env, "vllm": env}, gpu=False).servers
     examples = get_task(recipe.dataset_type).load_train(data_dir=recipe.data_dir, seed=recipe.seed)
     assert servers.demand(recipe.initial_model_path) == policy_demand(recipe, examples, recipe.initial_model_path)

@@ -27,7 +27,7 @@ from optima.config.rules import loss_model, train_start
 from optima.identity import COMPLETE_MARKER, new_weights_id, read_marker
 from optima.lineage import lineage_checkpoints
 from optima.reporting import collect_rows
-from optima.run_context import iteration_metrics
+from optima.run_context import build_run_context, iteration_metrics
 from optima.serving.holder import ServerHolder
 from optima.stages import common, sft
 from optima.store import JsonlWriter, load_records, write_json
@@ -97,7 +97,7 @@ def model_tag(model: str) -> str:
 
 def fake_train(budget: Budget):
     def train(call) -> dict:
-        out, recipe = call.out, call.recipe
+        out, recipe = call.out, call.ctx.recipe
         if (out / COMPLETE_MARKER).is_file():  # as ``train_checkpoint``: a finished checkpoint is reused
             return json.loads((out / COMPLETE_MARKER).read_text()) | {
                 "model": train_start(recipe, call.model, call.part)
@@ -195,7 +195,8 @@ def loop(tmp_path, monkeypatch):
         values = base | {"output_dir": str(tmp_path / folder)} | settings
         recipe = load_recipe(SFTRecipe, None, values, check_paths=False)
         try:
-            pipeline.run_plan(plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False))
+            ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
+            pipeline.run_plan(ctx, plan.build_plan(recipe))
         except Killed:
             assert where is not None
         return tmp_path / folder

@@ -10,7 +10,8 @@ import pytest
 from optima.config import SFTRecipe, load_recipe
 from optima.manifest import Manifest
 from optima.pipeline import NothingSelected, run_part
-from optima.plan import Plan, build_plan
+from optima.plan import build_plan
+from optima.run_context import RunContext, build_run_context
 from optima.stage_identity import part_keys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,8 +27,8 @@ EMPTY_SELECTION = {
 }
 
 
-def finished_until_select(tmp_path: Path, **overrides) -> Plan:
-    """The plan of a run whose first iteration generated, scored and selected nothing (no server is needed)."""
+def finished_until_select(tmp_path: Path, **overrides) -> RunContext:
+    """A run whose first iteration generated, scored and selected nothing (no server is needed)."""
     values = {
         "dataset_type": "arc",
         "initial_model_path": str(REPO / "models/SmolLM2-135M-Instruct"),
@@ -35,27 +36,25 @@ def finished_until_select(tmp_path: Path, **overrides) -> Plan:
         "output_dir": str(tmp_path / "run"),
     } | overrides
     recipe = load_recipe(SFTRecipe, None, values, check_paths=False)
-    plan = build_plan(recipe, {}, gpu=False)
-    plan.ctx.prepare()
-    first = plan.parts[0]
-    manifest = Manifest(first.call.sp.manifest, part_keys(first.call, first.stages))
+    ctx = build_run_context(recipe, {}, gpu=False)
+    ctx.prepare()
+    first = build_plan(recipe).parts[0]
+    manifest = Manifest(first.sp.manifest, part_keys(first.stage_call(ctx, first.model), first.stages))
     manifest.record("generate", {"written": 8}, 1.0)
     manifest.record("score", {"answer_rate": 0.0, "accuracy": 0.0, "mean_tokens": 50.0}, 1.0)
     manifest.record("select", EMPTY_SELECTION, 0.1)
-    return plan
+    return ctx
 
 
-def run_sft_iteration(plan: Plan, iteration: int, model: str) -> str | None:
+def run_sft_iteration(ctx: RunContext, iteration: int, model: str) -> str | None:
     """The iteration's stages, as ``run_plan`` runs them."""
-    part = plan.parts[iteration]
-    return run_part(part, part.call.starting_from(model))
+    return run_part(ctx, build_plan(ctx.recipe).parts[iteration], model)
 
 
 def test_nothing_selected_stops_with_the_reasons(tmp_path):
-    plan = finished_until_select(tmp_path)
-    ctx = plan.ctx
+    ctx = finished_until_select(tmp_path)
     with pytest.raises(NothingSelected) as info:
-        run_sft_iteration(plan, 0, ctx.recipe.initial_model_path)
+        run_sft_iteration(ctx, 0, ctx.recipe.initial_model_path)
     message = str(info.value)
     for fragment in (
         "4 questions, 8 conversations",
@@ -69,9 +68,8 @@ def test_nothing_selected_stops_with_the_reasons(tmp_path):
 
 
 def test_nothing_selected_can_carry_the_model_forward(tmp_path):
-    plan = finished_until_select(tmp_path, on_empty_selection="carry_forward")
-    ctx = plan.ctx
-    assert run_sft_iteration(plan, 0, ctx.recipe.initial_model_path) is None  # the caller keeps its model
+    ctx = finished_until_select(tmp_path, on_empty_selection="carry_forward")
+    assert run_sft_iteration(ctx, 0, ctx.recipe.initial_model_path) is None  # the caller keeps its model
     metrics = json.loads(ctx.paths.stage(0).metrics.read_text())
     assert metrics["stages"]["select"]["kept_conversations"] == 0 and "train" not in metrics["stages"]
     assert (ctx.paths.output_dir / "recipe.yaml").exists() and ctx.paths.driver_log.exists()

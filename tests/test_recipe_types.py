@@ -1,7 +1,8 @@
 """Every function that takes the recipe says which fields it reads: its ``recipe`` parameter names a field group, a
 composite or a union of ``optima.config.types`` (never ``Any``), and each ``recipe.<field>`` it reads exists on that
-type; so does each ``self.recipe.<field>`` in a class whose ``__init__`` takes the recipe, and each
-``call.recipe.<field>`` of a context (``RunContext``, ``StageCall``, ``Plan``) whose ``recipe`` field is annotated.
+type; so does each ``self.recipe.<field>`` in a class whose ``__init__`` takes the recipe, each ``ctx.recipe.<field>``
+of a context whose ``recipe`` field is annotated (``RunContext``), and each ``call.ctx.recipe.<field>`` of a context
+that holds one in its ``ctx`` field (``StageCall``).
 
 A union (``Recipe``, ``SFTLoopRecipe``, ...) is taken by code that tells the kinds apart itself (``isinstance``,
 ``hasattr``, ``getattr`` with a default): a field read through it must exist on at least one member of the union.
@@ -120,13 +121,29 @@ def check_function(node: ast.FunctionDef | ast.AsyncFunctionDef, module: str, pa
     return []
 
 
-def context_recipe(annotation: ast.expr, module: str) -> object | None:
-    """The type of ``<param>.recipe`` when the parameter's class carries an annotated ``recipe`` field or property (a
-    run or stage context), else None (any other parameter, or a type only imported under ``TYPE_CHECKING``)."""
+def context_routes(annotation: ast.expr, module: str) -> dict[str, object]:
+    """``route -> recipe type`` for a parameter: ``.recipe`` when its class carries an annotated ``recipe`` field or
+    property (the run's context), ``.ctx.recipe`` when its ``ctx`` field is such a class (a stage's context); empty
+    for any other parameter, or a type only imported under ``TYPE_CHECKING``."""
     try:
         cls = resolve(ast.unparse(annotation), module)
     except NameError:
-        return None
+        return {}
+    own = class_recipe(cls)
+    if own is not None:
+        return {".recipe": own}
+    fields = {k: v for klass in getattr(cls, "__mro__", ()) for k, v in vars(klass).get("__annotations__", {}).items()}
+    if isinstance(fields.get("ctx"), str):
+        try:
+            inner = class_recipe(resolve(fields["ctx"], cls.__module__))
+        except NameError:
+            return {}
+        return {".ctx.recipe": inner} if inner is not None else {}
+    return {}
+
+
+def class_recipe(cls: object) -> object | None:
+    """The type of ``cls``'s annotated ``recipe`` field or property, else None."""
     for klass in cls.__mro__ if isinstance(cls, type) else ():
         annotations = vars(klass).get("__annotations__")
         text = annotations.get("recipe") if isinstance(annotations, dict) else None
@@ -138,8 +155,8 @@ def context_recipe(annotation: ast.expr, module: str) -> object | None:
     return None
 
 
-def aliases_recipe(node: ast.AST, owner: str) -> bool:
-    """True when the function names ``owner.recipe`` ``recipe`` (``recipe = call.recipe``, ``ctx, recipe = ...``)."""
+def aliases_recipe(node: ast.AST, route: str) -> bool:
+    """True when the function names ``route`` ``recipe`` (``recipe = ctx.recipe``, ``ctx, recipe = ...``)."""
     for statement in ast.walk(node):
         if not isinstance(statement, ast.Assign) or len(statement.targets) != 1:
             continue
@@ -148,24 +165,32 @@ def aliases_recipe(node: ast.AST, owner: str) -> bool:
             continue
         pairs = zip(target.elts, value.elts, strict=False) if isinstance(target, ast.Tuple) else [(target, value)]
         for name, source in pairs:
-            if isinstance(name, ast.Name) and name.id == "recipe" and ast.unparse(source) == f"{owner}.recipe":
+            if isinstance(name, ast.Name) and name.id == "recipe" and ast.unparse(source) == route:
                 return True
     return False
 
 
+def route_reads(node: ast.AST, route: str) -> list[tuple[int, str]]:
+    """``<route>.<name>`` under ``node`` (``call.ctx.recipe.seed`` for the route ``call.ctx.recipe``)."""
+    return [
+        (child.lineno, child.attr)
+        for child in ast.walk(node)
+        if isinstance(child, ast.Attribute) and ast.unparse(child.value) == route
+    ]
+
+
 def check_context_reads(node: ast.FunctionDef | ast.AsyncFunctionDef, module: str, path: str) -> list[str]:
-    """``call.recipe.<field>`` (and ``recipe.<field>`` after ``recipe = call.recipe``) exists on the type of the
-    context's ``recipe``, for each parameter whose class carries one."""
+    """``ctx.recipe.<field>`` / ``call.ctx.recipe.<field>`` (and ``recipe.<field>`` after ``recipe = ...`` of one)
+    exists on the type of the context's ``recipe``, for each parameter whose class reaches one."""
     problems = []
     for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
         if arg.arg in ("self", "recipe") or arg.annotation is None:
             continue
-        tp = context_recipe(arg.annotation, module)
-        if tp is None:
-            continue
-        problems += check_reads(tp, reads(node, arg.arg, "recipe"), path)
-        if aliases_recipe(node, arg.arg):
-            problems += check_reads(tp, reads(node, "recipe"), path)
+        for suffix, tp in context_routes(arg.annotation, module).items():
+            route = arg.arg + suffix
+            problems += check_reads(tp, route_reads(node, route), path)
+            if aliases_recipe(node, route):
+                problems += check_reads(tp, reads(node, "recipe"), path)
     return problems
 
 
@@ -257,11 +282,24 @@ def test_a_right_annotation_passes():
 
 @pytest.mark.parametrize(
     "body",
-    ["    return call.recipe.model_root_path\n", "    ctx, recipe = call.ctx, call.recipe\n    return recipe.limit\n"],
+    [
+        "    return call.ctx.recipe.model_root_path\n",
+        "    ctx, recipe = call.ctx, call.ctx.recipe\n    return recipe.limit\n",
+        "    return len(call.ctx.recipe.limit)\n",
+    ],
 )
 def test_a_field_read_through_a_stage_context_is_checked(body):
-    """``StageCall.recipe`` is a loop's recipe: an evaluation's field read through it is reported."""
+    """A stage's recipe (``StageCall.ctx.recipe``) is a loop's recipe: an evaluation's field read through it is
+    reported."""
     problems = check_source("def f(call: StageCall):\n" + body, "optima.stages.common", "example.py")
     assert len(problems) == 1 and "does not have" in problems[0]
-    fine = "def f(call: StageCall):\n    recipe = call.recipe\n    return recipe.initial_epsilon, call.recipe.port\n"
+    fine = (
+        "def f(call: StageCall):\n"
+        "    recipe = call.ctx.recipe\n    return recipe.initial_epsilon, call.ctx.recipe.port\n"
+    )
     assert check_source(fine, "optima.stages.common", "example.py") == []
+
+
+def test_a_field_read_through_the_run_context_is_checked():
+    problems = check_source("def f(ctx: RunContext):\n    return ctx.recipe.limit\n", "optima.run_context", "x.py")
+    assert len(problems) == 1 and "reads .limit" in problems[0]

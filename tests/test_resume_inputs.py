@@ -17,6 +17,7 @@ import pytest
 
 from optima import pipeline, plan
 from optima.identity import COMPLETE_MARKER, model_identity, new_weights_id
+from optima.run_context import build_run_context
 from optima.stages.common import CHECKPOINT
 from tests.test_stage_table import TRAIN_ENV, make_recipe
 
@@ -66,7 +67,7 @@ def ran(monkeypatch) -> list:
 
 def run(tmp_path: Path, method: str, **overrides) -> None:
     recipe = make_recipe(tmp_path, method, **overrides)
-    pipeline.run_plan(plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False))
+    pipeline.run_plan(build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False), plan.build_plan(recipe))
 
 
 def every_stage(method: str, iterations=(0, 1)) -> list:

@@ -64,8 +64,8 @@ def searched(tmp_path_factory):
         ctx = SimpleNamespace(recipe=recipe, servers=servers, task=get_task("arc"))
         sp = StagePaths(tmp_path / "run" / "iteration_0")
         sp.root.mkdir(parents=True)
-        call = StageCall(ctx=ctx, iteration=0, part=None, model="m", sp=sp, out=tmp_path / "ckpt")
-        call.results["probe"] = {"t_max": 100}
+        probed = {"probe": {"t_max": 100}}
+        call = StageCall(ctx=ctx, iteration=0, part=None, model="m", sp=sp, out=tmp_path / "ckpt", results=probed)
         stats = dpo.search(call)
     lines = {line["task_id"]: line for line in load_records(sp.rollouts)[0]}
     return stats, lines, tokenizer_dir

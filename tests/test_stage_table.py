@@ -16,6 +16,7 @@ from optima.config.fields import field
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
 from optima.reward import question_t_max
+from optima.run_context import build_run_context
 from optima.stages.reward_stage import RewardScorers, reward_generations, reward_question
 from optima.tasks.answers import PARSER_VERSION
 from tests.helpers import arc_examples
@@ -48,6 +49,11 @@ DPO_BEFORE = {
     "pairs": {"initial_dpo_min_value", "initial_dpo_epsilon", "dpo_keep_fraction", "dpo_train_fraction"},
     "train": {"from_initial", "accelerate_config", "origin_dpo_yaml_path", "rpo_alpha", "trainer_overrides"},
 }  # fmt: skip
+
+
+def dry_run(recipe, gpu: bool | None = False) -> str:
+    """What ``--dry-run`` prints for ``recipe`` (on this machine without its GPUs unless ``gpu`` is None)."""
+    return plan.build_plan(recipe).render(build_run_context(recipe, {"train": TRAIN_ENV}, gpu=gpu))
 
 
 def make_recipe(tmp_path: Path, method: str, **overrides):
@@ -94,34 +100,39 @@ def test_a_redoes_tag_must_name_a_stage():
 
 def test_the_dry_run_shows_the_generation_settings_the_stage_runs(tmp_path):
     recipe = make_recipe(tmp_path, "sft", temperature_iteration0=0.2, answer_bootstrap="grammar")
-    the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False)
-    shown = [part.stages[0].describe(part.call) for part in the_plan.parts]
-    runs = [generation_settings(recipe, part.call.iteration) for part in the_plan.parts]
+    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
+    the_plan = plan.build_plan(recipe)
+    shown = [part.stages[0].describe(part.stage_call(ctx, part.model)) for part in the_plan.parts]
+    runs = [generation_settings(recipe, part.iteration) for part in the_plan.parts]
     assert [(s["temperature"], s["conversations per question"]) for s in shown] == [(0.2, 10), (0.7, 10)]
     assert [(g.temperature, g.samples) for g in runs] == [(0.2, 10), (0.7, 10)]
     assert [(s["prompt pool"], s["answer bootstrap"]) for s in shown] == [("built-in", "grammar"), ("off", "off")]
     assert [(g.use_prompt_pool, g.answer_bootstrap) for g in runs] == [(True, "grammar"), (False, "off")]
-    # Every stage is described from the run's own context (never None), and describing it made nothing.
-    assert all(part.call.ctx is the_plan.ctx for part in the_plan.parts) and the_plan.render()
+    # Describing every stage made nothing.
+    assert the_plan.render(ctx)
     assert not Path(recipe.output_dir).exists()
 
 
 @pytest.mark.parametrize(("warm_trainer", "runs_in"), [(True, "the warm trainer"), (False, "accelerate launch")])
 def test_the_dry_run_says_where_a_single_cpu_training_runs(tmp_path, warm_trainer, runs_in):
     recipe = make_recipe(tmp_path, "sft", warm_trainer=warm_trainer, accelerate_config="cpu")
-    the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False)
-    train = next(stage for stage in the_plan.parts[0].stages if stage.name == "train")
-    assert train.describe(the_plan.parts[0].call)["runs in"].startswith(runs_in)
+    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
+    first = plan.build_plan(recipe).parts[0]
+    train = next(stage for stage in first.stages if stage.name == "train")
+    assert train.describe(first.stage_call(ctx, first.model))["runs in"].startswith(runs_in)
 
 
-def recording_tables(monkeypatch) -> list[tuple[int, str | None, str]]:
-    """Replace every stage function by one that records (iteration, part, stage) and leaves something to train."""
+def recording_tables(monkeypatch, seen: list | None = None) -> list[tuple[int, str | None, str]]:
+    """Replace every stage function by one that records (iteration, part, stage) and leaves something to train;
+    ``seen`` gets each stage's name and the call it ran with."""
     ran: list[tuple[int, str | None, str]] = []
 
     def recorder(name):
         def run(call):
             ran.append((call.iteration, call.part, name))
-            return {"kept_conversations": 1, "pairs_kept": 1, "t_max": 10}
+            if seen is not None:
+                seen.append((name, call))
+            return {"kept_conversations": 1, "pairs_kept": 1, "t_max": 10, "stage": name}
 
         return run
 
@@ -141,15 +152,39 @@ def recording_tables(monkeypatch) -> list[tuple[int, str | None, str]]:
 def test_the_run_follows_the_dry_run(tmp_path, monkeypatch, method, skip):
     ran = recording_tables(monkeypatch)
     recipe = make_recipe(tmp_path, method)
-    the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, skip_iteration=skip, gpu=False)
-    printed = re.findall(r"^  \[(\w+)\]$", the_plan.render(), flags=re.MULTILINE)
-    pipeline.run_plan(the_plan)
+    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
+    the_plan = plan.build_plan(recipe, skip_iteration=skip)
+    printed = re.findall(r"^  \[(\w+)\]$", the_plan.render(ctx), flags=re.MULTILINE)
+    pipeline.run_plan(ctx, the_plan)
 
     assert ran == [entry for entry in the_plan.stage_names() if entry[2] != "skip"]
     assert [name for name in printed if name != "serve"] == [name for _, _, name in the_plan.stage_names()]
     expected = {"sft": ["generate", "score", "select", "train"], "dpo": ["probe", "search", "pairs", "train"]}
     per_iteration = expected.get(method) or expected["sft"] + expected["dpo"]
     assert [name for _, _, name in ran] == per_iteration * (2 - skip)
+
+
+def test_each_stage_gets_the_results_before_it_in_its_own_frozen_call(tmp_path, monkeypatch):
+    """The pipeline keeps a part's results itself: each stage's call holds those of the part's earlier stages, as
+    they were when it started, and nothing can change them (or the call) under it."""
+    seen: list = []
+    recording_tables(monkeypatch, seen)
+    recipe = make_recipe(tmp_path, "sft_dpo", iteration_times=1)
+    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
+    pipeline.run_plan(ctx, plan.build_plan(recipe))
+    sft_stages, dpo_stages = ["generate", "score", "select", "train"], ["probe", "search", "pairs", "train"]
+    expected = [(s, sft_stages[:i]) for i, s in enumerate(sft_stages)] + [
+        (s, dpo_stages[:i])
+        for i, s in enumerate(dpo_stages)  # a part starts with no results
+    ]
+    assert [(name, list(call.results)) for name, call in seen] == expected
+    assert all(call.results[name]["stage"] == name for _, call in seen for name in call.results)
+    assert all(call.ctx is ctx for _, call in seen)
+    _, search_call = seen[5]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        search_call.model = "another model"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        search_call.results["probe"] = {}  # type: ignore[index]
 
 
 def test_a_part_with_nothing_to_train_stops_there_and_the_next_part_starts_from_its_model(tmp_path, monkeypatch):
@@ -168,21 +203,21 @@ def test_a_part_with_nothing_to_train_stops_there_and_the_next_part_starts_from_
     tables["sft_dpo"] = (("sft", tuple(sft_stages)), tables["sft_dpo"][1])
     monkeypatch.setattr(plan, "METHOD_PARTS", tables)
     recipe = make_recipe(tmp_path, "sft_dpo", iteration_times=1, on_empty_selection="carry_forward")
-    the_plan = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False)
-    final = pipeline.run_plan(the_plan)
+    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
+    final = pipeline.run_plan(ctx, plan.build_plan(recipe))
     assert [name for _, part, name in ran if part == "sft"] == ["generate", "score", "select"]  # no train
     assert [name for _, part, name in ran if part == "dpo"] == ["probe", "search", "pairs", "train"]
     assert starts == [recipe.initial_model_path]
-    assert final == str(the_plan.ctx.paths.checkpoint(0))
+    assert final == str(ctx.paths.checkpoint(0))
 
 
 def test_dry_run_names_the_loss_model_in_use(tmp_path):
     recipe = make_recipe(tmp_path, "sft", loss_model_path=str(tmp_path / "judge"))
-    text = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False).render()
+    text = dry_run(recipe)
     assert f"LM loss ({tmp_path / 'judge'} on the run's vLLM loss server beside the policy)" in text
     assert rules.loss_model(recipe) == str(tmp_path / "judge")
     plain = make_recipe(tmp_path, "sft")
-    rendered = plan.build_plan(plain, {"train": TRAIN_ENV}).render()
+    rendered = dry_run(plain, gpu=None)
     assert f"LM loss ({plain.initial_model_path} on the run's vLLM loss server" in rendered
 
 
@@ -199,7 +234,7 @@ def test_train_start(tmp_path, method, part, from_initial, expected):
 
 def test_the_plan_shows_the_model_training_starts_from(tmp_path):
     recipe = make_recipe(tmp_path, "dpo", from_initial=True)
-    text = plan.build_plan(recipe, {"train": TRAIN_ENV}, gpu=False).render()
+    text = dry_run(recipe)
     assert text.count(f"model: {recipe.initial_model_path}") >= 3  # both iterations' train stages, and serving
     assert f"reference: {recipe.initial_model_path}" in text
 

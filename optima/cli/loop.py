@@ -64,15 +64,17 @@ def run_loop_script(recipe_cls: type, description: str, argv: list[str] | None) 
         envs = resolve_envs(args.vllm_env, args.alignment_env)
         from optima.hardware.spec import resolve_hardware
         from optima.plan import build_plan
+        from optima.run_context import build_run_context
 
-        plan = build_plan(recipe, envs, skip_iteration=args.skip_iteration, hardware=resolve_hardware(args.hardware))
-        plan.ctx.progress = not args.quiet
+        hardware = resolve_hardware(args.hardware)
+        ctx = build_run_context(recipe, envs, hardware=hardware, progress=not args.quiet)
+        plan = build_plan(recipe, skip_iteration=args.skip_iteration)
         if args.dry_run:
-            emit(plan.render())
+            emit(plan.render(ctx))
             return 0
         from optima.pipeline import run_plan
 
-        run_plan(plan)
+        run_plan(ctx, plan)
         return 0
 
     return guarded(body)

@@ -15,12 +15,12 @@ console unless ``--quiet``), and the result is what the trainer wrote with its c
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from optima.config.rules import loss_model, trainer_base_yaml, trainer_overrides_for
@@ -48,12 +48,14 @@ CHECKPOINT = "checkpoint"  # the output name of a train stage (every other outpu
 TRAINER_LOGS = "trainer logs"  # the train stage's TensorBoard events (``RunPaths.trainer_logs``)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class StageCall:
-    """The one context of a stage: the run, where its part runs, the model it starts from, the earlier results.
+    """The context of one stage: the run, where its part runs, the model it starts from, the earlier results.
 
-    ``optima.plan.build_plan`` builds one per part (the dry-run describes each stage from it); the run uses the
-    same, from the model it really has (``starting_from``).
+    One of the two context objects (the other is the run's ``RunContext``). It is frozen: the pipeline builds one
+    for each stage it runs (``optima.plan.PlanPart.stage_call``), from the run, the part's description, the model
+    the part really starts from and the results of the stages before it, which the pipeline keeps itself; the
+    dry-run describes each stage from one built the same way. The recipe is the run's: ``call.ctx.recipe``.
 
     Args:
         ctx: The run (recipe, paths, environments, hardware, servers).
@@ -63,7 +65,7 @@ class StageCall:
             (``optima.config.rules.train_start``).
         sp: The part's folder.
         out: The part's checkpoint.
-        results: The results of the part's earlier stages, by name.
+        results: The results of the part's earlier stages, by name (a read-only copy).
     """
 
     ctx: RunContext
@@ -72,12 +74,11 @@ class StageCall:
     model: str
     sp: StagePaths
     out: Path
-    results: dict[str, dict] = field(default_factory=dict)
+    results: Mapping[str, dict] = field(default_factory=dict)
 
-    @property
-    def recipe(self) -> MethodRecipe:
-        """The run's recipe."""
-        return self.ctx.recipe
+    def __post_init__(self) -> None:
+        # A copy behind a read-only view: a stage reads the results before it, and nothing changes them under it.
+        object.__setattr__(self, "results", MappingProxyType(dict(self.results)))
 
     def output(self, name: str) -> Path:
         """A stage output by name: ``checkpoint``, ``trainer logs`` or a ``StagePaths`` attribute (``generations``,
@@ -85,10 +86,6 @@ class StageCall:
         if name == TRAINER_LOGS:
             return self.ctx.paths.trainer_logs(self.sp)
         return self.out if name == CHECKPOINT else getattr(self.sp, name)
-
-    def starting_from(self, model: str) -> StageCall:
-        """This part's context for a run from ``model`` (no earlier results yet)."""
-        return dataclasses.replace(self, model=model, results={})
 
 
 def training_questions(ctx: RunContext, iteration: int, stage: str, count: int | None = None):
@@ -235,7 +232,7 @@ def trainer_peak(call: StageCall, config: dict[str, Any], kind: TrainerKind) -> 
         return None
     from optima.hardware.training import rows_trainer_peak
 
-    return rows_trainer_peak(call.recipe, config, kind == DPO, call.sp.dataset, call.ctx.tokenizer())
+    return rows_trainer_peak(call.ctx.recipe, config, kind == DPO, call.sp.dataset, call.ctx.tokenizer())
 
 
 def iteration_values(call: StageCall, kind: TrainerKind, start: str) -> dict[str, Any]:
@@ -244,7 +241,7 @@ def iteration_values(call: StageCall, kind: TrainerKind, start: str) -> dict[str
     planned processes (``optima.hardware.batch``; only where it differs from the YAML's)."""
     ctx, sp = call.ctx, call.sp
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(call.out)}
-    values |= {"seed": call.recipe.seed + call.iteration}
+    values |= {"seed": call.ctx.recipe.seed + call.iteration}
     values |= trainer_overrides(ctx.report_to, ctx.paths.output_dir, sp.root)
     if kind in ctx.hardware.accumulation:
         values["gradient_accumulation_steps"] = ctx.hardware.accumulation[kind]
@@ -267,7 +264,7 @@ def train_checkpoint(
         overrides: More trainer YAML values of this method (``None`` deletes a key).
         check: Validates the rendered trainer YAML before anything is written.
     """
-    ctx, recipe, sp, out = call.ctx, call.recipe, call.sp, call.out
+    ctx, recipe, sp, out = call.ctx, call.ctx.recipe, call.sp, call.out
     if is_complete(out):
         return read_completion(out)
     clear_partial_output(out)  # a killed run's files go; its resumable trainer checkpoints (checkpoint-N) stay

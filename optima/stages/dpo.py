@@ -47,7 +47,7 @@ SEARCH_SEED_STREAM = "mcts"
 
 def probe(call: StageCall) -> dict:
     """Sample ``probe_count`` conversations and take the token quantile as ``T_max`` (docs/method.md#idpo)."""
-    ctx, recipe, sp = call.ctx, call.recipe, call.sp
+    ctx, recipe, sp = call.ctx, call.ctx.recipe, call.sp
     examples = common.training_questions(ctx, call.iteration, "probe", recipe.probe_count)
     endpoints = ctx.servers.serve(call.model, sp)
     generation = GenerationSettings(call.iteration, recipe.temperature, 1, use_prompt_pool=False, stage="probe")
@@ -105,7 +105,7 @@ def search(call: StageCall) -> dict:
     See docs/method.md#tree-search. ``T_max`` is the probe's (``call.results["probe"]["t_max"]``): the one every
     rollout reward uses.
     """
-    ctx, recipe, sp, iteration = call.ctx, call.recipe, call.sp, call.iteration
+    ctx, recipe, sp, iteration = call.ctx, call.ctx.recipe, call.sp, call.iteration
     t_max = call.results["probe"]["t_max"]
     examples = common.training_questions(ctx, iteration, "search", recipe.monte_sample_count)
     urls = ctx.servers.serve(call.model, sp)
@@ -187,7 +187,7 @@ def _run_trees(recipe: ServingFields, todo, run, writer) -> None:
 def pairs(call: StageCall) -> dict:
     """Mine preference pairs from the trees and save them (docs/method.md#mining-pairs)."""
     lines, _ = load_records(call.sp.rollouts)
-    return save_pairs(lines, call.recipe, call.sp.dataset, call.sp.selection_record, call.iteration)
+    return save_pairs(lines, call.ctx.recipe, call.sp.dataset, call.sp.selection_record, call.iteration)
 
 
 def nothing_kept(recipe: DPOFields, mined: dict) -> str | None:
@@ -202,5 +202,5 @@ def train(call: StageCall) -> dict:
     def check(config: dict) -> None:
         validate_lengths(config.get("max_length"), config.get("max_prompt_length"))
 
-    start = train_start(call.recipe, call.model, call.part)
-    return common.train_checkpoint(call, DPO, start, {"rpo_alpha": call.recipe.rpo_alpha}, check)
+    start = train_start(call.ctx.recipe, call.model, call.part)
+    return common.train_checkpoint(call, DPO, start, {"rpo_alpha": call.ctx.recipe.rpo_alpha}, check)

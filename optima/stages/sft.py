@@ -37,14 +37,14 @@ def generate(call: StageCall) -> dict:
     ctx, sp = call.ctx, call.sp
     examples = common.training_questions(ctx, call.iteration, SFT)
     endpoints = ctx.servers.serve(call.model, sp)
-    generation = generation_settings(call.recipe, call.iteration)
+    generation = generation_settings(call.ctx.recipe, call.iteration)
     with contextlib.ExitStack() as stack:
         stream = None
-        if call.recipe.cal_ppl and ctx.servers.loss is not None:
+        if call.ctx.recipe.cal_ppl and ctx.servers.loss is not None:
             scorer = common.built_on_first_use(lambda: common.served_loss_scorer(ctx, ctx.servers.loss_urls()))
-            stream = stack.enter_context(StreamingLosses(scorer, sp.losses, loss_model(call.recipe)))
+            stream = stack.enter_context(StreamingLosses(scorer, sp.losses, loss_model(call.ctx.recipe)))
         hooks = GenerationHooks(on_record=stream.submit if stream else None)
-        stats = generate_conversations(call.recipe, examples, endpoints, sp.generations, generation, hooks)
+        stats = generate_conversations(call.ctx.recipe, examples, endpoints, sp.generations, generation, hooks)
         streamed = {"loss_stream": stream.finish()} if stream else {}
     return {"questions": len(examples)} | stats.to_dict() | streamed
 
@@ -66,7 +66,7 @@ def score(call: StageCall) -> dict:
 
 def select(call: StageCall) -> dict:
     """Keep the best conversations (docs/method.md#isft-selection) and save them as per-agent SFT rows."""
-    recipe, sp, iteration = call.recipe, call.sp, call.iteration
+    recipe, sp, iteration = call.ctx.recipe, call.sp, call.iteration
     lines, _ = load_records(sp.rewarded)
     decisions = select_questions(lines, recipe)
     write_jsonl((d.to_record() for d in decisions), sp.selection_record)
@@ -103,4 +103,4 @@ def nothing_kept(recipe: SFTFields, selected: dict) -> str | None:
 
 def train(call: StageCall) -> dict:
     """Fine-tune with TRL under accelerate, from the part's model (or the initial model with ``from_initial``)."""
-    return common.train_checkpoint(call, SFT, train_start(call.recipe, call.model, call.part))
+    return common.train_checkpoint(call, SFT, train_start(call.ctx.recipe, call.model, call.part))
