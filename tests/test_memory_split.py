@@ -102,7 +102,7 @@ def test_the_train_stage_weighs_its_rows_only_beside_a_policy_idling_on_the_cpu(
     save_splits({"train": [{"messages": turns + [{"role": "assistant", "content": "Alice: <A>B</A>"}]}]}, sp.dataset)
     servers = SimpleNamespace(idles_on_cpu=True)
     tokenizer = AutoTokenizer.from_pretrained(recipe.initial_model_path)
-    call = SimpleNamespace(ctx=SimpleNamespace(servers=servers, tokenizer=lambda: tokenizer), recipe=recipe, sp=sp)
+    call = SimpleNamespace(ctx=SimpleNamespace(recipe=recipe, servers=servers, tokenizer=lambda: tokenizer), sp=sp)
     config = yaml.safe_load(Path(recipe.origin_yaml_path).read_text()) | {
         "model_name_or_path": recipe.initial_model_path
     }

@@ -132,13 +132,15 @@ def context_routes(annotation: ast.expr, module: str) -> dict[str, object]:
     own = class_recipe(cls)
     if own is not None:
         return {".recipe": own}
-    fields = {k: v for klass in getattr(cls, "__mro__", ()) for k, v in vars(klass).get("__annotations__", {}).items()}
-    if isinstance(fields.get("ctx"), str):
-        try:
-            inner = class_recipe(resolve(fields["ctx"], cls.__module__))
-        except NameError:
-            return {}
-        return {".ctx.recipe": inner} if inner is not None else {}
+    for klass in cls.__mro__ if isinstance(cls, type) else ():
+        annotations = vars(klass).get("__annotations__")
+        text = annotations.get("ctx") if isinstance(annotations, dict) else None
+        if isinstance(text, str):
+            try:
+                inner = class_recipe(resolve(text, klass.__module__))
+            except NameError:
+                return {}
+            return {".ctx.recipe": inner} if inner is not None else {}
     return {}
 
 
