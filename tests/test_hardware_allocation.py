@@ -285,7 +285,7 @@ def test_dry_run_prints_the_plan_and_a_refused_run_stops_before_start(tmp_path, 
     argv += ["--alignment_env", sys.executable, "--set", f"output_dir={tmp_path / 'run'}"]
     assert run_loop_script(SFTRecipe, "", [*argv, "--dry-run", "--hardware", "8x80GB"]) == 0
     out = capsys.readouterr().out
-    assert "hardware: 1 node(s) x 8 GPU(s) x 80 GiB (--hardware 8x80GB)" in out and "allocation: feasible" in out
+    assert "hardware: 1 node(s) x 8 GPU(s) x 80 GiB (--hardware 8x80GB)" in out and "plan: feasible" in out
     assert "--num_processes 4" in out
     assert run_loop_script(SFTRecipe, "", [*argv, "--hardware", "8x24GB"]) == 2
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
