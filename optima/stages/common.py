@@ -1,8 +1,9 @@
 """What the SFT and DPO stages share: the context a stage is called with, the question slices, the LM-loss scorer,
 the MATH verifier, and the train stage.
 
-Every stage function takes one ``StageCall`` (the stage tables of ``optima.plan`` list them), the same object the
-dry-run describes the stage from, and returns a small JSON-able result that the iteration's manifest records.
+Every stage function takes one ``StageCall`` (the stage tables of ``optima.plan`` list them), built as the dry-run
+builds the one it describes the stage from, and returns a small JSON-able result that the iteration's manifest
+records.
 
 ``train_checkpoint`` is the whole train stage of either method: a finished checkpoint is reused, a partial one (a
 killed run) is deleted except the trainer's resumable ``checkpoint-N`` states, the trainer YAML is rendered from the

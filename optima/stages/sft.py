@@ -1,6 +1,6 @@
 """The four stages of an iSFT iteration (docs/method.md#isft): generate, score, select, train.
 
-Each takes the ``StageCall`` of the stage table (``optima.plan``), does its work, and returns a small JSON-able
+Each takes its own ``StageCall`` (``optima.plan.PlanPart.stage_call``), does its work, and returns a small JSON-able
 result that the manifest records (and metrics.json reports).
 """
 
