@@ -401,7 +401,7 @@ def test_a_holder_takes_the_plans_layout_and_never_plans_itself(tmp_path, monkey
     recipe = sft_recipe(tmp_path)
     with pytest.raises(TypeError, match="layout"):
         ServerHolder(recipe, FAKE_ENV)  # type: ignore[call-arg]
-    with pytest.raises(ValueError, match="hardware plan's layout"):
+    with pytest.raises(ValueError, match="hardware allocation's layout"):
         ServerHolder(recipe, FAKE_ENV, layout=None)
     import optima.hardware.allocation as allocation_module
 

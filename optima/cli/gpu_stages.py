@@ -38,6 +38,11 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: this module starts before set-up, with the standard library alone
+    from optima.config.groups import ServingFields
+    from optima.config.types import LoopRecipe
 
 from optima.cli.gpu_check import GPU_RECIPE, REPO, SERVE_BF16_ARGS, SKIP_EXIT, say
 
@@ -80,7 +85,7 @@ def check_recipe(out: Path, name: str, **values):
     return load_recipe(SFTRecipe, REPO / "train" / "sft_recipes" / "demo_arc.yaml", overrides)
 
 
-def ask(url: str, recipe) -> str:
+def ask(url: str, recipe: ServingFields) -> str:
     """One greedy chat request to ``url`` through the run's chat client; its reply."""
     from optima.serving.client import ChatClient, Sampling
 
@@ -92,7 +97,7 @@ def ask(url: str, recipe) -> str:
     return reply.text
 
 
-def is_sleeping(url: str, recipe) -> bool:
+def is_sleeping(url: str, recipe: ServingFields) -> bool:
     """vLLM's ``GET /is_sleeping`` (a development route, open with sleep mode)."""
     import requests
 
@@ -104,7 +109,7 @@ def is_sleeping(url: str, recipe) -> bool:
     return bool(response.json()["is_sleeping"])
 
 
-def new_holder(recipe, layout, logs: Path):
+def new_holder(recipe: LoopRecipe, layout, logs: Path):
     """The run's server holder for ``recipe`` with the planned ``layout``."""
     from optima.config.rules import loss_model
     from optima.environments import resolve_env
@@ -170,7 +175,7 @@ def check_wake_reload(out: Path) -> int:
     return 0
 
 
-def server_allocation(recipe, hardware=None):
+def server_allocation(recipe: LoopRecipe, hardware=None):
     """The servers' part of the hardware allocation of ``recipe`` on ``hardware`` (default: this machine's), training
     excluded."""
     from optima.hardware.allocation import allocate_servers, unknown_memory_problem

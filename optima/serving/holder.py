@@ -148,8 +148,8 @@ class ServerHolder:
         loss_model: The fixed loss model.
         log_dir: Where the loss server's log goes (the run's ``logs/``).
 
-        layout: Where the servers run: the hardware plan's placements (``HardwarePlan.layout``, made and checked
-            before anything starts); None only for a recipe with external ``endpoints``, where nothing is placed.
+        layout: Where the servers run: the hardware allocation's placements (``HardwareAllocation.layout``, made
+            and checked before anything starts); None only for a recipe with external ``endpoints``, where nothing is placed.
         demand: What the run's conversations ask of a policy server of a model
             (``optima.agents.footprint.policy_demand``); None: unknown.
         available_memory: Reads the memory available now (default ``MemAvailable``; tests give their own).
@@ -169,7 +169,7 @@ class ServerHolder:
         node_launcher: NodeLauncher | None = None,
     ):
         if layout is None and not recipe.endpoints:
-            raise ValueError("ServerHolder needs the hardware plan's layout (None only with external endpoints)")
+            raise ValueError("ServerHolder needs the hardware allocation's layout (None only with external endpoints)")
         self.recipe, self.vllm_env = recipe, vllm_env
         self.loss_model, self.log_dir = loss_model, log_dir
         self.layout: ServerLayout = layout or ENDPOINTS_LAYOUT
