@@ -149,7 +149,8 @@ class ServerHolder:
         log_dir: Where the loss server's log goes (the run's ``logs/``).
 
         layout: Where the servers run: the hardware allocation's placements (``HardwareAllocation.layout``, made
-            and checked before anything starts); None only for a recipe with external ``endpoints``, where nothing is placed.
+            and checked before anything starts); None only for a recipe with external ``endpoints``, where nothing is
+            placed.
         demand: What the run's conversations ask of a policy server of a model
             (``optima.agents.footprint.policy_demand``); None: unknown.
         available_memory: Reads the memory available now (default ``MemAvailable``; tests give their own).
