@@ -145,7 +145,7 @@ def build_run_context(
         recipe: A validated loop recipe.
         envs: ``{"vllm": ..., "train": ...}``.
         hardware: The machine(s) (``optima.hardware.spec.Hardware``; default: detected).
-        gpu: False allocates this machine without its GPUs (tests); default: the hardware's.
+        gpu: False: allocate for this machine without its GPUs (tests); default: the hardware's.
         progress: Training progress bars on the console (``--quiet``: none).
     """
     from optima.hardware.allocation import allocate_this_machine
