@@ -9,7 +9,7 @@ from pathlib import Path
 
 from optima import config, plan
 from optima.__main__ import RECIPE_CLASSES
-from optima.config.groups import TrainingFields
+from optima.config.training_groups import TrainingFields
 from optima.hardware.training import trainer_yamls
 from optima.methods import DPO, METHODS, PART_FOLDERS, SFT, SFT_DPO, TRAINER_YAML_FIELDS, method_of_trainers, runs
 

@@ -20,10 +20,17 @@ from types import UnionType
 import pytest
 
 import optima.config.groups as groups
+import optima.config.training_groups as training_groups
 from tests.test_recipe_types import REPO, members, module_name, names_any, optima_sources, reads, resolve
 
-# The field groups: the dataclasses of optima.config.groups that the composite recipes inherit from.
-GROUPS = tuple(v for k, v in vars(groups).items() if k.endswith("Fields") and dataclasses.is_dataclass(v))
+# The field groups: the dataclasses of optima.config.groups and optima.config.training_groups that the composite
+# recipes inherit from.
+GROUPS = tuple(
+    v
+    for module in (groups, training_groups)
+    for k, v in vars(module).items()
+    if k.endswith("Fields") and dataclasses.is_dataclass(v) and v.__module__ == module.__name__
+)
 
 
 def classes_of(tp: object) -> list[object]:

@@ -85,6 +85,18 @@ def require(condition: bool, name: str, message: str) -> None:
         raise RecipeError(name, message)
 
 
+def require_in(name: str, value: float, low: float, high: float) -> None:
+    """Raise ``RecipeError`` unless ``low <= value <= high``."""
+    require(low <= value <= high, name, f"must be in [{low}, {high}], got {value!r}")
+
+
+def require_positive(recipe: object, *names: str) -> None:
+    """Raise ``RecipeError`` for the first of the fields ``names`` of ``recipe`` that is below 1."""
+    for name in names:
+        value = getattr(recipe, name)
+        require(value >= 1, name, f"must be >= 1, got {value!r}")
+
+
 def _matches(value: Any, tp: Any) -> bool:
     """True when ``value`` (already coerced) is an instance of the annotation ``tp``."""
     origin = typing.get_origin(tp)

@@ -35,15 +35,13 @@ from optima.config.groups import (
     PROBED,
     TRAINED,
     ConversationFields,
-    DPOFields,
     GenerationFields,
     LoopFields,
     RewardFields,
     RunFields,
     ServingFields,
-    SFTFields,
-    TrainingFields,
 )
+from optima.config.training_groups import DPOFields, SFTFields, TrainingFields
 from optima.methods import DPO, SFT, SFT_DPO
 
 logger = logging.getLogger(__name__)

@@ -22,14 +22,11 @@ from __future__ import annotations
 
 from optima.config.groups import (
     ConversationFields,
-    DPOFields,
     GenerationFields,
     LoopFields,
     RewardFields,
     RunFields,
     ServingFields,
-    SFTFields,
-    TrainingFields,
 )
 from optima.config.recipes import (
     BaseRecipe,
@@ -40,6 +37,7 @@ from optima.config.recipes import (
     SFTDPORecipe,
     SFTRecipe,
 )
+from optima.config.training_groups import DPOFields, SFTFields, TrainingFields
 
 # The loops with iSFT stages (generation, scoring, selection): they have ``SFTFields``.
 SFTLoopRecipe = SFTRecipe | SFTDPORecipe
