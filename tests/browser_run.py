@@ -19,8 +19,9 @@ from optima.paths import RunPaths
 from optima.plan import build_plan
 from optima.run_context import build_run_context
 from optima.selection.dpo import save_pairs
-from optima.selection.mcts import Reply, search_question
+from optima.selection.mcts import search_question
 from optima.selection.rollout_reward import build_rollout_scorer
+from optima.selection.tree import Reply
 from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.stages.sft import select
 from optima.store import JsonlWriter

@@ -24,8 +24,9 @@ from optima.agents.prompts import (
 )
 from optima.config import DPORecipe, SFTRecipe, load_recipe
 from optima.selection.dpo import candidate_pairs
-from optima.selection.mcts import Reply, SearchSettings, SearchTree
+from optima.selection.mcts import SearchTree
 from optima.selection.sft import conversation_rows, split_rows
+from optima.selection.tree import Reply, SearchSettings
 from optima.tasks import Example
 from tests.helpers import arc_examples
 from tests.test_prompts import QA_EXAMPLE

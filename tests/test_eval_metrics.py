@@ -9,8 +9,8 @@ from optima.evaluation.methods import method_row
 from optima.evaluation.metrics import RecordScorer, has_answer, metric_names, summarize_records, with_timeouts
 from optima.evaluation.task_table import cell, wide_rows
 from optima.evaluation.voting import AnswerMatcher, analyze_self_consistency, cluster_answers, majority_score
-from optima.selection.mcts import Rollout
 from optima.selection.rollout_reward import build_rollout_scorer
+from optima.selection.tree import Rollout
 from optima.stages.reward_stage import reward_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier

@@ -18,17 +18,9 @@ from optima.config import DPORecipe, load_recipe
 from optima.reward import Conversation, token_quantile
 from optima.selection.dpo import candidate_pairs
 from optima.selection.edit_distance import levenshtein, merge_distance, selection_distance
-from optima.selection.mcts import (
-    ERROR_RETRIES,
-    Reply,
-    Rollout,
-    SearchSettings,
-    SearchTree,
-    ranked_children,
-    reply_from_chat,
-    search_question,
-)
+from optima.selection.mcts import ERROR_RETRIES, SearchTree, reply_from_chat, search_question
 from optima.selection.rollout_reward import build_rollout_scorer, first_impersonation, score_rollout_parts
+from optima.selection.tree import Reply, Rollout, SearchSettings, ranked_children
 from tests.helpers import arc_examples
 
 REPO = Path(__file__).resolve().parent.parent

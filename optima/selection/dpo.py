@@ -1,6 +1,6 @@
 """Preference pairs from the search trees, as a TRL conversational preference dataset (docs/method.md#mining-pairs).
 
-Input: one tree per question, the JSON line of ``optima.selection.mcts.SearchResult.to_dict`` (nodes as plain dicts
+Input: one tree per question, the JSON line of ``optima.selection.tree.SearchResult.to_dict`` (nodes as plain dicts
 with their final ``value``). For every *minable* node (still in the candidate pool or selected) with at least two
 children, the best and the worst child are read from the children's **current** values (docs/method.md D14: the
 original kept min/max pointers that could go stale). The node gives a pair when
