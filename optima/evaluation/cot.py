@@ -29,7 +29,8 @@ from optima.agents.generation import (
     Job,
     generate_conversations,
 )
-from optima.agents.prompts import CHOICE_SLOT, GSM8K_SLOT, MATH_SLOT, QA_SLOT, render_information
+from optima.agents.prompts import render_information
+from optima.agents.role_prompts import CHOICE_SLOT, GSM8K_SLOT, MATH_SLOT, QA_SLOT
 from optima.serving.client import Sampling
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
