@@ -13,7 +13,8 @@ import random
 import re
 from pathlib import Path
 
-from optima.agents.generation import GenerationSettings, generate_conversations
+from optima.agents.generation import generate_conversations
+from optima.agents.runner import GenerationSettings
 from optima.config import SFTDPORecipe, load_recipe
 from optima.paths import RunPaths
 from optima.plan import build_plan

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from optima.agents.generation import GenerationSettings, generate_conversations, generation_settings
+from optima.agents.generation import generate_conversations
+from optima.agents.runner import GenerationSettings, generation_settings
 from optima.config import RecipeError
 from optima.serving.client import PROBE_REPLY, ConstraintRejected
 from optima.store import load_records

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
-from optima.agents.generation import GenerationSettings
+from optima.agents.runner import GenerationSettings
 from optima.config import MultiSCRecipe
 from optima.config.fields import RecipeError
 from optima.evaluation.autoform import AUTOFORM_RULE, autoform_prompts, generate_autoform

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
-from optima.agents.generation import GenerationSettings, generate_conversations
+from optima.agents.generation import generate_conversations
+from optima.agents.runner import GenerationSettings
 from optima.browser import sample_conversations, write_conversations_page
 from optima.paths import PAGE, RunPaths
 from optima.store import load_records

@@ -306,7 +306,8 @@ def test_generation_keeps_in_flight_what_the_kv_cache_holds(make_recipe, tmp_pat
     import time
 
     from optima.agents.footprint import conversation_footprint
-    from optima.agents.generation import GenerationSettings, generate_conversations
+    from optima.agents.generation import generate_conversations
+    from optima.agents.runner import GenerationSettings
     from tests.fake_openai import FakeOpenAIServer, agreeing_reply
     from tests.helpers import arc_examples
 

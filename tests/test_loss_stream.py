@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import GenerationHooks, GenerationSettings, generate_conversations
+from optima.agents.generation import GenerationHooks, generate_conversations
+from optima.agents.runner import GenerationSettings
 from optima.loss_stream import StreamingLosses, conversation_texts, load_known_losses, texts_sha1
 from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.store import load_records

@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from optima.agents.generation import GenerationSettings, generate_conversations, generation_settings
+from optima.agents.generation import generate_conversations
 from optima.agents.prompts import build_agent_messages
+from optima.agents.runner import GenerationSettings, generation_settings
 from optima.environments import resolve_env
 from optima.paths import RunPaths
 from optima.serving import serve

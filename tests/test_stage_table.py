@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from optima import pipeline, plan
-from optima.agents.generation import generation_settings
+from optima.agents.runner import generation_settings
 from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, defaults, load_recipe, rules
 from optima.config.fields import field
 from optima.config.stage_names import Stage

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import GenerationHooks, GenerationSettings, generate_conversations
+from optima.agents.generation import GenerationHooks, generate_conversations
+from optima.agents.runner import GenerationSettings
 from optima.environments import resolve_env
 from optima.hardware.layout import place_replicas
 from optima.paths import RunPaths

@@ -7,11 +7,11 @@ from optima import lazy_exports
 
 # Public names, imported on first use (the conversation loop pulls in the serving client).
 _EXPORTS = {
-    "ConversationRunner": "generation",
+    "ConversationRunner": "runner",
     "GenerationHooks": "generation",
-    "GenerationSettings": "generation",
+    "GenerationSettings": "runner",
     "generate_conversations": "generation",
-    "generation_settings": "generation",
+    "generation_settings": "runner",
     "Utterance": "prompts",
     "render_utterance": "prompts",
 }

@@ -12,15 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import (
-    ConversationRunner,
-    GenerationHooks,
-    GenerationSettings,
-    GenerationStats,
-    Job,
-    generate_conversations,
-)
+from optima.agents.generation import GenerationHooks, GenerationStats, generate_conversations
 from optima.agents.prompts import AGENT_NAMES, build_system_prompt
+from optima.agents.runner import ConversationRunner, GenerationSettings, Job
 from optima.evaluation.fingerprint import conversation_prompts
 from optima.tasks import Example, Task
 

@@ -21,16 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.agents.conversation import AgentPrompts, TurnLimits, run_conversation
-from optima.agents.generation import (
-    ConversationRunner,
-    GenerationHooks,
-    GenerationSettings,
-    GenerationStats,
-    Job,
-    generate_conversations,
-)
+from optima.agents.generation import GenerationHooks, GenerationStats, generate_conversations
 from optima.agents.prompts import render_information
 from optima.agents.role_prompts import CHOICE_SLOT, GSM8K_SLOT, MATH_SLOT, QA_SLOT
+from optima.agents.runner import ConversationRunner, GenerationSettings, Job
 from optima.serving.client import Sampling
 from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng

@@ -30,15 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from optima.agents.conversation import ConversationResult, CountTokens, reply_tokens
-from optima.agents.generation import (
-    ConversationRunner,
-    GenerationHooks,
-    GenerationSettings,
-    GenerationStats,
-    Job,
-    generate_conversations,
-)
+from optima.agents.generation import GenerationHooks, GenerationStats, generate_conversations
 from optima.agents.prompts import Utterance
+from optima.agents.runner import ConversationRunner, GenerationSettings, Job
 from optima.config.fields import RecipeError
 from optima.evaluation.cot import COT_PROMPTS, build_cot_messages
 from optima.evaluation.voting import AnswerMatcher, cluster_answers

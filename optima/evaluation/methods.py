@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optima.agents.generation import GenerationSettings
+from optima.agents.runner import GenerationSettings
 from optima.config.fields import RecipeError
 from optima.evaluation.autoform import autoform_request_texts, generate_autoform
 from optima.evaluation.cot import build_cot_messages, generate_cot_answers

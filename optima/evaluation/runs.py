@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationSettings, generate_conversations
+from optima.agents.generation import generate_conversations
+from optima.agents.runner import GenerationSettings
 from optima.config.recipe_file import save_recipe
 from optima.config.rules import tokenizer_path
 from optima.environments import PythonEnv, check_env

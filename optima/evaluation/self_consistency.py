@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from optima.agents.generation import GenerationSettings
+from optima.agents.runner import GenerationSettings
 from optima.config.fields import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.debate import DebateSettings

@@ -25,7 +25,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationSettings
+from optima.agents.runner import GenerationSettings
 from optima.environments import PythonEnv
 from optima.evaluation.compare import write_comparison
 from optima.evaluation.dry_run import list_models

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationSettings, TokenCounter, generate_conversations
+from optima.agents.generation import generate_conversations
+from optima.agents.runner import GenerationSettings, TokenCounter
 from optima.config.rules import train_start, workers
 from optima.methods import DPO
 from optima.paths import StagePaths

@@ -11,7 +11,8 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationHooks, generate_conversations, generation_settings
+from optima.agents.generation import GenerationHooks, generate_conversations
+from optima.agents.runner import generation_settings
 from optima.config.rules import loss_model, train_start
 from optima.loss_stream import StreamingLosses, load_known_losses
 from optima.methods import SFT
