@@ -1,4 +1,5 @@
-"""Table tests of the KV-cache sizing (``optima.hardware.capacity``) and the prompt footprint of a stage."""
+"""Table tests of the KV-cache sizing (``optima.hardware.capacity``), the servers' cache metrics
+(``optima.hardware.cache_metrics``) and the prompt footprint of a stage."""
 
 from __future__ import annotations
 
@@ -8,20 +9,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from optima.hardware.cache_metrics import CacheCounters, kv_capacity_tokens, metric_total, parse_prometheus
 from optima.hardware.capacity import (
     GIB,
-    CacheCounters,
     KVShape,
     MemoryShare,
     conversation_kv_tokens,
     cpu_kvcache_gb,
     fit_in_flight,
-    kv_capacity_tokens,
     kv_shape,
     loss_kv_tokens,
     loss_kvcache_gb,
-    metric_total,
-    parse_prometheus,
     read_available_bytes,
     resolve_cpu_kvcache_gb,
 )

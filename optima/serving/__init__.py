@@ -15,7 +15,7 @@ from __future__ import annotations
 from optima import lazy_exports
 
 _EXPORTS = {
-    "CacheCounters": "optima.hardware.capacity",
+    "CacheCounters": "optima.hardware.cache_metrics",
     "ChatReply": "client",
     "ConstraintRejected": "client",
     "NoReplicaLeft": "client",

@@ -1,6 +1,6 @@
 """The served KV cache during a generation stage: its size, the in-flight bound it allows, its prefix-cache hit rate.
 
-``KVMonitor`` reads every replica's ``/metrics`` (Prometheus text, see ``optima.hardware.capacity``) when a stage
+``KVMonitor`` reads every replica's ``/metrics`` (Prometheus text, see ``optima.hardware.cache_metrics``) when a stage
 starts and when it ends. The first read gives the KV capacity (vLLM's ``cache_config_info``) and the counters'
 starting values, since a server may serve several stages; the second gives the stage's own prefix-cache hits,
 lookups and preemptions. Endpoints without ``/metrics`` (not vLLM) leave the bound at ``thread_count`` and the
@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from optima.hardware.capacity import CacheCounters, fit_in_flight, kv_capacity_tokens, parse_prometheus
+from optima.hardware.cache_metrics import CacheCounters, kv_capacity_tokens, parse_prometheus
+from optima.hardware.capacity import fit_in_flight
 
 logger = logging.getLogger(__name__)
 
