@@ -22,7 +22,8 @@ processes:
   ``serve_loss_for_search()``: a block during which the tree search has the loss model served;
 * ``stop_policy()``: stop the policy replicas; ``stop_all()``: every server (the end of the run, or any error).
 
-Nothing starts at construction: ``loss`` (the loss server, when the recipe wants one) is made there, not started.
+Nothing starts at construction: ``loss`` (the loss server, when the recipe wants one: ``LossServer``, in
+``optima.serving.loss_server``) is made there, not started.
 
 The loss server stays up through training: idle, a vLLM server takes no CPU time worth counting
 (``bench/RESULTS.md`` has the measurement), and a restart would cost a start-up per iteration.
@@ -47,18 +48,11 @@ from optima.hardware.capacity import GIB, PolicyDemand, available_memory_bytes
 from optima.hardware.layout import ServerLayout, loss_server_wanted
 from optima.hardware.placement import Placement
 from optima.hardware.training import TRAINER_MARGIN_BYTES, TrainerPeak
-from optima.paths import RunPaths, StagePaths
+from optima.paths import StagePaths
+from optima.serving.loss_server import LossServer
 from optima.serving.replicas import ReplicaLayout
 from optima.serving.replicas import serve as serve_replicas
-from optima.serving.vllm_server import (
-    ServerSpec,
-    VLLMServer,
-    answers_health,
-    build_serve_command,
-    build_serve_env,
-    find_free_port,
-    wait_until_all_ready,
-)
+from optima.serving.vllm_server import VLLMServer, answers_health, wait_until_all_ready
 
 if TYPE_CHECKING:
     from optima.config.types import LoopRecipe
@@ -68,75 +62,6 @@ logger = logging.getLogger(__name__)
 ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: nothing placed here
 # Before reuse: an idle server answers /health at once and a dead one refuses at once; this only bounds a hung one.
 REUSE_HEALTH_TIMEOUT_S = 10.0
-
-
-class LossServer:
-    """The loss model's vLLM server: started by ``start`` (no wait) or ``serve`` (waits for it), stopped by ``stop``.
-
-    Args:
-        recipe: Serving fields.
-        vllm_env: The vLLM environment.
-        model: The loss model (folder or hub id).
-        layout: Where it runs (``layout.loss``).
-        log_path: Its log file.
-    """
-
-    def __init__(self, recipe: LoopRecipe, vllm_env: PythonEnv, model: str, layout: ServerLayout, log_path: Path):
-        self.recipe, self.vllm_env, self.model, self.layout, self.log_path = recipe, vllm_env, model, layout, log_path
-        self.server: VLLMServer | None = None
-
-    @property
-    def ports(self) -> tuple[int, ...]:
-        return (self.server.spec.port,) if self.server is not None else ()
-
-    @property
-    def running(self) -> bool:
-        """Whether its process runs (started, and not exited since)."""
-        return self.server is not None and self.server.is_running()
-
-    def start(self, busy_ports: tuple[int, ...] = ()) -> None:
-        """Start the process unless it runs already (the caller may start the policy meanwhile).
-
-        Args:
-            busy_ports: Ports of servers starting beside it that may not listen yet.
-        """
-        if self.server is not None and not self.server.is_running():
-            self._replace_dead("exited")
-        if self.server is not None:
-            return
-        recipe, placement = self.recipe, self.layout.loss
-        port = find_free_port(recipe.host, recipe.port, busy_ports)
-        argv = build_serve_command(recipe, self.model, port, self.vllm_env, placement)
-        cache = RunPaths.from_recipe(recipe).vllm_cache
-        # On a CPU its KV cache is the placement's: what scoring needs (the policy gets the rest).
-        env = build_serve_env(recipe, self.vllm_env, placement, cache, self.model)
-        logger.info("loss server | %s | port %d | log %s", self.model, port, self.log_path)
-        server = VLLMServer(ServerSpec(0, tuple(argv), env, recipe.host, port, self.log_path))
-        server.__enter__()
-        self.server = server
-
-    def serve(self) -> list[str]:
-        """Its OpenAI base URL, waiting until it answers ``/health`` (started now if needed, again if it died)."""
-        if self.server is not None and self.server.ready and not self.server.is_healthy():
-            self._replace_dead("does not answer /health")
-        self.start()
-        try:
-            wait_until_all_ready([self.server], self.recipe.server_startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return [self.server.spec.api_url]
-
-    def _replace_dead(self, what: str) -> None:
-        """Log a server that died (killed for memory, say) and clear it away; the next ``start`` starts afresh."""
-        url = self.server.spec.api_url
-        logger.warning("loss server %s %s; starting a fresh one (log %s)", url, what, self.log_path)
-        self.stop()
-
-    def stop(self) -> None:
-        server, self.server = self.server, None
-        if server is not None:
-            server.stop()
 
 
 class ServerHolder:
