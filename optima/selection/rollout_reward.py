@@ -4,7 +4,7 @@ During the tree search (docs/method.md#rollout-reward) every rollout is scored o
 formula as the SFT reward (``optima.reward``) and two differences (docs/method.md#rollout-reward):
 
 * ``T_max`` is not the question's longest conversation but a global quantile of the token-count probe
-  (``optima.selection.mcts.token_quantile``, the probe stage);
+  (``optima.reward.token_quantile``, the probe stage);
 * the **format rule** replaces the cleaning penalty: when an utterance speaks for both agents (``is_impersonation``:
   both ``Alice:`` and ``Bob:``, or one name twice) the task score is 0 and the LM-loss term only looks at the
   utterances *before* the first such utterance. There is no -10 penalty here (that belongs to SFT cleaning,
