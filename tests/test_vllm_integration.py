@@ -84,7 +84,12 @@ def test_real_crash_before_ready_is_reported_with_the_log(tmp_path):
     assert child_groups(os.getpid()) == before
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "kill-9"])
+# kill -9 is slow here: the default suite's tests/test_sft_loop.py kills its driver with SIGKILL mid-generation and
+# checks that the orphaned servers (the policy and the loss server) stop themselves.
+KILL_9 = pytest.param(signal.SIGKILL, id="kill-9", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, id="sigint"), KILL_9])
 def test_real_interrupted_driver_leaves_no_vllm_process(tiny_model, tmp_path, signum):
     """Ctrl-C unwinds the driver's ``serve`` block; ``kill -9`` skips it, and the servers stop themselves."""
     config = {
