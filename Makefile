@@ -2,7 +2,7 @@
 #   make demo   set up (if needed) and run the 2-iteration iSFT demo on SmolLM2-135M (CPU: about 13 min after set-up, the held-out table included),
 #               then print its time per iteration and its report (python -m optima demo)
 #   make demo-hotpot   the same on HotpotQA (information exchange; CPU: about 15 min after set-up)
-#   make test   set up (if needed) and run the default test suite (about 6 min on a quiet 2-core box)
+#   make test   set up (if needed) and run the default test suite (about 10 min on a quiet 2-core box)
 #   (set-up: about 2 min with the wheels on local disk, about 6 min downloading them; 4.8 GB of disk)
 #   make gpu-check  on one NVIDIA GPU: set up, iSFT + iDPO (bf16, ZeRO-3), wake with new weights, loss server beside
 #                   the policy, 2-rank ZeRO-3 save; each stage PASS/FAIL/SKIP (python3 -m optima gpu-check)
