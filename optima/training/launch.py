@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from optima.environments import REPO_ROOT
-from optima.serving.processes import PARENT_ENV, die_with_parent, group_members, stop_group
+from optima.serving.processes import PARENT_ENV, die_with_parent, group_members, signal_group, stop_group
 from optima.training.errors import STOP_TIMEOUT_S, TrainingError, failure_message
 from optima.training.extensions import extensions_root, remove_stale_build_locks
 from optima.training.launch_config import TrainLaunch
@@ -145,10 +145,9 @@ def run_ranks(
     except subprocess.TimeoutExpired:
         return None
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for proc in procs:  # the whole group: a rank's own children too, whether the rank ended or not
+            signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def stop_trainer(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
