@@ -300,7 +300,7 @@ def test_this_machine_is_planned_by_one_helper(monkeypatch):
     recipe = recipe_at("train/sft_recipes/arc.yaml")
     seen = []
     monkeypatch.setattr(
-        allocation_module, "allocate_hardware", lambda recipe, hardware, cpus: seen.append((hardware, cpus))
+        allocation_module, "allocate_hardware", lambda recipe, hardware, cpus, training: seen.append((hardware, cpus))
     )
     monkeypatch.setattr(allocation_module, "detect_hardware", lambda: "detected")
     given = parse_hardware("1x80")

@@ -40,11 +40,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from optima.cli.gpu_check import GPU_RECIPE, REPO, SERVE_BF16_ARGS, SKIP_EXIT, say
+
 if TYPE_CHECKING:  # annotations only: this module starts before set-up, with the standard library alone
     from optima.config.groups import ServingFields
     from optima.config.types import LoopRecipe
-
-from optima.cli.gpu_check import GPU_RECIPE, REPO, SERVE_BF16_ARGS, SKIP_EXIT, say
 
 ZERO3_TIMEOUT_S = 600
 ZERO3_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
@@ -178,19 +178,9 @@ def check_wake_reload(out: Path) -> int:
 def server_allocation(recipe: LoopRecipe, hardware=None):
     """The servers' part of the hardware allocation of ``recipe`` on ``hardware`` (default: this machine's), training
     excluded."""
-    from optima.hardware.allocation import allocate_servers, unknown_memory_problem
-    from optima.hardware.claims import HardwareAllocation
-    from optima.hardware.spec import detect_hardware
-    from optima.hardware.training import policy_size, trainer_yamls
+    from optima.hardware.allocation import allocate_this_machine
 
-    hardware = hardware or detect_hardware()
-    allocation = HardwareAllocation(hardware)
-    if hardware.has_gpu and hardware.gpu_gib <= 0:
-        allocation.problems.append(unknown_memory_problem(hardware))
-        return allocation
-    size = policy_size(recipe, trainer_yamls(recipe))
-    allocate_servers(recipe, hardware, size, allocation, sorted(os.sched_getaffinity(0)))
-    return allocation
+    return allocate_this_machine(recipe, hardware, training=False)
 
 
 def group_memory_mib(pgid: int | None) -> tuple[int | None, int | None]:

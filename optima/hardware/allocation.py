@@ -50,8 +50,13 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MIN_LOSS_SHARE = 0.05
 
 
-def allocate_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None = None) -> HardwareAllocation:
-    """The allocation of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs)."""
+def allocate_hardware(
+    recipe: Recipe, hardware: Hardware, cpus: list[int] | None = None, *, training: bool = True
+) -> HardwareAllocation:
+    """The allocation of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs).
+
+    ``training=False`` allocates the servers alone (``make gpu-check``'s server checks, which train nothing: on one
+    GPU, training would not fit beside a resident loss server)."""
     allocation = HardwareAllocation(hardware)
     if hardware.has_gpu and hardware.gpu_gib <= 0:
         allocation.problems.append(unknown_memory_problem(hardware))
@@ -68,7 +73,7 @@ def allocate_hardware(recipe: Recipe, hardware: Hardware, cpus: list[int] | None
         )
     else:
         allocate_servers(recipe, hardware, size, allocation, cpus or [0])
-    if yamls:
+    if yamls and training:
         allocate_node_servers(recipe, hardware, size, allocation, training_hosts(recipe, hardware))
         allocate_training(recipe, hardware, size, yamls, allocation)
         note_search_loss(recipe, hardware, allocation)
@@ -87,10 +92,13 @@ def note_search_loss(recipe: Recipe, hardware: Hardware, allocation: HardwareAll
         )
 
 
-def allocate_this_machine(recipe: Recipe, hardware: Hardware | None = None) -> HardwareAllocation:
+def allocate_this_machine(
+    recipe: Recipe, hardware: Hardware | None = None, *, training: bool = True
+) -> HardwareAllocation:
     """The allocation of ``recipe`` on this machine: ``hardware`` (``--hardware``), else the detected one, and the CPU
-    cores this process may run on (``os.sched_getaffinity``)."""
-    return allocate_hardware(recipe, hardware or detect_hardware(), sorted(os.sched_getaffinity(0)))
+    cores this process may run on (``os.sched_getaffinity``); ``training`` as in ``allocate_hardware``."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return allocate_hardware(recipe, hardware or detect_hardware(), cpus, training=training)
 
 
 def unknown_memory_problem(hardware: Hardware) -> str:
