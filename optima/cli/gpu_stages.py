@@ -101,10 +101,9 @@ def is_sleeping(url: str, recipe: ServingFields) -> bool:
     """vLLM's ``GET /is_sleeping`` (a development route, open with sleep mode)."""
     import requests
 
-    from optima.serving.vllm_server import server_root
+    from optima.serving.vllm_server import auth_headers, server_root
 
-    headers = {"Authorization": f"Bearer {recipe.api_key}"} if recipe.api_key else {}
-    response = requests.get(server_root(url) + "/is_sleeping", headers=headers, timeout=30)
+    response = requests.get(server_root(url) + "/is_sleeping", headers=auth_headers(recipe.api_key), timeout=30)
     response.raise_for_status()
     return bool(response.json()["is_sleeping"])
 

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from optima.identity import model_identity
 from optima.serving.reload_check import check_served_weights, probe_mismatch
 from optima.serving.sleep_mode import reload_rpc
-from optima.serving.vllm_server import ServerStartupError, server_root
+from optima.serving.vllm_server import ServerStartupError, auth_headers, server_root
 from optima.weights_probe import read_probe
 
 if TYPE_CHECKING:
@@ -269,8 +269,7 @@ def sync_endpoints(urls: Sequence[str], recipe: ServingFields, needed: str) -> l
     needed = os.path.abspath(needed) if os.path.exists(needed) else str(needed)
     identity = model_identity(needed)
     session = requests.Session()
-    if recipe.api_key:
-        session.headers["Authorization"] = f"Bearer {recipe.api_key}"
+    session.headers.update(auth_headers(recipe.api_key))
     alive = []
     with session:
         for url in urls:

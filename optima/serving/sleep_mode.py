@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from optima.config.types import ServingFields
 
 from optima.serving.cpu_reload import REFRESH_METHOD
-from optima.serving.vllm_server import server_root
+from optima.serving.vllm_server import auth_headers, server_root
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ReloadFailed(RuntimeError):
 def _post(url: str, recipe: ServingFields, json_body: dict | None = None, params: list | None = None) -> None:
     import requests
 
-    headers = {"Authorization": f"Bearer {recipe.api_key}"} if recipe.api_key else {}
+    headers = auth_headers(recipe.api_key)
     try:
         response = requests.post(url, json=json_body, params=params, headers=headers, timeout=RPC_TIMEOUT_S)
     except requests.RequestException as exc:

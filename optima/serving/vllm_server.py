@@ -173,6 +173,11 @@ def server_root(api_url: str) -> str:
     return api_url.rstrip("/").removesuffix("/v1")
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers of a request to a server started with ``--api-key`` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def answers_health(api_url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
     """True when the server of ``api_url`` answers ``GET /health`` with 200 now (a dead engine answers 503)."""
     import requests
