@@ -126,7 +126,7 @@ def run_parts(ctx: RunContext, plan: Plan) -> str:
     recipe = ctx.recipe
     model, upstream = recipe.initial_model_path, None
     # SIGTERM unwinds like Ctrl-C (exit code 143): the servers and a running trainer are stopped on the way out.
-    with sigterm_as_exit(), ctx.servers, ctx.trainer:
+    with sigterm_as_exit(), ctx.servers:
         for index, part in enumerate(plan.parts):
             if part.skipped:
                 model, upstream = str(part.out), None

@@ -99,14 +99,12 @@ def _describe_train(call: StageCall, kind: TrainerKind) -> dict:
     base = trainer_base_yaml(recipe, kind)
     overrides = describe_trainer_overrides(Path(base), trainer_overrides_for(recipe, kind))
     launch = trainer_launch(call, kind)
-    warm = call.ctx.trainer.serves(launch)  # a single CPU process runs as a fork of the run's warm trainer
     return {
         "base recipe": base,
         "trainer overrides": overrides,
         **method,
         "output": call.out,
         "command": launch.argv(),
-        "runs in": "the warm trainer (a fork per stage; the script and flags above)" if warm else "accelerate launch",
     }
 
 

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from optima.config.types import MethodRecipe
     from optima.hardware.capacity import PolicyDemand
     from optima.hardware.spec import Hardware
-    from optima.training.warm import WarmTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -95,15 +94,6 @@ class RunContext:
 
         recipe = self.recipe
         return policy_demand(recipe, self.task.load_train(data_dir=recipe.data_dir, seed=recipe.seed), model)
-
-    @cached_property
-    def trainer(self) -> WarmTrainer:
-        """The run's warm trainer (``optima.training.warm``): one process that imports the training stack once and
-        forks each single-process CPU stage; disabled (every stage by ``accelerate launch``) for the other runs."""
-        from optima.training.warm import warm_trainer_for
-
-        env, log_dir = self.envs.get("train"), self.paths.driver_log.parent
-        return warm_trainer_for(self.recipe, env, self.gpu, self.hardware.training, log_dir)
 
     @cached_property
     def task(self) -> Task:

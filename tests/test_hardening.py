@@ -242,9 +242,7 @@ def test_stopping_the_driver_in_training_stops_the_trainer_and_its_workers(tmp_p
     env.write_text(FAKE_TRAIN_ENV.format(python=sys.executable, fake_accelerate=tmp_path / "fake_accelerate.py"))
     env.chmod(0o755)
     (tmp_path / "model").mkdir()
-    recipe = write_sft_recipe(
-        tmp_path, tmp_path / "model", fake_server.base_url, sample_count=4, cal_ppl=False, warm_trainer=False
-    )  # accelerate launch's process group (the warm trainer's: tests/test_warm_trainer.py)
+    recipe = write_sft_recipe(tmp_path, tmp_path / "model", fake_server.base_url, sample_count=4, cal_ppl=False)
     command = [*sft_command(recipe)[:-1], str(env)]  # --alignment_env: the fake
     pids = tmp_path / "pids"
     env = os.environ | {"FAKE_TRAINER_PIDS": str(pids)}
@@ -405,9 +403,9 @@ def baseline(tiny_model, tmp_path_factory, scripted_server) -> dict:
 
 
 def trainer_started(driver: subprocess.Popen) -> int | None:
-    """The trainer's process group once a stage runs in it: the warm trainer and its forked child (a tiny stage is
-    over within a second of the fork, so the test cannot wait for the first step)."""
-    groups = child_groups(driver.pid)  # with endpoints, the warm trainer's is the only child with its own group
+    """The trainer's process group once a stage runs in it: ``accelerate launch`` and the trainer script (a tiny
+    stage is over within seconds, so the test cannot wait for the first step)."""
+    groups = child_groups(driver.pid)  # with endpoints, the trainer's is the only child with its own group
     return groups[0] if groups and len(group_members(groups[0])) >= 2 else None
 
 

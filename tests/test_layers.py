@@ -319,7 +319,6 @@ PURE = ("optima.selection", "optima.agents", "optima.tasks", "optima.reward", "o
 PROCESS_CODE = (
     "serving/",
     "training/launch.py",
-    "training/warm.py",
     "training/nodes.py",
     "hardware/gpus.py",
     "install.py",

@@ -113,15 +113,6 @@ def test_the_dry_run_shows_the_generation_settings_the_stage_runs(tmp_path):
     assert not Path(recipe.output_dir).exists()
 
 
-@pytest.mark.parametrize(("warm_trainer", "runs_in"), [(True, "the warm trainer"), (False, "accelerate launch")])
-def test_the_dry_run_says_where_a_single_cpu_training_runs(tmp_path, warm_trainer, runs_in):
-    recipe = make_recipe(tmp_path, "sft", warm_trainer=warm_trainer, accelerate_config="cpu")
-    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
-    first = plan.build_plan(recipe).parts[0]
-    train = next(stage for stage in first.stages if stage.name == "train")
-    assert train.describe(first.stage_call(ctx, first.model))["runs in"].startswith(runs_in)
-
-
 def recording_tables(monkeypatch, seen: list | None = None) -> list[tuple[int, str | None, str]]:
     """Replace every stage function by one that records (iteration, part, stage) and leaves something to train;
     ``seen`` gets each stage's name and the call it ran with."""

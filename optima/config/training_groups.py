@@ -86,11 +86,6 @@ class TrainingFields:
         None, help="training processes in all nodes; null = every GPU the hardware allocation leaves for training"
     )
     accelerate_extra_args: list[str] = field([], help="more 'accelerate launch' flags (not the multi-node ones)")
-    warm_trainer: bool = field(
-        True,
-        help="a single-process CPU training runs each stage as a fork of one warm trainer process per run (imports "
-        "once, docs/cpu.md#warm-trainer); false = accelerate launch for every stage",
-    )
     train_hosts: list[str] = field(
         [],
         help="multi-node training: one host per node, the first is the main one (machine rank 0); [] = this machine",

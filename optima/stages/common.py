@@ -279,5 +279,5 @@ def train_checkpoint(
     launch = trainer_launch(call, kind)
     label = f"train iteration {call.iteration + 1}" + (f" {call.part}" if call.part else "")
     env = trainer_env(ctx.report_to, ctx.paths.output_dir, sp.root)
-    run_training(launch, sp.train_log, env, console_stream(ctx.progress), label, ctx.trainer)
+    run_training(launch, sp.train_log, env, console_stream(ctx.progress), label)
     return read_completion(out) | {"model": start}

@@ -1,8 +1,4 @@
-"""How a fine-tuning stage fails: ``TrainingError``, its message, and the grace period of a stopped trainer.
-
-Shared by the two ways a stage runs: ``accelerate launch`` under the guard (``optima.training.launch``) and a fork
-of the warm trainer (``optima.training.warm``).
-"""
+"""How a fine-tuning stage fails: ``TrainingError``, its message, and the grace period of a stopped trainer."""
 
 from __future__ import annotations
 

@@ -10,9 +10,6 @@ interrupted (SIGTERM, Ctrl-C, an error), and by the guard itself when the driver
 (``PR_SET_PDEATHSIG``, as the serving launcher does). A killed run never leaves a trainer writing into the
 checkpoint folder that the resumed run is about to redo.
 
-A single-process CPU stage runs instead as a fork of the run's warm trainer (``optima.training.warm``), with the
-same log, state file, progress bar and error.
-
 Before either starts, the build locks of torch's JIT extensions that a killed build left behind are removed
 (``optima.training.extensions``): DeepSpeed builds its ops there, and a stale lock would make every rank wait forever.
 ``run_ranks`` starts the ranks of a distributed program directly (no accelerate: ``make gpu-check``'s 2-process
@@ -29,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from optima.environments import REPO_ROOT
 from optima.serving.processes import PARENT_ENV, die_with_parent, group_members, signal_group, stop_group
@@ -37,9 +34,6 @@ from optima.training.errors import STOP_TIMEOUT_S, TrainingError, failure_messag
 from optima.training.extensions import extensions_root, remove_stale_build_locks
 from optima.training.launch_config import TrainLaunch
 from optima.training.progress import STATE_ENV, TrainingProgress
-
-if TYPE_CHECKING:
-    from optima.training.warm import WarmTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +47,12 @@ def run_training(
     extra_env: dict[str, str] | None = None,
     progress: IO[str] | None = None,
     desc: str = "train",
-    warm: WarmTrainer | None = None,
 ) -> None:
     """Run one fine-tuning stage to completion, its output in ``log_path``.
 
     The trainer runs under the guard, in its own process group; if this call is interrupted (``SystemExit`` from
     SIGTERM, ``KeyboardInterrupt``, any error) the whole group is stopped before the exception goes on. It writes
-    its state to ``trainer_state.json`` beside the log (``optima.training.progress``). A single CPU process runs as
-    a fork of the run's warm trainer instead, when there is one (``optima.training.warm``, docs/cpu.md#warm-trainer).
+    its state to ``trainer_state.json`` beside the log (``optima.training.progress``).
 
     Args:
         launch: The command.
@@ -68,7 +60,6 @@ def run_training(
         extra_env: More environment (trackers).
         progress: Where to draw a progress bar (step, loss, ETA) while it runs; None: no bar.
         desc: The stage's label (the bar's, and the error's).
-        warm: The run's warm trainer, or None (``accelerate launch`` for every stage).
 
     Raises:
         TrainingError: on a non-zero exit, naming the stage and the log and quoting its tail.
@@ -82,14 +73,9 @@ def run_training(
     }
     bar = TrainingProgress(state_file, progress, desc) if progress is not None else contextlib.nullcontext()
     remove_stale_build_locks(extensions_root(env))  # a killed DeepSpeed op build would hang every rank
-    if warm is not None and warm.serves(launch):
-        logger.info("train | warm trainer | %s | log %s", " ".join(launch.script_argv()), log_path)
-        with bar:
-            returncode = warm.train(launch, env, log_path, desc)
-    else:
-        argv = launch.argv()
-        logger.info("train | %s | log %s", " ".join(argv), log_path)
-        returncode = run_guarded(argv, env, log_path, bar)
+    argv = launch.argv()
+    logger.info("train | %s | log %s", " ".join(argv), log_path)
+    returncode = run_guarded(argv, env, log_path, bar)
     if returncode != 0:
         raise TrainingError(failure_message(f"{desc}: {launch.kind} training exited with {returncode}", log_path))
 

@@ -38,7 +38,7 @@ SCRIPTS = {SFT: HANDBOOK / "scripts" / "run_sft.py", DPO: HANDBOOK / "scripts" /
 # free, so every training step faults the same gigabytes in again: 15-20% of a CPU trainer's time went into the
 # kernel. Served from the heap and never trimmed, the pages stay mapped from one step to the next (the same
 # losses, 11% less train_runtime, up to 8% more peak memory; docs/cpu.md#the-trainers-allocator). Read by glibc at
-# process start, so they are in the environment the trainer (or the warm trainer) starts with.
+# process start, so they are in the environment the trainer starts with.
 CPU_ALLOCATOR_ENV = {
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": str(64 * 1024**3),
@@ -132,7 +132,7 @@ class TrainLaunch:
         return argv
 
     def script_argv(self) -> list[str]:
-        """The handbook script and its arguments: what ``accelerate launch`` runs (and a warm trainer's child)."""
+        """The handbook script and its arguments: what ``accelerate launch`` runs."""
         return [str(SCRIPTS[self.kind]), "--config", str(self.trainer_yaml)]
 
     def launch_args(self) -> list[str]:
@@ -162,17 +162,6 @@ class TrainLaunch:
         config = read_accelerate_config(self.accelerate_config)
         cpu_only = config.get("use_cpu") and config.get("distributed_type") in ("NO", "MULTI_CPU", None)
         return bool(cpu_only) and self.processes() > 1
-
-    def single_cpu_process(self) -> bool:
-        """One training process on this machine's CPU (accelerate's simple launcher): a warm trainer can run it.
-
-        True for a ``use_cpu`` config with ``distributed_type: "NO"`` (the shipped ``cpu.yaml``), one process, one
-        node and no GPU given to it; DeepSpeed, FSDP, several processes or nodes keep ``accelerate launch``.
-        """
-        config = read_accelerate_config(self.accelerate_config)
-        one_node = self.placement is None or not (self.placement.multi_node or self.placement.local_env())
-        simple = config.get("use_cpu") is True and config.get("distributed_type", "NO") == "NO"
-        return simple and one_node and self.processes() == 1
 
     def env_vars(self) -> dict[str, str]:
         """Environment the launch needs on top of the training env's: CPU processes for a multi-CPU run, the GPUs,
