@@ -210,16 +210,23 @@ def test_a_torn_score_stage_resumes_without_loss_or_duplicates(fake_server, tmp_
 
 # ---------------------------------------------------------------- the trainer's process group
 
-# A fake ``accelerate launch``: starts a worker (as accelerate starts the training script) and waits for it.
+# A fake ``accelerate launch``: starts a worker (as accelerate starts the training script) and waits for it. The
+# worker starts as alignment-handbook/scripts/run_sft.py does (it asks to be killed when its launcher dies), then
+# says so: the pids are written once it is armed, as a real trainer is long before its first step.
+FAKE_WORKER = (
+    "import signal, time; from optima.serving.processes import set_pdeathsig; set_pdeathsig(signal.SIGKILL); "
+    "print('armed', flush=True); time.sleep(600)"
+)
 FAKE_ACCELERATE = """
 import os, subprocess, sys
-worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE)
+worker.stdout.readline()
 pids = os.environ["FAKE_TRAINER_PIDS"]
 with open(pids + ".tmp", "w") as f:
     f.write(f"{os.getpid()} {worker.pid}")
 os.replace(pids + ".tmp", pids)
 sys.exit(worker.wait())
-"""
+""".replace("WORKER", repr(FAKE_WORKER))
 # A training "environment": the real Python for the environment check (python -c ...), else the fake accelerate.
 FAKE_TRAIN_ENV = """#!/bin/sh
 if [ "$1" = "-c" ]; then exec {python} "$@"; fi
@@ -250,14 +257,14 @@ def test_stopping_the_driver_in_training_stops_the_trainer_and_its_workers(tmp_p
     try:
         trainer, worker = wait_for(lambda: read_pids(pids), 120, "the fake trainer and its worker")
         group = os.getpgid(trainer)
-        assert group in child_groups(driver.pid) and group != os.getpgid(driver.pid)  # its own group, led by the guard
-        assert set(group_members(group)) == {group, trainer, worker}
+        assert group in child_groups(driver.pid) and group != os.getpgid(driver.pid)  # its own group: accelerate's
+        assert group == trainer and set(group_members(group)) == {trainer, worker}
         driver.send_signal(sig)
         returncode = driver.wait(timeout=60)
     finally:
         driver.kill()
     assert returncode != 0 and returncode == (code or returncode)
-    if sig == signal.SIGKILL:  # nobody is left to clean up: the guard notices that its parent died
+    if sig == signal.SIGKILL:  # nobody is left to clean up: accelerate, then the worker, see their parent die
         wait_for(lambda: group_members(group) == [], 30, "the orphaned trainer group to stop")
     else:  # the driver stopped the group before it exited
         assert group_members(group) == []

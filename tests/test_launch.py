@@ -10,8 +10,7 @@ import yaml
 
 from optima.environments import resolve_env
 from optima.hardware.accelerate import ACCELERATE_CONFIGS, resolve_accelerate_config
-from optima.training.errors import TrainingError
-from optima.training.launch import run_training
+from optima.training.launch import TrainingError, run_training
 from optima.training.launch_config import TrainLaunch, render_trainer_config, write_trainer_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +29,10 @@ import yaml
 from optima.environments import resolve_env
 from optima.hardware.accelerate import ACCELERATE_CONFIGS
 from optima.selection.io import save_splits
+from optima.serving.processes import stop_group
 from optima.training.checkpoint import clear_partial_output, trainer_checkpoints
 from optima.training.common import is_complete, read_completion
-from optima.training.errors import TrainingError
-from optima.training.launch import GUARD_MODULE, run_training, stop_trainer
+from optima.training.launch import TrainingError, run_training
 from optima.training.launch_config import TrainLaunch
 from tests.helpers import tiny_trainer_yaml
 from tests.test_dpo_train import PAIRS
@@ -220,8 +219,7 @@ def test_killed_run_resumes_from_its_last_trainer_checkpoint(workspace, tiny_mod
     )
     with (workspace / "killed.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", GUARD_MODULE, *launch.argv()],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
+            launch.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
         )  # fmt: skip
         deadline_polls = 0
         while not [p for p in trainer_checkpoints(out) if (p / "trainer_state.json").is_file()]:
@@ -232,8 +230,8 @@ def test_killed_run_resumes_from_its_last_trainer_checkpoint(workspace, tiny_mod
                 proc.wait(timeout=0.1)  # poll interval of a wait with a deadline
             except subprocess.TimeoutExpired:
                 pass
-        stop_trainer(proc)
-    assert proc.returncode == -signal.SIGTERM or proc.returncode == 128 + signal.SIGTERM
+        stop_group(proc, 30, "the trainer")  # what the driver does when it is stopped mid-training
+    assert proc.returncode != 0, proc.returncode
     assert not is_complete(out)
 
     kept = clear_partial_output(out)  # what the stage does before it reruns a killed training

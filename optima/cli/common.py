@@ -71,7 +71,7 @@ def expected_failures() -> tuple[type[BaseException], ...]:
     from optima.pipeline import NothingSelected
     from optima.serving import ConstraintRejected, NoReplicaLeft, ServerStartupError
     from optima.tasks import DataError
-    from optima.training.errors import TrainingError
+    from optima.training.launch import TrainingError
 
     return (
         NothingSelected,

@@ -1,16 +1,13 @@
-"""Run a fine-tuning stage: TRL under ``accelerate launch``, in its own process group.
+"""Run a fine-tuning stage: ``accelerate launch`` of the handbook script, in its own process group.
 
-See docs/method.md#training.
+The orchestrator never imports torch: ``optima.training.launch_config`` builds the trainer YAML and the command line
+(``TrainLaunch``), and ``run_training`` starts it. Nothing stands between the driver and ``accelerate launch``: it
+runs in its own session (its process group is what Ctrl-C, SIGTERM or an error of the driver stops), with
+``PR_SET_PDEATHSIG`` (SIGTERM when the driver dies, even by ``kill -9``); the trainer script asks for the same
+when its launcher dies (``alignment-handbook/scripts/run_sft.py``). A killed run never leaves a trainer writing
+into the checkpoint folder that the resumed run is about to redo.
 
-The orchestrator never imports torch; ``optima.training.launch_config`` builds the trainer YAML and the command
-line (``TrainLaunch``), and this module runs it, under a guard: this module run as a script with the driver's
-Python (``python -m optima.training.launch <argv>``), in its own process group. ``accelerate launch`` does not
-stop its worker processes when it is killed, so the group is what gets stopped: by the driver when it is
-interrupted (SIGTERM, Ctrl-C, an error), and by the guard itself when the driver dies, even by ``kill -9``
-(``PR_SET_PDEATHSIG``, as the serving launcher does). A killed run never leaves a trainer writing into the
-checkpoint folder that the resumed run is about to redo.
-
-Before either starts, the build locks of torch's JIT extensions that a killed build left behind are removed
+Before a start, the build locks of torch's JIT extensions that a killed build left behind are removed
 (``optima.training.extensions``): DeepSpeed builds its ops there, and a stale lock would make every rank wait forever.
 ``run_ranks`` starts the ranks of a distributed program directly (no accelerate: ``make gpu-check``'s 2-process
 ZeRO-3 save on one GPU, the sharded-save tests on CPU processes), with the same clean-up.
@@ -19,26 +16,49 @@ ZeRO-3 save on one GPU, the sharded-save tests on CPU processes), with the same 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from optima.environments import REPO_ROOT
-from optima.serving.processes import PARENT_ENV, die_with_parent, group_members, signal_group, stop_group
-from optima.training.errors import STOP_TIMEOUT_S, TrainingError, failure_message
+from optima.serving.processes import PR_SET_PDEATHSIG, signal_group, stop_group
 from optima.training.extensions import extensions_root, remove_stale_build_locks
 from optima.training.launch_config import TrainLaunch
 from optima.training.progress import STATE_ENV, TrainingProgress
 
 logger = logging.getLogger(__name__)
 
-GUARD_MODULE = "optima.training.launch"
 STATE_FILE = "trainer_state.json"  # the trainer's state, beside its log, while it runs
+STOP_TIMEOUT_S = 30.0  # grace period between SIGTERM and SIGKILL of a trainer's process group
+
+
+class TrainingError(RuntimeError):
+    """A fine-tuning stage failed; the message names the stage and its log file and ends with the log's tail."""
+
+
+def failure_message(what: str, log_path: Path) -> str:
+    """``what; log: PATH`` and the log's last 30 lines."""
+    tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.is_file() else []
+    return f"{what}; log: {log_path}\n" + "\n".join(tail)
+
+
+def die_with_driver() -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when this process dies (``PR_SET_PDEATHSIG``), or exits at once
+    when it died already. ``prctl`` is looked up here: the forked child only calls it."""
+    driver, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != driver:
+            os._exit(1)
+
+    return arm
 
 
 def run_training(
@@ -50,8 +70,8 @@ def run_training(
 ) -> None:
     """Run one fine-tuning stage to completion, its output in ``log_path``.
 
-    The trainer runs under the guard, in its own process group; if this call is interrupted (``SystemExit`` from
-    SIGTERM, ``KeyboardInterrupt``, any error) the whole group is stopped before the exception goes on. It writes
+    ``accelerate launch`` runs in its own process group; if this call is interrupted (``SystemExit`` from SIGTERM,
+    ``KeyboardInterrupt``, any error) the whole group is stopped before the exception goes on. The trainer writes
     its state to ``trainer_state.json`` beside the log (``optima.training.progress``).
 
     Args:
@@ -67,37 +87,25 @@ def run_training(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     state_file = log_path.parent / STATE_FILE
     state_file.unlink(missing_ok=True)  # a killed attempt's state is not this one's
-    env = launch.env.process_env(launch.env_vars() | (extra_env or {})) | {
-        PARENT_ENV: str(os.getpid()),
-        STATE_ENV: str(state_file),
-    }
+    env = launch.env.process_env(launch.env_vars() | (extra_env or {})) | {STATE_ENV: str(state_file)}
     bar = TrainingProgress(state_file, progress, desc) if progress is not None else contextlib.nullcontext()
     remove_stale_build_locks(extensions_root(env))  # a killed DeepSpeed op build would hang every rank
     argv = launch.argv()
     logger.info("train | %s | log %s", " ".join(argv), log_path)
-    returncode = run_guarded(argv, env, log_path, bar)
-    if returncode != 0:
-        raise TrainingError(failure_message(f"{desc}: {launch.kind} training exited with {returncode}", log_path))
-
-
-def run_guarded(argv: list[str], env: dict[str, str], log_path: Path, bar) -> int:
-    """Run ``argv`` under the guard in its own process group; stop the group if the wait is interrupted."""
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", GUARD_MODULE, *argv],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
-        try:
-            with bar:
-                return proc.wait()
-        finally:
-            if proc.returncode is None:
-                stop_trainer(proc)
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
+            start_new_session=True, preexec_fn=die_with_driver(),
+        )  # fmt: skip
+    try:
+        with bar:
+            returncode = proc.wait()
+    finally:
+        if proc.returncode is None:
+            logger.warning("train | stopping the trainer (process group %d)", proc.pid)
+            stop_group(proc, STOP_TIMEOUT_S, "the trainer")
+    if returncode != 0:
+        raise TrainingError(failure_message(f"{desc}: {launch.kind} training exited with {returncode}", log_path))
 
 
 def run_ranks(
@@ -134,40 +142,3 @@ def run_ranks(
         for proc in procs:  # the whole group: a rank's own children too, whether the rank ended or not
             signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def stop_trainer(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM the trainer's process group, wait, then SIGKILL whatever is left of it."""
-    logger.warning("train | stopping the trainer (process group %d)", proc.pid)
-    stop_group(proc, timeout_s, "the trainer")
-
-
-def _stop_own_group(signum: int, _frame) -> None:
-    """Guard's handler: SIGTERM every process of its group (accelerate and its workers), then SIGKILL leftovers."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pgid, me = os.getpgrp(), os.getpid()
-    os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while any(pid != me for pid in group_members(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.1)  # poll interval of a wait with a deadline (a process group has no handle to block on)
-    if any(pid != me for pid in group_members(pgid)):
-        os.killpg(pgid, signal.SIGKILL)  # this guard included
-    os._exit(128 + signum)
-
-
-def guard(argv: list[str]) -> int:
-    """``python -m optima.training.launch ARGV...``: run ARGV and return its exit code.
-
-    On SIGTERM or SIGINT, and when the driver named by ``OPTIMA_PARENT_PID`` dies, the whole process group stops.
-    """
-    if os.getpgrp() != os.getpid():
-        raise SystemExit(f"{GUARD_MODULE} must lead its own process group (start it with start_new_session=True)")
-    signal.signal(signal.SIGTERM, _stop_own_group)
-    signal.signal(signal.SIGINT, _stop_own_group)
-    die_with_parent()
-    return subprocess.run(argv, check=False).returncode
-
-
-if __name__ == "__main__":
-    raise SystemExit(guard(sys.argv[1:]))

@@ -16,7 +16,7 @@ on every node, this module run as ``python -m optima.training.nodes``:
 Before any ssh starts, the hosts are checked (``optima.training.hosts``: resolved through ``ssh -G``, the first one
 this machine, reachable at a non-loopback address, which every node gets as ``--main_process_ip``). The run waits
 for every node; when one fails the others are stopped (SIGTERM, then SIGKILL) and its exit code is the run's. The
-nodes module runs under the training guard (``optima.training.launch``), so stopping the stage stops the launchers
+nodes module leads the training's process group (``optima.training.launch``), so stopping the stage stops the launchers
 too. The variables on an allow-list travel with the ssh command (``FORWARDED_ENV``, or the recipe's
 ``train_forward_env``); srun passes the whole environment itself.
 """
@@ -157,7 +157,7 @@ class NodeCommands:
 def run_all(commands: Sequence[Sequence[str]]) -> int:
     """Start every command in its own process group, wait for all; the first failure stops the others' groups.
 
-    SIGTERM (the training guard stopping the stage) unwinds through the same cleanup.
+    SIGTERM (the driver stopping the stage) unwinds through the same cleanup.
     """
     with sigterm_as_exit():
         procs = []
