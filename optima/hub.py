@@ -29,7 +29,7 @@ from optima.paths import RunPaths, checkpoint_label
 from optima.report_rows import build_row
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, TrainingFields
+    from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ CARD_NUMBERS = ("answer_rate", "task_score", "verifier_timeouts", "mean_tokens",
                 "train_rows")  # fmt: skip
 
 
-def data_repo_id(recipe: TrainingFields) -> str | None:
+def data_repo_id(recipe: LoopRecipe) -> str | None:
     """The dataset repository of the run's training sets (``<hub_model_id>-data``), when they are pushed."""
     return f"{recipe.hub_model_id}{DATA_REPO_SUFFIX}" if recipe.hub_model_id and recipe.hub_push_datasets else None
 
@@ -82,7 +82,7 @@ def iteration_configs(paths: RunPaths, iteration: int) -> list[str]:
 
 def base_model_id(model: str) -> str | None:
     """The hub id of a model: the name itself, else what a local folder's card or config names; None if unknown."""
-    from optima.config.fields import HUB_ID, is_hub_id
+    from optima.config import HUB_ID, is_hub_id
 
     if is_hub_id(model):
         return model
@@ -199,7 +199,7 @@ def push_run(recipe: LoopRecipe, paths: RunPaths, final_model: str, api: Any = N
     return record
 
 
-def push_datasets(recipe: TrainingFields, paths: RunPaths, token: str | None = None) -> None:
+def push_datasets(recipe: LoopRecipe, paths: RunPaths, token: str | None = None) -> None:
     """Push every training set of the run to ``<hub_model_id>-data``, one dataset config per iteration folder."""
     from datasets import load_from_disk
 

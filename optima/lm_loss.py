@@ -31,7 +31,7 @@ from optima.config.rules import vllm_loss_batch_size, workers
 from optima.serving.client import prompt_logprobs
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 

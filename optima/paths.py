@@ -43,7 +43,7 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class RunLocation(Protocol):
-    """Where a loop's recipe puts its run (``RunFields.output_dir``, ``LoopFields.check_point_root_path``).
+    """Where a loop's recipe puts its run (``Recipe.output_dir``, ``LoopRecipe.check_point_root_path``).
 
     A protocol, because this module sits below ``optima.config`` (docs/layers.md).
     """

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.agents.runner import generation_settings
-from optima.config import DPORecipe, SFTRecipe
-from optima.config.fields import stage_fields
+from optima.config import DPORecipe, SFTRecipe, stage_fields
 from optima.config.rules import loss_model, selection_range, train_start, trainer_base_yaml, trainer_overrides_for
 from optima.config.stage_names import Stage
 from optima.methods import DPO, METHODS, SFT, TrainerKind
@@ -32,7 +31,7 @@ from optima.stages.heldout import describe_heldout
 from optima.training.launch_config import describe_trainer_overrides
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, MethodRecipe
+    from optima.config import LoopRecipe
 
 
 @dataclass(frozen=True)
@@ -328,7 +327,7 @@ def server_layout_details(recipe: LoopRecipe, hardware) -> dict[str, str]:
 
 
 def iteration_parts(
-    recipe: MethodRecipe, paths: RunPaths, iteration: int, model: str, skip: bool = False
+    recipe: LoopRecipe, paths: RunPaths, iteration: int, model: str, skip: bool = False
 ) -> list[PlanPart]:
     """The parts of one iteration of the recipe's method, the first starting from ``model``.
 
@@ -347,7 +346,7 @@ def iteration_parts(
     return parts
 
 
-def build_plan(recipe: MethodRecipe, skip_iteration: int = 0) -> Plan:
+def build_plan(recipe: LoopRecipe, skip_iteration: int = 0) -> Plan:
     """The stages of every iteration of an iSFT, iDPO or iSFT-DPO recipe, in run order.
 
     Args:

@@ -38,7 +38,7 @@ from optima.tasks import get_task
 from optima.tasks.flexible import flexible_answer as flexible_reply_answer
 
 if TYPE_CHECKING:
-    from optima.config.types import RewardFields
+    from optima.config import LoopRecipe
 
 OK = "ok"
 
@@ -188,7 +188,7 @@ def search_t_max(probe: Iterable[Conversation | dict], q: float) -> int:
     return token_quantile(counted_tokens(probe), q)
 
 
-def token_term(conversation: Conversation, t_max: float | None, recipe: RewardFields) -> float:
+def token_term(conversation: Conversation, t_max: float | None, recipe: LoopRecipe) -> float:
     """``lambda1 · tokens / T_max``, or the penalty for failed, too long or too short conversations."""
     if conversation.status != OK or t_max is None or conversation.token_count <= recipe.min_tokens:
         return recipe.overlong_penalty
@@ -225,7 +225,7 @@ def finite_losses(losses: Iterable[float | None]) -> list[float]:
     return [float(x) for x in losses if x is not None and not math.isnan(x)]
 
 
-def loss_term(conversation: Conversation, recipe: RewardFields) -> float:
+def loss_term(conversation: Conversation, recipe: LoopRecipe) -> float:
     """``lambda2 / max_i L_i`` with the overrides above; 0 when ``cal_ppl`` is off."""
     if not recipe.cal_ppl:
         return 0.0
@@ -257,7 +257,7 @@ def impersonation_penalty(utterances: Sequence[Utterance], penalty: float) -> fl
     return total
 
 
-def score_conversation(conversation: Conversation, t_max: float | None, recipe: RewardFields) -> RewardParts:
+def score_conversation(conversation: Conversation, t_max: float | None, recipe: LoopRecipe) -> RewardParts:
     """The reward of one conversation.
 
     Args:
@@ -273,7 +273,7 @@ def score_conversation(conversation: Conversation, t_max: float | None, recipe: 
     )
 
 
-def score_question(conversations: Sequence[Conversation], recipe: RewardFields) -> list[RewardParts]:
+def score_question(conversations: Sequence[Conversation], recipe: LoopRecipe) -> list[RewardParts]:
     """Rewards of all conversations of one question (``T_max`` taken among them)."""
     t_max = question_t_max(conversations)
     return [score_conversation(c, t_max, recipe) for c in conversations]

@@ -16,8 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from optima.config.fields import RecipeError
-from optima.config.recipe_file import save_recipe
+from optima.config import RecipeError, save_recipe
 from optima.config.rules import loss_model, tokenizer_path
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
@@ -30,7 +29,7 @@ from optima.store import write_json
 from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
-    from optima.config.types import MethodRecipe
+    from optima.config import LoopRecipe
     from optima.hardware.capacity import PolicyDemand
     from optima.hardware.spec import Hardware
 
@@ -54,7 +53,7 @@ class RunContext:
         report_to: The run's trackers (``auto`` resolved by ``prepare``).
     """
 
-    recipe: MethodRecipe
+    recipe: LoopRecipe
     paths: RunPaths
     envs: dict[str, PythonEnv]
     hardware: HardwareAllocation
@@ -123,7 +122,7 @@ class RunContext:
 
 
 def build_run_context(
-    recipe: MethodRecipe,
+    recipe: LoopRecipe,
     envs: dict[str, PythonEnv],
     hardware: Hardware | None = None,
     gpu: bool | None = None,

@@ -33,7 +33,7 @@ from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.scoring import SCORER_VERSION
 
 if TYPE_CHECKING:
-    from optima.config.types import RunFields
+    from optima.config import Recipe
 
 
 def file_identity(path: str | None) -> str | None:
@@ -51,7 +51,7 @@ def _prompt_pool(call) -> str | None:
     return file_identity(call.ctx.recipe.prompt_pool_path) if used else None
 
 
-def data_identity(recipe: RunFields) -> str:
+def data_identity(recipe: Recipe) -> str:
     """A hash of the task's train split: its files' names and contents (hub names for the hub's rows).
 
     A split that cannot be found is ``missing: <why>`` (the stage then fails when it reads it).

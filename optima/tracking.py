@@ -23,8 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from optima.config.fields import RecipeError
-from optima.config.trackers import parse_report_to
+from optima.config import RecipeError, parse_report_to
 from optima.methods import DPO
 from optima.paths import TENSORBOARD_DIR, RunPaths, StagePaths
 

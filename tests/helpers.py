@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from optima.config import InferenceRecipe, load_recipe
-from optima.config.groups import GenerationFields, LoopFields
+from optima.config import LOOP_ONLY_KEYS, InferenceRecipe, SFTRecipe, load_recipe
 from optima.identity import COMPLETE_MARKER, new_weights_id
 from optima.tasks import Example
 
@@ -40,23 +40,33 @@ def with_default_signals(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", _EXEC_WITH_DEFAULT_SIGNALS, *argv]
 
 
-@dataclasses.dataclass(kw_only=True)
-class SamplingTestRecipe(LoopFields, GenerationFields, InferenceRecipe):
-    """An evaluation recipe with the loops' sampling and loop fields too: what the serving and generation tests drive
-    (every field of a conversation, the prompt pool, the temperature schedule), without a trainer YAML to provide,
-    and without a reward (so no loss server is planned beside the policy)."""
+def _loop_only_field(f: dataclasses.Field) -> tuple[str, object, dataclasses.Field]:
+    """A copy of one of a loop recipe's sampling and loop fields (type, default, help, redoes)."""
+    factory = f.default is dataclasses.MISSING
+    default = {"default_factory": f.default_factory} if factory else {"default": f.default}
+    return f.name, typing.get_type_hints(SFTRecipe)[f.name], dataclasses.field(metadata=f.metadata, **default)
 
-    unused_keys = ()  # the loops' keys are this recipe's own
 
-    def __post_init__(self) -> None:
-        InferenceRecipe.__post_init__(self)
-        GenerationFields.validate(self)
+def _check_sampling(recipe) -> None:
+    InferenceRecipe.__post_init__(recipe)
+    SFTRecipe._check_sampling(recipe)
 
-    def folder_fields(self) -> tuple[str, ...]:
-        return ("check_point_root_path",)
 
-    def path_fields(self) -> tuple[str, ...]:
-        return ("prompt_pool_path",)
+# An evaluation recipe with the loops' sampling and loop fields too: what the serving and generation tests drive
+# (every field of a conversation, the prompt pool, the temperature schedule), without a trainer YAML to provide,
+# and without a reward (so no loss server is planned beside the policy).
+SamplingTestRecipe = dataclasses.make_dataclass(
+    "SamplingTestRecipe",
+    [_loop_only_field(f) for f in dataclasses.fields(SFTRecipe) if f.name in LOOP_ONLY_KEYS],
+    bases=(InferenceRecipe,),
+    kw_only=True,
+    namespace={
+        "unused_keys": (),  # the loops' keys are this recipe's own
+        "folder_fields": ("check_point_root_path",),
+        "path_fields": ("prompt_pool_path",),
+        "__post_init__": _check_sampling,
+    },
+)
 
 
 def build_test_recipe(output_dir: Path, **overrides) -> SamplingTestRecipe:

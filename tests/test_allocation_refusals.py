@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from optima import install
-from optima.config import SFTRecipe, load_recipe
-from optima.config.fields import RecipeError
+from optima.config import RecipeError, SFTRecipe, load_recipe
 from optima.hardware.allocation import allocate_hardware
 from optima.hardware.spec import Hardware, detect_hardware, parse_hardware
 from optima.hardware.training import training_fixes

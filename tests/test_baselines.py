@@ -15,8 +15,7 @@ import pytest
 
 from optima.__main__ import main as optima_main
 from optima.agents.runner import GenerationSettings
-from optima.config import MultiSCRecipe
-from optima.config.fields import RecipeError
+from optima.config import MultiSCRecipe, RecipeError
 from optima.evaluation.autoform import AUTOFORM_RULE, autoform_prompts, generate_autoform
 from optima.evaluation.debate import DebateSettings, generate_debates, majority_answer, run_debate
 from optima.evaluation.voting import AnswerMatcher

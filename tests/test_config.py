@@ -225,10 +225,10 @@ def test_evaluation_recipes_have_only_the_fields_they_use(write_recipe, tmp_path
     naming the file, the key and its value (it is not even type-checked: evaluation never reads it)."""
     import dataclasses
 
-    from optima.config.groups import GenerationFields, LoopFields
+    from optima.config import LOOP_ONLY_KEYS
 
-    loop_only = [f.name for group in (GenerationFields, LoopFields) for f in dataclasses.fields(group)]
-    assert len(loop_only) == 13
+    loop_only = list(LOOP_ONLY_KEYS)
+    assert len(loop_only) == 13 and set(loop_only) <= {f.name for f in dataclasses.fields(SFTRecipe)}
     for cls in (InferenceRecipe, MultiSCRecipe):
         assert not set(loop_only) & {f.name for f in dataclasses.fields(cls)}
     path = write_recipe({"dataset_type": "arc", "model_root_path": str(tmp_path)} | dict.fromkeys(loop_only, "x"))

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe, load_recipe
-from optima.config.fields import RecipeError
+from optima.config import DPORecipe, RecipeError, SFTDPORecipe, SFTRecipe, load_recipe
 from optima.environments import PythonEnv, resolve_env
 from optima.hardware import memory
 from optima.hardware.allocation import allocate_hardware

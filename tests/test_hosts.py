@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.config import SFTRecipe, load_recipe
-from optima.config.fields import RecipeError
+from optima.config import RecipeError, SFTRecipe, load_recipe
 from optima.hardware.allocation import allocate_hardware
 from optima.hardware.spec import parse_hardware
 from optima.training.hosts import Resolver, check_hosts, is_local, verify_hosts

@@ -216,7 +216,7 @@ def test_push_without_datasets_and_without_training(tmp_path):
 
 
 def test_push_needs_a_repository_name(tmp_path):
-    from optima.config.fields import RecipeError
+    from optima.config import RecipeError
 
     with pytest.raises(RecipeError, match="hub_model_id"):
         finished_run(tmp_path, hub_model_id=None)

@@ -15,8 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 import yaml
 
-from optima.config import SFTRecipe, load_recipe
-from optima.config.fields import RecipeError
+from optima.config import RecipeError, SFTRecipe, load_recipe
 from optima.environments import PythonEnv
 from optima.hardware import memory
 from optima.hardware.capacity import GIB, MemoryShare, PolicyDemand

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from optima import config, plan
 from optima.__main__ import RECIPE_CLASSES
-from optima.config.training_groups import TrainingFields
 from optima.hardware.training import trainer_yamls
 from optima.methods import DPO, METHODS, PART_FOLDERS, SFT, SFT_DPO, TRAINER_YAML_FIELDS, method_of_trainers, runs
 
@@ -64,9 +63,7 @@ def test_every_reader_follows_the_table():
     assert [name for name in METHODS if runs(name, DPO)] == [DPO, SFT_DPO] and not runs("inference", SFT)
     assert PART_FOLDERS == ("", SFT, DPO)  # the iteration's own folder, then iSFT-DPO's two parts, in run order
     assert plan.METHOD_PARTS[SFT_DPO][1][1] == plan.METHOD_PARTS[DPO][0][1]  # a part runs its trainer's stages
-    names = {f.name for f in dataclasses.fields(TrainingFields)} | {
-        f.name for cls in (config.SFTRecipe, config.DPORecipe) for f in dataclasses.fields(cls)
-    }
+    names = {f.name for cls in (config.SFTRecipe, config.DPORecipe) for f in dataclasses.fields(cls)}
     assert set(TRAINER_YAML_FIELDS.values()) <= names
 
 

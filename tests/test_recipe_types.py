@@ -1,8 +1,8 @@
-"""Every function that takes the recipe says which fields it reads: its ``recipe`` parameter names a field group, a
-composite or a union of ``optima.config.types`` (never ``Any``), and each ``recipe.<field>`` it reads exists on that
-type; so does each ``self.recipe.<field>`` in a class whose ``__init__`` takes the recipe, each ``ctx.recipe.<field>``
-of a context whose ``recipe`` field is annotated (``RunContext``), and each ``call.ctx.recipe.<field>`` of a context
-that holds one in its ``ctx`` field (``StageCall``).
+"""Every function that takes the recipe says which fields it reads: its ``recipe`` parameter names a recipe class or
+a union of them from ``optima.config`` (never ``Any``), and each ``recipe.<field>`` it reads exists on that type; so
+does each ``self.recipe.<field>`` in a class whose ``__init__`` takes the recipe, each ``ctx.recipe.<field>`` of a
+context whose ``recipe`` field is annotated (``RunContext``), and each ``call.ctx.recipe.<field>`` of a context that
+holds one in its ``ctx`` field (``StageCall``).
 
 A union (``Recipe``, ``SFTLoopRecipe``, ...) is taken by code that tells the kinds apart itself (``isinstance``,
 ``hasattr``, ``getattr`` with a default): a field read through it must exist on at least one member of the union.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import optima.config.types as recipe_types
+import optima.config as recipe_types
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "optima"
@@ -31,7 +31,7 @@ def module_name(path: Path) -> str:
 
 
 def resolve(annotation: str, module: str) -> object:
-    """The type an annotation names: from ``optima.config.types``, else from the annotating module itself."""
+    """The type an annotation names: from ``optima.config``, else from the annotating module itself."""
     namespace = {"object": object} | vars(recipe_types)
     names = {n.id for n in ast.walk(ast.parse(annotation, mode="eval")) if isinstance(n, ast.Name)}
     if names - set(namespace):
@@ -255,31 +255,31 @@ def test_the_check_covers_the_recipe_functions():
     [
         ("def f(recipe):\n    return recipe.port\n", "not annotated"),
         ("def f(recipe: Any):\n    return recipe.port\n", "annotated Any"),
-        ("def f(recipe: ServingFields):\n    return recipe.lambda1\n", "reads .lambda1"),
+        ("def f(recipe: InferenceRecipe):\n    return recipe.lambda1\n", "reads .lambda1"),
         ("def f(recipe: SFTLoopRecipe):\n    return recipe.port, recipe.model_root_path\n", "reads .model_root_path"),
         ("def f(recipe: InferenceRecipe):\n    return recipe.temperature\n", "reads .temperature"),
         ("class C:\n    recipe: Any\n", "C.recipe is annotated Any"),
-        ("def f(recipe: RewardFields | Any):\n    return recipe.lambda1\n", "annotated Any"),
+        ("def f(recipe: LoopRecipe | Any):\n    return recipe.lambda1\n", "annotated Any"),
         (
-            "class C:\n    def __init__(self, recipe: ServingFields):\n        self.recipe = recipe\n"
-            "    def f(self):\n        return self.recipe.seed\n",
-            "reads .seed",
+            "class C:\n    def __init__(self, recipe: InferenceRecipe):\n        self.recipe = recipe\n"
+            "    def f(self):\n        return self.recipe.iteration_times\n",
+            "reads .iteration_times",
         ),
     ],
 )
 def test_a_wrong_annotation_is_reported(source, problem):
-    problems = check_source(source, "optima.config.types", "example.py")
+    problems = check_source(source, "optima.config", "example.py")
     assert len(problems) == 1 and problem in problems[0]
 
 
 def test_a_right_annotation_passes():
     source = (
-        "def f(recipe: RewardFields):\n    return recipe.lambda1 * recipe.min_tokens\n"
+        "def f(recipe: LoopRecipe):\n    return recipe.lambda1 * recipe.min_tokens\n"
         "def g(recipe: Recipe):\n    return recipe.cal_ppl if hasattr(recipe, 'cal_ppl') else recipe.port\n"
-        "def h(recipe: LoopRecipe):\n    def inner(recipe: ServingFields):\n        return recipe.port\n"
+        "def h(recipe: LoopRecipe):\n    def inner(recipe: Recipe):\n        return recipe.port\n"
         "    return recipe.compat, inner(recipe)\n"
     )
-    assert check_source(source, "optima.config.types", "example.py") == []
+    assert check_source(source, "optima.config", "example.py") == []
 
 
 @pytest.mark.parametrize(

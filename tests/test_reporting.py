@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from optima.__main__ import main as optima_main
-from optima.config.trackers import parse_report_to
+from optima.config import parse_report_to
 from optima.manifest import Manifest
 from optima.reporting import collect_rows, write_run_report
 from optima.run_context import iteration_metrics

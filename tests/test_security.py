@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from optima.config import SFTRecipe, load_recipe
-from optima.config.fields import RecipeError
-from optima.config.recipe_file import save_recipe
+from optima.config import RecipeError, SFTRecipe, load_recipe, save_recipe
 from optima.environments import PythonEnv
 from optima.hardware.placement import Placement
 from optima.paths import RunPaths

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.environments import PythonEnv
 from optima.hardware.layout import place_replicas
 from optima.hardware.placement import Placement

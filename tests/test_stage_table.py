@@ -11,8 +11,7 @@ import pytest
 
 from optima import pipeline, plan
 from optima.agents.runner import generation_settings
-from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, defaults, load_recipe, rules
-from optima.config.fields import field
+from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, field, load_recipe, rules
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
 from optima.reward import question_t_max
@@ -232,7 +231,7 @@ def test_the_plan_shows_the_model_training_starts_from(tmp_path):
 
 def test_derived_defaults(tmp_path):
     dpo = make_recipe(tmp_path, "dpo", explore_count=5)
-    assert dpo.mcts_selections == defaults.default_mcts_selections("dpo", 5) == 5
+    assert dpo.mcts_selections == 5  # iDPO: explore_count; iSFT-DPO: 8
     assert make_recipe(tmp_path, "sft_dpo", explore_count=5).mcts_selections == 8
     assert rules.vllm_loss_batch_size(dpo) == 4 * dpo.loss_batch_size == 32
     assert rules.workers(dpo) == dpo.thread_count and rules.workers(dpo, 3) == 3 and rules.workers(dpo, 0) == 1

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from optima.config import RecipeError, SFTDPORecipe, SFTRecipe, load_recipe
-from optima.config.fields import apply_overrides, stage_fields
+from optima.config import RecipeError, SFTDPORecipe, SFTRecipe, apply_overrides, load_recipe, stage_fields
 from optima.config.rules import trainer_overrides_for
 from optima.hardware.accelerate import ACCELERATE_CONFIGS
 from optima.manifest import fields_hash

@@ -22,7 +22,7 @@ from optima.quantiles import nearest_rank_quantile
 from optima.tasks import Example, get_task
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, RunFields
+    from optima.config import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _load_tokenizer(path: str):
         return None
 
 
-def prompt_tokens(recipe: RunFields, examples: Sequence[Example], served_path: str | None = None) -> int:
+def prompt_tokens(recipe: Recipe, examples: Sequence[Example], served_path: str | None = None) -> int:
     """90th percentile over (a sample of) ``examples`` of the longer of the two agents' first rendered requests.
 
     Args:
@@ -68,7 +68,7 @@ def _count(tokenizer, messages: list[dict]) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def footprint_of(recipe: BaseRecipe, prompt: int, model_path: str | None) -> int:
+def footprint_of(recipe: Recipe, prompt: int, model_path: str | None) -> int:
     """``conversation_kv_tokens`` of agents' prompts of ``prompt`` tokens under the recipe's turn budget, within the
     served context length (``max_model_len``, else the model's ``max_position_embeddings``)."""
     max_model_len = recipe.max_model_len
@@ -78,7 +78,7 @@ def footprint_of(recipe: BaseRecipe, prompt: int, model_path: str | None) -> int
     return conversation_kv_tokens(prompt, recipe.max_tokens, recipe.max_turns, max_model_len)
 
 
-def conversation_footprint(recipe: BaseRecipe, examples: Sequence[Example], model_path: str | None = None) -> int:
+def conversation_footprint(recipe: Recipe, examples: Sequence[Example], model_path: str | None = None) -> int:
     """Worst-case KV tokens of one conversation of this stage (both agents' views, every turn at ``max_tokens``).
 
     Args:
@@ -90,7 +90,7 @@ def conversation_footprint(recipe: BaseRecipe, examples: Sequence[Example], mode
     return footprint_of(recipe, prompt_tokens(recipe, examples, model_path), model_path)
 
 
-def policy_demand(recipe: BaseRecipe, examples: Sequence[Example], model_path: str) -> PolicyDemand:
+def policy_demand(recipe: Recipe, examples: Sequence[Example], model_path: str) -> PolicyDemand:
     """What the run's conversations ask of a policy server of ``model_path``, measured on the run's questions.
 
     ``need_bytes``: ``thread_count`` conversations at the bound of ``conversation_footprint`` (the one the generator

@@ -46,7 +46,7 @@ from optima.store import JsonlWriter, prepare_resume
 from optima.tasks import Example
 
 if TYPE_CHECKING:
-    from optima.config.types import Recipe
+    from optima.config import Recipe
 
 logger = logging.getLogger(__name__)
 

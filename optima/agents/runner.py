@@ -43,7 +43,7 @@ from optima.tasks.contexts import stable_rng
 from optima.tasks.reparse import PARSER_VERSION_KEY
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, Recipe, RunFields
+    from optima.config import LoopRecipe, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Job:
 class TokenCounter:
     """Fallback token counts with the agents' tokenizers, loaded on first use (servers normally send usage)."""
 
-    def __init__(self, recipe: RunFields):
+    def __init__(self, recipe: Recipe):
         self._paths = {
             AGENT_NAMES[0]: tokenizer_path(recipe, 0),
             AGENT_NAMES[1]: tokenizer_path(recipe, 1),

@@ -14,8 +14,7 @@ from optima.cli.evaluate import (
     eval_recipe_from_args,
     resolve_machine,
 )
-from optima.config import RecipeError
-from optima.config.devices import SC_DEVICE_SPAN
+from optima.config import SC_DEVICE_SPAN, RecipeError
 from optima.lineage import run_lock
 from optima.logging_utils import setup_logging
 
@@ -114,7 +113,7 @@ def run_compare_script(argv: list[str] | None) -> int:
 
 def compare_tasks(args: argparse.Namespace) -> list[str | None]:
     """The tasks of ``compare``: ``--tasks a,b`` or ``--dataset_type`` (None: the ``--config`` recipe's)."""
-    from optima.config.fields import resolve_path
+    from optima.config import resolve_path
 
     if args.tasks and args.dataset_type:
         raise RecipeError("tasks", "give --tasks or --dataset_type, not both")

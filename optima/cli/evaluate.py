@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.cli.common import add_control_args, add_env_args, emit, guarded, overrides_from_flags, resolve_envs
-from optima.config import load_recipe
-from optima.config.devices import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag
+from optima.config import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag, load_recipe
 from optima.lineage import run_lock
 from optima.logging_utils import setup_logging
 
 if TYPE_CHECKING:
-    from optima.config.types import InferenceRecipe
+    from optima.config import InferenceRecipe
 
 # Original evaluation flags -> InferenceRecipe / MultiSCRecipe keys.
 EVAL_FLAGS = {
@@ -115,7 +114,7 @@ def eval_recipe_from_args(recipe_cls: type, args: argparse.Namespace, flags: dic
         values["devices"] = expand_device_flag(values["devices"], span)
     if "tokenizer_first_path" in values:
         values["tokenizer_second_path"] = values["tokenizer_first_path"]
-    from optima.config.fields import parse_override
+    from optima.config import parse_override
 
     values |= dict(parse_override(item) for item in args.set)
     return load_recipe(recipe_cls, args.config, values, check_paths=not args.dry_run)

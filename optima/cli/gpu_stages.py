@@ -43,8 +43,7 @@ from typing import TYPE_CHECKING
 from optima.cli.gpu_check import GPU_RECIPE, REPO, SERVE_BF16_ARGS, SKIP_EXIT, say
 
 if TYPE_CHECKING:  # annotations only: this module starts before set-up, with the standard library alone
-    from optima.config.groups import ServingFields
-    from optima.config.types import LoopRecipe
+    from optima.config import LoopRecipe, Recipe
 
 ZERO3_TIMEOUT_S = 600
 ZERO3_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
@@ -85,7 +84,7 @@ def check_recipe(out: Path, name: str, **values):
     return load_recipe(SFTRecipe, REPO / "train" / "sft_recipes" / "demo_arc.yaml", overrides)
 
 
-def ask(url: str, recipe: ServingFields) -> str:
+def ask(url: str, recipe: Recipe) -> str:
     """One greedy chat request to ``url`` through the run's chat client; its reply."""
     from optima.serving.client import ChatClient, Sampling
 
@@ -97,7 +96,7 @@ def ask(url: str, recipe: ServingFields) -> str:
     return reply.text
 
 
-def is_sleeping(url: str, recipe: ServingFields) -> bool:
+def is_sleeping(url: str, recipe: Recipe) -> bool:
     """vLLM's ``GET /is_sleeping`` (a development route, open with sleep mode)."""
     import requests
 

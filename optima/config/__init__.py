@@ -3,40 +3,77 @@
     from optima.config import load_recipe, SFTRecipe
     recipe = load_recipe(SFTRecipe, "train/sft_recipes/arc.yaml", ["seed=1"])
 
-* ``recipes``: the five method recipes (iSFT, iDPO, iSFT-DPO, checkpoint sweep, self-consistency);
-* ``loading``: ``load_recipe`` and the legacy keys of the released recipes it reads;
-* ``groups``: the field groups they are built from (run, serving, conversation, generation, loop, reward);
-  ``training_groups``: the training, SFT and DPO groups;
-* ``types``: what a signature names for the recipe it takes (a group, a composite such as ``LoopRecipe``, a union);
-* ``fields``: the generic machinery (typed fields, type checks, ``RecipeError``);
-* ``rules``: the values derived from a recipe (loss model, temperature, selection range, training start, ...), one
-  function each; the reward's ``T_max`` lives with the formula (``optima.reward``).
+One dataclass per method, like TRL's configs: the loops' ``SFTRecipe``, ``DPORecipe``, ``SFTDPORecipe``
+(``loop_recipes``) and the evaluations' ``InferenceRecipe``, ``MultiSCRecipe`` (``recipes``, with the fields every
+recipe has). ``load_recipe`` reads one (``loading``); ``rules`` derives values from one. A signature names
+``LoopRecipe`` (any loop), ``SFTLoopRecipe``/``DPOLoopRecipe`` (the loops with iSFT or tree-search stages) or
+``Recipe`` (any recipe).
 """
 
-from optima.config.fields import RecipeError, parse_override, resolve_path
+from optima.config.devices import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag, parse_devices
+from optima.config.fields import (
+    HUB_ID,
+    RecipeError,
+    apply_overrides,
+    field,
+    is_hub_id,
+    parse_override,
+    resolve_path,
+    stage_fields,
+)
 from optima.config.loading import ALIASES, LEGACY_OUTPUT_KEYS, load_recipe
+from optima.config.loop_recipes import (
+    ORIGINAL_MCTS_SELECTIONS,
+    DPOLoopRecipe,
+    DPORecipe,
+    LoopRecipe,
+    Recipe,
+    SFTDPORecipe,
+    SFTLoopRecipe,
+    SFTRecipe,
+)
+from optima.config.recipe_file import save_recipe
 from optima.config.recipes import (
     DATA_DIR_ENV,
-    DPORecipe,
+    LOOP_ONLY_KEYS,
+    LOOPBACK_HOSTS,
     InferenceRecipe,
     MultiSCRecipe,
-    SFTDPORecipe,
-    SFTRecipe,
     known_tasks,
 )
+from optima.config.trackers import TRACKERS, parse_report_to
 
 __all__ = [
     "ALIASES",
     "DATA_DIR_ENV",
+    "HUB_ID",
     "LEGACY_OUTPUT_KEYS",
+    "LOOPBACK_HOSTS",
+    "LOOP_ONLY_KEYS",
+    "ORIGINAL_MCTS_SELECTIONS",
+    "SC_DEVICE_SPAN",
+    "SWEEP_DEVICE_SPAN",
+    "TRACKERS",
+    "DPOLoopRecipe",
     "DPORecipe",
     "InferenceRecipe",
+    "LoopRecipe",
     "MultiSCRecipe",
+    "Recipe",
     "RecipeError",
     "SFTDPORecipe",
+    "SFTLoopRecipe",
     "SFTRecipe",
+    "apply_overrides",
+    "expand_device_flag",
+    "field",
+    "is_hub_id",
     "known_tasks",
     "load_recipe",
+    "parse_devices",
     "parse_override",
+    "parse_report_to",
     "resolve_path",
+    "save_recipe",
+    "stage_fields",
 ]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from optima.config.stage_names import Stage, stage_tags
+from optima.methods import TRAINERS
 
 logger = logging.getLogger(__name__)
 
@@ -242,3 +243,45 @@ def apply_overrides(raw: dict[str, Any], items: Iterable[tuple[str, Any]]) -> di
             target = inner
         target[leaf] = value
     return out
+
+
+# The trainer keys the orchestrator sets itself, with the recipe field to use instead.
+MANAGED_TRAINER_KEYS = {
+    "model_name_or_path": "initial_model_path (each iteration starts from the previous checkpoint)",
+    "dataset_name": "the iteration's training set",
+    "output_dir": "output_dir / check_point_root_path",
+    "seed": "seed (the trainer gets seed + iteration)",
+    "report_to": "report_to",
+    "run_name": "the run directory's name (one run name per iteration)",
+    "rpo_alpha": "rpo_alpha",
+}
+
+# Scientific notation PyYAML (YAML 1.1) reads as a string: 2e-5, 1E3 (it wants 2.0e-5).
+YAML11_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def yaml_numbers(overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` with ``2e-5``-style strings read as the floats a user means (``learning_rate=2e-5``)."""
+    fixed = {}
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            value = yaml_numbers(value)
+        elif isinstance(value, str) and YAML11_FLOAT.match(value):
+            value = float(value)
+        fixed[key] = value
+    return fixed
+
+
+def check_trainer_overrides(overrides: dict[str, Any], kinds: tuple[str, ...]) -> None:
+    """Reject a trainer key the orchestrator sets, and a ``sft:``/``dpo:`` mapping of a trainer the loop lacks."""
+    for key, value in overrides.items():
+        if key in TRAINERS:
+            require(key in kinds, "trainer_overrides", f"{key}: this loop runs no {key} trainer (only {kinds})")
+            require(isinstance(value, dict), "trainer_overrides", f"{key}: must be a mapping, got {value!r}")
+            check_trainer_overrides(value, ())
+            continue
+        require(
+            isinstance(key, str) and key not in MANAGED_TRAINER_KEYS,
+            "trainer_overrides",
+            f"{key!r} is set by the orchestrator; use {MANAGED_TRAINER_KEYS.get(key, 'a trainer key')}",
+        )

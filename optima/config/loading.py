@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from optima.config.fields import RecipeError, apply_overrides, build, check_keys, parse_override, require
 
 if TYPE_CHECKING:
-    from optima.config.recipes import BaseRecipe
+    from optima.config.recipes import _BaseRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ LEGACY_OUTPUT_KEYS = (
     "mid_dpo_dataset_root_path",
     "initial_dataset_path",
 )
-R = TypeVar("R", bound="BaseRecipe")
+R = TypeVar("R", bound="_BaseRecipe")
 
 
 def translate_legacy_switches(raw: dict[str, Any], where: str) -> None:

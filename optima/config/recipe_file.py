@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from optima.store import write_yaml
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe
+    from optima.config.loop_recipes import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def redacted(values: dict[str, Any]) -> dict[str, Any]:
     return {k: ("<redacted>" if k in SECRET_FIELDS and v else v) for k, v in values.items()}
 
 
-def save_recipe(recipe: BaseRecipe, path: Path) -> None:
+def save_recipe(recipe: Recipe, path: Path) -> None:
     """Write the validated recipe (secrets redacted); say which fields changed when resuming under another one."""
     import yaml
 

@@ -1,67 +1,36 @@
-"""Typed recipes for the three training loops and the two evaluation scripts.
+"""The recipes every method shares (``_BaseRecipe``) and the two evaluations' (checkpoint sweep, self-consistency).
 
-One dataclass per method, loaded from YAML by ``load_recipe`` and validated before anything starts (the
-vLLM ``validate_parsed_serve_args`` principle): unknown keys (with a "did you mean"), wrong types,
-out-of-range values, unknown dataset types and missing input paths all raise one ``RecipeError`` naming the
-file, the field and the value. Precedence is dataclass default < YAML < ``--set key=value``.
-
-Every key of the released Optima recipes is accepted: ``load_recipe`` (``optima.config.loading``) reads their
-misspellings (``initial_episilon``) through ``ALIASES``, which warns; our own names are spelled right. Every
-hard-coded number of the method (docs/method.md D10) is a field with that number as its default. ``seed`` drives
-every random choice.
+One dataclass per method, like TRL's configs, validated in ``__post_init__`` (a ``RecipeError`` names the field and
+the value; ``load_recipe`` adds the file). YAML keys are the field names, flat as in the original's recipes
+(``port``, ``lambda1``, ...); defaults are the original's values and the method's hard-coded numbers (docs/method.md
+D10). ``redoes=`` names the stages whose output a field decides: changing it on a finished run redoes them. The
+training loops' recipes are in ``optima.config.loop_recipes``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from optima.config.defaults import default_mcts_selections, default_output_dir
-from optima.config.fields import (
-    RecipeError,
-    field,
-    is_hub_id,
-    require,
-    resolve_path,
-)
-from optima.config.groups import (
-    DATA_DIR_ENV,
-    PROBED,
-    TRAINED,
-    ConversationFields,
-    GenerationFields,
-    LoopFields,
-    RewardFields,
-    RunFields,
-    ServingFields,
-)
-from optima.config.training_groups import DPOFields, SFTFields, TrainingFields
-from optima.methods import DPO, SFT, SFT_DPO
+from optima.config.devices import parse_devices
+from optima.config.fields import field, is_hub_id, require, require_in, require_positive, resolve_path
+from optima.config.stage_names import Stage
 
-logger = logging.getLogger(__name__)
+DATA_DIR_ENV = "OPTIMA_DATA_DIR"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
-__all__ = [
-    "DATA_DIR_ENV",
-    "RecipeError",
-    "BaseRecipe",
-    "LoopRecipe",
-    "SFTRecipe",
-    "DPORecipe",
-    "SFTDPORecipe",
-    "InferenceRecipe",
-    "MultiSCRecipe",
-]
-
-# The released prompt-pool files (not shipped here); a recipe naming one that is not on disk gets our built-in pool.
-ORIGINAL_POOLS = (
-    "prompts_diverse.jsonl",
-    "prompts_arc_first.jsonl",
-    "prompts_gsm8k_first.jsonl",
-    "prompts_math_first.jsonl",
-)
+# The stages whose output a field decides (``field(redoes=...)``); the stage tables of ``optima.plan`` read them.
+GENERATED = (Stage.GENERATE,)  # iSFT's conversations
+PROBED = (Stage.PROBE,)  # DPO's token-count probe
+SAMPLED = GENERATED + PROBED  # both ask the served model for conversations
+SCORED = (Stage.SCORE,)  # iSFT's rewards
+SEARCHED = (Stage.SEARCH,)  # DPO's tree search
+REWARDED = SCORED + SEARCHED  # both apply the reward formula
+SELECTED = (Stage.SELECT,)  # iSFT's training set
+PAIRED = (Stage.PAIRS,)  # DPO's preference pairs
+TRAINED = (Stage.TRAIN,)  # the checkpoint
 
 
 def known_tasks() -> dict[str, str]:
@@ -72,18 +41,94 @@ def known_tasks() -> dict[str, str]:
 
 
 @dataclasses.dataclass(kw_only=True)
-class BaseRecipe(RunFields, ServingFields, ConversationFields):
-    """What every recipe has, loop or evaluation: the run's task and model, its servers and its conversations.
+class _BaseRecipe:
+    """What every recipe has, loop or evaluation: the conversation limits, the servers, the task and the model.
 
     Parameters:
+        max_turns, max_tokens: Utterances per conversation, tokens per utterance (docs/method.md#turn-loop).
+        port ... sleep_mode: How the model is served (vLLM replicas or ``endpoints``; docs/method.md D1).
         dataset_type (`str`): Task name (`hotpot_qa`, `mwh_qa`, `trival_qa`, `cbt`, `gsm8k`, `math`, `arc`, `mmlu`).
         initial_model_path (`str`): Base model: a hub id (`org/name`) or a local folder (`./models/...`).
+        tokenizer_first_path, tokenizer_second_path (`str`, *optional*): Alice's and Bob's tokenizers.
+        data_dir (`str`, *optional*): Local dataset root; default `$OPTIMA_DATA_DIR`, else the hub.
         output_dir (`str`, *optional*): Run directory; default `runs/<dataset_type>_<method>`.
         seed (`int`, defaults to `42`): Seed of every random choice.
     """
 
-    # class attribute: keys this method accepts and ignores (released recipes' keys, the loops' keys in evaluation)
-    unused_keys: ClassVar[tuple[str, ...]] = ()
+    # Conversation limits (training and evaluation)
+    max_turns: int = field(10, help="utterances per conversation at most (both agents together)", redoes=SAMPLED)
+    max_tokens: int = field(
+        2000, help="tokens per utterance at most; longer ends the conversation as too_long", redoes=SAMPLED
+    )
+
+    # Serving
+    port: int = field(8000, help="first port tried; each replica takes the next free port from here")
+    devices: int | str | list[int] | None = field(
+        None,
+        help="GPUs of the vLLM replicas: an integer N = GPUs 0..N ('devices: 7' = 8 GPUs), "
+        "a list [0, 3] or '0,3' = exactly those; null = all visible; ignored on CPU",
+    )
+    tensor_parallel_size: int = field(1, help="GPUs per replica for models too big for one GPU")
+    gpu_memory_utilization: float = field(0.9, help="vLLM --gpu-memory-utilization")
+    max_model_len: int | None = field(None, help="vLLM --max-model-len (null: the model's own)")
+    endpoints: list[str] = field([], help="already-running OpenAI-compatible base URLs; if set, none is launched")
+    endpoint_sync: Literal["reload", "check", "off"] = field(
+        "reload",
+        help="before each stage, compare the model each endpoint holds with the one the stage needs; on a mismatch "
+        "'reload' loads the needed weights into it (vLLM with VLLM_SERVER_DEV_MODE=1) or stops, 'check' stops, "
+        "'off' checks only served_model_name (sampling may then be off-policy)",
+    )
+    api_key: str | None = field(None, help="API key for the servers (required when host is not loopback)")
+    host: str = field("127.0.0.1", help="address the launched servers bind to")
+    private_hosts: list[str] = field(
+        [],
+        help="addresses of private interfaces: a server with vLLM's reload routes (sleep_mode, which its API key "
+        "does not guard) may bind to these besides loopback; never a wildcard",
+    )
+    served_model_name: str = field("optima", help="model name the servers answer to", redoes=SAMPLED)
+    thread_count: int = field(
+        64,
+        help="work in flight at once: conversations (fewer when the servers' KV caches cannot hold them), "
+        "search trees, LM-loss requests",
+    )
+    server_startup_timeout_s: float = field(900.0, help="deadline for a server to answer /health")
+    request_timeout_s: float = field(600.0, help="timeout of one chat request")
+    max_retries: int = field(3, help="retries of a transient request failure (with backoff)")
+    cpu_kvcache_space_gb: int | None = field(
+        None,
+        help="the policy server's VLLM_CPU_KVCACHE_SPACE (GiB) on a CPU-only machine; null = a share of the memory "
+        "available (in a training loop at most what thread_count conversations need); the loss server's is always "
+        "one scoring batch",
+    )
+    vllm_extra_args: list[str] = field([], help="extra arguments appended to 'vllm serve'")
+    sleep_mode: bool | None = field(
+        None,
+        help="keep the policy server across iterations: during training it sleeps (GPU, vLLM sleep mode) or idles "
+        "(CPU), then loads the new checkpoint's weights instead of a restart; null = on (CPU and GPU)",
+    )
+
+    # Task, model, data, output
+    dataset_type: str = field(help="task name, e.g. arc or hotpot_qa", redoes=SAMPLED)
+    initial_model_path: str = field(
+        help="base model: hub id org/name or local folder (start local ones with ./)", redoes=GENERATED
+    )
+    tokenizer_first_path: str | None = field(None, help="tokenizer of Alice (default: the model's own)")
+    tokenizer_second_path: str | None = field(None, help="tokenizer of Bob (default: the model's own)")
+    data_dir: str | None = field(
+        None, help=f"local dataset root (JSONL); default ${DATA_DIR_ENV}, else the hub", redoes=SAMPLED
+    )
+    output_dir: str | None = field(
+        None, help="run directory; default runs/<dataset_type>_<method> (evaluation: output_root_path)"
+    )
+    seed: int = field(
+        42, help="seed of every random choice (question slices, contexts, pool draws, shuffles)", redoes=SAMPLED
+    )
+
+    method: ClassVar[str] = "base"  # the recipe's kind (loop or evaluation): default paths, logs, METHODS
+    unused_keys: ClassVar[tuple[str, ...]] = ()  # keys accepted and ignored with a warning
+    model_fields: ClassVar[tuple[str, ...]] = ("initial_model_path", "tokenizer_first_path", "tokenizer_second_path")
+    folder_fields: ClassVar[tuple[str, ...]] = ()  # output folders besides data_dir and output_dir
+    path_fields: ClassVar[tuple[str, ...]] = ()  # local input files (resolved, and checked by load_recipe)
 
     def __post_init__(self) -> None:
         tasks = known_tasks()
@@ -93,38 +138,46 @@ class BaseRecipe(RunFields, ServingFields, ConversationFields):
             f"unknown task {self.dataset_type!r}; known: " + ", ".join(sorted(tasks)),
         )
         self.dataset_type = tasks[self.dataset_type]
-        self.check_run()
+        self._check_early()
         if self.data_dir is None:
             self.data_dir = os.environ.get(DATA_DIR_ENV) or None
         if self.output_dir is None:
-            self.output_dir = default_output_dir(self)
-        for name in ("data_dir", "output_dir", *self.folder_fields(), *self.path_fields()):
+            self.output_dir = self._default_output_dir()
+        for name in ("data_dir", "output_dir", *self.folder_fields, *self.path_fields):
             setattr(self, name, resolve_path(getattr(self, name), name))
-        for name in self.model_fields():  # hub ids stay as they are
+        for name in self.model_fields:  # hub ids stay as they are
             value = getattr(self, name)
             if value and not is_hub_id(value):
                 setattr(self, name, resolve_path(value, name))
-        ServingFields.validate(self)
-        ConversationFields.validate(self)
+        require_in("port", self.port, 1, 65535)
+        require_positive(self, "tensor_parallel_size", "thread_count", "server_startup_timeout_s", "request_timeout_s")
+        require_in("max_retries", self.max_retries, 0, 100)
+        if self.cpu_kvcache_space_gb is not None:
+            require_positive(self, "cpu_kvcache_space_gb")
+        require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        self.devices = parse_devices(self.devices)
+        for url in self.endpoints:
+            require(url.startswith(("http://", "https://")), "endpoints", f"not an http(s) URL: {url!r}")
+        require(
+            self.host in LOOPBACK_HOSTS or bool(self.api_key),
+            "host",
+            f"binding to {self.host!r} exposes the servers; set api_key too",
+        )
+        require_positive(self, "max_turns", "max_tokens")
 
-    def check_run(self) -> None:
-        """Checks of a method's own fields that come before the paths are resolved (none here)."""
+    def _check_early(self) -> None:
+        """Checks that come before the paths are resolved (none here)."""
 
-    def folder_fields(self) -> tuple[str, ...]:
-        """Names of output-folder fields besides ``data_dir`` and ``output_dir`` (resolved to absolute paths)."""
-        return ()
-
-    def path_fields(self) -> tuple[str, ...]:
-        """Names of the recipe's local input-file fields (resolved to absolute paths and checked)."""
-        return ()
-
-    def model_fields(self) -> tuple[str, ...]:
-        """Names of the fields that take a model or tokenizer: a hub id or a local folder."""
-        return ("initial_model_path", "tokenizer_first_path", "tokenizer_second_path")
+    def _default_output_dir(self) -> str:
+        return f"runs/{self.dataset_type}_{self.method}"
 
     def input_paths(self) -> dict[str, str]:
         """Every local input the run reads, by field name (hub ids excluded)."""
-        names = (*self.model_fields(), "data_dir", *self.path_fields())
+        names = (*self.model_fields, "data_dir", *self.path_fields)
         values = {n: getattr(self, n) for n in names}
         return {n: v for n, v in values.items() if v and not is_hub_id(v)}
 
@@ -137,109 +190,35 @@ class BaseRecipe(RunFields, ServingFields, ConversationFields):
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass(kw_only=True)
-class LoopRecipe(TrainingFields, RewardFields, LoopFields, BaseRecipe, GenerationFields):
-    """What the three training loops share: iterations, sampling, the reward and the trainer launch.
-
-    The order of the bases is the order of the fields (last base first): sampling, conversation, serving, run, loop,
-    reward, training, then the method's own, as in the recipe key reference.
-    """
-
-    def check_run(self) -> None:
-        require(self.iteration_times >= 1, "iteration_times", f"must be >= 1, got {self.iteration_times}")
-        pool = self.prompt_pool_path
-        if pool and Path(pool).name in ORIGINAL_POOLS and not Path(pool).exists():
-            logger.warning("prompt_pool_path %s is the released Optima pool (not here); using the built-in pool", pool)
-            self.prompt_pool_path = None
-
-    def folder_fields(self) -> tuple[str, ...]:
-        return ("check_point_root_path",)
-
-    def path_fields(self) -> tuple[str, ...]:
-        return ("prompt_pool_path", "train_hostfile")
-
-    def model_fields(self) -> tuple[str, ...]:
-        return (*BaseRecipe.model_fields(self), "loss_model_path")
-
-    def validate_loop(self) -> None:
-        """The checks of the groups every loop has (after ``BaseRecipe.__post_init__``)."""
-        GenerationFields.validate(self)
-        LoopFields.validate(self)
-        RewardFields.validate(self)
+# The loops' sampling and loop keys: an evaluation recipe accepts them (a loop's recipe may be reused) and ignores
+# them with a warning, since it samples greedily (or at sc_temperature), without the pool, once per checkpoint.
+LOOP_ONLY_KEYS = (
+    "sample_count",
+    "explore_count",
+    "temperature",
+    "temperature_iteration0",
+    "use_prompt_pool",
+    "prompt_pool_path",
+    "answer_bootstrap",
+    "answer_bootstrap_iterations",
+    "check_point_root_path",
+    "iteration_times",
+    "compat",
+    "heldout_size",
+    "heldout_seed",
+)
 
 
 @dataclasses.dataclass(kw_only=True)
-class SFTRecipe(SFTFields, LoopRecipe):
-    """iSFT (docs/method.md#isft): generate, reward, keep the best conversations, fine-tune, repeat."""
-
-    method = SFT
-
-    def __post_init__(self) -> None:
-        BaseRecipe.__post_init__(self)
-        self.validate_loop()
-        SFTFields.validate(self)
-
-    def path_fields(self) -> tuple[str, ...]:
-        return (*LoopRecipe.path_fields(self), "origin_yaml_path")
-
-
-@dataclasses.dataclass(kw_only=True)
-class DPORecipe(DPOFields, LoopRecipe):
-    """iDPO (docs/method.md#idpo): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat."""
-
-    method = DPO
-    # The released iDPO recipes carry SFT keys that iDPO never reads.
-    unused_keys = ("initial_epsilon",)
-
-    def __post_init__(self) -> None:
-        if self.mcts_selections is None:
-            self.mcts_selections = default_mcts_selections(self.method, self.explore_count)
-        BaseRecipe.__post_init__(self)
-        self.validate_loop()
-        DPOFields.validate(self)
-
-    def path_fields(self) -> tuple[str, ...]:
-        return (*LoopRecipe.path_fields(self), "origin_dpo_yaml_path")
-
-
-@dataclasses.dataclass(kw_only=True)
-class SFTDPORecipe(DPOFields, SFTFields, LoopRecipe):
-    """iSFT-DPO (docs/method.md#isft-dpo): a full iSFT iteration, then a DPO stage on the new checkpoint, repeated."""
-
-    # Where iSFT-DPO differs from iDPO: plain sigmoid DPO, and the P80 token quantile.
-    rpo_alpha: float | None = field(
-        None, help="weight of the NLL term on chosen; null = plain sigmoid DPO", redoes=TRAINED
-    )
-    token_quantile: float = field(
-        0.8, help="T_max of the tree search = this quantile of probe token counts", redoes=PROBED
-    )
-
-    method = SFT_DPO
-
-    def __post_init__(self) -> None:
-        if self.mcts_selections is None:
-            self.mcts_selections = default_mcts_selections(self.method, self.explore_count)
-        BaseRecipe.__post_init__(self)
-        self.validate_loop()
-        SFTFields.validate(self)
-        DPOFields.validate(self)
-
-    def path_fields(self) -> tuple[str, ...]:
-        return (*LoopRecipe.path_fields(self), "origin_yaml_path", "origin_dpo_yaml_path")
-
-
-@dataclasses.dataclass(kw_only=True)
-class InferenceRecipe(BaseRecipe):
-    """Checkpoint sweep: greedy, one conversation per question, every ``iteration_*`` checkpoint.
-
-    See docs/method.md#checkpoint-sweep.
+class InferenceRecipe(_BaseRecipe):
+    """Checkpoint sweep (docs/method.md#checkpoint-sweep): greedy, one conversation per question, every checkpoint.
 
     Parameters:
         model_root_path (`str`): Folder holding `iteration_<k>` checkpoints (or one model folder).
-        limit (`int`, *optional*): Evaluate only N questions of the eval set: a seeded sample stratified by the
-            task's groups (``limit_mode: sample``), or the first N (``limit_mode: first``). A debugging aid.
-        limit_mode (`str`): ``sample`` (default) or ``first``.
-        include_base (`bool`): Also evaluate `initial_model_path`.
+        output_root_path (`str`, *optional*): Where `<checkpoint>.jsonl` and the summaries go.
+        limit (`int`, *optional*): Evaluate only N questions of the eval set (a debugging aid).
+        limit_mode (`str`, defaults to `"sample"`): ``sample`` (seeded, stratified by the task's groups) or ``first``.
+        include_base (`bool`, defaults to `False`): Also evaluate `initial_model_path`.
     """
 
     initial_model_path: str | None = field(None, help="base model, evaluated as 'base' with include_base")
@@ -256,12 +235,7 @@ class InferenceRecipe(BaseRecipe):
     )
     include_base: bool = field(False, help="also evaluate initial_model_path as 'base'")
 
-    # The loops' keys, accepted (a loop's recipe may be reused) and ignored with a warning: evaluation samples
-    # greedily (or at sc_temperature), without the pool, once per checkpoint.
-    unused_keys = (
-        *(f.name for f in dataclasses.fields(GenerationFields)),
-        *(f.name for f in dataclasses.fields(LoopFields)),
-    )
+    unused_keys = LOOP_ONLY_KEYS
     method = "inference"
 
     def __post_init__(self) -> None:
@@ -269,18 +243,24 @@ class InferenceRecipe(BaseRecipe):
         self.output_root_path = resolve_path(self.output_root_path, "output_root_path") or str(
             Path(self.model_root_path) / "eval"
         )
-        BaseRecipe.__post_init__(self)
+        super().__post_init__()
         require(self.limit is None or self.limit >= 1, "limit", f"must be >= 1, got {self.limit}")
 
+    def _default_output_dir(self) -> str:
+        return self.output_root_path
+
     def input_paths(self) -> dict[str, str]:
-        return BaseRecipe.input_paths(self) | {"model_root_path": self.model_root_path}
+        return super().input_paths() | {"model_root_path": self.model_root_path}
 
 
 @dataclasses.dataclass(kw_only=True)
 class MultiSCRecipe(InferenceRecipe):
-    """Multi-agent self-consistency: k samples per question at a temperature, then voting.
+    """Multi-agent self-consistency (docs/method.md#self-consistency): k samples per question, then voting.
 
-    See docs/method.md#self-consistency.
+    Parameters:
+        num_samples (`int`, defaults to `50`): Conversations per question (k).
+        sc_temperature (`float`, defaults to `0.5`): Their sampling temperature.
+        cluster_f1 (`float`, defaults to `0.9`): Answers with F1 >= this join one vote cluster (F1 tasks).
     """
 
     num_samples: int = field(50, help="conversations per question (k)")
@@ -290,6 +270,6 @@ class MultiSCRecipe(InferenceRecipe):
     method = "multi_sc"
 
     def __post_init__(self) -> None:
-        InferenceRecipe.__post_init__(self)
+        super().__post_init__()
         require(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
         require(0 <= self.sc_temperature <= 2, "sc_temperature", f"must be in [0, 2], got {self.sc_temperature}")

@@ -12,15 +12,7 @@ from typing import TYPE_CHECKING
 from optima.methods import DPO, TRAINERS, TrainerKind
 
 if TYPE_CHECKING:
-    from optima.config.types import (
-        LoopRecipe,
-        MethodRecipe,
-        RewardFields,
-        RunFields,
-        ServingFields,
-        SFTLoopRecipe,
-        TrainingFields,
-    )
+    from optima.config.loop_recipes import LoopRecipe, Recipe, SFTLoopRecipe
 
 MATH_TASKS = ("gsm8k", "math")
 # Texts per request to a vLLM server scoring LM loss, per text of an HF forward pass (``loss_batch_size``):
@@ -55,7 +47,7 @@ def loss_model(recipe: LoopRecipe) -> str:
     return str(recipe.loss_model_path or recipe.initial_model_path)
 
 
-def tokenizer_path(recipe: RunFields, agent: int = 0, model: str | None = None) -> str | None:
+def tokenizer_path(recipe: Recipe, agent: int = 0, model: str | None = None) -> str | None:
     """The tokenizer an agent's tokens are counted with: the recipe's own for that agent, else the model's.
 
     Args:
@@ -84,7 +76,7 @@ def vllm_dtype_arg(vllm_extra_args: list[str]) -> str | None:
     return None
 
 
-def vllm_loss_batch_size(recipe: RewardFields) -> int:
+def vllm_loss_batch_size(recipe: LoopRecipe) -> int:
     """Texts per request when a vLLM server scores LM loss (``loss_batch_size`` is per HF forward pass)."""
     return VLLM_LOSS_BATCH_FACTOR * recipe.loss_batch_size
 
@@ -117,18 +109,18 @@ def train_start(recipe: LoopRecipe, model: str, stage: str | None = None) -> str
     return str(model)
 
 
-def trainer_base_yaml(recipe: MethodRecipe, kind: TrainerKind) -> str:
+def trainer_base_yaml(recipe: LoopRecipe, kind: TrainerKind) -> str:
     """The handbook-style base YAML of one trainer: ``origin_yaml_path`` (``sft``) or ``origin_dpo_yaml_path``."""
     return recipe.origin_dpo_yaml_path if kind == DPO else recipe.origin_yaml_path
 
 
-def trainer_overrides_for(recipe: TrainingFields, kind: TrainerKind) -> dict:
+def trainer_overrides_for(recipe: LoopRecipe, kind: TrainerKind) -> dict:
     """The ``trainer_overrides`` of one trainer (``sft`` or ``dpo``): the shared keys, then its own sub-mapping."""
     shared = {k: v for k, v in recipe.trainer_overrides.items() if k not in TRAINERS}
     return shared | recipe.trainer_overrides.get(kind, {})
 
 
-def workers(recipe: ServingFields, jobs: int | None = None) -> int:
+def workers(recipe: Recipe, jobs: int | None = None) -> int:
     """Threads for ``jobs`` pieces of concurrent work: ``thread_count`` (requests in flight), at most one per job."""
     if jobs is None:
         return recipe.thread_count

@@ -19,7 +19,7 @@ from optima.evaluation.fingerprint import conversation_prompts
 from optima.tasks import Example, Task
 
 if TYPE_CHECKING:
-    from optima.config.types import InferenceRecipe
+    from optima.config import InferenceRecipe
 
 AUTOFORM_RULE = (
     "Do not write in natural language. Pick the most compact format that carries what ${partner} needs, for "

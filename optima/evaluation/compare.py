@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.fingerprint import read_producer
 from optima.evaluation.methods import BASELINES, LABELS, ROW_COLUMNS, BaselineSettings, method_job, method_row
@@ -49,7 +49,7 @@ from optima.tasks import TASKS, get_task
 from optima.tasks.math_equiv import MathVerifier
 
 if TYPE_CHECKING:
-    from optima.config.types import InferenceRecipe, MultiSCRecipe
+    from optima.config import InferenceRecipe, MultiSCRecipe
 
 logger = logging.getLogger(__name__)
 

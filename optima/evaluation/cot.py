@@ -30,7 +30,7 @@ from optima.tasks import Example, Task, get_task
 from optima.tasks.contexts import stable_rng
 
 if TYPE_CHECKING:
-    from optima.config.types import InferenceRecipe
+    from optima.config import InferenceRecipe
 
 logger = logging.getLogger(__name__)
 

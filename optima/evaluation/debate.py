@@ -33,7 +33,7 @@ from optima.agents.conversation import ConversationResult, CountTokens, reply_to
 from optima.agents.generation import GenerationHooks, GenerationStats, generate_conversations
 from optima.agents.prompts import Utterance
 from optima.agents.runner import ConversationRunner, GenerationSettings, Job
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.evaluation.cot import COT_PROMPTS, build_cot_messages
 from optima.evaluation.voting import AnswerMatcher, cluster_answers
 from optima.serving.client import ChatReply, RequestFailed, Sampling
@@ -43,7 +43,7 @@ from optima.tasks.contexts import stable_rng
 from optima.tasks.reparse import PARSER_VERSION_KEY, is_current
 
 if TYPE_CHECKING:
-    from optima.config.types import InferenceRecipe
+    from optima.config import InferenceRecipe
 
 MAD_CONTEXTS = ("whole", "split")
 # (messages, agent index, round) -> the reply; raises RequestFailed.

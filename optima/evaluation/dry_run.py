@@ -17,7 +17,7 @@ from optima.evaluation.runs import describe_limit
 from optima.lineage import lineage_checkpoints
 
 if TYPE_CHECKING:
-    from optima.config.types import ServingFields
+    from optima.config import Recipe
 
 
 def list_models(recipe: InferenceRecipe) -> list[tuple[str, Path]]:
@@ -28,7 +28,7 @@ def list_models(recipe: InferenceRecipe) -> list[tuple[str, Path]]:
     return models
 
 
-def describe_serving(recipe: ServingFields) -> str:
+def describe_serving(recipe: Recipe) -> str:
     """Where the models are served: the external endpoints, or the GPUs of the vLLM replicas."""
     if recipe.endpoints:
         return f"endpoints {', '.join(recipe.endpoints)} (endpoint_sync: {recipe.endpoint_sync})"

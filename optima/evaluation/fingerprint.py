@@ -47,7 +47,7 @@ from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.scoring import SCORER_VERSION
 
 if TYPE_CHECKING:
-    from optima.config.types import InferenceRecipe
+    from optima.config import InferenceRecipe
 
 logger = logging.getLogger(__name__)
 

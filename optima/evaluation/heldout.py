@@ -42,7 +42,7 @@ from optima.tasks.math_equiv import MathVerifier
 from optima.tasks.multiple_choice import normalize_question
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 

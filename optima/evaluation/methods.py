@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optima.agents.runner import GenerationSettings
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.evaluation.autoform import autoform_request_texts, generate_autoform
 from optima.evaluation.cot import build_cot_messages, generate_cot_answers
 from optima.evaluation.debate import DebateSettings, debate_prompts, generate_debates

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from optima.agents.generation import generate_conversations
 from optima.agents.runner import GenerationSettings
-from optima.config.recipe_file import save_recipe
+from optima.config import save_recipe
 from optima.config.rules import tokenizer_path
 from optima.environments import PythonEnv, check_env
 from optima.evaluation.debate import reparsed_debate
@@ -36,7 +36,7 @@ from optima.tasks.reparse import reparsed
 from optima.tasks.sampling import stratified_indices
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, InferenceRecipe, RunFields
+    from optima.config import InferenceRecipe, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class EvalSession:
 
     def __init__(
         self,
-        recipe: BaseRecipe,
+        recipe: Recipe,
         envs: dict[str, PythonEnv],
         examples: Sequence[Example],
         out_root: Path,
@@ -193,7 +193,7 @@ class EvalSession:
         return serve(self.recipe, model_path, self.envs.get("vllm"), StagePaths(self.out_root / name))
 
 
-def load_tokenize(recipe: RunFields, model_path: Path, score_type: str):
+def load_tokenize(recipe: Recipe, model_path: Path, score_type: str):
     """The model tokenizer's ``tokenize`` for ``f1_original_subword`` (F1 tasks only; None otherwise)."""
     if score_type != "f1":
         return None
@@ -211,7 +211,7 @@ class RecordScorers:
         verifier: The run's ``MathVerifier``.
     """
 
-    def __init__(self, recipe: RunFields, verifier: MathVerifier):
+    def __init__(self, recipe: Recipe, verifier: MathVerifier):
         self.recipe, self.verifier = recipe, verifier
         self.score_type = get_task(recipe.dataset_type).score_type
         self._scorers: dict[str, RecordScorer] = {}

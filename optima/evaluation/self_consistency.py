@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from optima.agents.runner import GenerationSettings
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.debate import DebateSettings
 from optima.evaluation.dry_run import list_models
@@ -55,7 +55,7 @@ from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 
 if TYPE_CHECKING:
-    from optima.config.types import MultiSCRecipe, RunFields
+    from optima.config import MultiSCRecipe, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class SCOptions:
             raise RecipeError("max_k", f"must be >= 1, got {self.max_k}")
 
 
-def base_model(recipe: RunFields, models: list[tuple[str, Path]]) -> tuple[str, Path]:
+def base_model(recipe: Recipe, models: list[tuple[str, Path]]) -> tuple[str, Path]:
     """The model the baselines run on, and its name in the files.
 
     ``initial_model_path`` (``--base_model_path``); else, for a trained checkpoint (it has a completion marker),

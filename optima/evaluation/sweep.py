@@ -48,7 +48,7 @@ from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 
 if TYPE_CHECKING:
-    from optima.config.types import InferenceRecipe
+    from optima.config import InferenceRecipe
 
 logger = logging.getLogger(__name__)
 

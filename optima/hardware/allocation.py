@@ -22,8 +22,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from optima.config.fields import RecipeError
-from optima.config.groups import LOOPBACK_HOSTS
+from optima.config import LOOPBACK_HOSTS, RecipeError
 from optima.config.rules import loss_model
 from optima.hardware import memory, vllm_memory
 from optima.hardware.claims import Claim, HardwareAllocation, describe_claims, phase_total
@@ -44,7 +43,7 @@ from optima.hardware.vllm_memory import ServerNeed
 from optima.methods import DPO, runs
 
 if TYPE_CHECKING:
-    from optima.config.types import Recipe, ServingFields
+    from optima.config import Recipe
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MIN_LOSS_SHARE = 0.05
@@ -114,7 +113,7 @@ def _describe_size(size: ModelSize) -> str:
     return f"{size.name}: {size.params / 1e9:.2f}e9 parameters ({size.source})"
 
 
-def check_dev_mode_bind(recipe: ServingFields, hardware: Hardware, allocation: HardwareAllocation) -> None:
+def check_dev_mode_bind(recipe: Recipe, hardware: Hardware, allocation: HardwareAllocation) -> None:
     """Refuse vLLM's development routes (sleep mode's reloads: no API key guards them) on a public address."""
     if recipe.endpoints or not carry_over_on(recipe, hardware.gpu_ids if hardware.has_gpu else []):
         return
@@ -250,7 +249,7 @@ def check_overlap(recipe: Recipe, layout: ServerLayout, allocation: HardwareAllo
 
 def claim_server(
     allocation: HardwareAllocation,
-    recipe: ServingFields,
+    recipe: Recipe,
     name: str,
     placement: Placement,
     need: ServerNeed | None,

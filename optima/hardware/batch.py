@@ -26,7 +26,7 @@ from optima.config.rules import trainer_overrides_for
 from optima.methods import DPO, SFT
 
 if TYPE_CHECKING:
-    from optima.config.types import TrainingFields
+    from optima.config import LoopRecipe
 
 ACCUMULATION = "gradient_accumulation_steps"
 PER_DEVICE = "per_device_train_batch_size"
@@ -71,7 +71,7 @@ class TrainerBatch:
         return text
 
 
-def trainer_batches(recipe: TrainingFields, yamls: list[dict], released_processes: int) -> list[TrainerBatch]:
+def trainer_batches(recipe: LoopRecipe, yamls: list[dict], released_processes: int) -> list[TrainerBatch]:
     """The batch of each trainer YAML of the recipe (``optima.hardware.allocation.trainer_yamls``)."""
     batches = []
     for yaml in yamls:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.hardware.layout import ServerLayout
 from optima.hardware.memory import gib
 from optima.hardware.placement import TrainingPlacement

@@ -36,15 +36,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from optima.config.fields import RecipeError
-from optima.config.groups import LOOPBACK_HOSTS
+from optima.config import LOOPBACK_HOSTS, RecipeError
 from optima.config.rules import loss_model
 from optima.hardware.capacity import loss_kvcache_gb
 from optima.hardware.placement import Placement
 from optima.methods import DPO, runs
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, Recipe, ServingFields
+    from optima.config import LoopRecipe, Recipe
 
 
 @dataclass(frozen=True)
@@ -93,9 +92,7 @@ def search_loss_server_wanted(recipe: Recipe) -> bool:
     return bool(served and searches and recipe.loss_placement == "after" and not recipe.endpoints)
 
 
-def bind_problem(
-    recipe: ServingFields, host: str, carry_over: bool, private: Sequence[str] | None = None
-) -> str | None:
+def bind_problem(recipe: Recipe, host: str, carry_over: bool, private: Sequence[str] | None = None) -> str | None:
     """Why a policy server may not bind to ``host``, reachable from node 0 (None: it may).
 
     Its reload routes (sleep mode) are not guarded by the API key: only loopback or a host of ``private_hosts``
@@ -113,7 +110,7 @@ def bind_problem(
     return None
 
 
-def carry_over_on(recipe: ServingFields, gpus: Sequence[str]) -> bool:
+def carry_over_on(recipe: Recipe, gpus: Sequence[str]) -> bool:
     """Keep the policy server across checkpoints: ``sleep_mode``, by default on (GPU and CPU)."""
     if recipe.endpoints:
         return False
@@ -174,9 +171,7 @@ def place_cpu_beside(recipe: LoopRecipe, cpus: list[int], carry: bool) -> Server
     return ServerLayout((policy,), Placement(cpu_bind=",".join(map(str, cpus[-loss_cores:])), cpu_kvcache_gb=loss_kv))
 
 
-def place_replicas(
-    recipe: ServingFields, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1
-) -> list[Placement]:
+def place_replicas(recipe: Recipe, gpus: Sequence[str], cpus: Sequence[int], cpu_replicas: int = 1) -> list[Placement]:
     """Where each replica runs (pure).
 
     Args:
@@ -210,7 +205,7 @@ def place_replicas(
     return [Placement(cpu_bind=",".join(map(str, s))) for s in slices]
 
 
-def describe_placement(placement: Placement, recipe: ServingFields) -> str:
+def describe_placement(placement: Placement, recipe: Recipe) -> str:
     """``GPUs 0 (memory share 0.8)`` / ``CPU cores 0`` / ``CPU (vLLM's automatic binding)``."""
     if placement.on_cpu:
         where = f"CPU cores {placement.cpu_bind}" if placement.cpu_bind else "CPU (vLLM's automatic binding)"
@@ -221,7 +216,7 @@ def describe_placement(placement: Placement, recipe: ServingFields) -> str:
     return f"GPUs {','.join(placement.gpus)} (memory share {share}{sleep})"
 
 
-def cpu_cache_text(placement: Placement, recipe: ServingFields) -> str:
+def cpu_cache_text(placement: Placement, recipe: Recipe) -> str:
     """The KV cache of a CPU server as the dry-run names it (``optima.hardware.capacity``)."""
     if placement.cpu_kvcache_gb is not None:  # the loss server: what scoring needs
         return f", KV cache {placement.cpu_kvcache_gb} GiB (one scoring batch)"

@@ -54,7 +54,7 @@ from optima.hardware.capacity import (
 )
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, LoopRecipe
+    from optima.config import LoopRecipe, Recipe
 
 _LLAMA3_8B = {
     "hidden_size": 4096,
@@ -194,7 +194,7 @@ def served_dtype_bytes(vllm_extra_args: list[str]) -> int:
     return dtype_bytes(vllm_dtype_arg(vllm_extra_args), 2)
 
 
-def policy_kv_min_bytes(size: ModelSize, recipe: BaseRecipe, dtype_bytes: int) -> int:
+def policy_kv_min_bytes(size: ModelSize, recipe: Recipe, dtype_bytes: int) -> int:
     """KV cache for one conversation at its longest (``optima.hardware.capacity.conversation_kv_tokens``).
 
     The generation stage runs as many conversations at once as the servers' caches hold (``fit_in_flight``), so one

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.hardware.gpus import gpu_memory_mib, visible_gpus
 
 _SPEC = re.compile(r"^(?:(\d+)x)?(\d+)x(\d+(?:\.\d+)?)\s*(?:GB|GiB|G)?$", re.IGNORECASE)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from optima.config.groups import LOOPBACK_HOSTS
+from optima.config import LOOPBACK_HOSTS
 from optima.hardware import memory
 from optima.hardware.accelerate import read_accelerate_config, resolve_accelerate_config, strategy_of
 from optima.hardware.batch import keep_global_batch, trainer_batches
@@ -31,10 +31,10 @@ from optima.hardware.spec import Hardware
 from optima.methods import DPO, METHODS, TRAINER_YAML_FIELDS
 
 if TYPE_CHECKING:
-    from optima.config.types import MethodRecipe, Recipe, TrainingFields
+    from optima.config import LoopRecipe, Recipe
 
 
-def read_hosts(recipe: TrainingFields) -> list[str]:
+def read_hosts(recipe: LoopRecipe) -> list[str]:
     """``train_hosts``, or the first word of each line of ``train_hostfile`` (``host slots=8`` as DeepSpeed/MPI)."""
     if recipe.train_hostfile:
         lines = Path(recipe.train_hostfile).read_text().splitlines() if Path(recipe.train_hostfile).is_file() else []
@@ -82,9 +82,7 @@ def trainer_shape(strategy: str, processes: int, yaml: dict, mixed_precision: bo
     )
 
 
-def cpu_trainer_peak_bytes(
-    recipe: MethodRecipe, row_tokens: int | None = None, yamls: list[dict] | None = None
-) -> int:
+def cpu_trainer_peak_bytes(recipe: LoopRecipe, row_tokens: int | None = None, yamls: list[dict] | None = None) -> int:
     """The trainer's estimated peak on a CPU: what a policy server kept through training must leave free.
 
     One process per ``num_processes``; ``trainer_peak_bytes`` of its largest stage; 0 for an evaluation recipe or a
@@ -154,7 +152,7 @@ def longest_row_tokens(dataset: Path, tokenizer, limit: int) -> int:
     return min(limit, max(counts, default=0))
 
 
-def rows_trainer_peak(recipe: MethodRecipe, config: dict, dpo: bool, dataset: Path, tokenizer) -> TrainerPeak:
+def rows_trainer_peak(recipe: LoopRecipe, config: dict, dpo: bool, dataset: Path, tokenizer) -> TrainerPeak:
     """The trainer's estimated peak on a train stage's real rows (``cpu_trainer_peak_bytes`` at its longest row).
 
     Args:
@@ -168,7 +166,7 @@ def rows_trainer_peak(recipe: MethodRecipe, config: dict, dpo: bool, dataset: Pa
     return TrainerPeak(cpu_trainer_peak_bytes(recipe, tokens, [config | {"_dpo": dpo}]), tokens)
 
 
-def training_hosts(recipe: TrainingFields, hardware: Hardware) -> list[str]:
+def training_hosts(recipe: LoopRecipe, hardware: Hardware) -> list[str]:
     """The hosts the recipe names for its training nodes (``""``: a Slurm node found at run time); [] for none."""
     hosts = read_hosts(recipe)
     if hosts:
@@ -176,7 +174,7 @@ def training_hosts(recipe: TrainingFields, hardware: Hardware) -> list[str]:
     return [""] * hardware.nodes if recipe.train_launcher == "srun" and hardware.nodes > 1 else []
 
 
-def node_hosts(recipe: TrainingFields, hardware: Hardware, allocation) -> list[str]:
+def node_hosts(recipe: LoopRecipe, hardware: Hardware, allocation) -> list[str]:
     """The hosts of the training nodes (``""``: a Slurm node found at run time); one entry per node."""
     hosts = training_hosts(recipe, hardware)
     if hosts:
@@ -202,7 +200,7 @@ def check_loopback_hosts(hosts: list[str], allocation) -> None:
 
 
 def allocate_training(
-    recipe: TrainingFields, hardware: Hardware, size: ModelSize | None, yamls: list[dict], allocation
+    recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], allocation
 ) -> None:
     """Place the training processes and claim their peak on each GPU (see the module docstring)."""
     config = read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))

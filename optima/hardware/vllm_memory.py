@@ -42,7 +42,7 @@ from optima.config.rules import loss_server_limits
 from optima.hardware.memory import GIB, ModelSize, gib
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config import LoopRecipe
 
 # vLLM 0.32's API-server defaults (engine/arg_utils.py), by GPU memory.
 LARGE_GPU_GIB = 70

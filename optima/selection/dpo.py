@@ -41,7 +41,7 @@ from optima.selection.io import save_splits, write_jsonl
 from optima.tasks import Example
 
 if TYPE_CHECKING:
-    from optima.config.types import DPOFields, DPOLoopRecipe
+    from optima.config import DPOLoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def best_and_worst(children: Sequence[dict]) -> tuple[dict, dict]:
     return ranked[0], ranked[-1]
 
 
-def passes_pair_rule(best: float, worst: float, recipe: DPOFields) -> bool:
+def passes_pair_rule(best: float, worst: float, recipe: DPOLoopRecipe) -> bool:
     """The pair rule: best value above ``initial_dpo_epsilon`` and best - worst above ``initial_dpo_min_value``.
 
     Args:

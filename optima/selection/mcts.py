@@ -60,7 +60,7 @@ from optima.tasks import Example, Task, get_task
 from optima.tasks.scoring import AnswerTracker
 
 if TYPE_CHECKING:
-    from optima.config.types import DPOLoopRecipe
+    from optima.config import DPOLoopRecipe
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from optima.tasks import Example
 from optima.tasks.scoring import score_example
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe, RewardFields
+    from optima.config import LoopRecipe
 
 ScoreTexts = Callable[[Sequence[str]], list[float]]
 
@@ -42,7 +42,7 @@ def first_impersonation(utterances: Sequence[Utterance]) -> int | None:
     return None
 
 
-def score_rollout_parts(conversation: Conversation, t_max: float | None, recipe: RewardFields) -> RewardParts:
+def score_rollout_parts(conversation: Conversation, t_max: float | None, recipe: LoopRecipe) -> RewardParts:
     """Reward parts of one rollout under the tree search's format rule (no impersonation penalty).
 
     Args:

@@ -31,7 +31,7 @@ from optima.reward import placeholder_copies
 from optima.tasks import Example
 
 if TYPE_CHECKING:
-    from optima.config.types import SFTLoopRecipe
+    from optima.config import SFTLoopRecipe
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, Utterance, render_utterance
-from optima.config.defaults import ORIGINAL_MCTS_SELECTIONS
+from optima.config import ORIGINAL_MCTS_SELECTIONS
 from optima.tasks import Example
 
 if TYPE_CHECKING:
-    from optima.config.types import DPOLoopRecipe
+    from optima.config import DPOLoopRecipe
     from optima.reward import RewardParts
 
 REPLY_STATUSES = ("ok", "too_long", "error")

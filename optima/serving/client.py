@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from optima.config.types import ServingFields
+    from optima.config import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class ReplicaPool:
         backoff_s: First backoff delay; it doubles per retry up to ``BACKOFF_MAX_S``.
     """
 
-    def __init__(self, urls: Sequence[str], recipe: ServingFields, backoff_s: float = BACKOFF_FIRST_S):
+    def __init__(self, urls: Sequence[str], recipe: Recipe, backoff_s: float = BACKOFF_FIRST_S):
         if not urls:
             raise ValueError("ReplicaPool needs at least one endpoint")
         self.clients = [

@@ -50,7 +50,7 @@ from optima.serving.vllm_server import ServerStartupError, auth_headers, server_
 from optima.weights_probe import read_probe
 
 if TYPE_CHECKING:
-    from optima.config.types import ServingFields
+    from optima.config import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def _post(session, holding: Holding, path: str, timeout_s: float, **kwargs):
     return response
 
 
-def reload_weights(session, holding: Holding, needed: str, recipe: ServingFields) -> Holding:
+def reload_weights(session, holding: Holding, needed: str, recipe: Recipe) -> Holding:
     """Load ``needed`` into the running server of ``holding`` (pause, reload in place, reset caches, resume).
 
     Args:
@@ -238,7 +238,7 @@ def reload_weights(session, holding: Holding, needed: str, recipe: ServingFields
     return after
 
 
-def stale_by_probe(holding: Holding, needed: str, recipe: ServingFields) -> str | None:
+def stale_by_probe(holding: Holding, needed: str, recipe: Recipe) -> str | None:
     """Why an endpoint that names ``needed`` does not hold its weights now (None: it does, as far as can be told).
 
     A reload made here recorded the weights id (compared already). A server started with the path records none: the
@@ -251,7 +251,7 @@ def stale_by_probe(holding: Holding, needed: str, recipe: ServingFields) -> str 
     return None if problem is None else f"it does not answer the weights probe of {needed} ({problem})"
 
 
-def sync_endpoints(urls: Sequence[str], recipe: ServingFields, needed: str) -> list[str]:
+def sync_endpoints(urls: Sequence[str], recipe: Recipe, needed: str) -> list[str]:
     """The endpoints that answer, each made to hold ``needed`` (or the run stops).
 
     Args:
@@ -293,7 +293,7 @@ def sync_endpoints(urls: Sequence[str], recipe: ServingFields, needed: str) -> l
     return alive
 
 
-def refuse_reload(holding: Holding, needed: str, recipe: ServingFields, stale: str) -> None:
+def refuse_reload(holding: Holding, needed: str, recipe: Recipe, stale: str) -> None:
     """Stop the run when an endpoint that does not hold ``needed`` may not, or cannot, be reloaded with it.
 
     Args:

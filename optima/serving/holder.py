@@ -55,7 +55,7 @@ from optima.serving.replicas import serve as serve_replicas
 from optima.serving.vllm_server import VLLMServer, answers_health, wait_until_all_ready
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config import LoopRecipe
     from optima.serving.node_servers import NodeLauncher
 
 logger = logging.getLogger(__name__)

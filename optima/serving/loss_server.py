@@ -25,7 +25,7 @@ from optima.serving.vllm_server import (
 )
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 

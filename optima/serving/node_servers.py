@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.environments import REPO_ROOT, PythonEnv
 from optima.hardware.layout import bind_problem
 from optima.paths import RunPaths, StagePaths
@@ -36,7 +36,7 @@ from optima.serving.processes import PARENT_ENV
 from optima.serving.vllm_server import ServerSpec, VLLMServer, build_serve_command, find_free_port, serve_env_extra
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe
+    from optima.config import Recipe
     from optima.hardware.layout import NodeServers
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class NodeLauncher(Protocol):
 
 
 def node_server_specs(
-    recipe: BaseRecipe,
+    recipe: Recipe,
     model: str,
     vllm_env: PythonEnv,
     stage_paths: StagePaths,

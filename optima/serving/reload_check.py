@@ -23,7 +23,7 @@ from optima.serving.vllm_server import ServerStartupError
 from optima.weights_probe import Probe, compare_probe, read_probe, tolerance_for
 
 if TYPE_CHECKING:
-    from optima.config.types import ServingFields
+    from optima.config import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class WeightsMismatch(ServerStartupError):
     """A server answers the probe unlike the checkpoint it should hold."""
 
 
-def served_dtype(recipe: ServingFields, on_cpu: bool) -> str | None:
+def served_dtype(recipe: Recipe, on_cpu: bool) -> str | None:
     """``float32`` for Optima's own CPU servers (``build_serve_command`` passes ``--dtype float32``), else None.
 
     None stands for "half precision or unknown" (a GPU server's ``auto`` is the checkpoint's bf16; an external
@@ -42,7 +42,7 @@ def served_dtype(recipe: ServingFields, on_cpu: bool) -> str | None:
     return "float32" if on_cpu and not overridden else None
 
 
-def probe_server(url: str, probe: Probe, recipe: ServingFields) -> tuple[list, list]:
+def probe_server(url: str, probe: Probe, recipe: Recipe) -> tuple[list, list]:
     """(log-probability of each probe token, highest log-probability at each position) as ``url`` serves them.
 
     Args:
@@ -62,7 +62,7 @@ def probe_server(url: str, probe: Probe, recipe: ServingFields) -> tuple[list, l
     return served, top
 
 
-def probe_mismatch(url: str, probe: Probe, recipe: ServingFields, served_dtype: str | None) -> str | None:
+def probe_mismatch(url: str, probe: Probe, recipe: Recipe, served_dtype: str | None) -> str | None:
     """What differs between ``url``'s answer to the probe and the recorded one (None: it holds those weights)."""
     import openai
 
@@ -74,7 +74,7 @@ def probe_mismatch(url: str, probe: Probe, recipe: ServingFields, served_dtype: 
 
 
 def check_served_weights(
-    urls: Sequence[str], checkpoint: str | Path, recipe: ServingFields, served_dtype: str | None, when: str
+    urls: Sequence[str], checkpoint: str | Path, recipe: Recipe, served_dtype: str | None, when: str
 ):
     """Every server in ``urls`` answers the probe recorded with ``checkpoint``, or the run stops.
 

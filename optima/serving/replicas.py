@@ -36,7 +36,7 @@ from optima.serving.processes import sigterm_as_exit
 from optima.serving.vllm_server import ServerSpec, build_serve_command, build_serve_env, find_free_port, start_replicas
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, Recipe
+    from optima.config import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def memory_share(recipe: Recipe, layout: ReplicaLayout) -> MemoryShare:
 
 
 def build_replica_specs(
-    recipe: BaseRecipe,
+    recipe: Recipe,
     model_path: str,
     vllm_env: PythonEnv,
     stage_paths: StagePaths,
@@ -112,7 +112,7 @@ def build_replica_specs(
 
 @contextlib.contextmanager
 def serve(
-    recipe: BaseRecipe,
+    recipe: Recipe,
     model_path: str | Path,
     vllm_env: PythonEnv | None,
     stage_paths: StagePaths,

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from optima.config.types import ServingFields
+    from optima.config import Recipe
 
 from optima.serving.cpu_reload import REFRESH_METHOD
 from optima.serving.vllm_server import auth_headers, server_root
@@ -52,7 +52,7 @@ class ReloadFailed(RuntimeError):
     """A sleep, wake or reload request got no answer, or not 200, or the prefix cache was not emptied."""
 
 
-def _post(url: str, recipe: ServingFields, json_body: dict | None = None, params: list | None = None) -> None:
+def _post(url: str, recipe: Recipe, json_body: dict | None = None, params: list | None = None) -> None:
     import requests
 
     headers = auth_headers(recipe.api_key)
@@ -88,19 +88,19 @@ def sleep_requests(model_path: str | None = None, gpu: bool = True) -> list[tupl
     ]
 
 
-def _send(urls: Sequence[str], recipe: ServingFields, model_path: str | None, gpu: bool) -> None:
+def _send(urls: Sequence[str], recipe: Recipe, model_path: str | None, gpu: bool) -> None:
     for url in urls:
         for path, params, body in sleep_requests(model_path, gpu):
             _post(server_root(url) + path, recipe, body, params)
 
 
-def put_to_sleep(urls: Sequence[str], recipe: ServingFields, gpu: bool = True) -> None:
+def put_to_sleep(urls: Sequence[str], recipe: Recipe, gpu: bool = True) -> None:
     """Sleep every replica (GPU: weights and KV cache released) for the duration of training."""
     logger.info("serve | %d replicas %s for training", len(urls), "go to sleep" if gpu else "stay up, idle,")
     _send(urls, recipe, None, gpu)
 
 
-def wake_with_weights(urls: Sequence[str], model_path: str, recipe: ServingFields, gpu: bool = True) -> None:
+def wake_with_weights(urls: Sequence[str], model_path: str, recipe: Recipe, gpu: bool = True) -> None:
     """Wake every replica with the weights of ``model_path`` (no restart), then check them with its weights probe.
 
     Raises:

@@ -33,7 +33,7 @@ from optima.serving.pinning import SERVICE_CPUS_ENV, pin_service_processes
 from optima.serving.processes import PARENT_ENV, stop_group
 
 if TYPE_CHECKING:
-    from optima.config.types import BaseRecipe, ServingFields
+    from optima.config import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ServerSpec:
 
 
 def build_serve_command(
-    recipe: BaseRecipe, model_path: str, port: int, vllm_env: PythonEnv, placement: Placement
+    recipe: Recipe, model_path: str, port: int, vllm_env: PythonEnv, placement: Placement
 ) -> list[str]:
     """The ``vllm serve`` argv of one replica (pure).
 
@@ -122,7 +122,7 @@ def build_serve_command(
 
 
 def build_serve_env(
-    recipe: ServingFields,
+    recipe: Recipe,
     vllm_env: PythonEnv,
     placement: Placement,
     cache_root: Path,
@@ -141,7 +141,7 @@ def build_serve_env(
 
 
 def serve_env_extra(
-    recipe: ServingFields, placement: Placement, cache_root: Path, model_path: str, share: MemoryShare | None = None
+    recipe: Recipe, placement: Placement, cache_root: Path, model_path: str, share: MemoryShare | None = None
 ) -> dict[str, str]:
     """What ``build_serve_env`` adds to this process's environment (a server on another node gets only these)."""
     extra = {"VLLM_CACHE_ROOT": str(cache_root), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}

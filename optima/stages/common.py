@@ -39,7 +39,7 @@ from optima.training.launch_config import TrainLaunch, launch_for, render_traine
 from optima.training.progress import console_stream
 
 if TYPE_CHECKING:
-    from optima.config.types import MethodRecipe
+    from optima.config import LoopRecipe
     from optima.hardware.training import TrainerPeak
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def built_on_first_use(build: Callable[[], ScoreTexts]) -> ScoreTexts:
     return score
 
 
-def loss_route(recipe: MethodRecipe, loss_server: bool, served: str | None, keep_served: bool) -> str:
+def loss_route(recipe: LoopRecipe, loss_server: bool, served: str | None, keep_served: bool) -> str:
     """How a stage scores LM losses (``loss_scorer``, and what ``--dry-run`` says): ``off``, ``loss server`` (the
     run's vLLM server beside the policy), ``served`` (a vLLM server of the loss model: started in place of the
     policy, or the policy's own when it serves the loss model) or ``in process`` (transformers in the driver).
@@ -156,7 +156,7 @@ def loss_route(recipe: MethodRecipe, loss_server: bool, served: str | None, keep
     return "in process"
 
 
-def describe_loss(recipe: MethodRecipe, served: str | None, keep_served: bool) -> str:
+def describe_loss(recipe: LoopRecipe, served: str | None, keep_served: bool) -> str:
     """What ``--dry-run`` says about a stage's LM losses (``loss_route`` with the run's planned loss server)."""
     route, model = loss_route(recipe, loss_server_wanted(recipe), served, keep_served), loss_model(recipe)
     return {

@@ -37,7 +37,7 @@ from optima.store import JsonlWriter, load_records, prepare_resume
 from optima.tasks.contexts import stable_rng
 
 if TYPE_CHECKING:
-    from optima.config.types import DPOFields, ServingFields
+    from optima.config import DPOLoopRecipe, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def search_stats(lines: list[dict], t_max: int) -> dict:
     }
 
 
-def _run_trees(recipe: ServingFields, todo, run, writer) -> None:
+def _run_trees(recipe: Recipe, todo, run, writer) -> None:
     from tqdm.auto import tqdm
 
     with ThreadPoolExecutor(max_workers=workers(recipe, len(todo))) as executor:
@@ -191,7 +191,7 @@ def pairs(call: StageCall) -> dict:
     return save_pairs(lines, call.ctx.recipe, call.sp.dataset, call.sp.selection_record, call.iteration)
 
 
-def nothing_kept(recipe: DPOFields, mined: dict) -> str | None:
+def nothing_kept(recipe: DPOLoopRecipe, mined: dict) -> str | None:
     """Why no pair is left to train on, or None when some are."""
     return None if mined["pairs_kept"] else f"no preference pair passed the thresholds ({mined})"
 

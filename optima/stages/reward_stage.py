@@ -33,7 +33,7 @@ from optima.tasks.reparse import reparsed
 from optima.tasks.scoring import score_example
 
 if TYPE_CHECKING:
-    from optima.config.types import LoopRecipe
+    from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 

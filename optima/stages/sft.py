@@ -24,7 +24,7 @@ from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.store import load_records
 
 if TYPE_CHECKING:
-    from optima.config.types import SFTFields
+    from optima.config import SFTLoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def select(call: StageCall) -> dict:
     }
 
 
-def nothing_kept(recipe: SFTFields, selected: dict) -> str | None:
+def nothing_kept(recipe: SFTLoopRecipe, selected: dict) -> str | None:
     """Why selection left nothing to train on (one sentence), or None when it kept conversations."""
     if selected["kept_conversations"]:
         return None

@@ -22,7 +22,7 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 
 
 def bare_host(host: str) -> str:

@@ -28,7 +28,7 @@ from optima.methods import DPO, SFT, TrainerKind
 from optima.store import write_yaml
 
 if TYPE_CHECKING:
-    from optima.config.types import TrainingFields
+    from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class TrainLaunch:
 
 
 def launch_for(
-    recipe: TrainingFields,
+    recipe: LoopRecipe,
     kind: TrainerKind,
     env: PythonEnv,
     trainer_yaml: Path,

@@ -32,7 +32,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from optima.config.fields import RecipeError
+from optima.config import RecipeError
 from optima.environments import REPO_ROOT
 from optima.hardware.placement import MAIN_HOST, NODES_MODULE, RANK, TrainingPlacement
 from optima.serving.processes import sigterm_as_exit, stop_group
