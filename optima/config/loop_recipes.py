@@ -303,7 +303,7 @@ class DPORecipe(_LoopRecipe):
 
     Parameters:
         origin_dpo_yaml_path (`str`): The handbook-style DPO trainer YAML (`base.yaml`).
-        initial_dpo_min_value, initial_dpo_epsilon (`float`): The pair rule (docs/method.md#preference-pairs).
+        initial_dpo_min_value, initial_dpo_epsilon (`float`): The pair rule (docs/method.md#mining-pairs).
         monte_sample_count ... merge_threshold: The tree search (docs/method.md#tree-search).
         token_quantile, probe_count: T_max of the tree search, from a probe of token counts.
         dpo_keep_fraction, dpo_train_fraction (`float`): Pairs kept per question; train share of the dataset.
