@@ -34,9 +34,8 @@ from optima.tasks import select_questions as slice_questions
 from optima.tracking import trainer_env, trainer_overrides
 from optima.training.checkpoint import clear_partial_output
 from optima.training.common import is_complete, read_completion
-from optima.training.launch import run_training
+from optima.training.launch import console_stream, run_training
 from optima.training.launch_config import TrainLaunch, launch_for, render_trainer_config, write_trainer_config
-from optima.training.progress import console_stream
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe

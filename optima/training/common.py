@@ -12,6 +12,29 @@ from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, new_weights_id, rea
 
 logger = logging.getLogger(__name__)
 
+STATE_ENV = "OPTIMA_TRAINER_STATE"  # where the trainer writes its TrainerState after every step (the driver's bar)
+
+
+def state_callback() -> Any:
+    """A ``TrainerCallback`` writing the trainer state to ``$OPTIMA_TRAINER_STATE`` (None when it is unset).
+
+    Only the main process writes; each write replaces the file atomically, so a reader never sees half of it.
+    """
+    path = os.environ.get(STATE_ENV)
+    if not path:
+        return None
+    from transformers import TrainerCallback
+
+    class StateFileCallback(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                state.save_to_json(f"{path}.tmp")
+                os.replace(f"{path}.tmp", path)
+
+        on_train_begin = on_log = on_step_end
+
+    return StateFileCallback()
+
 
 def resolve_attn_implementation(requested: str, warn: bool = True) -> str:
     """``requested``, or ``sdpa`` when it is ``flash_attention_2`` and flash-attn cannot run here (one warning).
@@ -78,10 +101,9 @@ def describe_sharding(trainer: Any) -> str:
 def train_or_resume(trainer: Any, training_args: Any) -> Any:
     """``trainer.train()``, continuing from the newest saved trainer state when the YAML asks to resume.
 
-    The trainer state also goes to ``$OPTIMA_TRAINER_STATE`` after every step (``optima.training.progress``).
+    The trainer state also goes to ``$OPTIMA_TRAINER_STATE`` after every step (``state_callback``).
     """
     from optima.training.checkpoint import resume_checkpoint
-    from optima.training.progress import state_callback
 
     callback = state_callback()  # the driver's progress bar reads the state it writes
     if callback is not None:

@@ -11,16 +11,21 @@ Before a start, the build locks of torch's JIT extensions that a killed build le
 (``optima.training.extensions``): DeepSpeed builds its ops there, and a stale lock would make every rank wait forever.
 ``run_ranks`` starts the ranks of a distributed program directly (no accelerate: ``make gpu-check``'s 2-process
 ZeRO-3 save on one GPU, the sharded-save tests on CPU processes), with the same clean-up.
+
+The console's progress bar (off with ``--quiet``, or when stderr is not a terminal) follows the ``TrainerState``
+that the trainer script writes after every step (``optima.training.common.state_callback``); the trainer's own
+output goes only to its log.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,14 +33,15 @@ from typing import IO
 
 from optima.environments import REPO_ROOT
 from optima.serving.processes import PR_SET_PDEATHSIG, signal_group, stop_group
+from optima.training.common import STATE_ENV
 from optima.training.extensions import extensions_root, remove_stale_build_locks
 from optima.training.launch_config import TrainLaunch
-from optima.training.progress import STATE_ENV, TrainingProgress
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"  # the trainer's state, beside its log, while it runs
 STOP_TIMEOUT_S = 30.0  # grace period between SIGTERM and SIGKILL of a trainer's process group
+POLL_S = 1.0  # how often the progress bar reads the trainer's state
 
 
 class TrainingError(RuntimeError):
@@ -72,7 +78,7 @@ def run_training(
 
     ``accelerate launch`` runs in its own process group; if this call is interrupted (``SystemExit`` from SIGTERM,
     ``KeyboardInterrupt``, any error) the whole group is stopped before the exception goes on. The trainer writes
-    its state to ``trainer_state.json`` beside the log (``optima.training.progress``).
+    its state to ``trainer_state.json`` beside the log, which the progress bar follows.
 
     Args:
         launch: The command.
@@ -88,7 +94,6 @@ def run_training(
     state_file = log_path.parent / STATE_FILE
     state_file.unlink(missing_ok=True)  # a killed attempt's state is not this one's
     env = launch.env.process_env(launch.env_vars() | (extra_env or {})) | {STATE_ENV: str(state_file)}
-    bar = TrainingProgress(state_file, progress, desc) if progress is not None else contextlib.nullcontext()
     remove_stale_build_locks(extensions_root(env))  # a killed DeepSpeed op build would hang every rank
     argv = launch.argv()
     logger.info("train | %s | log %s", " ".join(argv), log_path)
@@ -98,14 +103,51 @@ def run_training(
             start_new_session=True, preexec_fn=die_with_driver(),
         )  # fmt: skip
     try:
-        with bar:
-            returncode = proc.wait()
+        returncode = wait_drawing(proc, state_file, progress, desc)
     finally:
         if proc.returncode is None:
             logger.warning("train | stopping the trainer (process group %d)", proc.pid)
             stop_group(proc, STOP_TIMEOUT_S, "the trainer")
     if returncode != 0:
         raise TrainingError(failure_message(f"{desc}: {launch.kind} training exited with {returncode}", log_path))
+
+
+def console_stream(enabled: bool) -> IO[str] | None:
+    """The console for a progress bar: stderr when enabled and a terminal, else None (no bar)."""
+    return sys.stderr if enabled and sys.stderr.isatty() else None
+
+
+def read_state(path: Path) -> dict | None:
+    """The trainer state in ``path``, or None while there is none (not written yet, or being replaced)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def wait_drawing(proc: subprocess.Popen, state_file: Path, stream: IO[str] | None, desc: str) -> int:
+    """``proc``'s exit code; meanwhile a tqdm bar on ``stream`` (None: none) shows the trainer's step of
+    ``max_steps``, its last logged loss and the ETA, from its state file (a resumed trainer starts at its step)."""
+    bar = None
+    while True:
+        try:
+            code = proc.wait(timeout=POLL_S if stream is not None else None)
+        except subprocess.TimeoutExpired:
+            code = None
+        state = read_state(state_file) if stream is not None else None
+        if state and state.get("max_steps"):
+            from tqdm import tqdm
+
+            step, losses = int(state.get("global_step") or 0), [e["loss"] for e in state["log_history"] if "loss" in e]
+            total = int(state["max_steps"])
+            bar = bar or tqdm(total=total, initial=step, desc=desc, unit="step", file=stream, dynamic_ncols=True)
+            bar.total = total
+            bar.set_postfix({"loss": f"{losses[-1]:.4g}"} if losses else {}, refresh=False)
+            bar.update(step - bar.n)
+        if code is not None:
+            if bar is not None:
+                bar.close()
+            return code
 
 
 def run_ranks(
