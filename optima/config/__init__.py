@@ -5,23 +5,25 @@
 
 One dataclass per method, like TRL's configs: the loops' ``SFTRecipe``, ``DPORecipe``, ``SFTDPORecipe``
 (``loop_recipes``) and the evaluations' ``InferenceRecipe``, ``MultiSCRecipe`` (``recipes``, with the fields every
-recipe has). ``load_recipe`` reads one (``loading``); ``rules`` derives values from one. A signature names
+recipe has). ``load_recipe`` reads one (``loading``, with ``RecipeError`` and the field machinery); ``rules``
+derives values from one. A signature names
 ``LoopRecipe`` (any loop), ``SFTLoopRecipe``/``DPOLoopRecipe`` (the loops with iSFT or tree-search stages) or
 ``Recipe`` (any recipe).
 """
 
-from optima.config.devices import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, expand_device_flag, parse_devices
-from optima.config.fields import (
+from optima.config.loading import (
+    ALIASES,
     HUB_ID,
+    LEGACY_OUTPUT_KEYS,
     RecipeError,
     apply_overrides,
     field,
     is_hub_id,
+    load_recipe,
     parse_override,
     resolve_path,
     stage_fields,
 )
-from optima.config.loading import ALIASES, LEGACY_OUTPUT_KEYS, load_recipe
 from optima.config.loop_recipes import (
     ORIGINAL_MCTS_SELECTIONS,
     DPOLoopRecipe,
@@ -32,16 +34,21 @@ from optima.config.loop_recipes import (
     SFTLoopRecipe,
     SFTRecipe,
 )
-from optima.config.recipe_file import save_recipe
 from optima.config.recipes import (
     DATA_DIR_ENV,
     LOOP_ONLY_KEYS,
     LOOPBACK_HOSTS,
+    SC_DEVICE_SPAN,
+    SWEEP_DEVICE_SPAN,
+    TRACKERS,
     InferenceRecipe,
     MultiSCRecipe,
+    expand_device_flag,
     known_tasks,
+    parse_devices,
+    parse_report_to,
+    save_recipe,
 )
-from optima.config.trackers import TRACKERS, parse_report_to
 
 __all__ = [
     "ALIASES",

@@ -12,8 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from optima.config.devices import parse_devices
-from optima.config.fields import check_trainer_overrides, field, require, require_in, require_positive, yaml_numbers
+from optima.config.loading import check_trainer_overrides, field, require, require_in, require_positive, yaml_numbers
 from optima.config.recipes import (
     GENERATED,
     PAIRED,
@@ -27,8 +26,9 @@ from optima.config.recipes import (
     InferenceRecipe,
     MultiSCRecipe,
     _BaseRecipe,
+    parse_devices,
+    parse_report_to,
 )
-from optima.config.trackers import parse_report_to
 from optima.methods import DPO, METHODS, SFT, SFT_DPO
 
 logger = logging.getLogger(__name__)

@@ -10,13 +10,16 @@ training loops' recipes are in ``optima.config.loop_recipes``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from optima.config.devices import parse_devices
-from optima.config.fields import field, is_hub_id, require, require_in, require_positive, resolve_path
+from optima.config.loading import RecipeError, field, is_hub_id, require, require_in, require_positive, resolve_path
 from optima.config.stage_names import Stage
+from optima.store import write_yaml
+
+logger = logging.getLogger(__name__)
 
 DATA_DIR_ENV = "OPTIMA_DATA_DIR"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -38,6 +41,87 @@ def known_tasks() -> dict[str, str]:
     from optima.tasks import TASK_ALIASES, TASKS
 
     return {name: name for name in TASKS} | dict(TASK_ALIASES)
+
+
+# Which GPUs the vLLM replicas use (docs/method.md D1; the original's meanings): recipe ``devices: N`` = GPUs 0..N
+# (``devices: 7`` = eight GPUs), ``[0, 3]`` or ``"0,3"`` = exactly those; ``inference_script.py --device d`` = GPUs
+# d..d+3, ``multi_sc_data_generate_script.py --device d`` = d..d+7, ``--device 0,3`` = exactly those; not given:
+# every visible GPU. Numbers count the GPUs this process sees (``CUDA_VISIBLE_DEVICES`` order).
+SWEEP_DEVICE_SPAN = 4  # inference_script.py --device d: GPUs d..d+3
+SC_DEVICE_SPAN = 8  # multi_sc_data_generate_script.py --device d: GPUs d..d+7
+
+
+def _parse_list(field_name: str, value: str) -> list[int]:
+    parts = [part.strip() for part in value.split(",") if part.strip()]
+    require(
+        bool(parts) and all(p.isascii() and p.isdigit() for p in parts),
+        field_name,
+        f"expected GPU ids like [0, 1] or '0,1', got {value!r}",
+    )
+    return [int(p) for p in parts]
+
+
+def _check(field_name: str, devices: list[int], value: object) -> list[int]:
+    ints = all(isinstance(d, int) and not isinstance(d, bool) for d in devices)
+    require(ints, field_name, f"expected GPU ids like [0, 1] or '0,1', got {value!r}")
+    require(all(d >= 0 for d in devices), field_name, f"GPU ids must be >= 0, got {value!r}")
+    require(len(devices) == len(set(devices)), field_name, f"lists a GPU twice: {value!r}")
+    return devices
+
+
+def parse_devices(value: int | str | list[int] | None, name: str = "devices") -> list[int] | None:
+    """A recipe's GPU field as a list of GPU numbers (``None``: every visible GPU, or the field's default).
+
+    ``devices``: ``7`` -> [0, 1, ..., 7] (docs/method.md, D1); any other field (``loss_devices``, which is ours):
+    ``7`` -> [7]. Both: ``[3]`` or ``"3"`` -> [3], ``"0,1"`` -> [0, 1].
+
+    Raises:
+        RecipeError: not GPU numbers, a negative one, or one listed twice.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise RecipeError(name, f"expected GPU ids like [0, 1] or '0,1', got {value!r}")
+    if isinstance(value, int):
+        require(value >= 0, name, f"GPU ids must be >= 0, got {value!r}")
+        return list(range(value + 1)) if name == "devices" else [value]
+    devices = _parse_list(name, value) if isinstance(value, str) else list(value)
+    return _check(name, devices, value)
+
+
+def expand_device_flag(value: str, span: int) -> list[int]:
+    """``--device`` of an evaluation script as GPU numbers: ``d`` -> d..d+span-1; ``"0,3"`` -> [0, 3].
+
+    Args:
+        value: The flag as given on the command line.
+        span: GPUs that the script's ``--device d`` names from ``d`` on (``SWEEP_DEVICE_SPAN`` or ``SC_DEVICE_SPAN``).
+
+    Raises:
+        RecipeError: (field ``--device``) not a GPU number or a comma list of them.
+    """
+    devices = _parse_list("--device", value)
+    if "," not in value:
+        return list(range(devices[0], devices[0] + span))
+    return _check("--device", devices, value)
+
+
+TRACKERS = ("tensorboard", "wandb")
+
+
+def parse_report_to(value: str | list[str] | None) -> list[str] | str:
+    """Validate the recipe's ``report_to``: ``auto``, ``none``, a tracker, or a list of trackers.
+
+    Returns ``"auto"`` or the list of trackers (empty for ``none``).
+    """
+    if value in (None, "none", []):
+        return []
+    if value == "auto":
+        return "auto"
+    names = [value] if isinstance(value, str) else list(value)
+    for name in names:
+        if name not in TRACKERS:
+            raise RecipeError("report_to", f"expected auto, none or one of {list(TRACKERS)}, got {name!r}")
+    return names
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -273,3 +357,24 @@ class MultiSCRecipe(InferenceRecipe):
         super().__post_init__()
         require(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
         require(0 <= self.sc_temperature <= 2, "sc_temperature", f"must be in [0, 2], got {self.sc_temperature}")
+
+
+SECRET_FIELDS = ("api_key",)
+
+
+def redacted(values: dict[str, Any]) -> dict[str, Any]:
+    """A recipe dict fit for disk and logs: secrets replaced by a marker."""
+    return {k: ("<redacted>" if k in SECRET_FIELDS and v else v) for k, v in values.items()}
+
+
+def save_recipe(recipe: _BaseRecipe, path: Path) -> None:
+    """Write the validated recipe (secrets redacted); say which fields changed when resuming under another one."""
+    import yaml
+
+    current = redacted(recipe.to_dict())
+    if path.exists():
+        previous = yaml.safe_load(path.read_text()) or {}
+        changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        if changed:
+            logger.warning("resuming %s with changed recipe fields: %s", path.parent, ", ".join(changed))
+    write_yaml(path, current)
