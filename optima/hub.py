@@ -161,7 +161,7 @@ def push_run(recipe: LoopRecipe, paths: RunPaths, final_model: str, api: Any = N
     """Upload the final checkpoint (model card and run report included) and, if asked, the training sets.
 
     Args:
-        recipe: A loop recipe with ``push_to_hub``, ``hub_model_id``, ``hub_private``, ``hub_push_datasets``.
+        recipe: A loop recipe with ``push_to_hub``, ``hub_model_id``, ``hub_push_datasets``.
         paths: The run's paths.
         final_model: The model the run ended with.
         api: An ``HfApi``-like object (default ``huggingface_hub.HfApi()``).
@@ -183,7 +183,7 @@ def push_run(recipe: LoopRecipe, paths: RunPaths, final_model: str, api: Any = N
 
         api = HfApi()
     repo = recipe.hub_model_id
-    api.create_repo(repo, repo_type="model", private=recipe.hub_private, exist_ok=True)
+    api.create_repo(repo, repo_type="model", private=True, exist_ok=True)
     message = f"Optima {recipe.method} on {recipe.dataset_type}: {checkpoint.name}"
     api.upload_folder(repo_id=repo, folder_path=str(checkpoint), repo_type="model", commit_message=message)
     for name in ("report.md", "report.png"):
@@ -209,7 +209,7 @@ def push_datasets(recipe: LoopRecipe, paths: RunPaths, token: str | None = None)
         load_from_disk(str(folder)).push_to_hub(
             data_repo,
             config_name=name,
-            private=recipe.hub_private,
+            private=True,
             token=token,
             commit_message=f"training set of {path_in_run}",
         )

@@ -131,12 +131,9 @@ def test_defect3_tensor_parallel_is_the_gpus_of_each_placement():
 
 
 def test_defect4_every_node_is_started_by_a_launcher():
-    """Defect 4: ``--num_machines/--machine_rank`` went into ``accelerate_extra_args`` and only this node started
-    (the others waited for a human), with num_processes unset the configs' 8 was split over the nodes. Now those
-    flags are refused, and ``train_hosts`` starts every node through ssh (or srun) with the allocation's process
-    count."""
-    with pytest.raises(RecipeError, match="accelerate_extra_args: --num_machines is set by the hardware allocation"):
-        recipe_at("train/sft_recipes/arc.yaml", accelerate_extra_args=["--num_machines", "2"])
+    """Defect 4: only this node started (the others waited for a human), with num_processes unset the configs' 8
+    was split over the nodes. Now ``train_hosts`` starts every node through ssh (or srun) with the allocation's
+    process count."""
     recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "n2"])
     allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
     assert not allocation.problems

@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 ORIGINAL_MCTS_SELECTIONS = 8
 # The original's prompt pools (not shipped here): a recipe naming one that is not on disk gets the built-in pool.
 ORIGINAL_POOLS = tuple(f"prompts_{name}.jsonl" for name in ("diverse", "arc_first", "gsm8k_first", "math_first"))
-# accelerate's multi-node flags: the hardware allocation sets them for each node it starts.
-MULTI_NODE_FLAGS = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--num_processes")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -146,7 +144,6 @@ class _LoopRecipe(_BaseRecipe):
     num_processes: int | None = field(
         None, help="training processes in all nodes; null = every GPU the hardware allocation leaves for training"
     )
-    accelerate_extra_args: list[str] = field([], help="more 'accelerate launch' flags (not the multi-node ones)")
     train_hosts: list[str] = field(
         [],
         help="multi-node training: one host per node, the first is the main one (machine rank 0); [] = this machine",
@@ -184,7 +181,6 @@ class _LoopRecipe(_BaseRecipe):
     )
     push_to_hub: bool = field(False, help="after the last iteration, upload the final checkpoint to hub_model_id")
     hub_model_id: str | None = field(None, help="hub repository (org/name) of push_to_hub")
-    hub_private: bool = field(True, help="create the hub repositories as private")
     hub_push_datasets: bool = field(
         False,
         help="with push_to_hub, also upload every iteration's training set to the dataset repo <hub_model_id>-data",
@@ -213,14 +209,6 @@ class _LoopRecipe(_BaseRecipe):
         if self.num_processes is not None:
             require_positive(self, "num_processes")
         require_in("main_process_port", self.main_process_port, 1, 65535)
-        planned = [a for a in self.accelerate_extra_args if a.split("=")[0] in MULTI_NODE_FLAGS]
-        require(
-            not planned,
-            "accelerate_extra_args",
-            f"{planned[0] if planned else ''} is set by the hardware allocation (alone it started this node only): "
-            "use num_processes, and train_hosts (or train_hostfile, or train_launcher: srun) for several nodes, each "
-            "of which is then started for you",
-        )
         require(
             not (self.train_hosts and self.train_hostfile),
             "train_hostfile",

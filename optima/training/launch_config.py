@@ -187,6 +187,6 @@ def launch_for(
         resolve_accelerate_config(recipe.accelerate_config, gpu),
         trainer_yaml,
         recipe.num_processes,
-        tuple(recipe.accelerate_extra_args),
+        (),
         placement,
     )
