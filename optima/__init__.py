@@ -10,7 +10,7 @@ def lazy_exports(package: str, exports: dict[str, str]):
     """A package's ``__getattr__``: each name of ``exports`` imported on first use.
 
     ``exports`` maps a name to its module: one of the package (``"holder"``), or any other module by its full name
-    (``"optima.hardware.layout"``).
+    (``"optima.hardware.placement"``).
 
     A package's public names (what ``bench/`` and the scripts may import) without importing its modules, and their
     dependencies, when the package is imported.

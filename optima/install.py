@@ -36,7 +36,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from optima.hardware.gpus import has_gpu
+from optima.hardware.machine import has_gpu
 
 logger = logging.getLogger(__name__)
 

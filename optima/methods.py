@@ -4,7 +4,7 @@ each part runs (docs/method.md#isft, #idpo, #isft-dpo).
 Every place that tells the methods or their trainers apart reads this table, and no other file spells a method's
 name (``tests/test_methods.py``): the recipes (``method``), the validation of ``trainer_overrides``
 (``optima.config.rules``), the trainer YAML of each trainer (the same module), the hardware allocation's
-trainer YAMLs (``optima.hardware.training``), the stage table (``optima.plan``: each part runs the stages of its
+trainer YAMLs (``optima.hardware``), the stage table (``optima.plan``: each part runs the stages of its
 trainer), the run folders (``optima.paths``), the run report's method line and ``recipe-keys`` (``optima.__main__``).
 
 iSFT and iDPO run one part per iteration, in the iteration's own folder; iSFT-DPO runs an iSFT part and then a

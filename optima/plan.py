@@ -320,8 +320,8 @@ def _serve_details(recipe: LoopRecipe, model: str, hardware) -> dict[str, Any]:
 
 
 def server_layout_details(recipe: LoopRecipe, hardware) -> dict[str, str]:
-    """Each server of the run with its devices or cores and memory share (``optima.hardware.layout``)."""
-    from optima.hardware.layout import describe_layout
+    """Each server of the run with its devices or cores and memory share (``optima.hardware.placement``)."""
+    from optima.hardware.placement import describe_layout
 
     return describe_layout(recipe, loss_model(recipe), hardware.layout if hardware is not None else None)
 

@@ -20,7 +20,7 @@ from optima.config import RecipeError, save_recipe
 from optima.config.rules import loss_model, tokenizer_path
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv
-from optima.hardware.claims import HardwareAllocation
+from optima.hardware.allocation import HardwareAllocation
 from optima.logging_utils import attach_driver_log
 from optima.manifest import Manifest
 from optima.paths import RunPaths, StagePaths
@@ -30,8 +30,7 @@ from optima.tasks import Task, get_task
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe
-    from optima.hardware.capacity import PolicyDemand
-    from optima.hardware.spec import Hardware
+    from optima.hardware.machine import Hardware
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class RunContext:
         recipe: The validated recipe.
         paths: Every file of the run.
         envs: ``{"vllm": ..., "train": ...}``.
-        hardware: Where every process runs (``optima.hardware.claims.HardwareAllocation``), checked before the run
+        hardware: Where every process runs (``optima.hardware.HardwareAllocation``), checked before the run
             starts.
         progress: Training progress bars on the console (``--quiet``: none).
         report_to: The run's trackers (``auto`` resolved by ``prepare``).
@@ -86,8 +85,8 @@ class RunContext:
             node_launcher=node_launcher,
         )
 
-    def policy_demand(self, model: str) -> PolicyDemand:
-        """What the run's conversations ask of a policy server of ``model``: measured on a sample of the training
+    def policy_demand(self, model: str) -> int | None:
+        """KV bytes the run's conversations need of a policy server of ``model``: measured on a sample of the training
         split, the questions every stage draws its slice from (``optima.agents.footprint.policy_demand``)."""
         from optima.agents.footprint import policy_demand
 
@@ -133,12 +132,12 @@ def build_run_context(
     Args:
         recipe: A validated loop recipe.
         envs: ``{"vllm": ..., "train": ...}``.
-        hardware: The machine(s) (``optima.hardware.spec.Hardware``; default: detected).
+        hardware: The machine(s) (``optima.hardware.machine.Hardware``; default: detected).
         gpu: False: allocate for this machine without its GPUs (tests); default: the hardware's.
         progress: Training progress bars on the console (``--quiet``: none).
     """
     from optima.hardware.allocation import allocate_this_machine
-    from optima.hardware.spec import Hardware
+    from optima.hardware.machine import Hardware
 
     if hardware is None and gpu is False:
         hardware = Hardware(1, 0, 0.0, source="no GPU")

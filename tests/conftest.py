@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.hardware.gpus import has_gpu
+from optima.hardware.machine import has_gpu
 from tests.ci_strict import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: CI fails on skips for missing set-up)
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import build_test_recipe

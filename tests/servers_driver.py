@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from optima.hardware.layout import place_servers  # noqa: E402
+from optima.hardware.placement import place_servers  # noqa: E402
 from optima.paths import RunPaths  # noqa: E402
 from optima.serving.holder import ServerHolder  # noqa: E402
 from optima.serving.processes import sigterm_as_exit  # noqa: E402

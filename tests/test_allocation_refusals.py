@@ -1,5 +1,5 @@
 """What the hardware allocation refuses and how (issue 32, items 4, 8 and 9): memory unknown, the single-process
-config, every problem listed with advice that applies, and setup's Python version check.
+config, every problem listed, and setup's Python version check. Memory itself is the engines' to check.
 
 Pure functions only: the allocation reads the recipes, the trainer YAMLs and the built-in model table.
 """
@@ -16,8 +16,7 @@ import pytest
 from optima import install
 from optima.config import RecipeError, SFTRecipe, load_recipe
 from optima.hardware.allocation import allocate_hardware
-from optima.hardware.spec import Hardware, detect_hardware, parse_hardware
-from optima.hardware.training import training_fixes
+from optima.hardware.machine import Hardware, detect_hardware, parse_hardware
 from optima.training.launch_config import launch_for
 from tests.test_hardware_allocation import VENV
 
@@ -65,33 +64,25 @@ def test_single_gpu_config_on_several_nodes_is_refused():
 
 
 def test_every_problem_is_listed_not_only_the_first():
-    """A share too small and a trainer over its GPU: both are refused in one message (the second was dropped)."""
-    recipe = sft(loss_gpu_memory_utilization=0.1, accelerate_config="multi_gpu")
-    allocation = allocate_hardware(recipe, parse_hardware("8x40GB"), [0])
-    assert [p.split(":")[0] for p in allocation.problems] == ["loss server", "training"]
+    """Sleep mode's routes on a public address and a loss server on a policy GPU: both refused in one message."""
+    recipe = sft(host="10.0.0.5", api_key="k", loss_devices=[3])
+    allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
+    assert [p.split(":")[0] for p in allocation.problems] == [
+        "host '10.0.0.5'",
+        "loss_devices [3] overlap the policy's GPUs on GPU 3",
+    ]
     with pytest.raises(RecipeError) as raised:
         allocation.check()
-    assert "2 problems: (1) loss server:" in str(raised.value) and "(2) training:" in str(raised.value)
+    assert "2 problems: (1) host '10.0.0.5':" in str(raised.value) and "(2) loss_devices [3]" in str(raised.value)
 
 
-@pytest.mark.parametrize(
-    ("strategy", "lora", "wanted", "unwanted"),
-    [
-        ("zero3", False, ["more GPUs", "LoRA"], ["deepspeed_zero3"]),
-        ("fsdp", True, ["more GPUs"], ["LoRA", "fsdp ("]),
-        ("ddp", False, ["deepspeed_zero3 or fsdp", "LoRA"], ["more GPUs"]),
-        ("single", True, ["deepspeed_zero3 or fsdp"], ["LoRA"]),
-    ],
-)
-def test_training_advice_applies_to_the_strategy(strategy, lora, wanted, unwanted):
-    text = training_fixes(strategy, lora)
-    assert all(w in text for w in wanted) and not any(u in text for u in unwanted), text
-
-
-def test_zero3_over_its_gpu_is_not_told_to_use_zero3():
-    allocation = allocate_hardware(sft(), Hardware(1, 8, 24.0, source="test"), [0])
-    training = [p for p in allocation.problems if p.startswith("training:")]
-    assert training and "use deepspeed_zero3" not in training[0] and "more nodes" in training[0]
+def test_memory_is_left_to_the_engines():
+    """A share too small for the weights and a trainer too big for its GPU are vLLM's and the preflight's to refuse
+    (they were estimated here): the plan places them and says what it leaves to the engines."""
+    allocation = allocate_hardware(sft(loss_gpu_memory_utilization=0.01), Hardware(1, 8, 24.0, source="test"), [0])
+    assert not allocation.problems and allocation.layout.loss.gpu_memory_utilization == 0.01
+    assert allocation.training.num_processes == 4
+    assert any(line.startswith("      left to the engines: vLLM checks") for line in allocation.render())
 
 
 @pytest.mark.parametrize(("version", "refused"), [((3, 10, 12), True), ((3, 11, 0), False), ((3, 13, 1), False)])

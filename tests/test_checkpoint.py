@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from optima.environments import resolve_env
-from optima.hardware.accelerate import ACCELERATE_CONFIGS
+from optima.hardware.machine import ACCELERATE_CONFIGS
 from optima.training.checkpoint import (
     CheckpointError,
     clear_partial_output,

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from optima.config import SC_DEVICE_SPAN, SWEEP_DEVICE_SPAN, RecipeError, expand_device_flag, parse_devices
-from optima.hardware.layout import place_replicas
+from optima.hardware.placement import place_replicas
 from tests.test_scripts import load_script
 
 EIGHT = [str(i) for i in range(8)]

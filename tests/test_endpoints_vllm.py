@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from optima.environments import resolve_env
-from optima.hardware.layout import place_replicas
+from optima.hardware.placement import place_replicas
 from optima.identity import model_identity
 from optima.paths import RunPaths
 from optima.serving import start_replicas

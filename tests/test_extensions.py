@@ -11,7 +11,7 @@ import time
 import pytest
 
 from optima.environments import resolve_env
-from optima.hardware.accelerate import ACCELERATE_CONFIGS
+from optima.hardware.machine import ACCELERATE_CONFIGS
 from optima.training import extensions
 from optima.training.launch import run_ranks, run_training
 from optima.training.launch_config import TrainLaunch

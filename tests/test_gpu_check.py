@@ -41,14 +41,15 @@ def test_dry_run_prints_the_stages_and_starts_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
-@pytest.mark.parametrize(("hardware", "feasible"), [("1x80GB", True), ("2x80GB", True), ("1x2GB", False)])
-def test_dry_run_on_given_hardware_prints_the_planners_plan(hardware, feasible, tmp_path, capsys):
-    """The plan step is the planner's: one GPU is enough (loss model served after generation, not kept beside)."""
+@pytest.mark.parametrize("hardware", ["1x80GB", "2x80GB", "1x2GB"])
+def test_dry_run_on_given_hardware_prints_the_planners_plan(hardware, tmp_path, capsys):
+    """The plan step is the planner's: one GPU is enough (loss model served after generation, not kept beside);
+    whether a 2 GB card holds it is vLLM's and the preflight's to say when the check runs."""
     argv = ["--dry-run", "--hardware", hardware, "--output-dir", str(tmp_path / "o")]
     assert gpu_check.run_gpu_check_command(argv) == 0
     out = capsys.readouterr().out
     assert f"--dry-run --hardware {hardware}" in out
-    assert ("plan: feasible" in out) is feasible and "training: zero3, 1 process(es)" in out
+    assert "plan: feasible" in out and "training: zero3, 1 process(es)" in out and "left to the engines" in out
 
 
 def test_skip_setup_drops_the_setup_stage(tmp_path):

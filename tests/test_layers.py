@@ -245,7 +245,7 @@ def test_every_kind_of_import_is_seen():
     edges = {(e.importer, e.imported) for e in imports_of(REPO / "optima" / "serving" / "__init__.py", REPO, modules)}
     assert ("optima.serving", "optima.serving.holder") in edges  # a lazy export (optima.lazy_exports)
     edges = {(e.importer, e.imported) for e in imports_of(REPO / "optima" / "training" / "__init__.py", REPO, modules)}
-    assert ("optima.training", "optima.hardware.accelerate") in edges  # a lazy export from another package
+    assert ("optima.training", "optima.hardware.machine") in edges  # a lazy export from another package
 
 
 def plant(root: Path, files: dict[str, str]) -> Path:
@@ -320,7 +320,7 @@ PROCESS_CODE = (
     "serving/",
     "training/launch.py",
     "training/nodes.py",
-    "hardware/gpus.py",
+    "hardware/machine.py",
     "install.py",
     "environments.py",
     "models.py",

@@ -13,15 +13,11 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import pytest
-import yaml
 
 from optima.config import RecipeError, SFTRecipe, load_recipe
 from optima.environments import PythonEnv
-from optima.hardware import memory
-from optima.hardware.capacity import GIB, MemoryShare, PolicyDemand
-from optima.hardware.layout import ServerLayout, describe_layout, place_servers
-from optima.hardware.placement import Placement
-from optima.hardware.training import cpu_trainer_peak_bytes, trainer_shape
+from optima.hardware.memory import GIB, MemoryShare
+from optima.hardware.placement import Placement, ServerLayout, describe_layout, place_servers
 from optima.paths import RunPaths
 from optima.serving.holder import ServerHolder
 from optima.serving.processes import group_members
@@ -198,7 +194,6 @@ def test_the_policy_kv_budget_counts_a_starting_loss_server_once(tmp_path, monke
     with holder:
         holder.serve("/models/base", stage)
         assert asked == [MemoryShare(policy_replicas=1, loss_kv_gb=1)]  # the loss server's own is fixed
-        assert asked[0].servers == 2
         holder.release_for_training()
         holder.serve("/ckpt/iteration_0", stage)
         assert asked[1:] == [MemoryShare(policy_replicas=1)]
@@ -294,7 +289,7 @@ def test_search_and_score_stage_use_the_loss_server_never_the_driver(tmp_path, m
 
 
 def smollm2_config(folder: Path) -> Path:
-    """A folder with SmolLM2-135M's ``config.json`` (no weights): what the memory estimates read."""
+    """A folder with SmolLM2-135M's ``config.json`` (no weights): what the KV sizes read."""
     folder.mkdir()
     config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
     config |= {"vocab_size": 49152, "intermediate_size": 1536, "max_position_embeddings": 8192}
@@ -302,35 +297,19 @@ def smollm2_config(folder: Path) -> Path:
     return folder
 
 
-def test_a_policy_kept_through_training_leaves_the_trainers_peak_free(tmp_path):
-    model = smollm2_config(tmp_path / "smollm2")
-    recipe = sft_recipe(tmp_path, initial_model_path=str(model))
-    size = memory.model_size(model)
-    sft_yaml = yaml.safe_load(Path(recipe.origin_yaml_path).read_text())
-    peak = memory.trainer_peak_bytes(size, trainer_shape("cpu", 1, sft_yaml))
-    assert cpu_trainer_peak_bytes(recipe) == peak > 10 * GIB  # SmolLM2 fp32, batch 4 x 1024 tokens: ~10 GiB
+def test_a_policy_kept_through_training_leaves_the_preflights_measured_peak_free(tmp_path):
+    """Before the preflight ran nothing is kept for the trainer (the caches take at most half of what is left);
+    once it measured the trainer's peak, a kept policy's cache leaves that peak free; a stopped one nothing."""
+    recipe = sft_recipe(tmp_path)
     kept, stopped = Placement(cpu_bind="0", carry_over=True), Placement(cpu_bind="0")
-    share = memory_share(recipe, ReplicaLayout([kept], loss_starting=True))
-    assert share == MemoryShare(1, loss_kv_gb=1, reserve_bytes=peak)  # no demand measured: the worst case
-    assert memory_share(recipe, ReplicaLayout([stopped], loss_starting=True)) == MemoryShare(1, loss_kv_gb=1)
+    assert memory_share(recipe, ReplicaLayout([kept], loss_starting=True)) == MemoryShare(1, loss_kv_gb=1)
+    run = Path(recipe.output_dir)
+    run.mkdir(parents=True)
+    (run / "preflight.json").write_text(json.dumps({"peak_rss_bytes": 7 * GIB}))
+    share = memory_share(recipe, ReplicaLayout([kept], loss_starting=True, demand=3 * GIB))
+    assert share == MemoryShare(1, loss_kv_gb=1, reserve_bytes=7 * GIB, need_bytes=3 * GIB)
+    assert memory_share(recipe, ReplicaLayout([stopped], demand=3 * GIB)) == MemoryShare(1, need_bytes=3 * GIB)
     assert memory_share(recipe, ReplicaLayout([stopped, stopped])) == MemoryShare(2)
-
-
-def test_the_reserve_at_start_is_the_trainer_at_the_estimated_row_and_the_need_caps_the_cache(tmp_path):
-    model = smollm2_config(tmp_path / "smollm2")
-    recipe = sft_recipe(tmp_path, initial_model_path=str(model))
-    sft_yaml = yaml.safe_load(Path(recipe.origin_yaml_path).read_text())
-    at_500 = memory.trainer_peak_bytes(
-        memory.model_size(model), trainer_shape("cpu", 1, sft_yaml | {"max_length": 500})
-    )
-    assert cpu_trainer_peak_bytes(recipe, 500) == at_500 < cpu_trainer_peak_bytes(recipe) - 3 * GIB
-    assert cpu_trainer_peak_bytes(recipe, 5000) == cpu_trainer_peak_bytes(recipe)  # capped at max_length
-    demand = PolicyDemand(need_bytes=3 * GIB, row_tokens=500)
-    kept = Placement(cpu_bind="0", carry_over=True)
-    share = memory_share(recipe, ReplicaLayout([kept], loss_starting=True, demand=demand))
-    assert share == MemoryShare(1, loss_kv_gb=1, reserve_bytes=at_500, need_bytes=3 * GIB)
-    # A policy stopped before training reserves nothing; its cache is still capped by the need.
-    assert memory_share(recipe, ReplicaLayout([Placement()], demand=demand)) == MemoryShare(1, need_bytes=3 * GIB)
 
 
 def test_the_recipes_kv_budget_is_the_policys_and_the_loss_server_keeps_its_need(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from optima.config import DPORecipe, load_recipe
 from optima.config.rules import loss_model
 from optima.hardware.allocation import allocate_hardware
-from optima.hardware.spec import parse_hardware
+from optima.hardware.machine import parse_hardware
 from optima.stages.common import loss_route
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from optima import config, plan
 from optima.__main__ import RECIPE_CLASSES
-from optima.hardware.training import trainer_yamls
+from optima.hardware.allocation import trainer_yamls
 from optima.methods import DPO, METHODS, PART_FOLDERS, SFT, SFT_DPO, TRAINER_YAML_FIELDS, method_of_trainers, runs
 
 REPO = Path(__file__).resolve().parent.parent

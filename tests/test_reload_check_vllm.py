@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from optima.environments import resolve_env
-from optima.hardware.accelerate import ACCELERATE_CONFIGS
+from optima.hardware.machine import ACCELERATE_CONFIGS
 from optima.hardware.placement import Placement
 from optima.paths import RunPaths
 from optima.selection.io import save_splits

@@ -13,8 +13,7 @@ import pytest
 
 from optima.config import RecipeError
 from optima.environments import PythonEnv
-from optima.hardware.layout import place_replicas
-from optima.hardware.placement import Placement
+from optima.hardware.placement import Placement, place_replicas
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, VLLMServer, build_serve_command, serve, start_replicas
 from optima.serving.endpoints import normalize_base_url, sync_endpoints

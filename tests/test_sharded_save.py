@@ -158,7 +158,7 @@ def test_the_shipped_fsdp_config_is_fsdp2_as_accelerate_reads_it(monkeypatch):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from optima.hardware.accelerate import ACCELERATE_CONFIGS
+    from optima.hardware.machine import ACCELERATE_CONFIGS
 
     args = launch_command_parser().parse_args(["--config_file", str(ACCELERATE_CONFIGS / "fsdp.yaml"), "train.py"])
     args, _, _ = _validate_launch_command(args)

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from optima.environments import resolve_env
-from optima.hardware.accelerate import ACCELERATE_CONFIGS
+from optima.hardware.machine import ACCELERATE_CONFIGS
 from optima.selection.io import save_splits
 from optima.serving.processes import stop_group
 from optima.training.checkpoint import clear_partial_output, trainer_checkpoints

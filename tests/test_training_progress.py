@@ -7,7 +7,7 @@ import io
 import pytest
 
 from optima.environments import resolve_env
-from optima.hardware.accelerate import ACCELERATE_CONFIGS
+from optima.hardware.machine import ACCELERATE_CONFIGS
 from optima.training.common import STATE_ENV, state_callback
 from optima.training.launch import STATE_FILE, console_stream, read_state, run_training
 from optima.training.launch_config import TrainLaunch

@@ -19,7 +19,7 @@ import pytest
 from optima.agents.generation import GenerationHooks, generate_conversations
 from optima.agents.runner import GenerationSettings
 from optima.environments import resolve_env
-from optima.hardware.layout import place_replicas
+from optima.hardware.placement import place_replicas
 from optima.paths import RunPaths
 from optima.serving import ServerStartupError, serve, start_replicas
 from optima.serving.processes import group_members

@@ -7,7 +7,7 @@ conversations per question (docs/method.md, D5 and D6: not one thread per questi
 nor lost futures):
 
 * ``thread_count`` conversations are in flight at once (``ThreadPoolExecutor`` + ``as_completed``), fewer when
-  the servers' KV caches cannot hold that many (``optima.hardware.capacity``); the stage's KV figures and prefix-cache
+  the servers' KV caches cannot hold that many (``optima.hardware.memory``); the stage's KV figures and prefix-cache
   hit rate go into its stats (``kv_cache``);
 * question ``q`` goes to replica ``q mod n`` (deterministic round-robin); every turn of its conversations stays on
   that replica so vLLM's prefix cache reuses the shared system prompt and history; a dead replica fails over;

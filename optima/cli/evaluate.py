@@ -131,7 +131,7 @@ def baseline_settings(args: argparse.Namespace, samples: int = 8, temperature: f
 
 def resolve_machine(given: str | None):
     """The machine of ``--hardware``, else the detected one (detected once per command, for all its tasks)."""
-    from optima.hardware.spec import resolve_hardware
+    from optima.hardware.machine import resolve_hardware
 
     return resolve_hardware(given)
 

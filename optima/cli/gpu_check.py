@@ -155,7 +155,7 @@ def render_allocation(hardware: str) -> list[str]:
     """The hardware allocation of the iSFT stage on ``hardware`` (needs the training env's PyYAML: dry runs only)."""
     from optima.config import SFTRecipe, load_recipe
     from optima.hardware.allocation import allocate_hardware
-    from optima.hardware.spec import parse_hardware
+    from optima.hardware.machine import parse_hardware
 
     recipe = load_recipe(SFTRecipe, REPO / "train/sft_recipes/demo_arc.yaml", GPU_RECIPE, check_paths=False)
     return allocate_hardware(recipe, parse_hardware(hardware), [0]).render()
@@ -258,7 +258,7 @@ def run_gpu_check_command(argv: list[str] | None = None) -> int:
         if args.hardware:
             say("\n".join(render_allocation(args.hardware)))
         return 0
-    from optima.hardware.gpus import has_gpu  # standard library only: works before setup
+    from optima.hardware.machine import has_gpu  # standard library only: works before setup
 
     if not has_gpu():
         say("GPU CHECK: FAIL (no NVIDIA GPU visible: nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)")

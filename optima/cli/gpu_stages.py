@@ -47,7 +47,40 @@ if TYPE_CHECKING:  # annotations only: this module starts before set-up, with th
 
 ZERO3_TIMEOUT_S = 600
 ZERO3_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
-ZERO3_ROWS = (2, 12)  # the driver's batch: rows x tokens per step and rank
+
+
+def query_nvidia_smi(args: list[str], nvidia_smi: str | None = None) -> list[list[str]]:
+    """The rows of an ``nvidia-smi --query-...`` in CSV without header or units (empty when it cannot answer)."""
+    from optima.hardware.machine import nvidia_smi_lines
+
+    lines = nvidia_smi_lines([*args, "--format=csv,noheader,nounits"], nvidia_smi)
+    return [[cell.strip() for cell in line.split(",")] for line in lines if line.strip()]
+
+
+def gpu_memory_used_mib(gpu: str | None = None, nvidia_smi: str | None = None) -> int | None:
+    """Memory in use (MiB) on GPU ``gpu`` (default the first visible one), by all its processes; None: unknown (no
+    GPU, no ``nvidia-smi``, or a UUID in ``CUDA_VISIBLE_DEVICES``)."""
+    from optima.hardware.machine import visible_gpus
+
+    gpus = [gpu] if gpu is not None else visible_gpus(nvidia_smi=nvidia_smi)[:1]
+    if not gpus or not gpus[0].isdigit():
+        return None
+    rows = query_nvidia_smi(["--query-gpu=memory.used"], nvidia_smi)
+    try:
+        return int(float(rows[int(gpus[0])][0]))
+    except (IndexError, ValueError):
+        return None
+
+
+def process_memory_mib(nvidia_smi: str | None = None) -> dict[int, int]:
+    """GPU memory (MiB) of each process that ``nvidia-smi`` lists, by PID (empty: none visible)."""
+    memory: dict[int, int] = {}
+    for row in query_nvidia_smi(["--query-compute-apps=pid,used_memory"], nvidia_smi):
+        if len(row) == 2 and row[0].isdigit() and row[1].replace(".", "", 1).isdigit():
+            memory[int(row[0])] = memory.get(int(row[0]), 0) + int(float(row[1]))
+    return memory
+
+
 # What a torch whose gloo lacks a collective on CUDA tensors says ("ProcessGroupGloo does not support ...").
 GLOO_UNSUPPORTED = re.compile(
     r"gloo.*(does not support|not supported|no support for|unsupported)|no backend type associated with device type",
@@ -130,7 +163,6 @@ def check_wake_reload(out: Path) -> int:
     """``wake-reload``: serve the base model, sleep, wake with the iSFT checkpoint in place, probe, ask."""
     import torch
 
-    from optima.hardware.gpus import gpu_memory_used_mib
     from optima.paths import RunPaths
     from optima.serving.reload_check import probe_mismatch
     from optima.weights_probe import read_probe
@@ -183,8 +215,6 @@ def server_allocation(recipe: LoopRecipe, hardware=None):
 
 def group_memory_mib(pgid: int | None) -> tuple[int | None, int | None]:
     """(MiB held by the processes of group ``pgid``, MiB held by the other processes) on the GPU; None: unknown."""
-    from optima.hardware.gpus import process_memory_mib
-
     inside, others = 0, 0
     memory = process_memory_mib()
     if not memory or pgid is None:
@@ -237,16 +267,12 @@ def check_loss_beside_policy(out: Path) -> int:
 
 
 def zero3_need_bytes(ranks: int = 2) -> int | None:
-    """GPU memory of ``ranks`` ZeRO-3 ranks of SmolLM2 on one GPU: the run's own trainer estimate, per rank (None:
-    the model's size is unknown)."""
-    from optima.hardware.memory import TrainerShape, model_size, trainer_peak_bytes
+    """GPU memory of ``ranks`` ZeRO-3 ranks of SmolLM2 sharing one GPU: each rank's model states by DeepSpeed's
+    estimator (None: the model's size is unknown)."""
+    from optima.hardware.memory import model_size, zero3_states_bytes
 
     size = model_size(ZERO3_MODEL)
-    if size is None:
-        return None
-    rows, tokens = ZERO3_ROWS
-    shape = TrainerShape("zero3", ranks, 4, batch=rows, seq=tokens, checkpointing=False)  # fp32, as the driver
-    return ranks * trainer_peak_bytes(size, shape)
+    return None if size is None else ranks * zero3_states_bytes(size, ranks, 1)
 
 
 def zero3_skip_reason(free_mib: int | None, need_bytes: int | None) -> str | None:
@@ -255,7 +281,7 @@ def zero3_skip_reason(free_mib: int | None, need_bytes: int | None) -> str | Non
         return None
     return (
         f"GPU 0 has {free_mib / 1024:.1f} GiB free, two ZeRO-3 ranks of SmolLM2 need ~{need_bytes / 2**30:.1f} GiB "
-        "(the run's trainer estimate)"
+        "(DeepSpeed's ZeRO-3 estimator)"
     )
 
 
@@ -272,7 +298,7 @@ def check_zero3_two_processes(out: Path) -> int:
     """``zero3-2proc``: two ZeRO-3 ranks on GPU 0 train SmolLM2 and save; each checkpoint must pass the check."""
     import torch
 
-    from optima.hardware.gpus import gpu_memory_mib, gpu_memory_used_mib
+    from optima.hardware.machine import gpu_memory_mib
     from optima.serving.vllm_server import find_free_port
     from optima.training.checkpoint import verify_saved_weights
     from optima.training.common import is_complete, read_completion

@@ -62,7 +62,7 @@ def run_loop_script(recipe_cls: type, description: str, argv: list[str] | None) 
         overrides = args.set + trainer_set_overrides(args.trainer_set)
         recipe = load_recipe(recipe_cls, args.train_config_path, overrides, check_paths=not args.dry_run)
         envs = resolve_envs(args.vllm_env, args.alignment_env)
-        from optima.hardware.spec import resolve_hardware
+        from optima.hardware.machine import resolve_hardware
         from optima.plan import build_plan
         from optima.run_context import build_run_context
 

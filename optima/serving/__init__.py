@@ -15,7 +15,7 @@ from __future__ import annotations
 from optima import lazy_exports
 
 _EXPORTS = {
-    "CacheCounters": "optima.hardware.cache_metrics",
+    "CacheCounters": "kv_monitor",
     "ChatReply": "client",
     "ConstraintRejected": "client",
     "NoReplicaLeft": "client",

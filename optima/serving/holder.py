@@ -3,7 +3,7 @@
 ``ServerHolder`` keeps at most one policy model served across stages and, with ``loss_placement: beside``, one
 vLLM server of the fixed loss model that starts with the first policy and lives until the run ends, so that every
 conversation (and every tree-search rollout) is scored on it as soon as it finishes, while the policy keeps
-generating. Placement: ``optima.hardware.layout``, given at construction. Its verbs say what happens to the
+generating. Placement: ``optima.hardware.placement``, given at construction. Its verbs say what happens to the
 processes:
 
 * ``serve(model, stage_paths)``: have ``model`` served and return its URLs: the running replicas when they serve it
@@ -15,7 +15,7 @@ processes:
   reset and weights probe checked (``optima.serving.reload_check``);
 * ``release_for_training(trainer)``: give the policy's resources back for training (or an in-process scorer): with
   ``sleep_mode`` (on by default, CPU and GPU) it sleeps (GPU) or idles (CPU) and keeps its process, else it stops.
-  On a CPU an idle policy keeps its memory: when the trainer's peak estimated on the stage's rows does not fit in
+  On a CPU an idle policy keeps its memory: when the trainer's peak that the preflight measured does not fit in
   the memory available now (``available_memory``, with a margin), the policy is stopped for that training
   instead, and the next stage starts a fresh one;
 * ``loss_urls()``: the loss server's URLs, waiting until it answers (started now if it is not up, again if it died);
@@ -37,17 +37,20 @@ weights than the checkpoint's probe still stops the run (``WeightsMismatch``): t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
-from optima.hardware.capacity import GIB, PolicyDemand, available_memory_bytes
-from optima.hardware.layout import ServerLayout, loss_server_wanted
-from optima.hardware.placement import Placement
-from optima.hardware.training import TRAINER_MARGIN_BYTES, TrainerPeak
+from optima.hardware.memory import (
+    GIB,
+    PREFLIGHT_FILE,
+    TRAINER_MARGIN_BYTES,
+    available_memory_bytes,
+    preflight_peak_bytes,
+)
+from optima.hardware.placement import Placement, ServerLayout, loss_server_wanted
 from optima.paths import StagePaths
 from optima.serving.loss_server import LossServer
 from optima.serving.replicas import ReplicaLayout
@@ -76,7 +79,7 @@ class ServerHolder:
         layout: Where the servers run: the hardware allocation's placements (``HardwareAllocation.layout``, made
             and checked before anything starts); None only for a recipe with external ``endpoints``, where nothing is
             placed.
-        demand: What the run's conversations ask of a policy server of a model
+        demand: KV bytes the run's conversations in flight need of a policy server of a model
             (``optima.agents.footprint.policy_demand``); None: unknown.
         available_memory: Reads the memory available now (default ``MemAvailable``; tests give their own).
         node_launcher: Starts the other nodes' servers (``layout.nodes``); None on one node.
@@ -90,7 +93,7 @@ class ServerHolder:
         log_dir: Path | None = None,
         *,
         layout: ServerLayout | None,
-        demand: Callable[[str], PolicyDemand] | None = None,
+        demand: Callable[[str], int | None] | None = None,
         available_memory: Callable[[], int] = available_memory_bytes,
         node_launcher: NodeLauncher | None = None,
     ):
@@ -104,7 +107,6 @@ class ServerHolder:
         self.urls: list[str] = []
         self.asleep = False  # kept replicas, given back for training, wait for the next checkpoint's weights
         self._stack: contextlib.ExitStack | None = None
-        self.trained_rows: int | None = None  # the longest row of the last training weighed here (its tokens)
         self.node_servers: list[VLLMServer] = []  # the other nodes' replicas now up (their launchers here)
         # The run's loss server, made here and started with the first policy; None: the loss is scored another way.
         self.loss: LossServer | None = None
@@ -238,17 +240,10 @@ class ServerHolder:
             stack.callback(server.stop)
         return servers
 
-    def _demand(self, model: str) -> PolicyDemand | None:
-        """What the conversations ask of ``model``'s server, when its KV cache is sized here (CPU, automatic).
-
-        Once a training was weighed, its real rows replace the estimate of a row (a policy stopped because the
-        trainer did not fit then starts with a cache that leaves it room).
-        """
+    def _demand(self, model: str) -> int | None:
+        """KV bytes the conversations need of ``model``'s server, when its KV cache is sized here (CPU, automatic)."""
         automatic = self.layout.policy[0].on_cpu and self.recipe.cpu_kvcache_space_gb is None
-        if not automatic or self.demand is None:
-            return None
-        demand = self.demand(model)
-        return demand if self.trained_rows is None else dataclasses.replace(demand, row_tokens=self.trained_rows)
+        return self.demand(model) if automatic and self.demand is not None else None
 
     def loss_urls(self) -> list[str] | None:
         """The loss server's URLs, waiting until it answers (started now if not up, again if it died); None without
@@ -284,25 +279,23 @@ class ServerHolder:
         finally:
             server.stop()
 
-    def release_for_training(self, trainer: TrainerPeak | None = None) -> None:
+    def release_for_training(self, trainer: bool = False) -> None:
         """Give the policy's cores and memory back for training: kept replicas sleep (GPU) or idle (CPU), others stop.
 
         The loss server stays up. A sleep request that fails stops the replicas instead (the next stage starts
-        fresh ones), as does, on a CPU, a ``trainer`` peak that the memory available now cannot hold beside the
-        idle policy (a warning names the numbers).
+        fresh ones), as does, on a CPU, a trainer whose measured peak the memory available now cannot hold beside
+        the idle policy (``_trainer_fits``).
 
         Args:
-            trainer: The trainer's estimated peak on the stage's rows (None: not checked, e.g. an in-process scorer).
+            trainer: A trainer runs next (False: not weighed, e.g. an in-process scorer).
         """
         from optima.serving.sleep_mode import ReloadFailed, put_to_sleep
 
         if self._stack is None or self.asleep:
             return
         on_cpu = self.layout.policy[0].on_cpu
-        weigh = self.kept and on_cpu and trainer is not None  # an idle CPU policy keeps its memory
-        if weigh:
-            self.trained_rows = trainer.row_tokens
-        if self.kept and (not weigh or self._trainer_fits(trainer)):
+        weigh = self.kept and on_cpu and trainer  # an idle CPU policy keeps its memory
+        if self.kept and (not weigh or self._trainer_fits()):
             try:
                 put_to_sleep(self.urls, self.recipe, gpu=not on_cpu)
                 self.asleep = True
@@ -311,26 +304,26 @@ class ServerHolder:
                 logger.warning("serve | the policy could not be put to sleep (%s); stopping it instead", exc)
         self.stop_policy()
 
-    def _trainer_fits(self, trainer: TrainerPeak) -> bool:
-        """Whether the trainer fits in the memory available now beside the idle policy (logged either way)."""
+    def _trainer_fits(self) -> bool:
+        """Whether the trainer's peak that the preflight measured, with ``TRAINER_MARGIN_BYTES``, fits in the memory
+        available now beside the idle policy (logged either way). Not measured (no preflight ran): it stays."""
+        peak = preflight_peak_bytes(self.recipe.output_dir)
+        if peak is None:
+            logger.info("serve | no preflight measurement (%s): the policy stays up through training", PREFLIGHT_FILE)
+            return True
         available = self.available_memory()
-        figures = (
-            trainer.peak_bytes / GIB,
-            trainer.row_tokens,
-            TRAINER_MARGIN_BYTES / GIB,
-            available / GIB,
-        )
-        if trainer.fits(available):
+        figures = (peak / GIB, TRAINER_MARGIN_BYTES / GIB, available / GIB)
+        if peak + TRAINER_MARGIN_BYTES <= available:
             logger.info(
-                "serve | the policy stays up through training: the trainer's estimated peak %.1f GiB (rows of up to "
-                "%d tokens) + %.1f GiB margin fits in the %.1f GiB available",
+                "serve | the policy stays up through training: the trainer's measured peak %.1f GiB + %.1f GiB margin "
+                "fits in the %.1f GiB available",
                 *figures,
             )
             return True
         logger.warning(
-            "serve | the trainer's estimated peak %.1f GiB (rows of up to %d tokens) + %.1f GiB margin does not fit "
-            "in the %.1f GiB available beside the idle policy server: stopping the policy for this training (the "
-            "next stage starts a fresh one; cpu_kvcache_space_gb sets a smaller policy cache)",
+            "serve | the trainer's measured peak %.1f GiB + %.1f GiB margin does not fit in the %.1f GiB available "
+            "beside the idle policy server: stopping the policy for this training (the next stage starts a fresh one, "
+            "with a cache that leaves the trainer room; cpu_kvcache_space_gb sets a smaller one)",
             *figures,
         )
         return False

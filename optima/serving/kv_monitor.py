@@ -1,78 +1,110 @@
-"""The served KV cache during a generation stage: its size, the in-flight bound it allows, its prefix-cache hit rate.
+"""The served KV cache during a generation stage: its size, the conversations it holds at once, its prefix-cache hits.
 
-``KVMonitor`` reads every replica's ``/metrics`` (Prometheus text, see ``optima.hardware.cache_metrics``) when a stage
-starts and when it ends. The first read gives the KV capacity (vLLM's ``cache_config_info``) and the counters'
-starting values, since a server may serve several stages; the second gives the stage's own prefix-cache hits,
-lookups and preemptions. Endpoints without ``/metrics`` (not vLLM) leave the bound at ``thread_count`` and the
-statistics empty.
+``KVMonitor`` reads every replica's ``/metrics`` when a stage starts and when it ends: the first read gives the KV
+capacity (vLLM's ``cache_config_info``: blocks x block size) and the counters' starting values (a server may serve
+several stages), the second the stage's own prefix-cache hits, lookups and preemptions. The capacity bounds the
+conversations in flight (``optima.hardware.memory.fit_in_flight``): on a CPU the cache is sized for
+``thread_count`` conversations but may be capped by the memory, on a GPU it is what the memory share left after
+the weights. Endpoints without ``/metrics`` (not vLLM) leave the bound at ``thread_count`` and the figures empty.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 
-from optima.hardware.cache_metrics import CacheCounters, kv_capacity_tokens, parse_prometheus
-from optima.hardware.capacity import fit_in_flight
+from optima.hardware.memory import fit_in_flight
 
 logger = logging.getLogger(__name__)
 
 METRICS_TIMEOUT_S = 10.0
+Samples = list[tuple[str, dict, float]]
 
 
-def fetch_metrics(base_url: str, api_key: str | None = None) -> list[tuple[str, dict, float]] | None:
-    """The parsed ``/metrics`` of the server behind an OpenAI base URL; None when it has none or does not answer."""
+def _get(url: str, api_key: str | None):
+    """The 200 answer of a GET to one of the server's routes; None when it does not answer so."""
     import requests
 
-    root = base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = requests.get(f"{root}/metrics", headers=headers, timeout=METRICS_TIMEOUT_S)
+        response = requests.get(url, headers=headers, timeout=METRICS_TIMEOUT_S)
     except (requests.ConnectionError, requests.Timeout) as exc:
-        logger.debug("no /metrics at %s: %s", root, exc)
+        logger.debug("no answer from %s: %s", url, exc)
         return None
-    if response.status_code != 200:
-        return None
-    return parse_prometheus(response.text)
+    return response if response.status_code == 200 else None
 
 
-def fetch_served_model(base_url: str, api_key: str | None = None) -> str | None:
-    """The model folder (or hub id) a vLLM server was started with (``root`` in ``/v1/models``); None if unknown."""
-    import requests
+def parse_metrics(text: str) -> Samples | None:
+    """The samples (name, labels, value) of a Prometheus exposition, by ``prometheus_client``; None if malformed."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = requests.get(f"{base_url.rstrip('/')}/models", headers=headers, timeout=METRICS_TIMEOUT_S)
-    except (requests.ConnectionError, requests.Timeout):
+        return [(s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+    except ValueError:
         return None
-    if response.status_code != 200:
-        return None
-    models = response.json().get("data") or [{}]
-    return models[0].get("root")
+
+
+def fetch_metrics(base_url: str, api_key: str | None = None) -> Samples | None:
+    """The parsed ``/metrics`` of the server behind an OpenAI base URL; None when it has none or does not answer."""
+    response = _get(base_url.rstrip("/").removesuffix("/v1") + "/metrics", api_key)
+    return parse_metrics(response.text) if response is not None else None
+
+
+def kv_capacity_tokens(samples: Samples) -> int | None:
+    """KV-cache tokens of a server from ``cache_config_info``: ``kv_cache_size_tokens`` where vLLM reports it, else
+    ``num_gpu_blocks x block_size`` (named so on CPU too)."""
+    for name, labels, _ in samples:
+        tokens, blocks, size = (labels.get(k, "") for k in ("kv_cache_size_tokens", "num_gpu_blocks", "block_size"))
+        if name == "vllm:cache_config_info" and tokens.isdigit():
+            return int(tokens)
+        if name == "vllm:cache_config_info" and blocks.isdigit() and size.isdigit():
+            return int(blocks) * int(size)
+    return None
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    """Prompt tokens looked up in the prefix cache, of those found there, and requests preempted (cumulative)."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+    preemptions: float = 0.0
+
+    @classmethod
+    def from_samples(cls, samples: Samples) -> CacheCounters:
+        names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
+        return cls(*(sum(v for n, _, v in samples if n in (name, f"{name}_total")) for name in names))
+
+    def __add__(self, other: CacheCounters) -> CacheCounters:
+        return CacheCounters(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __sub__(self, other: CacheCounters) -> CacheCounters:
+        return CacheCounters(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries > 0 else None
 
 
 class KVMonitor:
-    """KV capacity and prefix-cache counters of a set of replicas over one stage.
-
-    Args:
-        endpoints: OpenAI base URLs of the replicas.
-        api_key: Their API key, if any.
-    """
+    """KV capacity and prefix-cache counters of the replicas at ``endpoints`` over one stage."""
 
     def __init__(self, endpoints: Sequence[str], api_key: str | None = None):
         self.endpoints, self.api_key = list(endpoints), api_key
         scraped = [fetch_metrics(url, api_key) for url in self.endpoints]
         capacities = [kv_capacity_tokens(s) if s is not None else None for s in scraped]
         # The bound needs every replica's size (conversations are spread over all of them).
-        self.kv_tokens = sum(capacities) if capacities and all(c is not None for c in capacities) else None
+        self.kv_tokens = sum(capacities) if capacities and None not in capacities else None
         self.before = self._counters(scraped)
         self.in_flight: int | None = None
         self.per_conversation: int | None = None
-        # The served model names the tokenizer and context length of the footprint (an eval recipe may have no
-        # initial model); only needed when the KV size is known.
-        self.model = fetch_served_model(self.endpoints[0], api_key) if self.kv_tokens is not None else None
+        # The served model names the footprint's tokenizer and context length (an eval recipe may have no initial
+        # model); only needed when the KV size is known.
+        models = _get(self.endpoints[0].rstrip("/") + "/models", api_key) if self.kv_tokens is not None else None
+        self.model = (models.json().get("data") or [{}])[0].get("root") if models is not None else None
 
-    def _counters(self, scraped) -> CacheCounters | None:
+    def _counters(self, scraped: list[Samples | None]) -> CacheCounters | None:
         if any(s is None for s in scraped):
             return None
         return sum((CacheCounters.from_samples(s) for s in scraped), CacheCounters())
@@ -83,14 +115,9 @@ class KVMonitor:
         self.in_flight = fit_in_flight(thread_count, self.kv_tokens, per_conversation)
         if self.in_flight < thread_count:
             logger.info(
-                "KV cache %s tokens on %d replica(s) holds %d conversations of up to %d tokens: "
-                "%d in flight instead of thread_count=%d",
-                self.kv_tokens,
-                len(self.endpoints),
-                self.in_flight,
-                per_conversation,
-                self.in_flight,
-                thread_count,
+                "KV cache %s tokens on %d replica(s) holds %d conversations of up to %d tokens: %d in flight instead "
+                "of thread_count=%d",
+                *(self.kv_tokens, len(self.endpoints), self.in_flight, per_conversation, self.in_flight, thread_count),
             )
         return self.in_flight
 
@@ -98,23 +125,16 @@ class KVMonitor:
         """The stage's KV figures (for metrics.json), logged in one line."""
         after = self._counters([fetch_metrics(url, self.api_key) for url in self.endpoints])
         stage = after - self.before if after is not None and self.before is not None else None
-        hit_rate = stage.hit_rate if stage is not None else None
-        figures = {
-            "kv_cache_tokens": self.kv_tokens,
-            "conversation_kv_tokens": self.per_conversation,
-            "in_flight": self.in_flight,
-            "prefix_cache_queries": int(stage.queries) if stage is not None else None,
-            "prefix_cache_hits": int(stage.hits) if stage is not None else None,
-            "prefix_cache_hit_rate": round(hit_rate, 4) if hit_rate is not None else None,
-            "preemptions": int(stage.preemptions) if stage is not None else None,
-        }
+        rate = stage.hit_rate if stage is not None else None
+        figures = {"kv_cache_tokens": self.kv_tokens, "conversation_kv_tokens": self.per_conversation}
+        figures |= {"in_flight": self.in_flight, "prefix_cache_queries": int(stage.queries) if stage else None}
+        figures |= {"prefix_cache_hits": int(stage.hits) if stage else None}
+        figures |= {"prefix_cache_hit_rate": round(rate, 4) if rate is not None else None}
+        figures |= {"preemptions": int(stage.preemptions) if stage else None}
         logger.info(
             "KV cache %s tokens | up to %s tokens per conversation | %s in flight | prefix-cache hit rate %s | "
             "%s preemptions",
-            figures["kv_cache_tokens"],
-            figures["conversation_kv_tokens"],
-            figures["in_flight"],
-            f"{hit_rate:.1%}" if hit_rate is not None else "n/a",
+            *(self.kv_tokens, self.per_conversation, self.in_flight, f"{rate:.1%}" if rate is not None else "n/a"),
             figures["preemptions"],
         )
         return figures

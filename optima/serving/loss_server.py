@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.environments import PythonEnv
-from optima.hardware.layout import ServerLayout
+from optima.hardware.placement import ServerLayout
 from optima.paths import RunPaths
 from optima.serving.vllm_server import (
     ServerSpec,

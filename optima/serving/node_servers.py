@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from optima.config import RecipeError
 from optima.environments import REPO_ROOT, PythonEnv
-from optima.hardware.layout import bind_problem
+from optima.hardware.placement import bind_problem
 from optima.paths import RunPaths, StagePaths
 from optima.serving.processes import PARENT_ENV
 from optima.serving.vllm_server import ServerSpec, VLLMServer, build_serve_command, find_free_port, serve_env_extra
 
 if TYPE_CHECKING:
     from optima.config import Recipe
-    from optima.hardware.layout import NodeServers
+    from optima.hardware.placement import NodeServers
 
 logger = logging.getLogger(__name__)
 

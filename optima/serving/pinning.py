@@ -10,7 +10,7 @@ thread of every process of the group except the workers there once the server an
 must exist first: it would inherit a narrower set, and libgomp drops places outside the set it starts with).
 
 Linux only (``os.sched_setaffinity``); a thread that ends meanwhile is skipped. ``bench/RESULTS.md`` has the
-measurement that chose the default placements (``optima.hardware.layout``).
+measurement that chose the default placements (``optima.hardware.placement``).
 """
 
 from __future__ import annotations

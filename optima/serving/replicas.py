@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING
 
 from optima.config.rules import loss_model
 from optima.environments import PythonEnv
-from optima.hardware.capacity import MemoryShare, PolicyDemand, loss_kvcache_gb
-from optima.hardware.gpus import visible_gpus
-from optima.hardware.layout import place_replicas
-from optima.hardware.placement import Placement
+from optima.hardware.machine import visible_gpus
+from optima.hardware.memory import MemoryShare, loss_kvcache_gb, preflight_peak_bytes
+from optima.hardware.placement import Placement, place_replicas
 from optima.paths import RunPaths, StagePaths
 from optima.serving.endpoints import normalize_base_url, sync_endpoints
 from optima.serving.processes import sigterm_as_exit
@@ -49,37 +48,26 @@ class ReplicaLayout:
         placements: One per replica.
         busy_ports: Ports of servers starting beside them that may not listen yet (kept free).
         loss_starting: The loss server starts beside them now (its KV cache comes out of the memory they share).
-        demand: What the run's conversations ask of them (caps an automatic CPU KV cache and sizes the trainer's
-            reserve; None: unknown, the cap is the memory and the reserve the trainer's worst case).
+        demand: KV bytes the run's conversations in flight need of them (caps an automatic CPU KV cache; None:
+            unknown, the cap is the memory).
     """
 
     placements: Sequence[Placement]
     busy_ports: Sequence[int] = ()
     loss_starting: bool = False
-    demand: PolicyDemand | None = None
+    demand: int | None = None
 
 
 def memory_share(recipe: Recipe, layout: ReplicaLayout) -> MemoryShare:
-    """Who the policy replicas starting now share the machine's memory with: the one count of servers sharing it.
-
-    The loss server starting with them (one that runs already holds its memory: not counted) takes its own need;
-    a policy kept through training leaves the trainer's peak free, estimated for rows of ``demand.row_tokens`` (an
-    agent's prompt plus one utterance: rows run longer only when conversations do, and the train stage checks the
-    real rows against the memory available then, stopping the policy for that training when they do not fit),
-    else at ``max_length`` (the worst case); the policy's cache is capped by what its conversations can use.
-
-    Args:
-        recipe: Serving and reward fields (the loss server's KV cache; the trainer's peak).
-        layout: The policy replicas starting now, what starts beside them, what their conversations ask.
-    """
-    placements, demand = layout.placements, layout.demand
+    """Who the CPU policy replicas starting now share the memory with (``optima.hardware.memory.cpu_kvcache_gb``):
+    the loss server starting with them (one already running holds its memory: not counted), and the trainer's peak
+    the preflight measured when the policy stays up through training (unknown before the preflight ran: none kept;
+    the train stage then weighs the idle policy against it, ``ServerHolder.release_for_training``)."""
+    placements = layout.placements
     loss_kv = loss_kvcache_gb(recipe, loss_model(recipe)) if layout.loss_starting else 0
-    reserve = 0
-    if placements and placements[0].on_cpu and placements[0].carry_over:  # the policy stays up through training
-        from optima.hardware.training import cpu_trainer_peak_bytes
-
-        reserve = cpu_trainer_peak_bytes(recipe, demand.row_tokens if demand is not None else None)
-    return MemoryShare(len(placements), loss_kv, reserve, demand.need_bytes if demand is not None else None)
+    kept = bool(placements) and placements[0].on_cpu and placements[0].carry_over
+    reserve = (preflight_peak_bytes(recipe.output_dir) or 0) if kept else 0
+    return MemoryShare(len(placements), loss_kv, reserve, layout.demand)
 
 
 def build_replica_specs(
@@ -130,7 +118,7 @@ def serve(
         stage_paths: Stage folder; replica logs go to its ``logs/vllm_<i>.log``.
         cpu_replicas: Replicas on a machine without GPU (default 1).
         layout: Placements of the replicas, the ports and memory of servers starting beside them
-            (``ReplicaLayout``, from ``optima.hardware.layout``); default: ``place_replicas``, alone.
+            (``ReplicaLayout``, from ``optima.hardware.placement``); default: ``place_replicas``, alone.
     """
     with sigterm_as_exit():
         if recipe.endpoints:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from optima.config.rules import loss_server_limits
 from optima.environments import PythonEnv
-from optima.hardware.capacity import MemoryShare, model_max_len, resolve_cpu_kvcache_gb
+from optima.hardware.memory import MemoryShare, model_max_len, resolve_cpu_kvcache_gb
 from optima.hardware.placement import Placement
 from optima.serving.cpu_reload import EXTENSION as CPU_RELOAD_EXTENSION
 from optima.serving.pinning import SERVICE_CPUS_ENV, pin_service_processes
@@ -133,7 +133,7 @@ def build_serve_env(
 
     On a CPU the KV cache is the placement's fixed one (the loss server), else ``cpu_kvcache_space_gb``, else
     (null) what the memory available now leaves the policy after the servers and the reserves of ``share``
-    (``optima.hardware.capacity``). The compute threads are bound to ``placement.cpu_bind``; the API server and
+    (``optima.hardware.memory``). The compute threads are bound to ``placement.cpu_bind``; the API server and
     engine core are pinned to ``placement.service_bind`` once ready (``optima.serving.pinning``). The API key travels
     as ``VLLM_API_KEY`` (same effect as ``--api-key``) so it never shows in ``ps`` or in the logged command line.
     """

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from optima.config.rules import loss_model, trainer_base_yaml, trainer_overrides_for
 from optima.evaluation.metrics import TIMEOUTS
-from optima.hardware.layout import loss_server_wanted
-from optima.methods import DPO, TrainerKind
+from optima.hardware.placement import loss_server_wanted
+from optima.methods import TrainerKind
 from optima.paths import StagePaths
 from optima.run_context import RunContext
 from optima.tasks import select_questions as slice_questions
@@ -39,7 +39,6 @@ from optima.training.launch_config import TrainLaunch, launch_for, render_traine
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe
-    from optima.hardware.training import TrainerPeak
 
 logger = logging.getLogger(__name__)
 
@@ -225,20 +224,10 @@ def trainer_launch(call: StageCall, kind: TrainerKind) -> TrainLaunch:
     return launch_for(ctx.recipe, kind, ctx.envs["train"], call.sp.trainer_yaml, ctx.gpu, ctx.hardware.training)
 
 
-def trainer_peak(call: StageCall, config: dict[str, Any], kind: TrainerKind) -> TrainerPeak | None:
-    """The trainer's estimated peak on the stage's saved rows, when a policy server would idle on the CPU beside it
-    (None otherwise: nothing to weigh, nothing tokenised)."""
-    if not call.ctx.servers.idles_on_cpu or not call.sp.dataset.is_dir():
-        return None
-    from optima.hardware.training import rows_trainer_peak
-
-    return rows_trainer_peak(call.ctx.recipe, config, kind == DPO, call.sp.dataset, call.ctx.tokenizer())
-
-
 def iteration_values(call: StageCall, kind: TrainerKind, start: str) -> dict[str, Any]:
     """The trainer YAML values of this iteration: model, data, output, seed, the run's trackers and a run name
     (``optima.tracking``), and the ``gradient_accumulation_steps`` that keeps the released global batch on the
-    planned processes (``optima.hardware.batch``; only where it differs from the YAML's)."""
+    planned processes (``optima.hardware``; only where it differs from the YAML's)."""
     ctx, sp = call.ctx, call.sp
     values = {"model_name_or_path": start, "dataset_name": str(sp.dataset), "output_dir": str(call.out)}
     values |= {"seed": call.ctx.recipe.seed + call.iteration}
@@ -273,7 +262,7 @@ def train_checkpoint(
     config = render_trainer_config(Path(base), values, trainer_overrides_for(recipe, kind))
     if check is not None:
         check(config)
-    ctx.servers.release_for_training(trainer_peak(call, config, kind))
+    ctx.servers.release_for_training(trainer=True)
     write_trainer_config(config, sp.trainer_yaml)
     launch = trainer_launch(call, kind)
     label = f"train iteration {call.iteration + 1}" + (f" {call.part}" if call.part else "")

@@ -7,7 +7,7 @@ _EXPORTS = {
     "SCRIPTS": "launch_config",
     "TrainLaunch": "launch_config",
     "render_trainer_config": "launch_config",
-    "resolve_accelerate_config": "optima.hardware.accelerate",
+    "resolve_accelerate_config": "optima.hardware.machine",
     "write_trainer_config": "launch_config",
     "SENTINEL": "optima.chat_spans",
 }

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.environments import REPO_ROOT, PythonEnv
-from optima.hardware.accelerate import read_accelerate_config, resolve_accelerate_config
+from optima.hardware.machine import read_accelerate_config, resolve_accelerate_config
 from optima.hardware.placement import TrainingPlacement
 from optima.methods import DPO, SFT, TrainerKind
 from optima.store import write_yaml

@@ -1,6 +1,6 @@
 """Where the training processes run, and how every node of a multi-node training is started.
 
-``TrainingPlacement`` (built by ``optima.hardware.allocation``) says, per node, its host, machine rank and GPUs
+``TrainingPlacement`` (built by ``optima.hardware``) says, per node, its host, machine rank and GPUs
 (``CUDA_VISIBLE_DEVICES``), and how many processes each node runs. One node: ``accelerate launch`` gets
 ``--num_processes`` from it (the shipped accelerate configs' 8 never applies) and the GPUs through the environment.
 
