@@ -239,3 +239,18 @@ def test_evaluation_recipes_have_only_the_fields_they_use(write_recipe, tmp_path
         assert not hasattr(recipe, name)
     with pytest.raises(RecipeError, match="unknown key for InferenceRecipe"):
         load_recipe(InferenceRecipe, None, {"dataset_type": "arc", "model_root_path": str(tmp_path), "lambda1": -1})
+
+
+def test_every_field_has_a_type_a_help_and_a_line_in_its_class_docstring():
+    """TRL's format: each class's docstring lists its own fields (name, type, default) from their help."""
+    import dataclasses
+
+    for cls in (SFTRecipe, DPORecipe, SFTDPORecipe, InferenceRecipe, MultiSCRecipe):
+        docs = "".join(klass.__doc__ or "" for klass in cls.__mro__)
+        for f in dataclasses.fields(cls):
+            assert f.type and f.metadata["help"], f.name
+            assert f"        {f.name} (`{f.type}`" in docs, f"{cls.__name__}.{f.name} is not in a docstring"
+    base = InferenceRecipe.__mro__[1].__doc__  # _BaseRecipe's
+    assert "        seed (`int`, defaults to `42`):\n            Seed of every random choice" in base
+    assert "        dataset_type (`str`):\n" in base  # required: no default
+    assert "token_quantile (`float`, defaults to `0.8`)" in SFTDPORecipe.__doc__  # its own default, not DPO's

@@ -180,6 +180,24 @@ def _required(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
+def documented(cls: type) -> type:
+    """``cls`` (a dataclass) with its own fields listed in its docstring in TRL's format, from their ``help``."""
+    own = vars(cls).get("__annotations__", {})
+    lines = [
+        f"        {f.name} (`{f.type}`{'' if _required(f) else f', defaults to `{field_default(f)!r}`'}):\n"
+        f"            {f.metadata['help'][:1].upper()}{f.metadata['help'][1:]}."
+        for f in dataclasses.fields(cls)
+        if f.name in own
+    ]
+    cls.__doc__ = f"{(cls.__doc__ or '').rstrip()}\n\n    Parameters:\n" + "\n".join(lines) + "\n"
+    return cls
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """The default of a recipe field (a fresh copy for list and dict defaults)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def resolve_path(value: str | None, name: str | None = None) -> str | None:
     """Absolute form of the recipe path ``value`` of field ``name``: ``~`` expanded, relative to the working dir."""
     if value is None or value == "":

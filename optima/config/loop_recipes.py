@@ -12,7 +12,15 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from optima.config.loading import check_trainer_overrides, field, require, require_in, require_positive, yaml_numbers
+from optima.config.loading import (
+    check_trainer_overrides,
+    documented,
+    field,
+    require,
+    require_in,
+    require_positive,
+    yaml_numbers,
+)
 from optima.config.recipes import (
     GENERATED,
     PAIRED,
@@ -39,19 +47,10 @@ ORIGINAL_MCTS_SELECTIONS = 8
 ORIGINAL_POOLS = tuple(f"prompts_{name}.jsonl" for name in ("diverse", "arc_first", "gsm8k_first", "math_first"))
 
 
+@documented
 @dataclasses.dataclass(kw_only=True)
 class _LoopRecipe(_BaseRecipe):
-    """What the three training loops share: sampling, iterations, the reward and the trainer launch.
-
-    Parameters:
-        sample_count ... answer_bootstrap_iterations: The sampling of each iteration
-            (docs/method.md#sampling-schedule).
-        check_point_root_path ... heldout_seed: Iterations, checkpoints, ``compat``, the held-out evaluation.
-        lambda1 ... impersonation_penalty: The reward R = task score + lambda1 * tokens / T_max + lambda2 / max
-            utterance LM loss, and where the LM loss is computed (docs/method.md#reward).
-        accelerate_config ... hub_push_datasets: How each fine-tuning stage is launched, logged and published
-            (docs/method.md#training).
-    """
+    """What the three training loops share: sampling, iterations, the reward and the trainer launch."""
 
     # Sampling
     sample_count: int = field(100, help="questions per iteration", redoes=GENERATED)
@@ -244,16 +243,10 @@ class _LoopRecipe(_BaseRecipe):
         )
 
 
+@documented
 @dataclasses.dataclass(kw_only=True)
 class SFTRecipe(_LoopRecipe):
-    """iSFT (docs/method.md#isft): generate, reward, keep the best conversations, fine-tune, repeat.
-
-    Parameters:
-        origin_yaml_path (`str`): The handbook-style SFT trainer YAML (`base.yaml`).
-        initial_epsilon (`float`, defaults to `0.5`): Keep conversations with reward >= this.
-        selection_range (`list[float]`, *optional*): [start, end) of the questions ranked by best reward.
-        sft_train_fraction (`float`, defaults to `0.98`): Train share of the SFT dataset.
-    """
+    """iSFT (docs/method.md#isft): generate, reward, keep the best conversations, fine-tune, repeat."""
 
     origin_yaml_path: str | None = field(None, help="handbook-style SFT trainer YAML (base.yaml)", redoes=TRAINED)
     initial_epsilon: float = field(0.5, help="keep conversations with reward >= this", redoes=SELECTED)
@@ -285,18 +278,10 @@ class SFTRecipe(_LoopRecipe):
         )
 
 
+@documented
 @dataclasses.dataclass(kw_only=True)
 class DPORecipe(_LoopRecipe):
-    """iDPO (docs/method.md#idpo): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat.
-
-    Parameters:
-        origin_dpo_yaml_path (`str`): The handbook-style DPO trainer YAML (`base.yaml`).
-        initial_dpo_min_value, initial_dpo_epsilon (`float`): The pair rule (docs/method.md#mining-pairs).
-        monte_sample_count ... merge_threshold: The tree search (docs/method.md#tree-search).
-        token_quantile, probe_count: T_max of the tree search, from a probe of token counts.
-        dpo_keep_fraction, dpo_train_fraction (`float`): Pairs kept per question; train share of the dataset.
-        rpo_alpha (`float`, *optional*, defaults to `1.0`): Weight of the NLL term on chosen; null = plain DPO.
-    """
+    """iDPO (docs/method.md#idpo): token-quantile probe, tree search for preference pairs, DPO (+NLL), repeat."""
 
     origin_dpo_yaml_path: str | None = field(None, help="handbook-style DPO trainer YAML (base.yaml)", redoes=TRAINED)
     initial_dpo_min_value: float = field(0.2, help="a pair needs best - worst child value > this", redoes=PAIRED)
@@ -351,15 +336,12 @@ class DPORecipe(_LoopRecipe):
         )
 
 
+@documented
 @dataclasses.dataclass(kw_only=True)
 class SFTDPORecipe(DPORecipe, SFTRecipe):
     """iSFT-DPO (docs/method.md#isft-dpo): a full iSFT iteration, then a DPO stage on the new checkpoint, repeated.
 
     Every field of ``SFTRecipe`` and ``DPORecipe`` (checked in that order); two DPO defaults differ:
-
-    Parameters:
-        rpo_alpha (`float`, *optional*, defaults to `None`): Plain sigmoid DPO.
-        token_quantile (`float`, defaults to `0.8`): The P80 token quantile.
     """
 
     rpo_alpha: float | None = field(

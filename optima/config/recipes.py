@@ -15,7 +15,16 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from optima.config.loading import RecipeError, field, is_hub_id, require, require_in, require_positive, resolve_path
+from optima.config.loading import (
+    RecipeError,
+    documented,
+    field,
+    is_hub_id,
+    require,
+    require_in,
+    require_positive,
+    resolve_path,
+)
 from optima.config.stage_names import Stage
 from optima.store import write_yaml
 
@@ -124,20 +133,10 @@ def parse_report_to(value: str | list[str] | None) -> list[str] | str:
     return names
 
 
+@documented
 @dataclasses.dataclass(kw_only=True)
 class _BaseRecipe:
-    """What every recipe has, loop or evaluation: the conversation limits, the servers, the task and the model.
-
-    Parameters:
-        max_turns, max_tokens: Utterances per conversation, tokens per utterance (docs/method.md#turn-loop).
-        port ... sleep_mode: How the model is served (vLLM replicas or ``endpoints``; docs/method.md D1).
-        dataset_type (`str`): Task name (`hotpot_qa`, `mwh_qa`, `trival_qa`, `cbt`, `gsm8k`, `math`, `arc`, `mmlu`).
-        initial_model_path (`str`): Base model: a hub id (`org/name`) or a local folder (`./models/...`).
-        tokenizer_first_path, tokenizer_second_path (`str`, *optional*): Alice's and Bob's tokenizers.
-        data_dir (`str`, *optional*): Local dataset root; default `$OPTIMA_DATA_DIR`, else the hub.
-        output_dir (`str`, *optional*): Run directory; default `runs/<dataset_type>_<method>`.
-        seed (`int`, defaults to `42`): Seed of every random choice.
-    """
+    """What every recipe has, loop or evaluation: the conversation limits, the servers, the task and the model."""
 
     # Conversation limits (training and evaluation)
     max_turns: int = field(10, help="utterances per conversation at most (both agents together)", redoes=SAMPLED)
@@ -293,17 +292,10 @@ LOOP_ONLY_KEYS = (
 )
 
 
+@documented
 @dataclasses.dataclass(kw_only=True)
 class InferenceRecipe(_BaseRecipe):
-    """Checkpoint sweep (docs/method.md#checkpoint-sweep): greedy, one conversation per question, every checkpoint.
-
-    Parameters:
-        model_root_path (`str`): Folder holding `iteration_<k>` checkpoints (or one model folder).
-        output_root_path (`str`, *optional*): Where `<checkpoint>.jsonl` and the summaries go.
-        limit (`int`, *optional*): Evaluate only N questions of the eval set (a debugging aid).
-        limit_mode (`str`, defaults to `"sample"`): ``sample`` (seeded, stratified by the task's groups) or ``first``.
-        include_base (`bool`, defaults to `False`): Also evaluate `initial_model_path`.
-    """
+    """Checkpoint sweep (docs/method.md#checkpoint-sweep): greedy, one conversation per question, every checkpoint."""
 
     initial_model_path: str | None = field(None, help="base model, evaluated as 'base' with include_base")
     model_root_path: str = field(help="folder of iteration_<k> checkpoints, or one model folder")
@@ -337,15 +329,10 @@ class InferenceRecipe(_BaseRecipe):
         return super().input_paths() | {"model_root_path": self.model_root_path}
 
 
+@documented
 @dataclasses.dataclass(kw_only=True)
 class MultiSCRecipe(InferenceRecipe):
-    """Multi-agent self-consistency (docs/method.md#self-consistency): k samples per question, then voting.
-
-    Parameters:
-        num_samples (`int`, defaults to `50`): Conversations per question (k).
-        sc_temperature (`float`, defaults to `0.5`): Their sampling temperature.
-        cluster_f1 (`float`, defaults to `0.9`): Answers with F1 >= this join one vote cluster (F1 tasks).
-    """
+    """Multi-agent self-consistency (docs/method.md#self-consistency): k samples per question, then voting."""
 
     num_samples: int = field(50, help="conversations per question (k)")
     sc_temperature: float = field(0.5, help="sampling temperature")

@@ -1,8 +1,6 @@
 """Values derived from a recipe, one function each, used alike by the plan, the stages and the evaluation.
 
-Pure: no process, no file. The reward's own rule, ``T_max``, lives with the formula (``optima.reward``); the
-defaults a recipe fills in while it is built live in ``optima.config.defaults`` (the recipes import them, and this
-module names the recipe types).
+Pure: no process, no file. The reward's own rule, ``T_max``, lives with the formula (``optima.reward``).
 """
 
 from __future__ import annotations
