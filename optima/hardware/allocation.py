@@ -225,7 +225,9 @@ def allocate_node_servers(recipe: Recipe, hardware: Hardware, allocation: Hardwa
     allocation.lines += [f"node {n.rank} ({n.host or 'Slurm'}): {where}, pooled with node 0" for n in nodes]
 
 
-def allocate_training(recipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], allocation, hosts):
+def allocate_training(
+    recipe: LoopRecipe, hardware: Hardware, size: ModelSize | None, yamls: list[dict], allocation, hosts
+):
     """Place the training processes: on the GPUs no resident server holds, as many per node as keep the released
     global batch (``keep_global_batch``; issue #40 trains on every GPU), the same on every node."""
     config = read_accelerate_config(resolve_accelerate_config(recipe.accelerate_config, hardware.has_gpu))
