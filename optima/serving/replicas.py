@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from optima.config.rules import loss_model
 from optima.environments import PythonEnv
 from optima.hardware.machine import visible_gpus
-from optima.hardware.memory import MemoryShare, loss_kvcache_gb, preflight_peak_bytes
+from optima.hardware.memory import MemoryShare, loss_kvcache_gb
 from optima.hardware.placement import Placement, place_replicas
 from optima.paths import RunPaths, StagePaths
 from optima.serving.endpoints import normalize_base_url, sync_endpoints
@@ -60,14 +60,10 @@ class ReplicaLayout:
 
 def memory_share(recipe: Recipe, layout: ReplicaLayout) -> MemoryShare:
     """Who the CPU policy replicas starting now share the memory with (``optima.hardware.memory.cpu_kvcache_gb``):
-    the loss server starting with them (one already running holds its memory: not counted), and the trainer's peak
-    the preflight measured when the policy stays up through training (unknown before the preflight ran: none kept;
-    the train stage then weighs the idle policy against it, ``ServerHolder.release_for_training``)."""
-    placements = layout.placements
+    the loss server starting with them (one already running holds its memory: not counted) and what their
+    conversations need."""
     loss_kv = loss_kvcache_gb(recipe, loss_model(recipe)) if layout.loss_starting else 0
-    kept = bool(placements) and placements[0].on_cpu and placements[0].carry_over
-    reserve = (preflight_peak_bytes(recipe.output_dir) or 0) if kept else 0
-    return MemoryShare(len(placements), loss_kv, reserve, layout.demand)
+    return MemoryShare(len(layout.placements), loss_kv, layout.demand)
 
 
 def build_replica_specs(

@@ -132,7 +132,7 @@ def build_serve_env(
     """The environment of one replica: ours, plus vLLM's settings for this machine (pure but for os.environ).
 
     On a CPU the KV cache is the placement's fixed one (the loss server), else ``cpu_kvcache_space_gb``, else
-    (null) what the memory available now leaves the policy after the servers and the reserves of ``share``
+    (null) what the memory available now leaves the policy after the servers of ``share``
     (``optima.hardware.memory``). The compute threads are bound to ``placement.cpu_bind``; the API server and
     engine core are pinned to ``placement.service_bind`` once ready (``optima.serving.pinning``). The API key travels
     as ``VLLM_API_KEY`` (same effect as ``--api-key``) so it never shows in ``ps`` or in the logged command line.
