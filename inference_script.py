@@ -10,7 +10,7 @@ tasks, the whole test split for debate tasks, or --limit), and its conversations
 Add --dry-run to print what would run.
 """
 
-from optima.cli import run_eval_script
+from optima.cli.evaluate import run_eval_script
 from optima.config import InferenceRecipe
 
 

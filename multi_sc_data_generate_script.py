@@ -9,7 +9,7 @@ See docs/method.md#self-consistency.
 Add --dry-run to print what would run.
 """
 
-from optima.cli import run_eval_script
+from optima.cli.evaluate import run_eval_script
 from optima.config import MultiSCRecipe
 
 

@@ -150,7 +150,7 @@ def render_sft(result: dict) -> list[str]:
 
 
 def render_iteration(result: dict) -> list[str]:
-    lines = ["## Iteration overhead (`python -m optima times`)", "", f"`{result['command']}`", ""]
+    lines = ["## Iteration overhead (`python -m dev.times`)", "", f"`{result['command']}`", ""]
     if "error" in result["data"]:
         return lines + failed("iteration", result)
     d = result["data"]

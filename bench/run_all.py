@@ -34,7 +34,7 @@ PYTHON = sys.executable
 KEPT_MARKER = "<!-- measured separately: run_all.py keeps what follows -->"
 # Small settings that keep a full run near 20 minutes on this box (see each script for its defaults).
 BENCHMARKS = {
-    "iteration": ["-m", "optima", "times"],
+    "iteration": ["-m", "dev.times"],
     "scoring": ["bench/scoring.py", "--conversations", "48", "--rounds", "2"],
     "sft": ["bench/sft.py", "--max-steps", "3", "--rounds", "3"],
     "generation": ["bench/generation.py", "--questions", "12", "--samples", "2"],

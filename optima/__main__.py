@@ -1,4 +1,4 @@
-"""``python -m optima``: project set-up commands.
+"""``python -m optima``: set-up, a run's report and conversation browser, the comparison, the recipe keys.
 
 python3 -m optima setup                 # both virtualenvs + the SmolLM2 folder (idempotent)
 python3 -m optima setup --only train    # one environment
@@ -8,14 +8,15 @@ python -m optima show runs/demo_arc_sft    # write conversations.html: every con
 python -m optima compare --model M --dataset_type arc --limit 40 [--methods ...] [--optima NAME=CHECKPOINT]
                                         # baselines and Optima checkpoints on the same questions: one table + plot
 python -m optima recipe-keys all [--write docs/recipes.md]  # every recipe key (--write: docs/recipes.md's table)
-python -m optima demo                   # make demo: the iSFT CPU demo, its time per iteration and its report
-python -m optima times runs/demo_arc_sft   # the time per iteration of a finished iSFT run
-python3 -m optima gpu-check             # make gpu-check: on one NVIDIA GPU, iSFT + iDPO, wake, loss server, ZeRO-3
+
+``setup`` runs with the system's python3 before any environment exists: this module imports only the standard
+library and optima's stdlib-only modules at the top.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -24,28 +25,25 @@ from optima.logging_utils import setup_logging
 from optima.methods import METHODS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+logger = logging.getLogger("optima")
 # Each recipe's class in optima.config: the training methods' (optima.methods), then the two evaluations'.
 RECIPE_CLASSES = {name: method.recipe for name, method in METHODS.items()} | {
     "inference": "InferenceRecipe",
     "multi_sc": "MultiSCRecipe",
 }
-
-
-# Commands whose own parser in optima.cli reads the rest of the command line.
-OWN_PARSERS = {
-    "compare": "CoT, CoT-SC, MAD, AutoForm and Optima checkpoints on the same questions: table and plot",
-    "demo": "the iSFT CPU demo (make demo): the run, its time per iteration and its report",
-    "times": "time per iteration of a finished iSFT run (generation, training, start-ups, busy share)",
-    "gpu-check": "on one NVIDIA GPU: iSFT + iDPO in bf16, wake with new weights, loss server, 2-rank ZeRO-3 save",
-}
+COMPARE_HELP = "CoT, CoT-SC, MAD, AutoForm and Optima checkpoints on the same questions: table and plot"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m optima", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    setup = sub.add_parser("setup", help="create .venvs/train and .venvs/vllm and convert the default model")
-    setup.add_argument("--venvs-dir", type=Path, default=REPO_ROOT / ".venvs")
-    setup.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text)
+
+    setup = command("setup", "create .venvs/train and .venvs/vllm and convert the default model")
+    setup.add_argument("--venvs-dir", type=Path, default=REPO_ROOT / ".venvs", help="where the virtualenvs go")
+    setup.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models", help="where converted models go")
     setup.add_argument("--only", action="append", choices=["train", "vllm"], help="build only this env")
     setup.add_argument("--no-model", action="store_true", help="skip the model conversion")
     setup.add_argument(
@@ -55,21 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra package index for torch's CPU build on a machine without an NVIDIA GPU (default: "
         "$OPTIMA_TORCH_INDEX, else https://download.pytorch.org/whl/cpu; '' = none, pip's own configuration only)",
     )
-    prep = sub.add_parser("prepare-model", help="convert an embedded GGUF model into a Hugging Face folder")
+    prep = command("prepare-model", "convert an embedded GGUF model into a Hugging Face folder")
     prep.add_argument("model", choices=["smollm2"])
-    prep.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
-    for name, text in OWN_PARSERS.items():
-        sub.add_parser(name, add_help=False, help=text)  # its own parser (optima.cli) reads the rest, --help included
-    keys = sub.add_parser("recipe-keys", help="list the recipe keys of a method (default and meaning)")
+    prep.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models", help="where converted models go")
+    sub.add_parser("compare", add_help=False, help=COMPARE_HELP)  # its own parser reads the rest, --help included
+    keys = command("recipe-keys", "list the recipe keys of a method (default and meaning)")
     keys.add_argument("method", choices=[*sorted(RECIPE_CLASSES), "all"])
     keys.add_argument(
         "--write", type=Path, default=None, metavar="DOC", help="replace the table between the markers of DOC instead"
     )
-    report = sub.add_parser("report", help="redraw report.md and report.png of a loop's run directory (and print it)")
+    report = command("report", "redraw report.md and report.png of a loop's run directory (and print it)")
     report.add_argument("run_dir", type=Path, help="the run directory (output_dir of an iSFT/iDPO/iSFT-DPO recipe)")
-    show = sub.add_parser(
-        "show", help="write conversations.html of a run directory or an evaluation folder (opens from disk)"
-    )
+    show = command("show", "write conversations.html of a run directory or an evaluation folder (opens from disk)")
     show.add_argument("run_dir", type=Path, help="a loop's run directory, or a sweep/compare output folder")
     show.add_argument(
         "--max-questions", type=int, default=None, help="questions shown per stage output (default 300; 0: all)"
@@ -79,8 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def render_recipe_keys(method: str) -> str:
     """A Markdown table of the recipe keys of ``method`` (``all``: every method, with a column naming them)."""
-    import dataclasses
-
     from optima import config
 
     methods = sorted(RECIPE_CLASSES) if method == "all" else [method]
@@ -114,8 +107,6 @@ def write_recipe_keys(doc: Path, method: str) -> None:
 
 
 def _default_text(f) -> str:
-    import dataclasses
-
     if f.default is not dataclasses.MISSING:
         return f"`{f.default!r}`"
     if f.default_factory is not dataclasses.MISSING:
@@ -123,31 +114,32 @@ def _default_text(f) -> str:
     return "required"
 
 
-def run_own_parser(command: str, argv: list[str]) -> int:
-    """A command of ``OWN_PARSERS``, its arguments read by its own parser."""
-    if command == "gpu-check":  # runs before set-up: its module imports only the standard library at the top
-        from optima.install import SetupError, check_python
+def run_folder_command(args: argparse.Namespace) -> int:
+    """``report`` (redraw and print the run's report) or ``show`` (write the folder's conversation page)."""
+    try:
+        if args.command == "report":
+            from optima.reporting import write_run_report
 
-        try:  # with the system's python3, before optima.cli, whose imports need Python 3.11 (enum.StrEnum)
-            check_python(command="gpu-check")
-        except SetupError as error:
-            sys.stderr.write(f"gpu-check: {error}\n")
-            return 2
-        from optima.cli.gpu_check import run_gpu_check_command
+            markdown, _ = write_run_report(args.run_dir)
+            text = markdown.read_text()
+        else:
+            from optima.browser import MAX_QUESTIONS, write_conversations_page
 
-        return run_gpu_check_command(argv)
-    from optima import cli
-
-    if command == "compare":
-        return cli.run_compare_script(argv)
-    setup_logging()
-    return cli.run_demo_command(argv) if command == "demo" else cli.run_times_command(argv)
+            shown = MAX_QUESTIONS if args.max_questions is None else args.max_questions
+            text = str(write_conversations_page(args.run_dir, shown))
+    except (FileNotFoundError, ValueError) as exc:
+        logger.error("run_dir: %s", exc)
+        return 2
+    sys.stdout.write(text + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] and argv[0] in OWN_PARSERS:
-        return run_own_parser(argv[0], argv[1:])
+    if argv[:1] == ["compare"]:
+        from optima.cli.evaluate import run_compare_script
+
+        return run_compare_script(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging()
     if args.command == "setup":
@@ -166,16 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             write_recipe_keys(args.write, args.method)
         except ValueError as error:
-            logging.getLogger("optima").error("%s", error)
+            logger.error("%s", error)
             return 2
-    elif args.command == "report":
-        from optima.cli import run_report_command
-
-        return run_report_command(args.run_dir)
-    elif args.command == "show":
-        from optima.cli import run_show_command
-
-        return run_show_command(args.run_dir, args.max_questions)
+    elif args.command in ("report", "show"):
+        return run_folder_command(args)
     else:
         from optima.models import prepare_model
 

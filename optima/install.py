@@ -70,8 +70,7 @@ def check_python(
     Args:
         version: The version to check (default: this interpreter's).
         executable: Its path, for the message (default: this interpreter's).
-        command: The ``python -m optima`` command and ``make`` target the message tells to run again (``setup``,
-            ``gpu-check``).
+        command: The ``make`` target the message tells to run again (``setup``, ``gpu-check``).
 
     Raises:
         SetupError: naming the version found, the one needed and how to pick another (Ubuntu 22.04's python3 is
@@ -82,8 +81,8 @@ def check_python(
         found, needed = ".".join(map(str, version[:3])), ".".join(map(str, MIN_PYTHON))
         raise SetupError(
             f"Python {found} ({executable}) is too old: Optima needs Python >= {needed}. Run {command} with a newer "
-            f"one, e.g. `python{needed} -m optima {command}` or `make {command} PYTHON=python{needed}` (on Ubuntu "
-            f"22.04: apt install python{needed} python{needed}-venv)"
+            f"one, e.g. `make {command} PYTHON=python{needed}` (on Ubuntu 22.04: apt install python{needed} "
+            f"python{needed}-venv)"
         )
 
 

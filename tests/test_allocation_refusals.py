@@ -96,10 +96,10 @@ def test_setup_checks_the_python_version(version, refused):
 
 def test_gpu_check_refuses_an_old_python_before_importing_what_needs_a_newer_one(tmp_path):
     """``make gpu-check`` runs the system's python3 (3.10 on Ubuntu 22.04): a clear refusal, not an ImportError of
-    ``enum.StrEnum`` from ``optima.cli``'s imports."""
+    ``enum.StrEnum`` from ``optima.config``'s imports."""
     code = (
-        "import sys, optima.install; from optima.__main__ import main; sys.version_info = (3, 10, 12, 'final', 0); "
-        f"code = main(['gpu-check', '--dry-run', '--output-dir', {str(tmp_path / 'o')!r}]); "
+        "import sys, optima.install; from dev.gpu_check import main; sys.version_info = (3, 10, 12, 'final', 0); "
+        f"code = main(['--dry-run', '--output-dir', {str(tmp_path / 'o')!r}]); "
         "print('optima.cli' in sys.modules, 'optima.config.stage_names' in sys.modules); raise SystemExit(code)"
     )
     result = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, check=False)

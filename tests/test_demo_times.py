@@ -1,4 +1,4 @@
-"""``python -m optima times`` / ``demo`` on hand-made run directories: the ratio, the scoring not hidden, the
+"""``python -m dev.times`` / ``dev.demo`` on hand-made run directories: the ratio, the scoring not hidden, the
 baseline comparison, the busy share, and the demo's order (run sampled, times, report)."""
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from optima.cli import demo, measure_run, ratio_target, read_cpu_jiffies, read_samples, render_times, run_times_command
+from dev import demo
+from dev.cpu_busy import read_cpu_jiffies, read_samples
+from dev.times import main as run_times_command
+from dev.times import measure_run, ratio_target, render_times
 
 LOG = """\
 2026-12-01 10:00:00,000 INFO optima.manifest: iteration 1/1 | generate
@@ -141,17 +144,17 @@ def test_demo_runs_the_recipe_sampled_then_prints_its_times_then_its_report(tmp_
     repo = fake_repo(tmp_path)
     reports = []
     monkeypatch.setattr(demo, "REPO", repo)
-    monkeypatch.setattr(demo, "run_report_command", lambda run_dir: reports.append(run_dir) or 0)
-    assert demo.run_demo_command(["--recipe", "train/demo.yaml"]) == 0
+    monkeypatch.setattr(demo, "optima_main", lambda argv: reports.append(argv) or 0)
+    assert demo.main(["--recipe", "train/demo.yaml"]) == 0
     assert json.loads((repo / "calls.json").read_text()) == ["--train_config_path", "train/demo.yaml"]
     assert len(read_samples(repo / "runs/demo/logs/cpu_busy.jsonl")) >= 2  # sampled while the script ran
     assert "ratio: wall / (generation + training)" in capsys.readouterr().out
-    assert reports == [repo / "runs" / "demo"]
-    assert demo.run_demo_command(["--recipe", "train/fail.yaml"]) == 5 and len(reports) == 1
+    assert reports == [["report", str(repo / "runs" / "demo")]]  # python -m optima report RUN_DIR
+    assert demo.main(["--recipe", "train/fail.yaml"]) == 5 and len(reports) == 1
 
 
 def test_demo_names_a_recipe_without_output_dir(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(demo, "REPO", tmp_path)
     (tmp_path / "r.yaml").write_text("sample_count: 3\n")
-    assert demo.run_demo_command(["--recipe", "r.yaml"]) == 2
+    assert demo.main(["--recipe", "r.yaml"]) == 2
     assert f"{tmp_path / 'r.yaml'}: output_dir: missing" in caplog.text

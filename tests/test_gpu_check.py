@@ -1,4 +1,4 @@
-"""``make gpu-check`` (``python3 -m optima gpu-check``): its dry run, that the loop scripts accept what it passes,
+"""``make gpu-check`` (``python3 -m dev.gpu_check``): its dry run, that the loop scripts accept what it passes,
 and how stage outcomes become the check's verdict.
 
 The check itself needs an NVIDIA GPU; here only its plan is tested: the stages, their order and settings, nothing
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from optima.cli import gpu_check
+from dev import gpu_check
 from tests.conftest import REPO
 
 NAMES = [
@@ -25,7 +25,7 @@ NAMES = [
 
 def test_dry_run_prints_the_stages_and_starts_nothing(tmp_path, capsys):
     out = tmp_path / "gpu_check"
-    assert gpu_check.run_gpu_check_command(["--dry-run", "--output-dir", str(out)]) == 0
+    assert gpu_check.main(["--dry-run", "--output-dir", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines[1:]] == NAMES
     assert "'bf16': True" in lines[0] and "'attn_implementation': 'flash_attention_2'" in lines[0]
@@ -36,8 +36,8 @@ def test_dry_run_prints_the_stages_and_starts_nothing(tmp_path, capsys):
     assert stage["plan"].endswith("--dry-run") and stage["isft"] == stage["plan"].removesuffix(" --dry-run")
     assert f"initial_model_path={out}/isft/checkpoints/iteration_0" in stage["idpo"]
     assert stage["reload"].endswith(f"--reload {out}/isft/checkpoints/iteration_0 {out}/idpo/checkpoints/iteration_0")
-    for name in ("loss-beside-policy", "wake-reload", "zero3-2proc"):  # the checks of optima.cli.gpu_stages
-        assert stage[name].endswith(f"-m optima.cli.gpu_stages {name} {out}")
+    for name in ("loss-beside-policy", "wake-reload", "zero3-2proc"):  # the checks of dev.gpu_stages
+        assert stage[name].endswith(f"-m dev.gpu_stages {name} {out}")
     assert not out.exists()
 
 
@@ -46,7 +46,7 @@ def test_dry_run_on_given_hardware_prints_the_planners_plan(hardware, tmp_path, 
     """The plan step is the planner's: one GPU is enough (loss model served after generation, not kept beside);
     whether a 2 GB card holds it is vLLM's and the preflight's to say when the check runs."""
     argv = ["--dry-run", "--hardware", hardware, "--output-dir", str(tmp_path / "o")]
-    assert gpu_check.run_gpu_check_command(argv) == 0
+    assert gpu_check.main(argv) == 0
     out = capsys.readouterr().out
     assert f"--dry-run --hardware {hardware}" in out
     assert "plan: feasible" in out and "training: zero3, 1 process(es)" in out and "left to the engines" in out
@@ -59,7 +59,7 @@ def test_skip_setup_drops_the_setup_stage(tmp_path):
 
 @pytest.mark.parametrize("stage", ["isft", "idpo"])
 def test_the_loop_scripts_accept_the_gpu_settings(stage, tmp_path, capsys, monkeypatch):
-    assert gpu_check.run_gpu_check_command(["--write-trainer-yamls", str(tmp_path)]) == 0  # the stage before
+    assert gpu_check.main(["--write-trainer-yamls", str(tmp_path)]) == 0  # the stage before
     command = dict(gpu_check.build_stages(tmp_path, skip_setup=True))[stage]
     monkeypatch.chdir(REPO)
     monkeypatch.syspath_prepend(str(REPO))
@@ -73,11 +73,11 @@ def test_the_loop_scripts_accept_the_gpu_settings(stage, tmp_path, capsys, monke
 
 
 def test_the_check_starts_before_set_up_with_the_standard_library_only(tmp_path):
-    """make gpu-check runs `python3 -m optima gpu-check` before any environment exists (`-S`: no site-packages)."""
-    argv = [sys.executable, "-S", "-m", "optima", "gpu-check", "--dry-run", "--output-dir", str(tmp_path / "o")]
+    """make gpu-check runs `python3 -m dev.gpu_check` before any environment exists (`-S`: no site-packages)."""
+    argv = [sys.executable, "-S", "-m", "dev.gpu_check", "--dry-run", "--output-dir", str(tmp_path / "o")]
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
-    assert "trainer-yamls: " in result.stdout and "-m optima gpu-check --write-trainer-yamls" in result.stdout
+    assert "trainer-yamls: " in result.stdout and "-m dev.gpu_check --write-trainer-yamls" in result.stdout
 
 
 def test_stages_run_in_order_each_logged_and_a_failure_skips_what_comes_after(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The GPU checks of ``make gpu-check`` (``optima.cli.gpu_stages``) on a machine without a GPU.
+"""The GPU checks of ``make gpu-check`` (``dev.gpu_stages``) on a machine without a GPU.
 
 What can be shown here: each check refuses clearly when torch sees no CUDA device (this machine's torch is the CPU
 build), the recipes and plans they run with (a kept policy replica; the loss server beside it on one GPU), the
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from optima.cli import gpu_stages
+from dev import gpu_stages
 from optima.hardware.allocation import allocate_hardware
 from optima.hardware.machine import parse_hardware
 

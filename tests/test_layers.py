@@ -1,5 +1,5 @@
-"""The layers of docs/layers.md hold: every import of optima/, bench/ and the five scripts points down the layer map,
-no import circle exists, pure modules start no process, and only the process code imports subprocess.
+"""The layers of docs/layers.md hold: every import of optima/, bench/, dev/ and the five scripts points down the layer
+map, no import circle exists, pure modules start no process, and only the process code imports subprocess.
 
 The layer map is read from the table of docs/layers.md (one source: the page a newcomer reads is the one checked).
 Every import counts: at the top of a module, inside a function, and under ``TYPE_CHECKING``.
@@ -60,9 +60,9 @@ def module_of(relative: Path) -> str:
 
 
 def source_files(root: Path) -> list[Path]:
-    """Every Python file the map covers: optima/, bench/ and the top-level scripts."""
+    """Every Python file the map covers: optima/, bench/, dev/ and the top-level scripts."""
     found = [*sorted(root.glob("*.py"))]
-    for folder in ("optima", "bench"):
+    for folder in ("optima", "bench", "dev"):
         found += sorted(p for p in (root / folder).rglob("*.py") if "__pycache__" not in p.parts)
     return found
 

@@ -1,33 +1,19 @@
 """The checks of ``make gpu-check`` that drive the run's own servers and saves on one GPU (training environment).
 
-Each runs as one stage of ``optima.cli.gpu_check`` (``python -m optima.cli.gpu_stages <check> OUT``) and ends
-with exit code 0 (PASS), 1 (FAIL, with a ``FAIL: reason`` line, or the traceback of the error that stopped it) or
-``SKIP_EXIT`` (with a ``SKIP: reason`` line: this GPU cannot host the check). What each stands for in the 8-GPU run:
+    .venvs/train/bin/python -m dev.gpu_stages wake-reload OUT   # what gpu-check runs; OUT: its --output-dir
 
-* ``wake-reload``: every iteration after the first. A kept policy replica (``sleep_mode``, the recipe's switch for kept
-  replicas), placed by the servers' part of the hardware allocation, serves the base model on the GPU, answers a chat
-  request, goes to sleep as for training (``ServerHolder.release_for_training``: ``/sleep?level=2``; ``/is_sleeping``
-  must say so and at least half the GPU memory it held must come back), then wakes with the iSFT checkpoint's weights
-  in place (``ServerHolder.load_in_place``: wake the weights, ``reload_weights`` over ``/collective_rpc``, wake the KV
-  cache, reset the prefix cache) and must answer the weights probe recorded with the checkpoint
-  (``optima.serving.reload_check``) and a chat request again. The base model is asked the same probe first: when it
-  already matches (a checkpoint too close to the base for the bf16 tolerance) the output says so, since the probe then
-  proves less.
-* ``loss-beside-policy``: ``loss_placement: beside`` on one GPU. The servers' part of the hardware allocation (training
-  excluded: it would not run beside a resident loss server on the only GPU) puts the loss server on GPU 0 with the
-  share computed from its weights and the policy with the rest; the run's ``ServerHolder`` starts both (the loss
-  server first, vLLM sizes its cache from the memory free at start-up), the policy answers a chat request and the
-  loss server scores LM losses through the run's scorer (``optima.lm_loss.VLLMLossScorer``). Each server's planned
-  share and the memory its processes hold (``nvidia-smi``, when it lists them) are printed.
-* ``zero3-2proc``: the multi-rank ZeRO-3 save of an 8-GPU trainer. Two ranks share GPU 0 (NCCL refuses two ranks
-  on one device, so the ranks talk over gloo, which runs its collectives on CUDA tensors through host copies), train
-  SmolLM2 two steps (full, then LoRA) and save through ``optima.training.common.save_checkpoint`` (the gather, the
-  rank-0 check of the files, the LoRA merge), started by ``optima.training.launch.run_ranks`` with the driver of
-  ``tests/test_sharded_save.py`` (``tests/sharded_save_driver.py --device cuda``). Each saved checkpoint must be
-  complete, sharded while trained, and pass ``verify_saved_weights``. Skipped when the GPU's free memory is below
-  the run's own ZeRO-3 estimate for two ranks, or when this torch's gloo lacks a collective on CUDA tensors.
+Each ends with exit code 0 (PASS), 1 (FAIL, a ``FAIL: reason`` line or the traceback) or ``SKIP_EXIT`` (a ``SKIP:
+reason`` line: this GPU cannot host the check):
 
-    .venvs/train/bin/python -m optima.cli.gpu_stages wake-reload OUT   # what gpu-check runs; OUT: its --output-dir
+* ``wake-reload`` (every iteration after the first): a kept policy replica serves the base model, sleeps as for
+  training (``/is_sleeping`` must say so, at least half its GPU memory must come back), wakes with the iSFT
+  checkpoint's weights in place and must answer the checkpoint's weights probe and a chat request.
+* ``loss-beside-policy``: the loss server on GPU 0 beside the policy with the planned memory shares; the policy
+  answers a chat request, the loss server LM-loss requests through the run's scorer.
+* ``zero3-2proc`` (an 8-GPU trainer's multi-rank save): two ZeRO-3 ranks share GPU 0 over gloo (NCCL refuses two
+  ranks on one device), train SmolLM2 two steps (full, then LoRA) with ``tests/sharded_save_driver.py`` and save;
+  each checkpoint must pass ``verify_saved_weights``. Skipped when the GPU's free memory is too small or gloo lacks a
+  collective on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -40,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.cli.gpu_check import GPU_RECIPE, REPO, SERVE_BF16_ARGS, SKIP_EXIT, say
+from dev.gpu_check import GPU_RECIPE, REPO, SERVE_BF16_ARGS, SKIP_EXIT, say
 
 if TYPE_CHECKING:  # annotations only: this module starts before set-up, with the standard library alone
     from optima.config import LoopRecipe, Recipe
@@ -340,10 +326,10 @@ CHECKS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m optima.cli.gpu_stages CHECK OUT``: run one check with ``OUT`` as gpu-check's output folder."""
+    """``python -m dev.gpu_stages CHECK OUT``: run one check with ``OUT`` as gpu-check's output folder."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m optima.cli.gpu_stages", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dev.gpu_stages", description=__doc__.split("\n")[0])
     parser.add_argument("check", choices=list(CHECKS))
     parser.add_argument("out", type=Path, help="gpu-check's --output-dir (the iSFT checkpoint is under it)")
     args = parser.parse_args(argv)

@@ -1,11 +1,6 @@
-"""The machine's busy share, sampled from ``/proc/stat`` while a run goes on (servers' CPU time included).
-
-A process's ``rusage`` misses the vLLM servers and the trainer's children, so the share of the cores at work is
-read from the kernel's per-machine counters instead. ``CpuSampler`` is a thread that appends one line per
-``interval_s`` to a JSON-lines file: ``{"t": epoch seconds, "busy": jiffies, "total": jiffies}`` (the ``cpu``
-line of ``/proc/stat``; busy = user + nice + system + irq + softirq, total adds idle, iowait and steal). The
-share between two instants is the busy jiffies over all jiffies between the samples nearest them. Used by
-``python -m optima demo`` and ``python -m optima times -- COMMAND`` (``optima/cli/iteration_times.py``).
+"""The machine's busy share from ``/proc/stat`` while a run goes on: a process's ``rusage`` misses the vLLM servers
+and the trainer's children, so the kernel's per-machine counters are sampled instead (one JSON line per second:
+``{"t", "busy", "total"}`` jiffies; busy = user + nice + system + irq + softirq).
 """
 
 from __future__ import annotations

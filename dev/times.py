@@ -1,45 +1,34 @@
-"""Per-iteration cost of a finished iSFT run: wall time against generation + training, and what is not hidden.
+"""Per-iteration cost of a finished iSFT run, read from its folder (``logs/driver.log``, each
+``iteration_<i>/manifest.json`` and, when sampled, ``logs/cpu_busy.jsonl``).
 
-    python -m optima times runs/demo_arc_sft                     # what python -m optima demo prints after the run
-    python -m optima times runs/my_run --json times.json
-    python -m optima times NEW --baseline OLD                     # whole-run wall time, side by side
+    python -m dev.times runs/demo_arc_sft [--baseline OLD_RUN] [--json times.json]
+    python -m dev.times runs/my_run -- python sft_script.py --train_config_path ...   # run it sampled, then time
 
-Reads only the run directory (``logs/driver.log`` and each ``iteration_<i>/manifest.json``), per iteration:
-
-* wall: from the driver log line ``iteration k/N | generate`` to ``iteration k/N | answer rate ...`` (the
-  iteration report); without a driver log, the sum of the manifest's stage ``elapsed_s``;
-* generation: the generator's own ``elapsed_s`` (first request to last record written);
-* scoring not hidden: LM-loss scoring that generation did not cover: the wait for the last streamed losses after
-  generation (``loss_stream.wait_s``, the loss server beside the policy) plus the score stage, from
-  ``optima.stages.reward_stage: score | ...`` (``optima.rewarding`` in runs of older versions) to the ``| select``
-  stage line (scoring after generation: all of it);
-* training: TRL's ``train_runtime`` (the training loop);
-* start-ups: the ``ready after N s`` of every vLLM server started inside the iteration (servers that load in
-  parallel are each counted);
-* ratio: wall / (generation + training). Target: <= 1.15 for the first iteration (both servers start), <= 1.05
-  from the second on.
-* busy share: ``python -m optima demo`` (or ``times`` with a command after ``--``) runs the command while
-  ``optima/cli/cpu_busy.py`` samples ``/proc/stat`` every second into ``logs/cpu_busy.jsonl`` of the run
-  directory; the share of the cores at work is then given for the run, each iteration, its generation
-  (``| generate`` to ``| score``) and its training (``| train`` to the report). Target: >= 0.80 over the run.
-  A run directory with such a file from before gets the same columns.
-* overhead = wall - generation - scoring not hidden - training, broken down into start-ups, the training launch
-  outside the loop (stage ``elapsed_s`` - ``train_runtime``: accelerate, imports, loading, tokenising, saving),
-  selection, and the rest (tokenizer loads, server stops, reports).
+Per iteration: wall (driver log, ``| generate`` to the iteration report; else the stages' ``elapsed_s``), the
+generator's own time, LM-loss scoring not hidden behind generation (the wait for the last streamed losses plus the
+score stage), TRL's ``train_runtime``, the servers' start-ups, the ratio wall / (generation + training) (target
+<= 1.15 for the first iteration, <= 1.05 after) and the busy share of the cores (``dev.cpu_busy``; target >= 0.80).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import re
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
-from optima.cli.cpu_busy import busy_share, read_samples
+from dev.cpu_busy import CpuSampler, busy_share, read_samples
+from optima.logging_utils import setup_logging
+
+REPO = Path(__file__).resolve().parent.parent
+logger = logging.getLogger(__name__)
 
 LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ ([\w.]+): (.*)$")
 TARGET = 0.10
-SCORE_LOGGERS = ("optima.stages.reward_stage", "optima.rewarding")  # the score stage's module, now and before
 FIRST_RATIO_TARGET, RATIO_TARGET = 1.15, 1.05  # wall / (generation + training): the first iteration, the others
 RUN_TARGET = 0.75  # whole-run wall time against the run before scoring while generating
 BUSY_TARGET = 0.80  # share of the cores at work over the run
@@ -83,8 +72,8 @@ def seconds_between(events, a: int | None, b: int | None) -> float | None:
 
 
 def scoring_seconds(events, window: tuple[int, int]) -> float | None:
-    """From the score stage's start line in ``optima.stages.reward_stage`` to the select stage line."""
-    start = find_event(events, window[0], lambda name, m: name in SCORE_LOGGERS and m.startswith("score |"))
+    """From the score stage's own first line (``score | ...``) to the select stage line."""
+    start = find_event(events, window[0], lambda _, m: m.startswith("score |"))
     end = find_event(events, start or window[0], lambda _, m: m.endswith("| select"))
     if start is None or end is None or end > window[1]:
         return None
@@ -205,7 +194,7 @@ def measure_run(run_dir: Path) -> dict:
 
 
 def render_times(result: dict) -> str:
-    """The table of ``measure_run``'s result and its target lines, as printed by ``python -m optima times``."""
+    """The table of ``measure_run``'s result and its target lines."""
     columns = ["iteration", "wall_s", "generation_s", "training_s", "scoring_s", "server_start_s", "ratio"]
     columns += ["overhead_s", "overhead_share", "train_launch_s", "select_s"]
     if result["busy"] is not None:
@@ -239,3 +228,51 @@ def compare_with(result: dict, baseline_dir: Path) -> dict:
     both = result["run_wall_s"] and base["run_wall_s"]
     ratio = round(result["run_wall_s"] / base["run_wall_s"], 3) if both else None
     return {"run_dir": str(baseline_dir), "run_wall_s": base["run_wall_s"], "wall_ratio": ratio, "run": base}
+
+
+def run_sampled(command: list[str], run_dir: Path, cwd: Path | None = None) -> int:
+    """Run ``command`` to its end while sampling ``/proc/stat`` into the run directory; its exit code."""
+    with CpuSampler(run_dir / SAMPLES):
+        return subprocess.call(command, cwd=cwd)
+
+
+def print_times(run_dir: Path, baseline: Path | None = None, json_path: Path | None = None) -> int:
+    """Measure ``run_dir`` (and its ``baseline``), print the table, write ``json_path``; 2 for no run there."""
+    try:
+        result = measure_run(run_dir)
+        if baseline is not None:
+            result["baseline"] = compare_with(result, baseline)
+    except ValueError as error:
+        logger.error("%s", error)
+        return 2
+    sys.stdout.write(render_times(result) + "\n")
+    sys.stdout.flush()
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dev.times``: with a command after ``--``, run it sampled first; then print the times."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = argparse.ArgumentParser(
+        prog="python -m dev.times",
+        description="time per iteration of a finished iSFT run (generation, training, start-ups, busy share)",
+        usage="%(prog)s [RUN_DIR] [options] [-- COMMAND ...]",
+    )
+    parser.add_argument("run_dir", nargs="?", type=Path, default=REPO / "runs" / "demo_arc_sft")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here (bench/run_all.py)")
+    parser.add_argument("--baseline", type=Path, default=None, help="a run directory of the same recipe to compare")
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if command:
+        code = run_sampled(command, args.run_dir)
+        if code != 0:
+            logger.error("%s exited with %d", " ".join(command), code)
+            return code
+    return print_times(args.run_dir, args.baseline, args.json)
+
+
+if __name__ == "__main__":
+    setup_logging()
+    raise SystemExit(main())

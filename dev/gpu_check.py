@@ -1,51 +1,29 @@
-r"""One-GPU check of the GPU path: set up, iSFT and iDPO in bf16, wake and reload, loss server, 2-rank ZeRO-3 save.
+r"""``make gpu-check``: the GPU path on one NVIDIA GPU, each stage PASS, FAIL (reason) or SKIP (reason).
 
-    make gpu-check                                  # = python3 -m optima gpu-check
-    python3 -m optima gpu-check --dry-run           # print the stages and their commands; start nothing
-    python3 -m optima gpu-check --skip-setup --output-dir runs/gpu_check
+    python3 -m dev.gpu_check                              # = make gpu-check
+    python3 -m dev.gpu_check --dry-run [--hardware 1x80GB]  # the stages and their commands; start nothing
+    python3 -m dev.gpu_check --skip-setup --output-dir runs/gpu_check
 
-For a machine with one NVIDIA GPU and the package registries reachable; it starts before set-up, so this module
-imports only the standard library at the top. The stages:
-
-1. ``setup``: ``python3 -m optima setup`` (the CUDA builds of torch and vLLM, DeepSpeed, flash-attn where a
-   wheel for the installed torch/CUDA exists, the SmolLM2 folder).
-2. ``trainer-yamls``: the demo trainer YAMLs with the GPU settings, written into ``--output-dir``.
-3. ``plan``: the hardware allocation of the iSFT stage on this machine (``sft_script.py --dry-run``: servers, training
-   processes, memory per GPU); a plan that cannot run stops every stage that needs it, before it starts. The loss model
-   is served after generation (``loss_placement: after``) so that one GPU is enough: a loss server that stays up
-   would hold the only GPU the trainer has.
-4. ``loss-beside-policy``: the loss server started beside the policy on GPU 0 with the planned memory shares
-   (``loss_placement: beside``), the policy answering a chat request and the loss server LM-loss requests.
-5. ``isft``: one iSFT iteration of the arc demo recipe, trained with ``deepspeed_zero3`` on one process in bf16
-   (trainer YAML: the demo's, with ``bf16: true``, ``dtype: bfloat16`` and ``attn_implementation:
-   flash_attention_2``; without flash-attn the trainer falls back to ``sdpa`` and says so once), served in bf16.
-6. ``wake-reload``: a kept policy replica serving the base model goes to sleep and wakes with the iSFT checkpoint's
-   weights in place; it must answer that checkpoint's weights probe (every iteration after the first).
-7. ``idpo``: one iDPO iteration of the arc demo recipe from the iSFT checkpoint, same settings.
-8. ``reload``: each checkpoint's files checked (every tensor present, expected shapes, not all zero; the same check
-   the trainer runs before marking a checkpoint complete), loaded on the GPU in bf16, and asked for a few tokens.
-9. ``zero3-2proc``: two ZeRO-3 ranks sharing GPU 0 (over gloo: NCCL refuses two ranks on one device) train SmolLM2
-   and save through the trainers' save path; each checkpoint must pass the checkpoint check. Skipped, with the
-   reason, when the GPU's free memory is too small or this torch's gloo lacks a collective on CUDA tensors.
-
-Stages 4, 6 and 9 are ``optima.cli.gpu_stages`` (what each stands for in the 8-GPU run is there). Each stage prints
-``PASS``, ``FAIL (reason)`` or ``SKIP (reason)`` and its seconds; a stage whose earlier stage did not pass is skipped
-(``STAGE_NEEDS``: a failed iSFT skips wake-reload, iDPO and reload, not the loss server or the ZeRO-3 save). The last
-line is ``GPU CHECK: PASS (n passed, m skipped, T s)`` or ``GPU CHECK: FAIL (failed: names; ...)``, exit code 0 or
-1. Target (not measured): under 15 minutes on one H100-class GPU, setup included when the wheels download fast.
-The logs of each stage are under ``--output-dir``.
+It starts before set-up (the system's python3), so this module imports only the standard library at the top. The
+stages: ``setup``; ``trainer-yamls`` (the demo's trainer YAMLs in bf16 with flash-attn asked for); ``plan`` (the
+iSFT stage's dry run on this machine, the loss model served after generation so one GPU is enough); the checks of
+``dev.gpu_stages`` (``loss-beside-policy``, ``wake-reload``, ``zero3-2proc``); ``isft`` and ``idpo`` (one
+iteration each of the arc demo, ZeRO-3 on one process, bf16); ``reload`` (each checkpoint checked, loaded on the GPU
+in bf16, asked for a few tokens). A stage whose needs did not pass is skipped (``STAGE_NEEDS``). The last line is
+``GPU CHECK: PASS (...)`` (exit 0) or ``GPU CHECK: FAIL (failed: ...)`` (exit 1); logs under ``--output-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
+REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / ".venvs" / "train" / "bin" / "python"
 SMOLLM2 = REPO / "alignment-handbook" / "recipes" / "smollm2-135m"
 GPU_TRAINER = {"bf16": True, "use_cpu": False, "dtype": "bfloat16", "attn_implementation": "flash_attention_2"}
@@ -58,7 +36,7 @@ GPU_RECIPE = {
 SERVE_BF16_ARGS = ["--dtype", "bfloat16"]
 SERVE_BF16 = f"vllm_extra_args=[{', '.join(SERVE_BF16_ARGS)}]"
 SKIP_EXIT = 77  # an internal stage's "this GPU cannot host the check" (its log says why on a "SKIP: " line)
-GPU_STAGES = "optima.cli.gpu_stages"  # the checks that drive the run's servers and saves
+GPU_STAGES = "dev.gpu_stages"  # the checks that drive the run's servers and saves
 # The stages a stage needs to have passed (a stage not listed needs every stage before it; one not run, such as
 # setup under --skip-setup, counts as passed).
 STAGE_NEEDS = {
@@ -100,7 +78,7 @@ def build_stages(out: Path, skip_setup: bool, hardware: str | None = None) -> li
         "initial_model_path": sft_checkpoint,
         "origin_dpo_yaml_path": out / "trainer_dpo_gpu.yaml",
     }
-    yamls = [str(TRAIN_PY), "-m", "optima", "gpu-check", "--write-trainer-yamls", str(out)]
+    yamls = [str(TRAIN_PY), "-m", "dev.gpu_check", "--write-trainer-yamls", str(out)]
     isft = [
         str(TRAIN_PY),
         "sft_script.py",
@@ -119,7 +97,7 @@ def build_stages(out: Path, skip_setup: bool, hardware: str | None = None) -> li
         ("wake-reload", [*check, "wake-reload", str(out)]),
         ("idpo", [str(TRAIN_PY), "dpo_script.py", "--train_config_path", "train/dpo_recipes/demo_arc.yaml",
                   *overrides(dpo), "--set", SERVE_BF16]),
-        ("reload", [str(TRAIN_PY), "-m", "optima", "gpu-check", "--reload", str(sft_checkpoint),
+        ("reload", [str(TRAIN_PY), "-m", "dev.gpu_check", "--reload", str(sft_checkpoint),
                     str(dpo_checkpoint)]),
         ("zero3-2proc", [*check, "zero3-2proc", str(out)]),
     ]  # fmt: skip
@@ -200,8 +178,6 @@ def unmet_need(name: str, done: dict[str, Outcome]) -> str | None:
 
 def run_stages(stages: list[tuple[str, list[str]]], out: Path) -> list[Outcome]:
     """Run the stages in order, each logged to ``<out>/<name>.log``; a stage whose needs did not pass is skipped."""
-    from optima.serving import run_to_end  # standard library only: works before setup
-
     done: dict[str, Outcome] = {}
     for name, argv in stages:
         need = unmet_need(name, done)
@@ -211,7 +187,8 @@ def run_stages(stages: list[tuple[str, list[str]]], out: Path) -> list[Outcome]:
             start = time.monotonic()
             log = out / f"{name}.log"
             say(f"gpu-check | {name} | {' '.join(argv)} | log {log}")
-            code = run_to_end(argv, cwd=REPO, log=log)
+            with log.open("w") as handle:
+                code = subprocess.run(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
             done[name] = stage_outcome(name, code, time.monotonic() - start, log)
         say(done[name].line())
     return list(done.values())
@@ -233,10 +210,17 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def run_gpu_check_command(argv: list[str] | None = None) -> int:
-    """``python3 -m optima gpu-check``: the stages below, or one internal stage, or ``--dry-run``."""
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m dev.gpu_check``: the stages, or one internal stage, or ``--dry-run``."""
+    from optima.install import SetupError, check_python  # standard library only: works before setup
+
+    try:  # the system's python3 may be older than the optima package needs
+        check_python(command="gpu-check")
+    except SetupError as error:
+        sys.stderr.write(f"gpu-check: {error}\n")
+        return 2
     parser = argparse.ArgumentParser(
-        prog="python3 -m optima gpu-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python3 -m dev.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--output-dir", type=Path, default=REPO / "runs" / "gpu_check", help="logs and checkpoints")
     parser.add_argument("--skip-setup", action="store_true", help="use the environments as they are")
@@ -271,3 +255,7 @@ def run_gpu_check_command(argv: list[str] | None = None) -> int:
     line, code = summarize(outcomes)
     say(line)
     return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
