@@ -24,9 +24,8 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from optima.evaluation.heldout_table import render_heldout_table
 from optima.evaluation.metrics import with_timeouts
-from optima.evaluation.report import _new_figure, render_markdown_table
+from optima.evaluation.tables import new_figure, render_heldout_table, render_markdown_table
 from optima.lineage import lineage_folders, read_entries
 from optima.methods import DPO, method_of_trainers
 from optima.paths import PAGE, StagePaths
@@ -205,7 +204,7 @@ def heldout_section(run_dir: Path) -> list[str]:
 def plot_report(rows: list[dict], path: Path, title: str):
     """Four panels per stage folder: task score, answer rate and share cut, mean tokens, train loss, stacked stage
     times; returns the figure."""
-    figure, axes = _new_figure(2, rows=2)
+    figure, axes = new_figure(2, rows=2)
     (score_axis, token_axis), (loss_axis, time_axis) = axes
     x = list(range(len(rows)))
     labels = [row["label"] for row in rows]

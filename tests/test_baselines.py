@@ -16,9 +16,15 @@ import pytest
 from optima.__main__ import main as optima_main
 from optima.agents.runner import GenerationSettings
 from optima.config import MultiSCRecipe, RecipeError
-from optima.evaluation.autoform import AUTOFORM_RULE, autoform_prompts, generate_autoform
-from optima.evaluation.debate import DebateSettings, generate_debates, majority_answer, run_debate
-from optima.evaluation.voting import AnswerMatcher
+from optima.evaluation.baselines import (
+    AUTOFORM_RULE,
+    DebateSettings,
+    autoform_prompts,
+    generate_autoform,
+    generate_debates,
+    run_debate,
+)
+from optima.evaluation.metrics import AnswerMatcher, majority_answer
 from optima.serving.client import ChatReply, RequestFailed
 from optima.store import load_records
 from optima.tasks import Example

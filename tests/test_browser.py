@@ -157,7 +157,7 @@ def test_tensorboard_gets_a_few_conversations_per_stage_output(run):
 
 
 def test_an_evaluation_folder_gets_the_same_view(tmp_path):
-    from optima.evaluation.cot import generate_cot_answers
+    from optima.evaluation.baselines import generate_cot_answers
 
     out = tmp_path / "eval"
     examples = arc_examples(3)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
-from optima.evaluation.debate import DebateSettings, debate_prompts, debater_messages
-from optima.evaluation.fingerprint import read_producer
+from optima.evaluation.baselines import DebateSettings, debate_prompts, debater_messages
+from optima.evaluation.runs import read_producer
 from optima.identity import COMPLETE_MARKER, model_identity
 from optima.store import load_records
 from optima.tasks import Example, get_task
@@ -178,7 +178,7 @@ def test_the_papers_table_on_the_demo_checkpoint(tmp_path):
 
 def test_the_cut_column_is_the_share_of_cut_replies_not_of_unanswered_records():
     """A MAD debate may have a cut reply and still answer: ``cut_rate`` counts it, ``too_long_rate`` does not."""
-    from optima.evaluation.task_table import wide_rows
+    from optima.evaluation.compare import wide_rows
 
     row = {"method": "MAD", "accuracy": 0.5, "mean_tokens": 80, "answer_rate": 1.0}
     wide = wide_rows({"arc": [row | {"cut_rate": 0.25, "too_long_rate": 0.0}]})

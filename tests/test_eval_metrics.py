@@ -5,10 +5,19 @@ from __future__ import annotations
 import pytest
 
 from optima.agents.prompts import Utterance
-from optima.evaluation.methods import method_row
-from optima.evaluation.metrics import RecordScorer, has_answer, metric_names, summarize_records, with_timeouts
-from optima.evaluation.task_table import cell, wide_rows
-from optima.evaluation.voting import AnswerMatcher, analyze_self_consistency, cluster_answers, majority_score
+from optima.evaluation.compare import cell, wide_rows
+from optima.evaluation.metrics import (
+    AnswerMatcher,
+    RecordScorer,
+    analyze_self_consistency,
+    cluster_answers,
+    has_answer,
+    majority_score,
+    method_row,
+    metric_names,
+    summarize_records,
+    with_timeouts,
+)
 from optima.selection.rollout_reward import build_rollout_scorer
 from optima.selection.tree import Rollout
 from optima.stages.reward_stage import reward_question

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from optima.evaluation.cot import build_cot_messages
+from optima.evaluation.baselines import build_cot_messages
 from optima.store import load_records
 from optima.tasks import Example
 from tests.fake_openai import FakeOpenAIServer, FakeReply, agreeing_reply

@@ -2,7 +2,7 @@
 
 ``python -m optima compare`` runs against the scripted server twice; each run's replies carry the run's number, so
 a file that mixes rows of the two runs shows it. One case per setting of the fingerprint
-(``optima.evaluation.fingerprint``); each lists the files that must be redone, and every other file must be kept.
+(``optima.evaluation.runs``); each lists the files that must be redone, and every other file must be kept.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
-from optima.evaluation import cot
-from optima.evaluation.fingerprint import SUPERSEDED, differences, read_producer, tokenizer_identity
+from optima.evaluation import baselines as cot
+from optima.evaluation.runs import SUPERSEDED, differences, read_producer, tokenizer_identity
 from optima.identity import COMPLETE_MARKER, new_weights_id
 from optima.store import load_records
 from tests.fake_openai import FakeOpenAIServer, FakeReply, speaker_of
@@ -129,7 +129,7 @@ def test_another_producer_recomputes_its_files_and_keeps_the_others(
 
 
 def test_a_file_without_a_fingerprint_is_moved_aside(tmp_path):
-    from optima.evaluation.fingerprint import claim_result_file
+    from optima.evaluation.runs import claim_result_file
 
     legacy = tmp_path / "model.cot.jsonl"
     legacy.write_text('{"task_id": "q0", "sample_index": 0}\n')
@@ -154,8 +154,7 @@ def test_fingerprint_differences_and_tokenizer_identity(tmp_path):
 def test_a_models_fingerprint_and_scorer_are_built_once_for_all_its_jobs(make_recipe, tmp_path):
     """The weights hash, the questions hash and the tokenizer are the model's: every job of it shares them."""
     from optima.agents.runner import GenerationSettings
-    from optima.evaluation.fingerprint import model_fingerprint, producer_fingerprint
-    from optima.evaluation.runs import GenerationJob, RecordScorers
+    from optima.evaluation.runs import GenerationJob, RecordScorers, model_fingerprint, producer_fingerprint
     from tests.helpers import arc_examples
 
     recipe, examples = make_recipe(), arc_examples(2)
@@ -176,7 +175,7 @@ def test_a_models_fingerprint_and_scorer_are_built_once_for_all_its_jobs(make_re
 
 def test_a_scoring_change_keeps_the_rows_and_updates_the_sidecar(tmp_path):
     """Parser and scorer versions and ``cluster_f1`` say how rows are read: rows stay, the sidecar names them."""
-    from optima.evaluation.fingerprint import claim_result_file
+    from optima.evaluation.runs import claim_result_file
 
     path = tmp_path / "model.cot.jsonl"
     made = {"model": "w1", "scoring": {"parser": 1, "scorer": 1}}
@@ -189,7 +188,7 @@ def test_a_scoring_change_keeps_the_rows_and_updates_the_sidecar(tmp_path):
 
 
 def test_rows_of_an_older_parser_are_reparsed_from_their_text(tmp_path):
-    from optima.evaluation.debate import reparsed_debate
+    from optima.evaluation.metrics import reparsed_debate
     from optima.evaluation.runs import load_results
     from optima.tasks.answers import PARSER_VERSION
     from tests.helpers import arc_examples

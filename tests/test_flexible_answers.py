@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optima.evaluation.methods import method_row
-from optima.evaluation.metrics import RecordScorer, summarize_records
+from optima.evaluation.metrics import RecordScorer, method_row, summarize_records
 from optima.reward import flexible_answer
 from optima.tasks import Example
 from optima.tasks.flexible import extract_choice, extract_number, extract_span

@@ -10,7 +10,7 @@ import pytest
 
 from optima.config import SFTRecipe, load_recipe
 from optima.evaluation.heldout import heldout_examples, run_heldout
-from optima.evaluation.heldout_table import wilson_interval
+from optima.evaluation.metrics import wilson_interval
 from optima.identity import digest
 from optima.plan import build_plan
 from optima.reporting import write_run_report

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from optima.evaluation.report import plot_comparison, plot_sweep
 from optima.evaluation.sweep import sweep_title, write_sweep_report
+from optima.evaluation.tables import plot_comparison, plot_sweep
 from optima.paths import checkpoint_label, models_label
 from optima.reporting import plot_report
 
@@ -137,7 +137,7 @@ def test_run_report_plot_draws_the_cut_share_when_recorded(tmp_path):
 
 def test_the_methods_x_tasks_plot_places_labels_like_the_comparison(tmp_path):
     """The paper-table plot (compare --tasks) uses the same placement: no two labels overlap, the legend names all."""
-    from optima.evaluation.task_table import plot_task_table
+    from optima.evaluation.tables import plot_task_table
 
     rows = [row | {"accuracy": 0.0} for row in clustered_rows(6)]  # every method at accuracy 0, tokens close
     figure = plot_task_table({"arc": rows, "gsm8k": rows}, tmp_path / "t.png", "methods x tasks")

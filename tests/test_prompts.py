@@ -282,8 +282,7 @@ def test_views_render_with_llama3_template():
 
 def every_prompt_text(task: str) -> list[str]:
     """Every text the agents of ``task`` can be shown: role prompts (with each pool rule), reminders, CoT, AutoForm."""
-    from optima.evaluation.autoform import autoform_prompts
-    from optima.evaluation.cot import COT_PROMPTS
+    from optima.evaluation.baselines import COT_PROMPTS, autoform_prompts
 
     resolved = get_task(task)
     texts = [build_system_prompt(resolved, name, rule) for name in AGENT_NAMES

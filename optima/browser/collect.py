@@ -283,7 +283,7 @@ def _anchor(*parts: str) -> str:
 
 def method_of_file(path: Path) -> tuple[str, str]:
     """(method label, model label) of an evaluation file ``<model>[.<method>].jsonl``."""
-    from optima.evaluation.methods import LABELS
+    from optima.evaluation.baselines import LABELS
 
     labels = {"sc": LABELS["optima_sc"]} | LABELS
     model, _, method = path.stem.rpartition(".")

@@ -19,9 +19,7 @@ from optima.config import (
     resolve_path,
 )
 from optima.evaluation import compare, self_consistency, sweep
-from optima.evaluation.debate import DebateSettings
-from optima.evaluation.dry_run import render_dry_run
-from optima.evaluation.methods import BASELINES, BaselineSettings
+from optima.evaluation.baselines import BASELINES, BaselineSettings, DebateSettings
 from optima.hardware.allocation import allocate_this_machine
 from optima.hardware.machine import resolve_hardware
 from optima.lineage import run_lock
@@ -159,7 +157,7 @@ def run_eval_script(recipe_cls: type, description: str, argv: list[str] | None) 
         hardware = allocate_this_machine(recipe, resolve_hardware(args.hardware))
         if args.dry_run:
             shown = ", ".join("cot, cot-SC" if b == "cot" and multi_sc else b for b in baselines)
-            text = render_dry_run(recipe, envs) + (f"\n  baseline: {shown}" if baselines else "")
+            text = sweep.render_dry_run(recipe, envs) + (f"\n  baseline: {shown}" if baselines else "")
             emit(text + "\n" + "\n".join(hardware.render()))
             return 0
         hardware.check()

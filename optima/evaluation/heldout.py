@@ -1,39 +1,31 @@
 """The held-out evaluation of a training run (docs/method.md#held-out-evaluation): the base model and every
 checkpoint, greedily, on one seeded sample of eval questions that the run never trained on.
 
-A loop's recipe turns it on with ``heldout_size`` (questions; 0: off) and ``heldout_seed``. After the last iteration
-(``optima.stages.heldout``) every model holds one greedy conversation per question, no prompt pool, no answer
-pre-fill and no constraint: the checkpoint sweep's job (``optima.evaluation.sweep.sweep_job``) through the sweep's
-``EvalSession``, so each result file resumes and records what produced it (weights, questions, settings): a rerun
-regenerates only what is missing or what another producer wrote. The sample: the task's eval split without any
-question of its training split (by id or by text), then ``select_questions`` with ``heldout_seed``: the same
-questions for every model and every run of the recipe. Under ``<output_dir>/heldout/``:
-
-    <model>.jsonl (+ .producer.json)   the conversations (``base``, ``iteration_<k>``)
-    summary.json    {"task", "metric", "seed", "questions", "question_ids", "models": [row, ...]}
-    summary.csv, summary.md
-    summary.png     strict and flexible task metric against tokens per question, one point per model, 95% intervals
-
-A row: answer rate, task metric and its 95% Wilson interval for the strict answer (the tag) and for the flexible
-one (``optima.tasks.flexible``), tokens per question, and the shares of conversations cut at ``max_tokens`` and of
-those that used every turn without the stop rule firing (``max_turns``).
+Run after the last iteration (``optima.stages.heldout``) with the sweep's job: one greedy conversation per question,
+no prompt pool, no answer pre-fill, no constraint, resumable and fingerprinted as every evaluation file. The sample:
+the eval split without any question of the training split (by id or by text), then ``select_questions`` with
+``heldout_seed``. Under ``<output_dir>/heldout/``: ``<model>.jsonl`` and ``summary.json/.csv/.md/.png`` (answer rate,
+strict and flexible metric with their 95% Wilson intervals, tokens, cut and out-of-turns shares).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from optima.evaluation.fingerprint import read_producer
-from optima.evaluation.heldout_table import plot_heldout, render_heldout_table, wilson_interval
-from optima.evaluation.metrics import RecordScorer, flexible_name, metric_names, summarize_records
-from optima.evaluation.report import write_csv, write_json
-from optima.evaluation.runs import EvalSession, RecordScorers, checkpoint_iteration
-from optima.evaluation.sweep import sweep_job
+from optima.config import LoopRecipe
+from optima.evaluation.metrics import RecordScorer, flexible_name, metric_names, summarize_records, wilson_interval
+from optima.evaluation.runs import (
+    EvalSession,
+    RecordScorers,
+    ServeModel,
+    checkpoint_iteration,
+    greedy_job,
+    read_producer,
+)
+from optima.evaluation.tables import plot_heldout, render_heldout_table, write_csv, write_json
 from optima.identity import digest
 from optima.paths import checkpoint_label
 from optima.store import atomic_write_text, load_records
@@ -41,13 +33,9 @@ from optima.tasks import Example, get_task, select_questions
 from optima.tasks.math_equiv import MathVerifier
 from optima.tasks.multiple_choice import normalize_question
 
-if TYPE_CHECKING:
-    from optima.config import LoopRecipe
-
 logger = logging.getLogger(__name__)
 
 SAMPLE_STAGE = "heldout"  # the question stream of select_questions (independent of the training slices)
-ServeModel = Callable[[str, Path], AbstractContextManager]
 
 
 def heldout_examples(recipe: LoopRecipe) -> list[Example]:
@@ -102,33 +90,26 @@ def write_heldout_report(
     table = render_heldout_table(rows, metric)
     atomic_write_text(out_root / "summary.md", table + "\n")
     if rows:
-        title = f"{task}: {len(examples)} held-out questions, greedy"
-        plot_heldout(rows, metric, out_root / "summary.png", title)
+        plot_heldout(rows, metric, out_root / "summary.png", f"{task}: {len(examples)} held-out questions, greedy")
     return table
 
 
 def run_heldout(
     recipe: LoopRecipe, out_root: Path, models: Sequence[tuple[str, Path]], serve_model: ServeModel, envs=None
 ) -> str:
-    """Evaluate ``models`` on the held-out sample (resuming), write the summaries; return the table.
-
-    Args:
-        recipe: The loop's recipe (task, data, ``heldout_size``, ``heldout_seed``, serving and conversation fields).
-        out_root: The run's ``heldout/`` folder.
-        models: ``(name, folder)`` in table order: ``base``, then ``iteration_<k>``.
-        serve_model: ``(name, folder)`` -> a context manager giving the URLs that serve the folder's weights.
-        envs: ``{"vllm": PythonEnv}`` (unused: ``serve_model`` serves).
-    """
+    """Evaluate ``models`` (``(name, folder)`` in table order: ``base``, then ``iteration_<k>``) on the held-out
+    sample with the run's servers (``serve_model``), resuming; write the summaries and return the table."""
     out_root.mkdir(parents=True, exist_ok=True)
     examples = heldout_examples(recipe)
-    task, count = recipe.dataset_type, len(examples)
-    logger.info("heldout | %s | %d questions | %d models | %s", task, count, len(models), out_root)
+    logger.info(
+        "heldout | %s | %d questions | %d models | %s", recipe.dataset_type, len(examples), len(models), out_root
+    )
     session = EvalSession(recipe, envs or {}, examples, out_root=out_root, server=serve_model)
     rows, started = [], time.monotonic()
     with MathVerifier() as verifier:
         scorer_of = RecordScorers(recipe, verifier)  # F1 tasks: each model's tokenizer, loaded once
         for name, path in models:
-            job = sweep_job(out_root, name)
+            job = greedy_job(out_root, name)
             session.run(name, path, [job])
             records, _ = load_records(job.out_path)
             row = heldout_row(name, records, scorer_of(path))

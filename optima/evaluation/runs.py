@@ -1,44 +1,59 @@
-"""What the checkpoint sweep and the self-consistency run share: the eval set, the output folder, and
-"serve this model only if something is left to generate" (docs/method.md#evaluation).
+"""What every evaluation shares: the eval set, the result files and what produced them, and a session that serves
+a model only when one of its files is incomplete (docs/method.md#evaluation).
 
-The eval set is fixed: the first N questions of the task's eval split (1000 for the information-exchange
-tasks, the whole test split for debate tasks, capped by the data), with contexts split by ``seed``; ``limit``
-keeps a seeded sample of it stratified by the questions' groups (``limit_mode: first``: its first questions), a
-debugging aid that the log says is no benchmark result. A result file is complete when every ``(question,
-sample)`` of that set has a record other than ``error``; a model whose files are all complete is not served again.
-Each file records what produced it (``optima.evaluation.fingerprint``): a file of another producer is moved aside
-and generated anew, never resumed.
+A result file (``<model>[.<method>].jsonl``) resumes by (question, sample) and is complete when every pair has a
+record other than ``error``. Beside it, ``<file>.producer.json`` holds its producer's fingerprint (weights,
+tokenizer, prompts, generation and serving settings, questions, method, scoring versions); before a file is filled
+the two are compared, and a file of another producer is moved to ``superseded/`` and generated anew, so rows of two
+producers never mix. ``scoring`` is how rows are read, not made: its change keeps the rows (readers re-parse them,
+``optima.tasks.reparse``) and only updates the sidecar.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from optima.agents.generation import generate_conversations
+from optima.agents.prompts import (
+    AGENT_NAMES,
+    Utterance,
+    build_agent_messages,
+    partner_of,
+    role_prompt,
+    templates_identity,
+)
 from optima.agents.runner import GenerationSettings
-from optima.config import save_recipe
-from optima.config.rules import tokenizer_path
+from optima.config import InferenceRecipe, Recipe, save_recipe
+from optima.config.rules import tokenizer_path, vllm_dtype_arg
 from optima.environments import PythonEnv, check_env
-from optima.evaluation.debate import reparsed_debate
-from optima.evaluation.fingerprint import claim_result_file, model_fingerprint, producer_fingerprint
-from optima.evaluation.metrics import RecordScorer
+from optima.evaluation.metrics import RecordScorer, reparsed_debate
+from optima.identity import digest, model_identity
 from optima.logging_utils import attach_driver_log
 from optima.paths import StagePaths
-from optima.store import load_records, record_key
+from optima.serving import serve
+from optima.store import load_records, record_key, write_json
 from optima.tasks import Example, get_task
+from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.math_equiv import MathVerifier
 from optima.tasks.reparse import reparsed
 from optima.tasks.sampling import stratified_indices
-
-if TYPE_CHECKING:
-    from optima.config import InferenceRecipe, Recipe
+from optima.tasks.scoring import SCORER_VERSION
 
 logger = logging.getLogger(__name__)
+
+ServeModel = Callable[[str, Path], AbstractContextManager]  # (name, model folder) -> the URLs serving it
+# The files of a tokenizer (and of its chat template), hashed in this order when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")  # fmt: skip
+SUPERSEDED = "superseded"
+READING = ("scoring",)  # how rows are read, not made: a change updates the sidecar and keeps the rows
 
 
 @dataclass(frozen=True)
@@ -46,15 +61,14 @@ class GenerationJob:
     """One result file to fill for a served model.
 
     Args:
-        label: Method label for logs (``eval``, ``optima_sc``, ``cot``, ``cot_sc``).
+        label: Method label (``eval``, ``optima_sc``, ``cot``, ...), part of the file's fingerprint.
         out_path: The JSONL result file.
         generation: Temperature and samples per question.
-        generate: ``generate_conversations`` or another function with its signature (the CoT baseline).
-        params: The method's own parameters (MAD's agents, rounds, context), part of the file's fingerprint.
+        generate: ``generate_conversations`` or a baseline's function with its signature.
+        params: The method's own parameters (MAD's shape), part of the fingerprint.
         prompts: Renders the texts the method sends for one question (its prompt version); None: Optima's
             two-agent conversation.
-        reads: Recipe fields the method's generation reads besides the common ones (MAD's vote: ``cluster_f1``),
-            part of the file's fingerprint.
+        reads: Recipe fields the method reads besides the common ones (MAD's vote: ``cluster_f1``).
     """
 
     label: str
@@ -64,6 +78,18 @@ class GenerationJob:
     params: dict = field(default_factory=dict)
     prompts: Callable[[Example], list] | None = None
     reads: tuple[str, ...] = ()
+
+
+def greedy_job(out_root: Path, name: str) -> GenerationJob:
+    """The sweep's (and the held-out table's) file of one model: one greedy conversation per question, no pool."""
+    generation = GenerationSettings(checkpoint_iteration(name), 0.0, 1, use_prompt_pool=False, stage="eval")
+    return GenerationJob("eval", out_root / f"{name}.jsonl", generation)
+
+
+def checkpoint_iteration(name: str) -> int:
+    """The iteration number in a checkpoint name (``iteration_3`` -> 3); -1 for the base model and others."""
+    number = name.rpartition("_")[2]
+    return int(number) if name != "base" and number.isdigit() else -1
 
 
 def prepare_output(recipe: InferenceRecipe) -> Path:
@@ -76,11 +102,8 @@ def prepare_output(recipe: InferenceRecipe) -> Path:
 
 
 def load_eval_examples(recipe: InferenceRecipe) -> list[Example]:
-    """The fixed eval set: the task's eval split at its default size, then ``limit`` questions of it.
-
-    ``limit_mode: sample`` keeps a seeded sample stratified by the questions' groups (sub-task and
-    ``Example.group``: MMLU subject, MATH subject and level; uniform for the others), ``first`` the first ``limit``.
-    """
+    """The fixed eval set: the task's eval split at its default size, then ``limit`` questions of it (a seeded
+    sample stratified by the questions' groups, or with ``limit_mode: first`` the first ones)."""
     examples = get_task(recipe.dataset_type).load_eval(data_dir=recipe.data_dir, seed=recipe.seed)
     if not recipe.limit or recipe.limit >= len(examples):
         return examples
@@ -111,12 +134,7 @@ def describe_limit(recipe: InferenceRecipe) -> str | None:
 
 
 def load_results(out_path: Path, cluster_f1: float = 0.9) -> list[dict]:
-    """The rows of a result file, each answer as the current parser reads it (``optima.tasks.reparse``).
-
-    Args:
-        out_path: A result file (conversations, CoT, AutoForm or debates).
-        cluster_f1: The recipe's vote threshold, which a debate's majority uses.
-    """
+    """The rows of a result file, each answer as the current parser reads it (a debate voted again)."""
     records, _ = load_records(out_path)
     return [reparsed_debate(r, cluster_f1) if "debate" in r else reparsed(r) for r in records]
 
@@ -128,22 +146,134 @@ def pending_count(out_path: Path, examples: Sequence[Example], samples: int) -> 
     return sum((example.id, k) not in done for example in examples for k in range(samples))
 
 
-def checkpoint_iteration(name: str) -> int:
-    """The iteration number in a checkpoint name (``iteration_3`` -> 3); -1 for the base model and others."""
-    number = name.rpartition("_")[2]
-    return int(number) if name != "base" and number.isdigit() else -1
+def tokenizer_identity(path: str | Path) -> str:
+    """Hash of a folder's tokenizer files (``TOKENIZER_FILES``); a hub name is its own identity."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return str(path)
+    hasher = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            hasher.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    return "sha256:" + hasher.hexdigest()[:32]
+
+
+def conversation_prompts(example: Example, system_prompts: Sequence[str] | None = None) -> list:
+    """What Optima's two-agent conversation sends: each agent's view after one partner message, and its role."""
+    task = get_task(example.task)
+    texts: list = []
+    for index, name in enumerate(AGENT_NAMES):
+        system = system_prompts[index] if system_prompts else None
+        texts.append(build_agent_messages(example, name, [Utterance(partner_of(name), "...")], system, task))
+        texts.append(repr(role_prompt(task, name)))  # reminder, answer opening
+    return texts
+
+
+def model_fingerprint(recipe: Recipe, model_path: Path, examples: Sequence[Example]) -> dict:
+    """The parts of a fingerprint every job of one model shares: weights, tokenizer, questions (built once)."""
+    limit = getattr(recipe, "limit", None)  # a training run's held-out evaluation has none (its own sample)
+    return {
+        "model": model_identity(model_path),
+        "tokenizer": tokenizer_identity(tokenizer_path(recipe, model=str(model_path))),
+        "questions": {
+            "task": recipe.dataset_type,
+            "count": len(examples),
+            "limit": {"n": limit, "mode": recipe.limit_mode} if limit else None,
+            "ids": digest([example.id for example in examples]),
+            "hash": digest([example.to_dict() for example in examples]),
+        },
+        "templates": templates_identity(),
+    }
+
+
+def producer_fingerprint(recipe: Recipe, job: GenerationJob, examples: Sequence[Example], shared: dict) -> dict:
+    """The fingerprint of ``job``'s file when the model of ``shared`` (``model_fingerprint``) produces it."""
+    render = job.prompts or conversation_prompts
+    generation = job.generation
+    return {
+        "method": {"label": job.label} | dict(job.params) | {name: getattr(recipe, name, None) for name in job.reads},
+        "model": shared["model"],
+        "tokenizer": shared["tokenizer"],
+        "prompts": {"templates": shared["templates"], "rendered": digest([render(e) for e in examples])},
+        "generation": {
+            "temperature": generation.temperature,
+            "samples": generation.samples,
+            "max_tokens": recipe.max_tokens,
+            "max_turns": recipe.max_turns,
+            "seed": recipe.seed,
+            "stage": generation.stage,
+            "iteration": generation.iteration,
+        },
+        "serving": {"max_model_len": recipe.max_model_len, "dtype": vllm_dtype_arg(recipe.vllm_extra_args)},
+        "questions": shared["questions"],
+        "scoring": {
+            "parser": PARSER_VERSION,
+            "scorer": SCORER_VERSION,
+            "cluster_f1": getattr(recipe, "cluster_f1", None),
+        },
+    }
+
+
+def producer_path(out_path: Path) -> Path:
+    """``<file>.producer.json`` beside a result file."""
+    return out_path.with_name(out_path.name.removesuffix(".jsonl") + ".producer.json")
+
+
+def read_producer(out_path: Path) -> dict | None:
+    """The fingerprint recorded beside ``out_path`` (None when there is none)."""
+    path = producer_path(out_path)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def differences(old: dict | None, new: dict) -> list[str]:
+    """What changed between two fingerprints, one ``key: old -> new`` phrase each."""
+    if old is None:
+        return ["no fingerprint recorded"]
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key), new.get(key)
+        if isinstance(before, dict) and isinstance(after, dict):
+            changes += [f"{key}.{c}" for c in differences(before, after)]
+        elif before != after:
+            changes.append(f"{key}: {before} -> {after}")
+    return changes
+
+
+def claim_result_file(out_path: Path, fingerprint: dict) -> bool:
+    """Make ``out_path`` a file of this producer (its sidecar written before any row); True when rows of another
+    producer (or of one that recorded none) were moved to ``superseded/``."""
+    old = read_producer(out_path)
+    made = {key: value for key, value in fingerprint.items() if key not in READING}
+    changes = differences({k: v for k, v in old.items() if k not in READING} if old else None, made)
+    changes = changes if out_path.exists() else []
+    moved = bool(changes) and out_path.stat().st_size > 0
+    if moved:
+        folder = out_path.parent / SUPERSEDED
+        folder.mkdir(exist_ok=True)
+        stem = out_path.name.removesuffix(".jsonl")
+        target = folder / f"{stem}.{digest(old) if old else 'unknown'}.jsonl"
+        out_path.replace(target)
+        if old is not None:
+            producer_path(out_path).replace(producer_path(target))
+        logger.warning(
+            "%s: produced otherwise (%s); moved to %s, generating anew", out_path, "; ".join(changes), target
+        )
+    elif changes and out_path.exists():
+        out_path.unlink()  # an empty file of another producer
+    write_json(producer_path(out_path), fingerprint)
+    return moved
 
 
 class EvalSession:
-    """Serves models one at a time for an evaluation run, only when one of their files is incomplete.
+    """Serves models one at a time, only when one of their result files is incomplete.
 
     Args:
-        recipe: The evaluation recipe (serving fields), or a loop's (held-out evaluation).
+        recipe: The evaluation recipe (serving fields), or a training run's (held-out evaluation).
         envs: ``{"vllm": PythonEnv}``.
         examples: The eval set.
-        out_root: Where the models' folders go (an evaluation's ``output_root_path``).
-        server: ``(name, model folder)`` -> a context manager giving the URLs that serve it (a training run's
-            servers); default: ``optima.serving.serve`` starts replicas for each model and stops them after.
+        out_root: Where the models' folders go.
+        server: Serves a model (a training run's servers); default: ``optima.serving.serve`` starts replicas for
+            each model and stops them after.
     """
 
     def __init__(
@@ -152,20 +282,16 @@ class EvalSession:
         envs: dict[str, PythonEnv],
         examples: Sequence[Example],
         out_root: Path,
-        server: Callable[[str, Path], AbstractContextManager] | None = None,
+        server: ServeModel | None = None,
     ):
         self.recipe, self.envs, self.examples = recipe, envs, list(examples)
-        self.out_root = Path(out_root)
-        self.server = server
+        self.out_root, self.server = Path(out_root), server
         self.servers_started = 0
         self._env_checked = bool(recipe.endpoints) or server is not None  # external or given servers: no vLLM env
 
     def run(self, name: str, model_path: Path, jobs: Sequence[GenerationJob]) -> dict[str, dict]:
-        """Fill every incomplete file of ``jobs`` with ``model_path`` served; return each job's generation stats.
-
-        A model whose files are all complete is skipped without starting a server. A file that another producer
-        wrote (``optima.evaluation.fingerprint``) is moved aside first.
-        """
+        """Fill every incomplete file of ``jobs`` with ``model_path`` served (files of another producer moved aside
+        first); return each job's generation stats. A model whose files are complete starts no server."""
         shared = model_fingerprint(self.recipe, model_path, self.examples)  # hashes the weights once per model
         for job in jobs:
             claim_result_file(job.out_path, producer_fingerprint(self.recipe, job, self.examples, shared))
@@ -188,28 +314,12 @@ class EvalSession:
     def _serve(self, name: str, model_path: Path) -> AbstractContextManager:
         if self.server is not None:
             return self.server(name, model_path)
-        from optima.serving import serve
-
         return serve(self.recipe, model_path, self.envs.get("vllm"), StagePaths(self.out_root / name))
 
 
-def load_tokenize(recipe: Recipe, model_path: Path, score_type: str):
-    """The model tokenizer's ``tokenize`` for ``f1_original_subword`` (F1 tasks only; None otherwise)."""
-    if score_type != "f1":
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_path(recipe, model=str(model_path))).tokenize
-
-
 class RecordScorers:
-    """The ``RecordScorer`` of each evaluated model: its tokenizer loaded once per model (F1 tasks only), one
-    shared ``MathVerifier``.
-
-    Args:
-        recipe: The evaluation recipe (task, tokenizer).
-        verifier: The run's ``MathVerifier``.
-    """
+    """The ``RecordScorer`` of each evaluated model: its tokenizer loaded once (F1 tasks only, for
+    ``f1_original_subword``), one shared ``MathVerifier``."""
 
     def __init__(self, recipe: Recipe, verifier: MathVerifier):
         self.recipe, self.verifier = recipe, verifier
@@ -219,5 +329,11 @@ class RecordScorers:
     def __call__(self, model_path: Path) -> RecordScorer:
         key = str(model_path)
         if key not in self._scorers:
-            self._scorers[key] = RecordScorer(load_tokenize(self.recipe, model_path, self.score_type), self.verifier)
+            tokenize = None
+            if self.score_type == "f1":
+                from transformers import AutoTokenizer
+
+                path = tokenizer_path(self.recipe, model=str(model_path))
+                tokenize = AutoTokenizer.from_pretrained(path).tokenize
+            self._scorers[key] = RecordScorer(tokenize, self.verifier)
         return self._scorers[key]

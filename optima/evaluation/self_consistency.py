@@ -1,25 +1,12 @@
-"""Multi-agent self-consistency of ``multi_sc_data_generate_script.py``, with the CoT baselines.
+"""Multi-agent self-consistency of ``multi_sc_data_generate_script.py`` with its baselines
+(docs/method.md#self-consistency).
 
-See docs/method.md#self-consistency.
-
-For the model (every model of ``list_models``, usually one): serve it once, sample ``num_samples`` conversations
-per eval question at ``sc_temperature`` (no prompt pool). The baselines run on the same questions on the *base*
-model (what Optima trained from, as in the paper's table: ``--base_model_path``, else the ``initial_model_path`` of
-the run a checkpoint belongs to, else the model itself when it is no trained checkpoint): ``--baseline cot`` adds
-CoT (one greedy answer) and CoT-SC (``num_samples`` sampled answers), ``--baseline mad`` one debate per question,
-``--baseline autoform`` ``num_samples`` AutoForm conversations.
-Every file resumes; complete ones are not regenerated, and a model whose files are all complete is not served.
-Then, for k = 1..K, majority vote, coverage and tokens (``optima.evaluation.voting``):
-
-    <output_root>/<model>.sc.jsonl         Optima conversations (not <model>.jsonl: the sweep's greedy file
-                                           of the same model may share the default folder)
-    <output_root>/<base>.cot.jsonl         CoT, greedy          (with --baseline cot; <base>: "base", or the
-    <output_root>/<base>.cot_sc.jsonl      CoT samples           model's name when it is the base model)
-    <output_root>/<base>.mad.jsonl         debates              (with --baseline mad)
-    <output_root>/<base>.autoform_sc.jsonl AutoForm samples     (with --baseline autoform)
-    <output_root>/sc_analysis.json         {"task", "metric", ..., "models": {model: {method: rows or summary}}}
-    <output_root>/sc_analysis.csv          model, method, k, majority_vote, coverage, tokens, cut_rate, questions
-    <output_root>/sc_analysis.png          score vs k (vote and coverage), vote vs tokens (paper Fig. 3)
+The model (every model of ``list_models``, usually one) is served once and samples ``num_samples`` conversations
+per eval question at ``sc_temperature`` into ``<model>.sc.jsonl``. The baselines run on the same questions on the
+*base* model (``--base_model_path``, else the ``initial_model_path`` of the run a checkpoint belongs to):
+``--baseline cot`` adds CoT (greedy) and CoT-SC (``num_samples`` answers), ``mad`` one debate per question,
+``autoform`` ``num_samples`` AutoForm conversations. Then, for k = 1..K, majority vote, coverage and tokens into
+``sc_analysis.json``/``.csv``/``.png`` (score vs k and vote vs tokens: paper Fig. 3).
 """
 
 from __future__ import annotations
@@ -27,19 +14,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
 from optima.agents.runner import GenerationSettings
-from optima.config import RecipeError
+from optima.config import MultiSCRecipe, RecipeError
 from optima.environments import PythonEnv
-from optima.evaluation.debate import DebateSettings
-from optima.evaluation.dry_run import list_models
-from optima.evaluation.fingerprint import read_producer
-from optima.evaluation.methods import LABELS, BaselineSettings, method_job
-from optima.evaluation.metrics import TIMEOUTS, RecordScorer, metric_names, summarize_records, with_timeouts
-from optima.evaluation.report import plot_self_consistency, render_table, write_csv, write_json
+from optima.evaluation.baselines import LABELS, BaselineSettings, DebateSettings, method_job
+from optima.evaluation.metrics import (
+    TIMEOUTS,
+    RecordScorer,
+    analyze_self_consistency,
+    metric_names,
+    summarize_records,
+    with_timeouts,
+)
 from optima.evaluation.runs import (
     EvalSession,
     GenerationJob,
@@ -48,14 +37,13 @@ from optima.evaluation.runs import (
     load_eval_examples,
     load_results,
     prepare_output,
+    read_producer,
 )
-from optima.evaluation.voting import analyze_self_consistency
+from optima.evaluation.sweep import list_models
+from optima.evaluation.tables import plot_self_consistency, render_table, write_csv, write_json
 from optima.identity import COMPLETE_MARKER
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
-
-if TYPE_CHECKING:
-    from optima.config import MultiSCRecipe, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +55,8 @@ BASELINE_METHODS = {"cot": ("cot", "cot_sc"), "mad": ("mad",), "autoform": ("aut
 
 @dataclass(frozen=True)
 class SCOptions:
-    """Run options beside the recipe.
-
-    Args:
-        baselines: Baselines run on the same model and questions (``SC_BASELINES``): ``cot`` adds CoT (greedy) and
-            CoT-SC (``num_samples`` answers), ``mad`` one debate per question at ``sc_temperature``, ``autoform``
-            ``num_samples`` AutoForm conversations.
-        max_k: Largest k of the analysis (default: ``num_samples``).
-        debate: Agents and rounds of MAD.
-    """
+    """Run options beside the recipe: the ``baselines`` (``SC_BASELINES``), the largest k of the analysis
+    (``max_k``, default ``num_samples``) and MAD's shape."""
 
     baselines: tuple[str, ...] = ()
     max_k: int | None = None
@@ -89,13 +70,10 @@ class SCOptions:
             raise RecipeError("max_k", f"must be >= 1, got {self.max_k}")
 
 
-def base_model(recipe: Recipe, models: list[tuple[str, Path]]) -> tuple[str, Path]:
-    """The model the baselines run on, and its name in the files.
-
-    ``initial_model_path`` (``--base_model_path``); else, for a trained checkpoint (it has a completion marker),
-    the ``initial_model_path`` of its run's ``recipe.yaml`` (``<run>/checkpoints/<checkpoint>``); else the model
-    itself. Raises ``RecipeError`` for a checkpoint whose run is not found.
-    """
+def base_model(recipe: MultiSCRecipe, models: list[tuple[str, Path]]) -> tuple[str, Path]:
+    """The model the baselines run on and its name in the files: ``initial_model_path``; else, for a trained
+    checkpoint (it has a completion marker), the ``initial_model_path`` of its run's ``recipe.yaml``; else the
+    model itself. Raises ``RecipeError`` for a checkpoint whose run is not found."""
     if recipe.initial_model_path:
         path = Path(recipe.initial_model_path)
         return next(((name, p) for name, p in models if p.resolve() == path.resolve()), ("base", path))
@@ -113,28 +91,20 @@ def base_model(recipe: Recipe, models: list[tuple[str, Path]]) -> tuple[str, Pat
     return "base", Path(initial)
 
 
-def sc_jobs(recipe: MultiSCRecipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
-    """The Optima samples of one model."""
-    optima = GenerationSettings(checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples, stage="sc")
-    return [GenerationJob("optima_sc", out_root / f"{name}.sc.jsonl", optima)]
-
-
-def baseline_jobs(recipe: MultiSCRecipe, out_root: Path, name: str, options: SCOptions) -> list[GenerationJob]:
-    """The result files of each baseline (``BASELINE_METHODS``) on the base model called ``name``."""
-    settings = BaselineSettings(recipe.num_samples, recipe.sc_temperature, options.debate)
-    methods = [m for baseline in options.baselines for m in BASELINE_METHODS[baseline]]
-    return [method_job(m, out_root, name, settings) for m in methods]
-
-
-def model_jobs(
-    recipe: MultiSCRecipe, out_root: Path, options: SCOptions
-) -> dict[str, tuple[Path, list[GenerationJob]]]:
+def model_jobs(recipe: MultiSCRecipe, out_root: Path, options: SCOptions) -> dict[str, tuple[Path, list]]:
     """Per model name: its folder and its result files (Optima's samples; the baselines on the base model)."""
     models = list_models(recipe)
-    planned = {name: (path, sc_jobs(recipe, out_root, name, options)) for name, path in models}
+    planned = {}
+    for name, path in models:
+        generation = GenerationSettings(
+            checkpoint_iteration(name), recipe.sc_temperature, recipe.num_samples, stage="sc"
+        )
+        planned[name] = (path, [GenerationJob("optima_sc", out_root / f"{name}.sc.jsonl", generation)])
     if options.baselines and models:
         name, path = base_model(recipe, models)
-        planned.setdefault(name, (path, []))[1].extend(baseline_jobs(recipe, out_root, name, options))
+        settings = BaselineSettings(recipe.num_samples, recipe.sc_temperature, options.debate)
+        methods = [m for baseline in options.baselines for m in BASELINE_METHODS[baseline]]
+        planned.setdefault(name, (path, []))[1].extend(method_job(m, out_root, name, settings) for m in methods)
     return planned
 
 
@@ -151,7 +121,7 @@ def analyze_model(jobs: list[GenerationJob], max_k: int, scorer: RecordScorer, c
 
 
 def flat_rows(results: dict[str, dict], metric: str) -> list[dict]:
-    """One CSV row per (model, method, k); the greedy CoT is its single k = 1 point."""
+    """One CSV row per (model, method, k); a one-answer method is its single k = 1 point."""
     rows = []
     for model, methods in results.items():
         for method, value in methods.items():
@@ -168,21 +138,13 @@ def flat_rows(results: dict[str, dict], metric: str) -> list[dict]:
 
 def shown_rows(rows: list[dict]) -> list[dict]:
     """The table's rows: k = 1, 2, 4, 8, ... and the largest k of each method."""
-    last = {}
-    for row in rows:
-        last[(row["model"], row["method"])] = row["k"]
+    last = {(row["model"], row["method"]): row["k"] for row in rows}
     return [r for r in rows if r["k"] & (r["k"] - 1) == 0 or r["k"] == last[(r["model"], r["method"])]]
 
 
 def write_sc_report(recipe: MultiSCRecipe, results: dict[str, dict], max_k: int, producers: dict | None = None) -> str:
-    """Write sc_analysis.json/.csv/.png; return the table as text.
-
-    Args:
-        recipe: The recipe.
-        results: Per model and method, the analysis rows or summary.
-        max_k: Largest k.
-        producers: Per model and method, the fingerprint of its file (recorded in the JSON).
-    """
+    """Write sc_analysis.json/.csv/.png (``results``: per model and method, the rows or summary; ``producers``:
+    their files' fingerprints); return the table as text."""
     out_root = Path(recipe.output_root_path)
     metric, _ = metric_names(get_task(recipe.dataset_type).score_type)
     header = {"task": recipe.dataset_type, "metric": metric, "temperature": recipe.sc_temperature}
@@ -191,11 +153,10 @@ def write_sc_report(recipe: MultiSCRecipe, results: dict[str, dict], max_k: int,
     rows = flat_rows(results, metric)
     columns = with_timeouts(CSV_COLUMNS, rows)
     write_csv(out_root / "sc_analysis.csv", rows, columns)
-    several = len(results) > 1
     curves, points = {}, {}
     for model, methods in results.items():
         for method, value in methods.items():
-            label = f"{model} {LABELS[method]}" if several else LABELS[method]
+            label = f"{model} {LABELS[method]}" if len(results) > 1 else LABELS[method]
             if isinstance(value, dict):
                 points[label] = {"score": value.get(metric, 0.0), "tokens": value.get("mean_tokens", 0.0)}
             elif value:
@@ -207,18 +168,13 @@ def write_sc_report(recipe: MultiSCRecipe, results: dict[str, dict], max_k: int,
 
 
 def run_self_consistency(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], options: SCOptions | None = None) -> str:
-    """Sample (resuming), analyse for k = 1..K, write the reports; return the table.
-
-    Args:
-        recipe: A validated ``MultiSCRecipe``.
-        envs: ``{"vllm": PythonEnv}`` (unused when the recipe lists ``endpoints``).
-        options: Baseline and largest k.
-    """
+    """Sample (resuming), analyse for k = 1..K, write the reports; return the table (``envs``: unused when the
+    recipe lists ``endpoints``)."""
     options = options or SCOptions()
     out_root = prepare_output(recipe)
     examples = load_eval_examples(recipe)
     max_k = options.max_k or recipe.num_samples
-    session = EvalSession(recipe, envs, examples, Path(recipe.output_root_path))
+    session = EvalSession(recipe, envs, examples, out_root)
     results, producers = {}, {}
     with MathVerifier() as verifier:
         scorer_of = RecordScorers(recipe, verifier)
@@ -227,5 +183,4 @@ def run_self_consistency(recipe: MultiSCRecipe, envs: dict[str, PythonEnv], opti
             session.run(name, path, jobs)
             results[name] = analyze_model(jobs, max_k, scorer_of(path), recipe.cluster_f1)
             producers[name] = {job.label: read_producer(job.out_path) for job in jobs}
-        table = write_sc_report(recipe, results, max_k, producers)
-    return table
+        return write_sc_report(recipe, results, max_k, producers)

@@ -3,7 +3,7 @@
 With ``heldout_size`` > 0, after the last iteration the run's policy server takes each model in turn (the base model,
 then ``checkpoints/iteration_<k>``; kept replicas load the weights in place, without a restart) and
 ``optima.evaluation.heldout`` holds one greedy conversation per held-out question with it. Keyed and resumable as
-every evaluation file is (``optima.evaluation.fingerprint``): a rerun of a finished run generates nothing, a new
+every evaluation file is (``optima.evaluation.runs``): a rerun of a finished run generates nothing, a new
 checkpoint or another sample regenerates what it changes. The table goes into ``heldout/summary.*`` and, last, into
 the run report.
 """

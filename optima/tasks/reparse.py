@@ -6,7 +6,7 @@ written before it, so readers take a row through ``reparsed``: a row of another 
 versions were recorded) gets its ``final_answer`` parsed again from its utterances by the same rule as the turn loop
 (the last answer any utterance states), and the current version. The stop point of the conversation stays as it
 was: it was sampled. Rows that combine several answers otherwise (a debate's majority) are re-parsed by their
-method (``optima.evaluation.debate``).
+method (``optima.evaluation.baselines``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def reparsed(record: dict) -> dict:
         record: A conversation row (``task`` or ``example``, ``utterances`` with ``text``, ``final_answer``).
 
     Raises:
-        ValueError: a debate row (its answer is a majority: ``optima.evaluation.debate.reparsed_debate``).
+        ValueError: a debate row (its answer is a majority: ``optima.evaluation.metrics.reparsed_debate``).
     """
     if is_current(record) or "utterances" not in record:
         return record

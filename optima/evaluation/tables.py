@@ -1,10 +1,6 @@
-"""Evaluation reports: JSON and CSV summaries, a plain-text table, and the plots.
-
-See docs/method.md#evaluation; paper Fig. 3.
-
-Files are written through a temporary file and an atomic rename, so a reader never sees half a summary. Plots use
-matplotlib's object API (``Figure`` + its Agg canvas: no pyplot state, no display), imported only when a plot is
-drawn so that ``--help`` and ``--dry-run`` stay fast.
+"""The evaluation's files, tables and plots (paper Table 1 and Fig. 3): JSON and CSV written atomically, text and
+Markdown tables, and matplotlib figures on the Agg canvas (no pyplot state; matplotlib is imported only when a plot
+is drawn, so ``--help`` and ``--dry-run`` stay fast). Point labels never overlap (``place_labels``).
 """
 
 from __future__ import annotations
@@ -16,9 +12,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from optima import store
+from optima.evaluation.metrics import flexible_name, metric_names
 from optima.paths import checkpoint_label
+from optima.tasks import get_task
 
 logger = logging.getLogger(__name__)
+
+MARKERS = "osD^vP*X"  # colours repeat after ten points, markers tell them apart
+# Where a point's label may go (offset in points from the point; a negative x puts the label on the left).
+LABEL_OFFSETS = ((6, 5), (6, -13), (-6, 5), (-6, -13), (6, 15), (6, -23), (-6, 15), (-6, -23), (10, -4), (-10, -4))
+HELDOUT_COLUMNS = ("checkpoint", "questions", "answer_rate", "{metric}", "{metric}_ci", "flexible_answer_rate",
+                   "{metric}_flexible", "{metric}_flexible_ci", "mean_tokens", "cut_rate",
+                   "max_turns_rate")  # fmt: skip
+HELDOUT_HEADERS = ("model", "questions", "answer rate", "{metric} (strict)", "95% interval", "answer rate (flexible)",
+                   "{metric} (flexible)", "95% interval", "tokens / question", "cut (max_tokens)",
+                   "out of turns")  # fmt: skip
 
 
 def write_json(path: Path, payload: Mapping) -> None:
@@ -60,20 +68,21 @@ def render_table(rows: Sequence[Mapping], columns: Sequence[str], title: str = "
 
 
 def render_markdown_table(rows: Sequence[Mapping], columns: Sequence[str], headers: Sequence[str] = ()) -> str:
-    """A Markdown table of ``rows`` (numbers formatted as in ``render_table``, missing values as ``-``).
-
-    Args:
-        rows: One mapping per table row.
-        columns: The keys to show, in order.
-        headers: Column titles (default: the keys).
-    """
+    """A Markdown table of ``rows`` (numbers as in ``render_table``, missing values ``-``; ``headers``: column
+    titles, default the keys)."""
     titles = list(headers) or list(columns)
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def _new_figure(panels: int, rows: int = 1):
+def render_heldout_table(rows: Sequence[Mapping], metric: str) -> str:
+    """The Markdown table of the held-out rows (what the run report shows last)."""
+    columns = [column.format(metric=metric) for column in HELDOUT_COLUMNS]
+    return render_markdown_table(rows, columns, [header.format(metric=metric) for header in HELDOUT_HEADERS])
+
+
+def new_figure(panels: int, rows: int = 1):
     """A matplotlib ``Figure`` on the Agg canvas (no pyplot state) and its ``rows`` x ``panels`` axes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -88,18 +97,15 @@ def cut_share(row: Mapping) -> float | None:
     return row.get("cut_rate", row.get("too_long_rate"))
 
 
-def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str):
-    """Task metric (ours, its ``_original`` variant and its flexible variant), answer rate (strict and flexible),
-    share cut for length and mean tokens per question, per checkpoint (named "after iteration k"); returns the figure.
+def save(figure, path: Path, dpi: int) -> None:
+    figure.savefig(path, dpi=dpi)
+    logger.info("plot | %s", path)
 
-    Args:
-        rows: Summary rows in checkpoint order (``model`` plus the metric keys and ``mean_tokens``).
-        metric: Our metric key (``f1`` or ``accuracy``).
-        original_metric: The key of its ``_original`` variant.
-        path: PNG to write.
-        title: Figure title (task and model root).
-    """
-    figure, (score_axis, token_axis) = _new_figure(2)
+
+def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path: Path, title: str):
+    """Per checkpoint ("after iteration k"): the metric (ours, ``_original``, flexible), the answer rates, the share
+    cut for length, and the mean tokens per question; returns the figure."""
+    figure, (score_axis, token_axis) = new_figure(2)
     x = list(range(len(rows)))
     names = [checkpoint_label(row["model"]) for row in rows]
     score_axis.plot(x, [row.get(metric) for row in rows], marker="o", label=metric)
@@ -128,23 +134,16 @@ def plot_sweep(rows: Sequence[Mapping], metric: str, original_metric: str, path:
         axis.set_xlabel("checkpoint")
         axis.grid(alpha=0.3)
     figure.suptitle(title)
-    figure.savefig(path, dpi=120)
-    logger.info("plot | %s", path)
+    save(figure, path, 120)
     return figure
 
 
 def plot_self_consistency(
     curves: Mapping[str, Sequence[Mapping]], points: Mapping[str, Mapping], path: Path, title: str
 ) -> None:
-    """Majority vote and coverage vs samples, and majority vote vs tokens, one line per method (paper Fig. 3).
-
-    Args:
-        curves: Label -> rows of ``analyze_self_consistency`` (``k``, ``majority_vote``, ``coverage``, ``tokens``).
-        points: Label -> single-sample results (``score``, ``tokens``), e.g. the greedy CoT baseline.
-        path: PNG to write.
-        title: Figure title.
-    """
-    figure, (k_axis, token_axis) = _new_figure(2)
+    """Majority vote and coverage vs samples, and majority vote vs tokens, one line per method (paper Fig. 3);
+    ``curves``: label -> rows of ``analyze_self_consistency``, ``points``: label -> one-sample ``score``/``tokens``."""
+    figure, (k_axis, token_axis) = new_figure(2)
     for index, (label, rows) in enumerate(curves.items()):
         color = f"C{index}"
         ks = [row["k"] for row in rows]
@@ -156,40 +155,23 @@ def plot_self_consistency(
         k_axis.scatter([1], [point["score"]], color=f"C{index}", marker="*", s=120, label=label, zorder=3)
         token_axis.scatter([point["tokens"]], [point["score"]], color=f"C{index}", marker="*", s=120, label=label)
     k_axis.set_xscale("log", base=2)
-    k_axis.set_xlabel("samples per question (k)")
-    k_axis.set_ylabel("score")
+    k_axis.set(xlabel="samples per question (k)", ylabel="score")
     tokens = [row["tokens"] for rows in curves.values() for row in rows] + [p["tokens"] for p in points.values()]
     if tokens and min(tokens) > 0:
         token_axis.set_xscale("log")  # the paper's budget axis; zero tokens (nothing generated) stay linear
-    token_axis.set_xlabel("tokens per question")
-    token_axis.set_ylabel("majority-vote score")
+    token_axis.set(xlabel="tokens per question", ylabel="majority-vote score")
     for axis in (k_axis, token_axis):
         axis.set_ylim(-0.02, 1.02)
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
     figure.suptitle(title)
-    figure.savefig(path, dpi=120)
-    logger.info("plot | %s", path)
-
-
-# Where a point's label may go (offset in points from the point; a negative x puts the label on the left).
-LABEL_OFFSETS = ((6, 5), (6, -13), (-6, 5), (-6, -13), (6, 15), (6, -23), (-6, 15), (-6, -23), (10, -4), (-10, -4))
-
-
-def comparison_labels(rows: Sequence[Mapping]) -> list[str]:
-    """Each row's method, with its checkpoint when the rows come from several models (the sweep's comparison)."""
-    if len({row.get("model") for row in rows}) <= 1:
-        return [row["method"] for row in rows]
-    return [f"{row['method']} ({checkpoint_label(str(row['model']))})" for row in rows]
+    save(figure, path, 120)
 
 
 def place_labels(axis, points: Sequence[tuple[float, float]], labels: Sequence[str], marker_px: float = 6.0) -> list:
     """Label each point at the first offset where its text stays inside the axes and covers no earlier label and
-    no point (a square of ``marker_px`` around each).
-
-    A label with no free place is left out (the legend names every point). Call after the figure's layout is
-    drawn: the boxes are measured with the canvas renderer. Returns the annotations placed.
-    """
+    no point; a label with no free place is left out (the legend names every point). Call after the layout is
+    drawn; returns the annotations placed."""
     from matplotlib.transforms import Bbox
 
     renderer = axis.figure.canvas.get_renderer()
@@ -211,52 +193,103 @@ def place_labels(axis, points: Sequence[tuple[float, float]], labels: Sequence[s
     return placed
 
 
-def scatter_flexible(axis, row: Mapping, key: str, index: int) -> None:
-    """A hollow marker (the row's colour and marker) at the row's flexible value ``key``, when it has one."""
-    if row.get(key) is None:
-        return
-    axis.scatter([row["mean_tokens"]], [row[key]], facecolors="none", edgecolors=f"C{index % 10}",
-                 marker="osD^vP*X"[index // 10 % 8], s=60, zorder=3)  # fmt: skip
+def scatter_methods(axis, rows: Sequence[Mapping], key: str, colours: Sequence[int], labels: Sequence[str]) -> bool:
+    """One point per row at (tokens per question, ``key``) and a hollow one of the same colour at its flexible value;
+    a log axis across a decade or more; whether any row has a flexible value."""
+    flexible_key = "flexible_answer_rate" if key == "answer_rate" else flexible_name(key)
+    for row, index, label in zip(rows, colours, labels, strict=True):
+        marker = MARKERS[index // 10 % 8]
+        axis.scatter([row["mean_tokens"]], [row.get(key) or 0.0], color=f"C{index % 10}", marker=marker, s=60,
+                     zorder=3, label=label)  # fmt: skip
+        if row.get(flexible_key) is not None:
+            axis.scatter([row["mean_tokens"]], [row[flexible_key]], facecolors="none", edgecolors=f"C{index % 10}",
+                         marker=marker, s=60, zorder=3)  # fmt: skip
+    tokens = [row["mean_tokens"] for row in rows]
+    if tokens and min(tokens) > 0 and max(tokens) >= 10 * min(tokens):
+        axis.set_xscale("log")  # a log axis only across a decade or more: plain tick numbers otherwise
+    axis.set(xlabel="tokens per question", ylim=(-0.02, 1.02))
+    axis.grid(alpha=0.3)
+    return any(row.get(flexible_key) is not None for row in rows)
+
+
+def label_points(figure, panels: Sequence[tuple], path: Path) -> None:
+    """Lay the figure out, label each panel's points (``(axis, rows, key, labels)``), save it."""
+    figure.canvas.draw()  # labels are placed in the final axes
+    for axis, rows, key, labels in panels:
+        place_labels(axis, [(row["mean_tokens"], row.get(key) or 0.0) for row in rows], labels)
+    save(figure, path, 100)
+
+
+def comparison_labels(rows: Sequence[Mapping]) -> list[str]:
+    """Each row's method, with its checkpoint when the rows come from several models (the sweep's comparison)."""
+    if len({row.get("model") for row in rows}) <= 1:
+        return [row["method"] for row in rows]
+    return [f"{row['method']} ({checkpoint_label(str(row['model']))})" for row in rows]
 
 
 def plot_comparison(rows: Sequence[Mapping], metric: str, path: Path, title: str):
-    """Task metric and answer rate against tokens per question, one labelled point per method (paper Fig. 1 style);
-    a hollow marker of the same colour beside each shows the flexible answer's value.
-
-    Labels never overlap (``place_labels``); the legend, outside the panels, names every point. Returns the figure.
-
-    Args:
-        rows: Comparison rows (``method``, ``model``, ``metric``, ``answer_rate``, ``mean_tokens``).
-        metric: The task metric key (``accuracy`` or ``f1``).
-        path: PNG to write.
-        title: Figure title.
-    """
-    figure, axes = _new_figure(2)
+    """The metric and the answer rate against tokens per question, one labelled point per method (paper Fig. 1
+    style), the legend outside the panels; returns the figure."""
+    figure, axes = new_figure(2)
     shown = [row for row in rows if row.get("mean_tokens") is not None]
     labels = comparison_labels(shown)
-    panels = ((axes[0], metric, metric), (axes[1], "answer_rate", "answer rate"))
-    flexible_keys = {metric: f"{metric}_flexible", "answer_rate": "flexible_answer_rate"}
-    for axis, key, name in panels:
-        for index, (row, label) in enumerate(zip(shown, labels, strict=True)):
-            marker = "osD^vP*X"[index // 10 % 8]  # colours repeat after ten points, markers tell them apart
-            axis.scatter([row["mean_tokens"]], [row.get(key) or 0.0], color=f"C{index % 10}", marker=marker, s=60,
-                         zorder=3, label=label)  # fmt: skip
-            scatter_flexible(axis, row, flexible_keys[key], index)
-        if any(row.get(flexible_keys[key]) is not None for row in shown):
+    panels = [(axes[0], shown, metric, labels), (axes[1], shown, "answer_rate", labels)]
+    for (axis, _, key, _), name in zip(panels, (metric, "answer rate"), strict=True):
+        if scatter_methods(axis, shown, key, range(len(shown)), labels):
             axis.set_title("filled: strict answer (tag), hollow: flexible answer", fontsize="small")
-        tokens = [row["mean_tokens"] for row in shown]
-        if tokens and min(tokens) > 0 and max(tokens) >= 10 * min(tokens):
-            axis.set_xscale("log")  # a log axis only across a decade or more: plain tick numbers otherwise
-        axis.set_xlabel("tokens per question")
         axis.set_ylabel(name)
-        axis.set_ylim(-0.02, 1.02)
-        axis.grid(alpha=0.3)
     if shown:
         figure.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize="small")
     figure.suptitle(title)
+    label_points(figure, panels, path)
+    return figure
+
+
+def task_metric(task: str) -> str:
+    """The task's metric key (``accuracy`` or ``f1``)."""
+    return metric_names(get_task(task).score_type)[0]
+
+
+def plot_task_table(per_task: Mapping[str, Sequence[Mapping]], path: Path, title: str):
+    """One panel per task: its metric against tokens per question, one point per method, a method keeping its
+    colour in every panel; returns the figure."""
+    figure, axes = new_figure(len(per_task))
+    axes = axes if len(per_task) > 1 else [axes]
+    methods = list(dict.fromkeys(row["method"] for rows in per_task.values() for row in rows))
+    panels = []
+    for axis, (task, rows) in zip(axes, per_task.items(), strict=True):
+        shown = [row for row in rows if row.get("mean_tokens") is not None]
+        labels = [row["method"] for row in shown]
+        metric = task_metric(task)
+        flexible = scatter_methods(axis, shown, metric, [methods.index(m) for m in labels], labels)
+        axis.set(title=f"{task} (filled: strict, hollow: flexible)" if flexible else task, ylabel=metric)
+        panels.append((axis, shown, metric, labels))
+    handles = {label: handle for axis in axes for handle, label in zip(*axis.get_legend_handles_labels(), strict=True)}
+    if handles:
+        figure.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small")
+    figure.suptitle(title)
+    label_points(figure, panels, path)
+    return figure
+
+
+def plot_heldout(rows: Sequence[Mapping], metric: str, path: Path, title: str):
+    """Strict and flexible metric against tokens per question, one point per model with its 95% interval, joined in
+    checkpoint order; returns the figure."""
+    figure, axis = new_figure(1)
+    shown = [row for row in rows if row.get("mean_tokens") is not None and row.get(metric) is not None]
+    tokens = [row["mean_tokens"] for row in shown]
+    for key, name, fill in ((metric, "strict (answer tag)", None), (flexible_name(metric), "flexible", "none")):
+        values = [row[key] for row in shown]
+        errors = [[v - row[f"{key}_low"] for v, row in zip(values, shown, strict=True)],
+                  [row[f"{key}_high"] - v for v, row in zip(values, shown, strict=True)]]  # fmt: skip
+        axis.errorbar(tokens, values, yerr=errors, marker="o", mfc=fill, capsize=4, linestyle="--", label=name)
+    axis.set(xlabel="tokens per question", ylabel=metric, ylim=(-0.02, 1.02), title=title)
+    axis.set_xlim(0, max(tokens, default=1.0) * 1.25 or 1.0)  # the origin shows how far the tokens fell
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small", loc="upper left")
     figure.canvas.draw()  # lay the figure out first: labels are placed in the final axes
-    for axis, key, _ in panels:
-        place_labels(axis, [(row["mean_tokens"], row.get(key) or 0.0) for row in shown], labels)
-    figure.savefig(path, dpi=100)
-    logger.info("plot | %s", path)
+    place_labels(
+        axis, [(x, row[metric]) for row, x in zip(shown, tokens, strict=True)], [r["checkpoint"] for r in shown]
+    )
+    save(figure, path, 110)
     return figure
