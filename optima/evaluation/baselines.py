@@ -268,7 +268,7 @@ class AutoFormRunner(ConversationRunner):
 def generate_with(runner) -> Callable[..., GenerationStats]:
     """A ``generate_conversations`` that runs each job with ``runner`` (same arguments, same resume)."""
 
-    def generate(recipe, examples: Sequence[Example], endpoints, out_path: Path, generation: GenerationSettings):
+    def generate(recipe: InferenceRecipe, examples: Sequence[Example], endpoints, out_path: Path, generation):
         return generate_conversations(recipe, examples, endpoints, out_path, generation, GenerationHooks(runner))
 
     return generate
@@ -278,7 +278,9 @@ generate_cot_answers = generate_with(CoTRunner)
 generate_autoform = generate_with(AutoFormRunner)
 
 
-def generate_debates(recipe, examples, endpoints, out_path: Path, generation, settings=DebateSettings()):
+def generate_debates(
+    recipe: InferenceRecipe, examples, endpoints, out_path: Path, generation, settings=DebateSettings()
+):
     """``generation.samples`` debates per example into ``out_path`` (resuming what is there)."""
     runner = functools.partial(DebateRunner, settings=settings)
     return generate_with(runner)(recipe, examples, endpoints, out_path, generation)

@@ -50,7 +50,7 @@ def list_models(recipe: InferenceRecipe) -> list[tuple[str, Path]]:
     return models
 
 
-def render_dry_run(recipe: InferenceRecipe, envs: dict[str, PythonEnv]) -> str:
+def render_dry_run(recipe: InferenceRecipe | MultiSCRecipe, envs: dict[str, PythonEnv]) -> str:
     """What ``--dry-run`` prints for a sweep or a self-consistency run."""
     sc = isinstance(recipe, MultiSCRecipe)
     models = list_models(recipe)
