@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.benchlib import add_model_args, shown
-from optima.agents import ConversationRunner, GenerationHooks, GenerationSettings, generate_conversations
+from optima.agents.conversation import ConversationRunner, GenerationSettings
+from optima.agents.generation import GenerationHooks, generate_conversations
 from optima.config import InferenceRecipe, load_recipe
 from optima.environments import resolve_env
 from optima.logging_utils import setup_logging

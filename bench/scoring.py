@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from bench.benchlib import REPO, TreeMemorySampler, add_model_args, load_average, self_maxrss_mib
-from optima.agents import Utterance, render_utterance
+from optima.agents.prompts import Utterance, render_utterance
 from optima.lm_loss import build_loss_input
 from optima.training import SENTINEL
 

@@ -42,13 +42,12 @@ import time
 from pathlib import Path
 
 from bench.benchlib import REPO, add_model_args
-from optima.agents import GenerationHooks, generate_conversations, generation_settings
+from optima.agents.generation import GenerationHooks, generate_conversations, generation_settings
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import resolve_env
 from optima.hardware import Placement, ServerLayout, allocate_this_machine
-from optima.lm_loss import VLLMLossScorer
+from optima.lm_loss import StreamingLosses, VLLMLossScorer, conversation_texts
 from optima.logging_utils import setup_logging
-from optima.loss_stream import StreamingLosses, conversation_texts
 from optima.paths import RunPaths
 from optima.serving import ServerHolder, group_members
 from optima.store import load_records

@@ -149,9 +149,9 @@ def check_wake_reload(out: Path) -> int:
     """``wake-reload``: serve the base model, sleep, wake with the iSFT checkpoint in place, probe, ask."""
     import torch
 
+    from optima.identity import read_probe
     from optima.paths import RunPaths
     from optima.serving.reload_check import probe_mismatch
-    from optima.weights_probe import read_probe
 
     refusal = cuda_refusal(torch.cuda.device_count())
     if refusal:

@@ -1,12 +1,8 @@
-"""Where each assistant turn of a rendered chat lies, with any chat template (docs/method.md#loss-masks, D17).
+"""Where each assistant turn of a rendered chat lies, under any chat template (docs/method.md#loss-masks, D17).
 
-Matching Llama-3 token patterns (``<|start_header_id|>assistant<|end_header_id|>\\n\\nAlice:``) would silently
-fail on other templates and on utterances that do not start with exactly ``Name:`` (docs/method.md, D17). The
-trained spans come from the rendered text itself, with any chat template: the content of assistant message k
-starts where a sentinel put in its place appears, and ends after the end-of-turn token that follows. Tokens
-whose character span lies inside a trained span are trained. This needs only that rendering a prefix of the
-conversation gives a prefix of the text, which holds for ChatML, Llama-3 and every template that renders messages
-in order; it is checked, never assumed.
+The trainer's loss masks and the LM loss both need it, so it sits below both. The content of assistant message k
+starts where a sentinel put in its place appears, and ends after the end-of-turn token that follows; this needs
+only that rendering a prefix of the conversation gives a prefix of the text, which is checked, never assumed.
 """
 
 from __future__ import annotations
@@ -26,16 +22,10 @@ def _render(tokenizer: Any, messages: list[dict]) -> str:
 
 
 def trained_char_spans(tokenizer: Any, messages: list[dict], end_of_turn: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns (content + end-of-turn).
+    """The rendered conversation and the character spans of its assistant turns (content and `end_of_turn`).
 
-    The start of turn k is where its content begins: message k is rendered once with a sentinel as content, and
-    the text before the sentinel is the turn's header (this also covers templates that insert a default system
-    prompt, and a conversation that opens with an assistant turn).
-
-    Args:
-        tokenizer: A tokenizer with a chat template.
-        messages: ``[{"role", "content"}, ...]``.
-        end_of_turn: The text that closes an assistant turn (``<|im_end|>``, ``<|eot_id|>``).
+    Raises:
+        MaskError: the template does not render a prefix of the messages as a prefix of the text.
     """
     full = _render(tokenizer, messages)
     spans = []

@@ -1,20 +1,10 @@
-"""``push_to_hub``: the model card of every checkpoint, and the upload of a run's final checkpoint and training sets.
+"""`push_to_hub`: the model card of every checkpoint, and the upload of a run's final checkpoint and training sets.
 
-Every checkpoint gets a model card (``README.md``) after its iteration, built with ``huggingface_hub``'s
-``ModelCard``/``ModelCardData``: ``base_model`` (a hub id, when the initial model has one), ``library_name``,
-``tags``, ``datasets`` (the task's hub dataset and, when pushed, the run's training sets) and the iteration's
-numbers. It holds no local path, so it can be published as is.
-
-Off by default, ``push_to_hub`` uploads after the last iteration: the final checkpoint folder goes to the model
-repository ``hub_model_id`` (its card included) with the run report under ``run_report/``. With
-``hub_push_datasets`` every iteration's training set goes to the dataset repository ``<hub_model_id>-data`` through
-``DatasetDict.push_to_hub(config_name="iteration_<i>[_<stage>]")``: Parquet files and a dataset card listing the
-configs, so ``load_dataset("<hub_model_id>-data", "iteration_0")`` and the Hub's dataset viewer read it.
-
-The uploads go through ``huggingface_hub`` and ``datasets`` with the usual token (``HF_TOKEN`` or ``hf auth
-login``) and endpoint (``HF_ENDPOINT``). ``push_run`` takes the model uploads' API object as an argument
-(``HfApi(endpoint=...)``). A file ``hub_push.json`` in the run directory records what was pushed: a rerun of a
-finished run does not upload the same checkpoint again.
+Every checkpoint gets a `huggingface_hub` model card after its iteration (base model, tags, datasets and the
+iteration's numbers; no local path). With `push_to_hub` the final checkpoint goes to `hub_model_id` after the last
+iteration, the run report under `run_report/`; with `hub_push_datasets` every training set goes to
+`<hub_model_id>-data`, one dataset config per iteration folder. `hub_push.json` records what was pushed, so a rerun
+of a finished run uploads nothing again. Token and endpoint: `HF_TOKEN`, `HF_ENDPOINT`.
 """
 
 from __future__ import annotations
@@ -24,9 +14,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from optima.config import HUB_ID, is_hub_id
 from optima.lineage import lineage_folders
 from optima.paths import RunPaths, checkpoint_label
-from optima.report_rows import build_row
+from optima.reporting import build_row
+from optima.tasks import get_task
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe
@@ -56,34 +48,29 @@ readable tokens): {{ method }} on `{{ task }}`, from `{{ base_label }}`.
 |---|---|
 {% for name, value in numbers %}| {{ name }} | {{ value }} |
 {% endfor %}"""
-# Report-row numbers shown in the card (``optima.report_rows.build_row``).
+# Report-row numbers shown in the card (`optima.reporting.build_row`).
 CARD_NUMBERS = ("answer_rate", "task_score", "verifier_timeouts", "mean_tokens", "conversations", "kept", "train_loss",
                 "train_rows")  # fmt: skip
 
 
 def data_repo_id(recipe: LoopRecipe) -> str | None:
-    """The dataset repository of the run's training sets (``<hub_model_id>-data``), when they are pushed."""
+    """The dataset repository of the run's training sets (`<hub_model_id>-data`), when they are pushed."""
     return f"{recipe.hub_model_id}{DATA_REPO_SUFFIX}" if recipe.hub_model_id and recipe.hub_push_datasets else None
 
 
 def config_name(path_in_run: str) -> str:
-    """The dataset config of a training set: ``iteration_1/dpo`` -> ``iteration_1_dpo``."""
+    """The dataset config of a training set: `iteration_1/dpo` -> `iteration_1_dpo`."""
     return path_in_run.replace("/", "_")
 
 
 def iteration_configs(paths: RunPaths, iteration: int) -> list[str]:
-    """The dataset configs of one iteration's training sets, as ``push_datasets`` names them.
-
-    ``iteration_<i>``, or one per stage in iSFT-DPO (``iteration_<i>_sft``, ``iteration_<i>_dpo``).
-    """
+    """The dataset configs of one iteration's training sets: `iteration_<i>` (iSFT-DPO: `_sft`, `_dpo`)."""
     folder = f"iteration_{iteration}"
     return [config_name(path) for path, _ in dataset_folders(paths) if path.split("/")[0] == folder]
 
 
 def base_model_id(model: str) -> str | None:
     """The hub id of a model: the name itself, else what a local folder's card or config names; None if unknown."""
-    from optima.config import HUB_ID, is_hub_id
-
     if is_hub_id(model):
         return model
     folder = Path(model)
@@ -100,17 +87,8 @@ def base_model_id(model: str) -> str | None:
 
 
 def build_model_card(recipe: LoopRecipe, iteration: int, metrics: dict, versions: dict[str, str]):
-    """The model card of a checkpoint (``huggingface_hub.ModelCard``): metadata and this iteration's numbers.
-
-    Args:
-        recipe: The loop recipe.
-        iteration: The checkpoint's iteration.
-        metrics: The iteration's ``metrics.json``.
-        versions: Library versions of the training environment.
-    """
+    """The model card of a checkpoint: metadata, the iteration's numbers (`metrics.json`), library `versions`."""
     from huggingface_hub import ModelCard, ModelCardData
-
-    from optima.tasks import get_task
 
     base = base_model_id(str(recipe.initial_model_path))
     data_repo = data_repo_id(recipe)
@@ -148,8 +126,7 @@ def build_model_card(recipe: LoopRecipe, iteration: int, metrics: dict, versions
 
 
 def dataset_folders(paths: RunPaths) -> list[tuple[str, Path]]:
-    """``(path in the dataset repo, folder)`` of every saved training set of the run's current lineage, in run order
-    (``optima.lineage.lineage_folders``: nothing set aside, nothing of an earlier run)."""
+    """`(path in the dataset repo, folder)` of every saved training set of the run's current lineage, in order."""
     return [
         (sp.root.relative_to(paths.output_dir).as_posix(), sp.dataset)
         for _, _, sp in lineage_folders(paths.output_dir)
@@ -158,17 +135,8 @@ def dataset_folders(paths: RunPaths) -> list[tuple[str, Path]]:
 
 
 def push_run(recipe: LoopRecipe, paths: RunPaths, final_model: str, api: Any = None) -> dict | None:
-    """Upload the final checkpoint (model card and run report included) and, if asked, the training sets.
-
-    Args:
-        recipe: A loop recipe with ``push_to_hub``, ``hub_model_id``, ``hub_push_datasets``.
-        paths: The run's paths.
-        final_model: The model the run ended with.
-        api: An ``HfApi``-like object (default ``huggingface_hub.HfApi()``).
-
-    Returns:
-        The push record, or None when nothing was trained (the base model is never re-uploaded).
-    """
+    """Upload the final checkpoint (card and run report included) and, if asked, the training sets, through `api`
+    (default `huggingface_hub.HfApi()`); the push record, or None when nothing was trained."""
     checkpoint = Path(final_model)
     if str(final_model) == str(recipe.initial_model_path) or not checkpoint.is_dir():
         logger.warning("push_to_hub | the run trained no checkpoint; nothing uploaded")
@@ -200,7 +168,7 @@ def push_run(recipe: LoopRecipe, paths: RunPaths, final_model: str, api: Any = N
 
 
 def push_datasets(recipe: LoopRecipe, paths: RunPaths, token: str | None = None) -> None:
-    """Push every training set of the run to ``<hub_model_id>-data``, one dataset config per iteration folder."""
+    """Push every training set of the run to `<hub_model_id>-data`, one dataset config per iteration folder."""
     from datasets import load_from_disk
 
     data_repo = data_repo_id(recipe)

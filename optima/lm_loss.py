@@ -1,56 +1,55 @@
-"""Per-utterance LM loss under the fixed initial model: the readability term of the reward.
+"""Per-utterance LM loss under the fixed loss model (the reward's readability term), and its streaming while
+generation runs (docs/method.md#readability).
 
-See docs/method.md#readability.
+`L(u)` is the mean NLL of utterance `u`'s tokens and its end-of-turn token, `u` rendered alone as one assistant
+message of the chat template (the template's own tokens are context, never scored). The `vllm` backend reads it
+from a server's prompt log-probabilities (`echo`, `max_tokens: 0`, many texts per request, several requests at
+once); `hf` runs a padded forward pass in this process: the same number on the same token ids.
 
-``L(u)`` is the mean negative log-likelihood of utterance ``u``'s tokens plus its end-of-turn token, with ``u``
-rendered alone as one assistant message of the model's chat template
-(``apply_chat_template([{"role": "assistant", "content": u}])``); the template's own tokens are context, never
-scored. Two backends compute the same number on the same token ids:
-
-* ``vllm`` (default): ``/v1/completions`` of a vLLM server of the initial model with the token ids as the prompt,
-  ``echo`` + ``logprobs`` and ``max_tokens: 0``: the server returns the prompt's log-probabilities. Requests
-  carry many texts each and several run at once, so scoring rides on vLLM's batching. No Ray Serve, no ports
-  of its own (docs/method.md D1, D6).
-* ``hf``: a padding-aware batched forward pass with transformers in the calling process.
-
-``bench/scoring.py`` compares both backends with a per-conversation HF forward pass.
+The loss model is fixed for the run, so each conversation is scored as soon as it is written (`StreamingLosses`)
+into `losses.jsonl`, keyed by conversation, loss model and a hash of its rendered utterances; the last valid line
+wins; only finished conversations are streamed; a failed request is left for the score stage to fill.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from optima.agents.prompts import Utterance, render_utterance
 from optima.chat_spans import trained_char_spans
 from optima.config.rules import vllm_loss_batch_size, workers
+from optima.reward import reads_losses
 from optima.serving.client import prompt_logprobs
+from optima.store import JsonlWriter, load_records, record_key, write_jsonl
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 
+ScoreTexts = Callable[[Sequence[str]], list[float]]
+STREAM_WORKERS = 4  # requests in flight at once: enough for vLLM to batch, few enough to leave it to generation
+
 
 @dataclass(frozen=True)
 class LossInput:
-    """Token ids of one rendered utterance and the positions whose NLL is averaged."""
+    """The token ids of one rendered utterance and the positions whose NLL is averaged."""
 
     input_ids: list[int]
     scored: list[int]
 
 
 def build_loss_input(tokenizer: Any, text: str) -> LossInput:
-    """Render ``text`` as a lone assistant message and find its content + end-of-turn token positions.
-
-    Args:
-        tokenizer: The initial model's (fast) tokenizer with its chat template.
-        text: The utterance as stored (``Name: ...`` rendering is the caller's choice).
-    """
+    """`text` rendered as a lone assistant message, and the positions of its content and end-of-turn token."""
     rendered, spans = trained_char_spans(tokenizer, [{"role": "assistant", "content": text}], tokenizer.eos_token)
     (start, end) = spans[0]
     encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
@@ -60,7 +59,7 @@ def build_loss_input(tokenizer: Any, text: str) -> LossInput:
 
 
 def mean_nll(logprobs: Sequence[float | None], scored: Sequence[int]) -> float:
-    """Mean negative log-probability at ``scored`` positions (position i's log-probability given < i)."""
+    """The mean negative log-probability at `scored` positions (position i's given those before); NaN for none."""
     values = [-logprobs[i] for i in scored if logprobs[i] is not None]
     if not values:
         return math.nan
@@ -68,15 +67,8 @@ def mean_nll(logprobs: Sequence[float | None], scored: Sequence[int]) -> float:
 
 
 class VLLMLossScorer:
-    """LM losses from a vLLM server's prompt log-probabilities.
-
-    Args:
-        base_urls: ``http://127.0.0.1:PORT/v1`` of each replica serving the initial model (batches alternate).
-        model: Its served model name.
-        tokenizer: The initial model's tokenizer.
-        recipe: Supplies ``api_key``, ``request_timeout_s``, ``max_retries`` and ``thread_count``.
-        batch_size: Texts per request (default ``optima.config.rules.vllm_loss_batch_size``).
-    """
+    """LM losses from the prompt log-probabilities of vLLM servers of the loss model (`base_urls`: batches
+    alternate), `batch_size` texts per request (default `vllm_loss_batch_size`)."""
 
     def __init__(
         self, base_urls: Sequence[str], model: str, tokenizer: Any, recipe: LoopRecipe, batch_size: int | None = None
@@ -106,7 +98,7 @@ class VLLMLossScorer:
         return [mean_nll(c.logprobs.token_logprobs, x.scored) for c, x in zip(choices, inputs, strict=True)]
 
     def score(self, texts: Sequence[str]) -> list[float]:
-        """Mean NLL of each text."""
+        """The mean NLL of each text."""
         with self.tokenizer_lock:
             inputs = [build_loss_input(self.tokenizer, t) for t in texts]
         batches = [inputs[i : i + self.batch_size] for i in range(0, len(inputs), self.batch_size)]
@@ -116,13 +108,8 @@ class VLLMLossScorer:
 
 
 class HFLossScorer:
-    """LM losses from a batched transformers forward pass (fp32, right padding, pad positions ignored).
-
-    Args:
-        model_path: The initial model (hub id or folder).
-        tokenizer: Its tokenizer.
-        batch_size: Texts per forward pass (8 is the CPU sweet spot, docs/cpu.md#training-speed).
-    """
+    """LM losses from a batched transformers forward pass (fp32, right padding; 8 texts a batch is the CPU's
+    sweet spot, docs/cpu.md#training-speed)."""
 
     def __init__(self, model_path: str, tokenizer: Any, batch_size: int = 8):
         import torch
@@ -152,7 +139,7 @@ class HFLossScorer:
         return out
 
     def score(self, texts: Sequence[str]) -> list[float]:
-        """Mean NLL of each text."""
+        """The mean NLL of each text."""
         with self.lock:
             return self._score(texts)
 
@@ -166,3 +153,164 @@ class HFLossScorer:
             for i, loss in zip(chunk, self._score_batch([inputs[i] for i in chunk]), strict=True):
                 losses[i] = loss
         return losses
+
+
+def conversation_texts(record: dict) -> list[str]:
+    """The rendered utterances of a conversation record, as the LM loss sees them."""
+    return [render_utterance(Utterance(u["speaker"], u["text"])) for u in record["utterances"]]
+
+
+def texts_sha1(texts: Sequence[str]) -> str:
+    return hashlib.sha1("\x00".join(texts).encode()).hexdigest()
+
+
+def needs_losses(record: dict) -> bool:
+    """Whether the reward of a conversation record reads its LM losses (finished ones only)."""
+    return reads_losses(record.get("status"))
+
+
+def to_json_losses(losses: Sequence[float]) -> list[float | None]:
+    """Losses as JSON holds them: NaN (nothing scored in an utterance) becomes null."""
+    return [None if isinstance(x, float) and not math.isfinite(x) else x for x in losses]
+
+
+def from_json_losses(losses: Sequence[float | None]) -> list[float]:
+    """Losses read back from JSON: null becomes NaN again."""
+    return [math.nan if x is None else x for x in losses]
+
+
+def _line_key(line: dict) -> tuple[str, int, str]:
+    return (*record_key(line), line["loss_model"])
+
+
+def _valid(line: dict) -> bool:
+    try:
+        _line_key(line)
+    except (KeyError, TypeError, ValueError):
+        return False
+    losses = line.get("losses")
+    return (
+        isinstance(line.get("texts_sha1"), str)
+        and isinstance(losses, list)
+        and all(x is None or (isinstance(x, int | float) and not isinstance(x, bool)) for x in losses)
+    )
+
+
+def read_loss_lines(path: Path, rewrite: bool = False) -> dict[tuple[str, int, str], dict]:
+    """The line that counts for each (task_id, sample_index, loss_model) of `path`: the last valid one.
+    `rewrite`: rewrite the file with those lines when it holds others (torn, invalid, superseded), to append to."""
+    lines, torn = load_records(path) if path.exists() else ([], False)
+    kept: dict[tuple[str, int, str], dict] = {}
+    for line in lines:
+        if _valid(line):
+            kept.pop(_line_key(line), None)  # re-insert: the file keeps the order in which lines last won
+            kept[_line_key(line)] = line
+    if rewrite and (torn or len(kept) != len(lines)):
+        logger.warning(
+            "%s: resuming; kept the last valid line of %d conversations, dropped %d lines (torn last line: %s)",
+            path,
+            len(kept),
+            len(lines) - len(kept),
+            torn,
+        )
+        write_jsonl(kept.values(), path)
+    return kept
+
+
+def load_known_losses(path: Path, loss_model: str) -> Callable[[dict], list[float] | None]:
+    """`losses_of(record)`: the stored losses of a conversation record under `loss_model`, else None."""
+    return known_losses(read_loss_lines(path), loss_model)
+
+
+def known_losses(stored: dict[tuple[str, int, str], dict], loss_model: str) -> Callable[[dict], list[float] | None]:
+    """`losses_of(record)` over lines already read (`read_loss_lines`)."""
+
+    def losses_of(record: dict) -> list[float] | None:
+        line = stored.get((*record_key(record), loss_model))
+        if line is None or line["texts_sha1"] != texts_sha1(conversation_texts(record)):
+            return None  # not scored yet, or the conversation was generated again since
+        return from_json_losses(line["losses"])
+
+    return losses_of
+
+
+class StreamingLosses:
+    """Scores each submitted conversation record in the background into `path` (`losses.jsonl`), on lines that
+    name `loss_model` (losses of another model are never reused)."""
+
+    def __init__(self, score_texts: ScoreTexts, path: Path, loss_model: str, workers: int = STREAM_WORKERS):
+        self.known = known_losses(read_loss_lines(path, rewrite=True), loss_model)  # one read of the file
+        self.score_texts, self.loss_model = score_texts, loss_model
+        self.writer = JsonlWriter(path)
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loss")
+        self.futures: list[Future] = []
+        self.lock = threading.Lock()
+        self.submitted = self.reused = self.skipped = self.failed = 0
+        self.wait_s = 0.0
+
+    def submit(self, record: dict) -> None:
+        """Queue `record` for scoring (not when its losses are stored already or its reward reads none)."""
+        if not needs_losses(record):
+            self.skipped += 1
+            return
+        if self.known(record) is not None:
+            self.reused += 1
+            return
+        with self.lock:
+            self.submitted += 1
+            self.futures.append(self.executor.submit(self._score, record))
+
+    def _score(self, record: dict) -> None:
+        texts = conversation_texts(record)
+        task_id, sample_index = record_key(record)
+        try:
+            losses = self.score_texts(texts) if texts else []
+        except Exception as exc:  # noqa: BLE001 - any failure of the loss server leaves the gap to the score stage
+            with self.lock:
+                self.failed += 1
+            logger.warning(
+                "loss | %s #%s not scored while generating (the score stage will): %r", task_id, sample_index, exc
+            )
+            return
+        line = {"task_id": task_id, "sample_index": sample_index, "loss_model": self.loss_model}
+        self.writer.write(line | {"texts_sha1": texts_sha1(texts), "losses": to_json_losses(losses)})
+
+    def finish(self) -> dict:
+        """Wait for every request; return what it did and how long the wait took (a failed request is counted, and
+        its conversation left to the score stage)."""
+        started = time.monotonic()
+        try:
+            for future in list(self.futures):
+                future.result()
+        finally:
+            self.close(wait=False)
+        self.wait_s = time.monotonic() - started
+        scored = self.submitted - self.failed
+        logger.info(
+            "loss | %d conversations scored while generating (%d stored before, %d need none, %d failed and left to "
+            "the score stage) | %.1f s waited after generation",
+            scored,
+            self.reused,
+            self.skipped,
+            self.failed,
+            self.wait_s,
+        )
+        return {
+            "scored": scored,
+            "failed": self.failed,
+            "reused": self.reused,
+            "skipped": self.skipped,
+            "wait_s": round(self.wait_s, 2),
+        }
+
+    def close(self, wait: bool = False) -> None:
+        """Stop: queued requests are dropped unless `wait` (those written stay for the next run)."""
+        self.executor.shutdown(wait=wait, cancel_futures=not wait)
+        self.writer.close()
+
+    def __enter__(self) -> StreamingLosses:
+        return self
+
+    def __exit__(self, exc_type, *exc_info) -> None:
+        if exc_type is not None:
+            self.close()

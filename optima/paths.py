@@ -68,7 +68,7 @@ class StagePaths:
 
     @property
     def losses(self) -> Path:
-        """LM losses scored while generating (``optima.loss_stream``)."""
+        """LM losses scored while generating (``optima.lm_loss``)."""
         return self.root / "losses.jsonl"
 
     @property

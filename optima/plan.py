@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from optima.agents.runner import generation_settings
+from optima.agents.generation import generation_settings
 from optima.config import DPORecipe, SFTRecipe, stage_fields
 from optima.config.rules import loss_model, selection_range, train_start, trainer_base_yaml, trainer_overrides_for
 from optima.config.stage_names import Stage

@@ -1,20 +1,9 @@
-"""Run reports: ``report.md`` and ``report.png`` in a loop's run directory, redrawn after every iteration.
+"""A run's report: `report.md` and `report.png` in its run directory, redrawn after every iteration.
 
-A run directory holds one ``metrics.json`` per iteration folder (``iteration_<i>/`` in iSFT and iDPO,
-``iteration_<i>/sft/`` and ``iteration_<i>/dpo/`` in iSFT-DPO). This module reads them back, makes one row per
-stage folder, and writes a Markdown report (headline numbers, mean reward parts, DPO pair and rollout statistics,
-stage times) plus a four-panel figure: task score, answer rate and the share cut for length, mean tokens per
-conversation, train loss, and stage times. What the paper tracks across iterations (Fig. 2: performance rises
-while tokens fall) can be read off one page. ``python -m optima report RUN_DIR`` redraws both from the files
-alone, so a finished, killed or copied run can be reported without the recipe or any model.
-
-For an SFT stage the conversation numbers come from the score stage (every sampled conversation); for a DPO stage
-from the tree-search rollouts. "kept" is the conversations kept by selection (SFT) or the pairs kept (DPO). Mean
-tokens count every generated token, cut replies included, and sit beside the share of conversations with a cut
-reply (docs/method.md#token-count). The ten most frequent final answers of each stage folder (read from its
-conversations) are listed with their counts, so that a model copying an answer (from a prompt, from its own
-training data) shows at a glance. A run with a held-out evaluation (``heldout_size``) ends the report with its
-table: the base model and every checkpoint on the same held-out questions (``optima.evaluation.heldout``).
+One row per stage folder, from its `metrics.json` alone (`build_row`; the trackers and the model cards show the
+same rows): answer rate, task score (strict and flexible), mean tokens beside the share cut for length, reward
+parts, kept, DPO pairs and rollouts, train loss and stage times, the most frequent final answers (a copied
+answer shows at a glance), and the held-out table. `python -m optima report RUN_DIR` redraws it from the files.
 """
 
 from __future__ import annotations
@@ -24,14 +13,15 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from optima.browser import collect_sections, sample_conversations, write_conversations_page
 from optima.evaluation.metrics import with_timeouts
 from optima.evaluation.tables import new_figure, render_heldout_table, render_markdown_table
 from optima.lineage import lineage_folders, read_entries
-from optima.methods import DPO, method_of_trainers
+from optima.methods import DPO, SFT, method_of_trainers
 from optima.paths import PAGE, StagePaths
-from optima.report_rows import PART_NAMES, STAGE_ORDER, build_row
 from optima.store import atomic_write_text, load_records
-from optima.tasks.reparse import reparsed
+from optima.tasks.scoring import reparsed
+from optima.tracking import log_rows, scalars_of, write_tensorboard_scalars
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +29,9 @@ REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
 HELDOUT_SUMMARY = Path("heldout") / "summary.json"
 TOP_ANSWERS = 10
+SAMPLES_PER_STAGE = 3  # conversations per stage output logged as TensorBoard text
+PART_NAMES = ("task_score", "token_term", "loss_term", "penalty", "reward")
+STAGE_ORDER = ("generate", "score", "select", "probe", "search", "pairs", "train")
 # The per-iteration table (MATH runs add the verifier's timeouts: ``with_timeouts``).
 ITERATION_COLUMNS = ("label", "answer_rate", "task_score", "flexible_answer_rate", "flexible_score", "mean_tokens",
                      "cut_rate", "placeholder_copies", "conversations", "kept", "train_loss", "total_s")  # fmt: skip
@@ -47,18 +40,61 @@ ITERATION_HEADERS = ("iteration", "answer rate", "task score", "answer rate (fle
                      "time (s)")  # fmt: skip
 
 
-def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
-    """``(iteration, stage folder name, metrics.json)`` of every finished iteration of the current lineage (an
-    earlier run's iterations left in the folder are not read: ``optima.lineage.lineage_folders``), in run order.
+def build_row(iteration: int, stage: str, metrics: dict) -> dict:
+    """One report row from one `metrics.json` (`stage`: `sft`/`dpo` inside an iSFT-DPO iteration, else "")."""
+    stages = metrics.get("stages", {})
+    kind = DPO if "search" in stages or "probe" in stages or "pairs" in stages else SFT
+    conversations = stages.get("score") or stages.get("search") or {}
+    train = stages.get("train") or {}
+    timings = metrics.get("timings_s", {})
+    row = {
+        "label": f"{iteration + 1}" + (f" {stage}" if stage else ""),  # counted from 1, as the logs count them
+        "iteration": iteration,
+        "stage": stage,
+        "kind": kind,
+        "answer_rate": conversations.get("answer_rate"),
+        "task_score": conversations.get("accuracy"),
+        # The answer named in words where the format is missing (older runs: not recorded).
+        "flexible_answer_rate": conversations.get("flexible_answer_rate"),
+        "flexible_score": conversations.get("flexible_accuracy"),
+        "mean_tokens": conversations.get("mean_tokens"),
+        "cut_rate": conversations.get("cut_rate"),  # share cut for length (older runs: not recorded)
+        "placeholder_copies": conversations.get("placeholder_copies"),  # conversations copying a placeholder
+        # MATH: symbolic checks that timed out twice, scored 0 (``MathVerifier.timeouts``); other tasks: no key.
+        **({"verifier_timeouts": conversations["verifier_timeouts"]} if "verifier_timeouts" in conversations else {}),
+        "conversations": conversations.get("conversations", conversations.get("rollouts")),
+        "train_loss": train.get("train_loss"),
+        "train_rows": train.get("train_rows"),
+        "total_s": round(sum(timings.values()), 1) if timings else None,
+    }
+    row |= {f"part_{name}": (conversations.get("mean_reward_parts") or {}).get(name) for name in PART_NAMES}
+    row |= {f"time_{name}": timings.get(name) for name in STAGE_ORDER}
+    if kind == SFT:
+        row["kept"] = (stages.get("select") or {}).get("kept_conversations")
+    else:
+        pairs, probe = stages.get("pairs") or {}, stages.get("probe") or {}
+        row |= {
+            "kept": pairs.get("pairs_kept"),
+            "pairs_found": pairs.get("pairs_found"),
+            "pairs_kept": pairs.get("pairs_kept"),
+            "questions_with_pairs": pairs.get("questions_with_pairs"),
+            "search_questions": conversations.get("questions"),
+            "failed_rollouts": conversations.get("failed_rollouts"),  # left out of the trees' values
+            "failed_requests": conversations.get("failed_requests"),
+            "t_max": probe.get("t_max", conversations.get("t_max")),
+            "probe_conversations": probe.get("conversations"),
+        }
+    return row
 
-    Args:
-        run_dir: The run directory (``output_dir`` of the recipe).
-    """
+
+def find_metrics(run_dir: Path) -> list[tuple[int, str, Path]]:
+    """`(iteration, stage folder name, metrics.json)` of every finished iteration of the current lineage, in run
+    order (an earlier run's iterations left in the folder are not read)."""
     return [(iteration, part, sp.metrics) for iteration, part, sp in lineage_folders(run_dir) if sp.metrics.is_file()]
 
 
 def collect_rows(run_dir: Path) -> list[dict]:
-    """Report rows of every finished iteration (stage folder) of ``run_dir``, in run order."""
+    """The report rows of every finished stage folder of `run_dir`, in run order."""
     rows = []
     for iteration, stage, path in find_metrics(run_dir):
         try:
@@ -70,8 +106,8 @@ def collect_rows(run_dir: Path) -> list[dict]:
 
 
 def lineage_of(metrics: Path) -> dict:
-    """``{"lineage": <key of the folder's last finished stage>}`` (a redone iteration has another; ``{}``: no
-    manifest), so that a tracker that sent the old row sends the new one too (``optima.wandb_tracking.row_key``)."""
+    """`{"lineage": <key of the folder's last finished stage>}` (`{}` without a manifest): a tracker that sent the
+    row of a redone iteration sends the new one too."""
     finished = [entry for entry in read_entries(metrics.with_name("manifest.json")).values() if "result" in entry]
     identity = finished[-1].get("identity") if finished else None
     return {"lineage": identity} if identity else {}
@@ -90,7 +126,7 @@ def final_answers(folder: Path) -> list[str]:
 
 
 def answer_rows(rows: list[dict], top: int = TOP_ANSWERS) -> list[dict]:
-    """The ``top`` most frequent final answers of each report row, with counts and shares of its conversations."""
+    """The `top` most frequent final answers of each report row, with counts and shares of its conversations."""
     table = []
     for row in rows:
         answers = row.get("answers") or []
@@ -103,7 +139,7 @@ def answer_rows(rows: list[dict], top: int = TOP_ANSWERS) -> list[dict]:
 
 
 def _describe_run(run_dir: Path, rows: list[dict]) -> str:
-    """One line naming the method (from the stages run), task and base model (from ``recipe.yaml``)."""
+    """One line naming the method (from the stages run), task and base model (from `recipe.yaml`)."""
     found = method_of_trainers({row["kind"] for row in rows})
     method = found.label if found else "-"
     recipe_file = run_dir / "recipe.yaml"
@@ -120,7 +156,7 @@ def _describe_run(run_dir: Path, rows: list[dict]) -> str:
 
 
 def render_report(run_dir: Path, rows: list[dict]) -> str:
-    """The Markdown text of ``report.md``."""
+    """The Markdown text of `report.md`."""
     lines = [f"# Optima run report: {run_dir.name}", "", _describe_run(run_dir, rows), ""]
     if (run_dir / PAGE).is_file():
         lines += [f"Every conversation, kept or dropped and why, and every DPO pair: [{PAGE}]({PAGE})", ""]
@@ -180,7 +216,7 @@ def render_report(run_dir: Path, rows: list[dict]) -> str:
 
 
 def heldout_section(run_dir: Path) -> list[str]:
-    """The held-out evaluation's table and plot (``heldout/summary.json``), the report's last; [] without one."""
+    """The held-out evaluation's table and plot (`heldout/summary.json`), the report's last; [] without one."""
     summary_file = run_dir / HELDOUT_SUMMARY
     if not summary_file.is_file():
         return []
@@ -246,12 +282,7 @@ def plot_report(rows: list[dict], path: Path, title: str):
 
 
 def write_run_report(run_dir: Path, rows: list[dict] | None = None) -> tuple[Path, Path]:
-    """Write (or redraw) ``report.md`` and ``report.png`` in ``run_dir``; returns their paths.
-
-    Args:
-        run_dir: The run directory.
-        rows: Its report rows when the caller has them already (``collect_rows``); else they are read here.
-    """
+    """Write (or redraw) `report.md` and `report.png` in `run_dir` (`rows`: `collect_rows` if read already)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
@@ -262,3 +293,31 @@ def write_run_report(run_dir: Path, rows: list[dict] | None = None) -> tuple[Pat
         plot_report(rows, image, f"Optima run {run_dir.name}")
     logger.info("report | %s (%d iterations)", markdown, len(rows))
     return markdown, image
+
+
+def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
+    """After an iteration: rewrite `conversations.html`, redraw `report.md`/`report.png` (which link it), and send
+    the report rows and a few conversations (a kept one, a dropped one, one cut for length) to the trackers.
+
+    A failure here is logged and does not stop the run (the metrics stay in `metrics.json`).
+    """
+    sections = None  # the stage outputs, read once for the page and the trackers' sample conversations
+    try:
+        sections = collect_sections(run_dir)
+        write_conversations_page(run_dir, sections=sections)
+    except (OSError, ValueError, KeyError) as exc:
+        logger.warning("conversations | could not write the conversation browser of %s: %s", run_dir, exc)
+    try:
+        rows = collect_rows(run_dir)  # read once: the report, TensorBoard and W&B all draw from these rows
+        write_run_report(run_dir, rows)
+        if rows and "tensorboard" in report_to:
+            try:
+                samples = sample_conversations(run_dir, SAMPLES_PER_STAGE, sections)
+            except (OSError, ValueError, KeyError) as exc:  # the scalars are written whatever the conversations hold
+                logger.warning("tensorboard | no sample conversations for %s: %s", run_dir, exc)
+                samples = []
+            write_tensorboard_scalars(run_dir, rows, samples)
+        if rows and "wandb" in report_to:
+            log_rows(run_dir, rows, scalars_of)  # every finished row not sent yet (backfills after a resume)
+    except (OSError, ValueError, ImportError) as exc:
+        logger.warning("report | could not write the run report or tracker logs of %s: %s", run_dir, exc)

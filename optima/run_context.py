@@ -182,7 +182,7 @@ def write_iteration_report(
     )
     if checkpoint is not None and checkpoint.is_dir():
         (checkpoint / "README.md").write_text(render_model_card(ctx, iteration, metrics))
-    from optima.tracking import publish_iteration
+    from optima.reporting import publish_iteration
 
     publish_iteration(ctx.paths.output_dir, ctx.report_to)  # report.md/png and the trackers, every iteration
     return metrics

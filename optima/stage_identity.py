@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from optima.agents.generation import generation_settings
 from optima.agents.prompts import templates_identity
-from optima.agents.runner import generation_settings
 from optima.config.rules import loss_model, train_start, trainer_base_yaml
 from optima.identity import digest, file_digest, model_identity
 from optima.manifest import StageKey, field_values, fields_hash, stage_link

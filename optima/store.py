@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
@@ -132,6 +133,23 @@ def write_yaml(path: Path, data: Any) -> Path:
     import yaml
 
     return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
+
+
+def save_splits(splits: dict[str, list[dict]], path: Path) -> dict[str, int]:
+    """Save `{"train": rows, "test": rows}` as a `DatasetDict` at `path`, atomically; return the row counts.
+
+    Empty splits are left out (`datasets` cannot load an empty split back).
+    """
+    from datasets import Dataset, DatasetDict
+
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    DatasetDict({name: Dataset.from_list(rows) for name, rows in splits.items() if rows}).save_to_disk(str(tmp))
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return {name: len(rows) for name, rows in splits.items()}
 
 
 class JsonlWriter:

@@ -1,31 +1,30 @@
-"""Experiment tracking of a loop run: the trainer's ``report_to`` and the per-iteration numbers, one dashboard.
+"""Experiment tracking of a loop run: the trainers' `report_to`, and the iteration rows as TensorBoard scalars and
+W&B rows (docs/tracking.md).
 
-``report_to`` in the recipe is ``auto`` (TensorBoard when the training environment has it, else nothing),
-``none``, ``tensorboard`` or ``wandb`` (or a list of them). The trainer of every iteration gets it in its rendered
-YAML with a ``run_name`` per iteration (``<run>/iteration_<i>[/<stage>]``); its TensorBoard events go to
-``<run>/tensorboard/iteration_<i>[/<stage>]/``. After each iteration the driver writes the report rows of
-``optima.reporting`` (answer rate, task score, mean tokens, reward parts, kept, train loss, stage times) as
-scalars under ``<run>/tensorboard/optima/``, one step per iteration, so
-``tensorboard --logdir <run>/tensorboard`` shows the trainer curves and the iteration curves side by side. With
-``wandb`` the same rows go to W&B, the trainers' runs in the same project and group (``optima.wandb_tracking``).
-
-The driver never imports torch: TensorBoard events are written with ``tensorboardX``'s ``SummaryWriter``. The
-scalar file is rewritten from all finished iterations each time, so a resumed run shows every iteration once. A
-few conversations of every stage output (a kept one, a dropped one, one cut for length) go beside the scalars as
-TensorBoard text (tag ``conversations/<stage output>``, one step per iteration), and after every iteration the
-driver also rewrites ``conversations.html`` (``optima.browser``) before the report that links it.
+`report_to` is `auto` (TensorBoard when the training environment has it), `none`, `tensorboard` or `wandb`. Each
+trainer logs under `<run>/tensorboard/iteration_<i>[/<stage>]` with a run name per iteration; after each iteration
+the report rows go to `<run>/tensorboard/optima/` (rewritten whole, so a resumed run shows every iteration once)
+with a few conversations as text, and with `wandb` to one W&B project (`$WANDB_PROJECT`, else `optima`) and group
+(the run's name): the run id is stored in `wandb_run.json`, so a resumed run continues its W&B run and sends the
+rows not sent yet. The driver never imports torch (tensorboardX writes the events).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import secrets
 import shutil
+import string
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from optima.config import RecipeError, parse_report_to
 from optima.methods import DPO
 from optima.paths import TENSORBOARD_DIR, RunPaths, StagePaths
+from optima.store import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +35,13 @@ SCALAR_GROUPS = {
     "train": ("train_loss", "train_rows"),
     DPO: ("pairs_found", "pairs_kept", "t_max", "questions_with_pairs", "failed_rollouts", "failed_requests"),
 }
-SAMPLES_PER_STAGE = 3  # conversations per stage output logged as TensorBoard text
+RUN_FILE = "wandb_run.json"
+DEFAULT_PROJECT = "optima"
+ID_CHARS = string.ascii_lowercase + string.digits  # W&B's own run-id alphabet (base 36)
 
 
 def resolve_report_to(value: str | list[str] | None, train_env) -> list[str]:
-    """The trackers a run uses: ``auto`` becomes ``["tensorboard"]`` when the training env can import it.
-
-    Args:
-        value: The recipe's ``report_to``.
-        train_env: The training environment (``PythonEnv``), asked which modules it has.
+    """The trackers a run uses: `auto` is `["tensorboard"]` when the training environment (`PythonEnv`) has it.
 
     Raises:
         RecipeError: a requested tracker is not installed in the training environment.
@@ -61,24 +58,32 @@ def resolve_report_to(value: str | list[str] | None, train_env) -> list[str]:
 
 
 def run_name(run_dir: Path, stage_root: Path) -> str:
-    """The trainer's run name for one iteration folder: ``<run>/iteration_<i>[/<stage>]``."""
+    """The trainer's run name for one iteration folder: `<run>/iteration_<i>[/<stage>]`."""
     return f"{Path(run_dir).name}/{Path(stage_root).relative_to(run_dir).as_posix()}"
 
 
 def trainer_overrides(report_to: list[str], run_dir: Path, stage_root: Path) -> dict[str, Any]:
-    """Keys of the rendered trainer YAML that route the trainer's logs to the run's trackers."""
+    """The keys of the rendered trainer YAML that route the trainer's logs to the run's trackers."""
     return {"report_to": list(report_to) or "none", "run_name": run_name(run_dir, stage_root)}
 
 
 def trainer_env(report_to: list[str], run_dir: Path, stage_root: Path) -> dict[str, str]:
-    """Environment of the trainer process: where its TensorBoard events go, its W&B project, group and run id."""
+    """The trainer process's environment: where its TensorBoard events go; its W&B project, group and own
+    resumable run id (`<id>-iteration_<i>[-<stage>]`)."""
     env = {}
     if "tensorboard" in report_to:
         env["TENSORBOARD_LOGGING_DIR"] = str(RunPaths(Path(run_dir)).trainer_logs(StagePaths(Path(stage_root))))
     if "wandb" in report_to:
-        from optima import wandb_tracking
-
-        env |= wandb_tracking.trainer_env(run_dir, stage_root)
+        record = run_record(run_dir)
+        stage = Path(stage_root).relative_to(run_dir).as_posix().replace("/", "-")
+        env |= {
+            "WANDB_PROJECT": record["project"],
+            "WANDB_RUN_GROUP": record["group"],
+            "WANDB_RUN_ID": f"{record['id']}-{stage}",
+            "WANDB_RESUME": "allow",
+            "WANDB_JOB_TYPE": "train",
+            "WANDB_DIR": str(run_dir),
+        }
     return env
 
 
@@ -93,11 +98,9 @@ def scalars_of(row: dict) -> dict[str, float]:
     return {tag: float(value) for tag, value in tags.items() if isinstance(value, int | float)}
 
 
-def write_tensorboard_scalars(run_dir: Path, rows: list[dict], sections: list | None = None) -> Path:
-    """(Re)write the iteration scalars of ``rows`` as one TensorBoard event file; returns its folder.
-
-    ``sections``: the run's browser sections when the caller has read them (``optima.browser.collect_sections``).
-    """
+def write_tensorboard_scalars(run_dir: Path, rows: list[dict], samples: Sequence[tuple[int, str, str]] = ()) -> Path:
+    """(Re)write the iteration scalars of `rows` and the `(step, tag, markdown)` sample conversations as one
+    TensorBoard event file; returns its folder."""
     from tensorboardX import SummaryWriter
 
     folder = Path(run_dir) / TENSORBOARD_DIR / ITERATION_LOG
@@ -107,55 +110,70 @@ def write_tensorboard_scalars(run_dir: Path, rows: list[dict], sections: list | 
         for row in rows:
             for tag, value in scalars_of(row).items():
                 writer.add_scalar(tag, value, global_step=row["iteration"])
-        try:
-            add_sample_conversations(writer, run_dir, sections=sections)
-        except (OSError, ValueError, KeyError) as exc:  # the scalars are written whatever the conversations hold
-            logger.warning("tensorboard | no sample conversations for %s: %s", run_dir, exc)
+        for step, tag, text in samples:
+            writer.add_text(tag, text, global_step=step)
     return folder
 
 
-def add_sample_conversations(
-    writer, run_dir: Path, count: int = SAMPLES_PER_STAGE, sections: list | None = None
-) -> int:
-    """Log up to ``count`` conversations of every stage output of ``run_dir`` as text; returns the texts written.
-
-    Args:
-        writer: Anything with ``add_text(tag, text, global_step)`` (tensorboardX's or torch's ``SummaryWriter``).
-        run_dir: The run directory.
-        count: Conversations per stage output (a kept one, a dropped one, one cut for length, then the first).
-        sections: The run's browser sections, if read already (else read here).
-    """
-    from optima.browser import sample_conversations
-
-    samples = sample_conversations(run_dir, count, sections)
-    for step, tag, text in samples:
-        writer.add_text(tag, text, global_step=step)
-    return len(samples)
+def wandb_project() -> str:
+    """The W&B project: `$WANDB_PROJECT`, else `optima`."""
+    return os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
 
 
-def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
-    """After an iteration: rewrite ``conversations.html``, redraw ``report.md``/``report.png`` (which link it) and
-    send the iteration numbers and a few conversations to the trackers.
+def run_record(run_dir: Path) -> dict:
+    """The run's W&B identity (`id`, `project`, `group`, the `logged` rows), created on first use; a record of
+    another project (`WANDB_PROJECT` changed) is replaced: a new id, every row again."""
+    path = Path(run_dir) / RUN_FILE
+    project = wandb_project()
+    if path.is_file():
+        record = json.loads(path.read_text())
+        if record.get("project") == project:
+            return record
+        logger.warning("wandb | %s was for project %r; starting a run in %r", path, record.get("project"), project)
+    run_id = "".join(secrets.choice(ID_CHARS) for _ in range(8))
+    record = {"id": run_id, "project": project, "group": Path(run_dir).name, "logged": []}
+    write_json(path, record)
+    return record
 
-    A failure here is logged and does not stop the run (the metrics stay in ``metrics.json``).
-    """
-    from optima.browser import collect_sections, write_conversations_page
-    from optima.reporting import collect_rows, write_run_report
 
-    sections = None  # the stage outputs, read once for the page and the trackers' sample conversations
+def row_key(row: dict) -> str:
+    """`<iteration>[/<stage>]` of one report row, `@<key>` after it when the row names its lineage (an iteration
+    redone under another key is sent again, at the same step)."""
+    key = f"{row['iteration']}/{row['stage']}" if row.get("stage") else str(row["iteration"])
+    return f"{key}@{row['lineage'][:12]}" if row.get("lineage") else key
+
+
+def log_rows(run_dir: Path, rows: list[dict], scalars_of) -> list[str]:
+    """Send the rows not sent yet to the run's W&B run (resumed by its id, `iteration` its step metric); returns
+    their keys. `scalars_of` maps a row to `{metric name: value}`."""
+    record = run_record(run_dir)
+    missing = [row for row in rows if row_key(row) not in record["logged"]]
+    if not missing:
+        return []
     try:
-        sections = collect_sections(run_dir)
-        write_conversations_page(run_dir, sections=sections)
-    except (OSError, ValueError, KeyError) as exc:
-        logger.warning("conversations | could not write the conversation browser of %s: %s", run_dir, exc)
+        import wandb
+    except ImportError:
+        logger.warning("report_to: wandb, but the driver's Python has no wandb; iteration metrics not sent")
+        return []
     try:
-        rows = collect_rows(run_dir)  # read once: the report, TensorBoard and W&B all draw from these rows
-        write_run_report(run_dir, rows)
-        if rows and "tensorboard" in report_to:
-            write_tensorboard_scalars(run_dir, rows, sections)
-        if rows and "wandb" in report_to:
-            from optima.wandb_tracking import log_rows
-
-            log_rows(run_dir, rows, scalars_of)  # every finished row not sent yet (backfills after a resume)
-    except (OSError, ValueError, ImportError) as exc:
-        logger.warning("report | could not write the run report or tracker logs of %s: %s", run_dir, exc)
+        run = wandb.init(
+            project=record["project"],
+            group=record["group"],
+            name=record["group"],
+            id=record["id"],
+            resume="allow",
+            job_type="optima",
+            dir=str(run_dir),
+        )
+        run.define_metric("iteration")
+        run.define_metric("*", step_metric="iteration")
+        for row in missing:
+            run.log(scalars_of(row) | {"iteration": row["iteration"]})
+        run.finish()
+    except wandb.Error as exc:
+        logger.warning("wandb | could not log the iterations of %s: %s", run_dir, exc)
+        return []
+    sent = [row_key(row) for row in missing]
+    write_json(Path(run_dir) / RUN_FILE, record | {"logged": record["logged"] + sent})
+    logger.info("wandb | project %s, run %s: iteration rows %s", record["project"], record["id"], ", ".join(sent))
+    return sent

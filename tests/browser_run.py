@@ -13,15 +13,15 @@ import random
 import re
 from pathlib import Path
 
+from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import generate_conversations
-from optima.agents.runner import GenerationSettings
 from optima.config import SFTDPORecipe, load_recipe
 from optima.paths import RunPaths
 from optima.plan import build_plan
+from optima.reward import build_rollout_scorer
 from optima.run_context import build_run_context
 from optima.selection.dpo import save_pairs
 from optima.selection.mcts import search_question
-from optima.selection.rollout_reward import build_rollout_scorer
 from optima.selection.tree import Reply
 from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.stages.sft import select

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import generate_conversations  # noqa: E402
-from optima.agents.runner import GenerationSettings
 from optima.environments import PythonEnv, resolve_env  # noqa: E402
 from optima.logging_utils import setup_logging  # noqa: E402
 from optima.paths import RunPaths  # noqa: E402

@@ -11,13 +11,13 @@ import re
 
 import pytest
 
-from optima.agents.generation import generate_conversations
-from optima.agents.runner import GenerationSettings, generation_settings
+from optima.agents.conversation import GenerationSettings
+from optima.agents.generation import generate_conversations, generation_settings
 from optima.config import RecipeError
 from optima.serving.client import PROBE_REPLY, ConstraintRejected
 from optima.store import load_records
 from optima.tasks import Example, get_task
-from optima.tasks.constraints import escape, reply_pattern
+from optima.tasks.base import escape, reply_pattern
 from tests.fake_openai import FakeOpenAIServer, FakeReply, speaker_of, turn_of
 from tests.helpers import arc_examples
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
-from optima.agents.runner import GenerationSettings
+from optima.agents.conversation import GenerationSettings
 from optima.config import MultiSCRecipe, RecipeError
 from optima.evaluation.baselines import (
     AUTOFORM_RULE,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import bench.generation as bench
+from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import GenerationHooks, generate_conversations
-from optima.agents.runner import GenerationSettings
 from tests.fake_openai import FakeOpenAIServer, agreeing_reply
 from tests.test_generation import hotpot_examples
 

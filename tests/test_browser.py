@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from optima.__main__ import main as optima_main
+from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import generate_conversations
-from optima.agents.runner import GenerationSettings
 from optima.browser import sample_conversations, write_conversations_page
 from optima.paths import PAGE, RunPaths
+from optima.reporting import publish_iteration
 from optima.store import load_records
-from optima.tracking import publish_iteration, write_tensorboard_scalars
+from optima.tracking import write_tensorboard_scalars
 from tests.browser_run import HOSTILE, build_browser_run, build_recipe, scripted_reply
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import arc_examples
@@ -147,7 +148,7 @@ def test_tensorboard_gets_a_few_conversations_per_stage_output(run):
     sampled = samples[0][2]
     assert sampled.count("\n---\n") == 2 and "kept (kept)" in sampled and "dropped (" in sampled
     assert "cut for length" in sampled and "&lt;A&gt;B&lt;/A&gt;" in sampled
-    folder = write_tensorboard_scalars(run, [])
+    folder = write_tensorboard_scalars(run, [], samples)
     events = EventAccumulator(str(folder))
     events.Reload()
     # tensorboardX's add_text files each text under "<tag>/text_summary"
@@ -248,13 +249,13 @@ def test_the_page_keeps_a_size_limit_that_the_command_lifts(run, capfd):
 
 def test_publish_iteration_reads_the_stage_outputs_once_for_the_page_and_the_samples(run, tmp_path, monkeypatch):
     """The page trims what it shows (``MAX_QUESTIONS``) without trimming what the trackers sample from."""
-    import optima.browser
+    import optima.reporting
 
     copy = shutil.copytree(run, tmp_path / "run")
     (copy / "iteration_0" / "sft" / "metrics.json").write_text('{"iteration": 0, "stages": {}}')  # a report row
     reads = []
-    real = optima.browser.collect_sections
-    monkeypatch.setattr(optima.browser, "collect_sections", lambda folder: reads.append(folder) or real(folder))
+    real = optima.reporting.collect_sections
+    monkeypatch.setattr(optima.reporting, "collect_sections", lambda folder: reads.append(folder) or real(folder))
     sections = real(copy)
     write_conversations_page(copy, max_questions=1, sections=sections)
     assert all(s.left_out == 0 for s in sections)  # the caller's sections are left as they were

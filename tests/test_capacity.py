@@ -243,9 +243,9 @@ def test_generation_keeps_in_flight_what_the_kv_cache_holds(make_recipe, tmp_pat
     import threading
     import time
 
+    from optima.agents.conversation import GenerationSettings
     from optima.agents.footprint import conversation_footprint
     from optima.agents.generation import generate_conversations
-    from optima.agents.runner import GenerationSettings
     from tests.fake_openai import FakeOpenAIServer, agreeing_reply
     from tests.helpers import arc_examples
 

@@ -15,6 +15,7 @@ import pytest
 
 from optima.environments import resolve_env
 from optima.hardware.machine import ACCELERATE_CONFIGS
+from optima.identity import PROBE_KEY, record_probe
 from optima.training.checkpoint import (
     CheckpointError,
     clear_partial_output,
@@ -30,7 +31,6 @@ from optima.training.common import (
     save_checkpoint,
 )
 from optima.training.launch_config import CPU_ALLOCATOR_ENV, TrainLaunch, cpu_allocator_env
-from optima.weights_probe import PROBE_KEY, record_probe
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,13 @@ import pytest
 
 from optima.agents.prompts import (
     DEFAULT_STYLE,
+    GSM8K_SOLVER_PROMPT,
+    MATH_SOLVER_PROMPT,
     Utterance,
     build_agent_messages,
     build_system_prompt,
     compat_style,
 )
-from optima.agents.role_prompts import GSM8K_SOLVER_PROMPT, MATH_SOLVER_PROMPT
 from optima.config import DPORecipe, SFTRecipe, load_recipe
 from optima.selection.dpo import candidate_pairs
 from optima.selection.mcts import SearchTree

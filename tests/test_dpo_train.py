@@ -20,11 +20,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from optima.identity import PROBE_KEY
 from optima.selection.dpo import build_pair_row
-from optima.selection.io import save_splits
+from optima.store import save_splits
 from optima.training.common import is_complete, read_completion
 from optima.training.dpo_train import apply_rpo, truncate_pair, validate_lengths
-from optima.weights_probe import PROBE_KEY
 from tests.conftest import SMOLLM2, requires_smollm2
 from tests.helpers import arc_examples, tiny_trainer_yaml
 

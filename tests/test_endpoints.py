@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, model_identity
+from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, model_identity, score_ids
 from optima.paths import RunPaths
 from optima.serving import serve
 from optima.serving.endpoints import EndpointMismatch, Holding, same_model, sync_endpoints
 from optima.serving.holder import ServerHolder
 from optima.serving.reload_check import WeightsMismatch
-from optima.weights_probe import score_ids
 from tests.fake_openai import FakeOpenAIServer
 
 
@@ -191,7 +190,7 @@ def probed(tiny_model, tmp_path_factory):
 
 def serving(models: dict, root: str):
     """A scorer that answers with the weights of the model last loaded (``root`` until a reload)."""
-    from optima.weights_probe import score_ids
+    from optima.identity import score_ids
 
     state = {"server": None}
 

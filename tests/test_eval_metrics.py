@@ -18,7 +18,7 @@ from optima.evaluation.metrics import (
     summarize_records,
     with_timeouts,
 )
-from optima.selection.rollout_reward import build_rollout_scorer
+from optima.reward import build_rollout_scorer
 from optima.selection.tree import Rollout
 from optima.stages.reward_stage import reward_question
 from optima.tasks import Example

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from optima.selection.io import save_splits
 from optima.selection.sft import split_rows
+from optima.store import save_splits
 from optima.training.common import evaluation_split, is_complete, read_completion
 from tests.helpers import arc_examples
 from tests.test_dpo_train import PAIRS, run_dpo, run_trainer, write_config

@@ -153,7 +153,7 @@ def test_fingerprint_differences_and_tokenizer_identity(tmp_path):
 
 def test_a_models_fingerprint_and_scorer_are_built_once_for_all_its_jobs(make_recipe, tmp_path):
     """The weights hash, the questions hash and the tokenizer are the model's: every job of it shares them."""
-    from optima.agents.runner import GenerationSettings
+    from optima.agents.conversation import GenerationSettings
     from optima.evaluation.runs import GenerationJob, RecordScorers, model_fingerprint, producer_fingerprint
     from tests.helpers import arc_examples
 

@@ -1,4 +1,4 @@
-"""Flexible answers (optima.tasks.flexible) on hand-written replies, and how records, metrics and votes use them."""
+"""Flexible answers (optima.tasks.scoring) on hand-written replies, and how records, metrics and votes use them."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from optima.evaluation.metrics import RecordScorer, method_row, summarize_records
 from optima.reward import flexible_answer
 from optima.tasks import Example
-from optima.tasks.flexible import extract_choice, extract_number, extract_span
-from optima.tasks.flexible import flexible_answer as reply_answer
+from optima.tasks.scoring import extract_choice, extract_number, extract_span
+from optima.tasks.scoring import flexible_answer as reply_answer
 
 OPTIONS = (("A", "water"), ("B", "salt water"), ("C", "sand"), ("D", "ice"))
 NUMBERED = (("1", "heat"), ("2", "light"), ("3", "sound"), ("4", "motion"))

@@ -32,9 +32,9 @@ from optima.config import (
     load_recipe,
 )
 from optima.tasks import TASKS, Example, get_task
-from optima.tasks.answers import normalize_final_answer, parse_boxed, parse_math_answer, parse_tag
+from optima.tasks.answers import AnswerTracker, normalize_final_answer, parse_boxed, parse_math_answer, parse_tag
 from optima.tasks.math_equiv import MathVerifier, canonical_answer, fast_equivalence, numeric_value
-from optima.tasks.scoring import AnswerTracker, ScoreContext, score_by_type, score_example
+from optima.tasks.scoring import ScoreContext, score_by_type, score_example
 from tests._task_fixtures import echo_check, resolve_test_data_dir
 
 # No example database: nothing is written into the source tree (a failure prints its reproducing example).

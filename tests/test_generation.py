@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from optima.agents.generation import generate_conversations
+from optima.agents.conversation import GenerationSettings, Prefill
+from optima.agents.generation import generate_conversations, generation_settings
 from optima.agents.prompts import build_agent_messages, build_system_prompt
-from optima.agents.runner import GenerationSettings, Prefill, generation_settings
 from optima.serving import NoReplicaLeft, RequestFailed
 from optima.serving.processes import group_members
 from optima.serving.vllm_server import find_free_port

@@ -27,8 +27,8 @@ import pytest
 import requests
 import yaml
 
+from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import generate_conversations
-from optima.agents.runner import GenerationSettings
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import PythonEnv
 from optima.paths import RunPaths

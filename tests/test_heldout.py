@@ -17,7 +17,7 @@ from optima.reporting import write_run_report
 from optima.run_context import build_run_context
 from optima.stages.heldout import heldout_models, run_heldout_stage
 from optima.tasks import get_task, select_questions
-from optima.tasks.multiple_choice import normalize_question
+from optima.tasks.arc import normalize_question
 from tests.fake_openai import FakeOpenAIServer
 from tests.test_layout import sft_recipe
 from tests.test_stage_table import TRAIN_ENV

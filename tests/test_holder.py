@@ -19,7 +19,7 @@ import pytest
 
 from optima.hardware.memory import GIB, available_memory_bytes
 from optima.hardware.placement import Placement, ServerLayout, place_servers
-from optima.identity import COMPLETE_MARKER
+from optima.identity import COMPLETE_MARKER, PROBE_KEY, Probe
 from optima.paths import RunPaths
 from optima.serving import holder as holder_module
 from optima.serving import vllm_server
@@ -27,7 +27,6 @@ from optima.serving.holder import ServerHolder
 from optima.serving.processes import group_members, wait_group_exit
 from optima.serving.reload_check import WeightsMismatch
 from optima.serving.replicas import ReplicaLayout
-from optima.weights_probe import PROBE_KEY, Probe
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import child_groups
 from tests.test_layout import FAKE_ENV, server_log_lines, sft_recipe

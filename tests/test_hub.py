@@ -20,7 +20,7 @@ from huggingface_hub import HfApi, ModelCard
 from optima.config import SFTDPORecipe, SFTRecipe, load_recipe
 from optima.hub import PUSH_RECORD, base_model_id, build_model_card, push_run
 from optima.paths import RunPaths
-from optima.selection.io import save_splits
+from optima.store import save_splits
 from tests.fake_hub import FakeHub
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import GenerationHooks, generate_conversations
-from optima.agents.runner import GenerationSettings
-from optima.loss_stream import StreamingLosses, conversation_texts, load_known_losses, texts_sha1
+from optima.lm_loss import StreamingLosses, conversation_texts, load_known_losses, texts_sha1
 from optima.stages.reward_stage import RewardScorers, reward_generations
 from optima.store import load_records
 from tests.fake_openai import FakeOpenAIServer

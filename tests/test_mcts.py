@@ -15,11 +15,17 @@ import pytest
 
 from optima.agents.prompts import Utterance, build_agent_messages, build_system_prompt
 from optima.config import DPORecipe, load_recipe
-from optima.reward import Conversation, token_quantile
+from optima.reward import Conversation, build_rollout_scorer, first_impersonation, score_rollout_parts, token_quantile
 from optima.selection.dpo import candidate_pairs
-from optima.selection.edit_distance import levenshtein, merge_distance, selection_distance
-from optima.selection.mcts import ERROR_RETRIES, SearchTree, reply_from_chat, search_question
-from optima.selection.rollout_reward import build_rollout_scorer, first_impersonation, score_rollout_parts
+from optima.selection.mcts import (
+    ERROR_RETRIES,
+    SearchTree,
+    levenshtein,
+    merge_distance,
+    reply_from_chat,
+    search_question,
+    selection_distance,
+)
 from optima.selection.tree import Reply, Rollout, SearchSettings, ranked_children
 from tests.helpers import arc_examples
 

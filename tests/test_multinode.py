@@ -20,7 +20,7 @@ from optima.config import SFTRecipe, load_recipe
 from optima.environments import resolve_env
 from optima.hardware.allocation import allocate_hardware
 from optima.hardware.machine import Hardware
-from optima.selection.io import save_splits
+from optima.store import save_splits
 from optima.training.common import is_complete
 from optima.training.launch import run_training
 from optima.training.launch_config import launch_for

@@ -1,4 +1,4 @@
-"""Tests for prompts, the chat renderer and the format pool (optima/agents/prompts.py, optima/agents/role_prompts.py;
+"""Tests for prompts, the chat renderer and the format pool (optima/agents/prompts.py;
 docs/method.md#conversations)."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 
 from optima.agents.prompts import (
     AGENT_NAMES,
+    CRITIC_PROMPT,
     POOL_DIR,
+    ROLE_PROMPTS,
     Utterance,
     build_agent_messages,
     build_system_prompt,
@@ -25,7 +27,6 @@ from optima.agents.prompts import (
     role_prompt,
     strip_speaker_prefix,
 )
-from optima.agents.role_prompts import CRITIC_PROMPT, ROLE_PROMPTS
 from optima.tasks import TASKS, Example, get_task
 from optima.tasks.answers import ANSWER_PARSERS, parse_boxed, parse_tag
 from tests._task_fixtures import SMOLLM2_DIR, build_llama3_tokenizer

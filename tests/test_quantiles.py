@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from optima.quantiles import interpolated_quantile, nearest_rank_quantile
+from optima.agents.footprint import nearest_rank_quantile
+from optima.reward import interpolated_quantile
 
 
 @pytest.mark.parametrize(("values", "q", "expected"), [([], 0.9, 0), ([5], 0.9, 5), (list(range(1, 11)), 0.9, 9)])

@@ -13,19 +13,21 @@ import math
 
 import pytest
 
-from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, new_weights_id
-from optima.serving.reload_check import WeightsMismatch, served_dtype
-from optima.serving.sleep_mode import wake_with_weights
-from optima.weights_probe import (
+from optima.identity import (
+    COMPLETE_MARKER,
     PROBE_KEY,
     PROBE_NEW_TOKENS,
     TOLERANCES,
+    WEIGHTS_ID_KEY,
     Probe,
     compare_probe,
+    new_weights_id,
     read_probe,
     record_probe,
     score_ids,
 )
+from optima.serving.reload_check import WeightsMismatch, served_dtype
+from optima.serving.sleep_mode import wake_with_weights
 from tests.fake_openai import FakeOpenAIServer
 
 

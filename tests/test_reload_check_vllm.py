@@ -19,17 +19,17 @@ import pytest
 from optima.environments import resolve_env
 from optima.hardware.machine import ACCELERATE_CONFIGS
 from optima.hardware.placement import Placement
+from optima.identity import read_probe
 from optima.paths import RunPaths
-from optima.selection.io import save_splits
 from optima.serving import start_replicas
 from optima.serving.reload_check import WeightsMismatch, probe_server
 from optima.serving.replicas import build_replica_specs
 from optima.serving.sleep_mode import wake_with_weights
 from optima.serving.vllm_server import find_free_port
+from optima.store import save_splits
 from optima.training.common import is_complete
 from optima.training.launch import run_training
 from optima.training.launch_config import TrainLaunch
-from optima.weights_probe import read_probe
 from tests.conftest import requires_vllm
 from tests.helpers import build_test_recipe, tiny_trainer_yaml
 from tests.test_sharded_training import SFT_ROWS

@@ -240,14 +240,14 @@ def test_rewritten_training_data_redoes_the_run(tmp_path, ran, method):
 
 def test_changed_role_prompts_redo_the_run(tmp_path, ran, monkeypatch):
     """The role prompts live in code: a new wording is a new input of every stage that samples conversations."""
-    from optima.agents import role_prompts
+    from optima.agents import prompts
 
     write_model(tmp_path / "base_model", b"base")
     run(tmp_path, "sft")
     ran.clear()
-    solver, critic = role_prompts.ROLE_PROMPTS["choice"]
+    solver, critic = prompts.ROLE_PROMPTS["choice"]
     reworded = dataclasses.replace(solver, reminder=solver.reminder + " Be brief.")
-    monkeypatch.setitem(role_prompts.ROLE_PROMPTS, "choice", (reworded, critic))
+    monkeypatch.setitem(prompts.ROLE_PROMPTS, "choice", (reworded, critic))
     run(tmp_path, "sft")
     assert ran == every_stage("sft")
 

@@ -139,7 +139,7 @@ def test_tiny_loss_does_not_divide_by_zero():
 def test_losses_are_scored_exactly_for_the_conversations_the_reward_reads_them_of(status):
     """The loss stream asks the reward's own rule: a conversation whose losses the reward does not read gets the
     penalty without them, and one whose losses it reads fails without them."""
-    from optima.loss_stream import needs_losses
+    from optima.lm_loss import needs_losses
     from optima.reward import loss_term
 
     needed = needs_losses({"status": status})

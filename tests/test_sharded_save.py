@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from optima.identity import TOLERANCES, compare_probe, read_probe, score_ids
 from optima.serving.vllm_server import find_free_port
 from optima.training import launch
 from optima.training.common import is_complete, read_completion
-from optima.weights_probe import TOLERANCES, compare_probe, read_probe, score_ids
 from tests.sharded_save_driver import VARIANTS, train_reference
 
 REPO = Path(__file__).resolve().parent.parent

@@ -28,8 +28,8 @@ import yaml
 
 from optima.environments import resolve_env
 from optima.hardware.machine import ACCELERATE_CONFIGS
-from optima.selection.io import save_splits
 from optima.serving.processes import stop_group
+from optima.store import save_splits
 from optima.training.checkpoint import clear_partial_output, trainer_checkpoints
 from optima.training.common import is_complete, read_completion
 from optima.training.launch import TrainingError, run_training

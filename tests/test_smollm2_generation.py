@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from optima.agents.generation import generate_conversations
+from optima.agents.conversation import GenerationSettings
+from optima.agents.generation import generate_conversations, generation_settings
 from optima.agents.prompts import build_agent_messages
-from optima.agents.runner import GenerationSettings, generation_settings
 from optima.environments import resolve_env
 from optima.paths import RunPaths
 from optima.serving import serve
@@ -16,7 +16,7 @@ from optima.serving.client import ReplicaPool, Sampling, regex_constraint
 from optima.serving.vllm_server import find_free_port
 from optima.store import load_records
 from optima.tasks import TASKS
-from optima.tasks.constraints import reply_pattern
+from optima.tasks.base import reply_pattern
 from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import SMOLLM2, requires_smollm2, requires_vllm
 from tests.helpers import build_test_recipe

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from optima import pipeline, plan
-from optima.agents.runner import generation_settings
+from optima.agents.generation import generation_settings
 from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, field, load_recipe, rules
 from optima.config.stage_names import Stage
 from optima.environments import PythonEnv

@@ -12,10 +12,9 @@ from dataclasses import replace
 import pytest
 
 from optima.tasks import QA_EVAL_LIMIT, TASK_ALIASES, TASKS, DataError, Example, MixTask, get_task, select_questions
-from optima.tasks.contexts import stable_rng
+from optima.tasks.arc import normalize_question, question_stem
 from optima.tasks.multihop import iter_context
-from optima.tasks.multiple_choice import normalize_question, question_stem
-from optima.tasks.sampling import select_indices
+from optima.tasks.sampling import select_indices, stable_rng
 from optima.tasks.trival_qa import TriviaQA
 from tests._task_fixtures import REPO_ROOT, resolve_test_data_dir
 
@@ -114,7 +113,7 @@ def test_context_split_depends_on_seed_not_on_process(data_dir):
     assert any(a.context_first != b.context_first for a, b in zip(seed_0, seed_1, strict=True))
     # SHA-256 seeding, not the per-process salted hash(): this value is the same in every process.
     assert stable_rng(0, "hotpot_qa", "x").randrange(10**6) == stable_rng(0, "hotpot_qa", "x").randrange(10**6)
-    code = "from optima.tasks.contexts import stable_rng; print(stable_rng(3, 'a', 'b').random())"
+    code = "from optima.tasks.sampling import stable_rng; print(stable_rng(3, 'a', 'b').random())"
     outputs = {
         subprocess.run(
             [sys.executable, "-c", code],

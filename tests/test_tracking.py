@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from optima.reporting import collect_rows
-from optima.tracking import publish_iteration, scalars_of, trainer_env, write_tensorboard_scalars
-from optima.wandb_tracking import RUN_FILE, log_rows, row_key, run_record
+from optima.reporting import collect_rows, publish_iteration
+from optima.tracking import RUN_FILE, log_rows, row_key, run_record, scalars_of, trainer_env, write_tensorboard_scalars
 from tests.test_reporting import sft_run  # noqa: F401  (a fixture)
 
 # ---------------------------------------------------------------- TensorBoard

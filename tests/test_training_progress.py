@@ -90,7 +90,7 @@ def test_the_trainer_callback_writes_the_state(tmp_path, monkeypatch):
 def test_the_real_sft_trainer_writes_its_state_every_step(tiny_model, tmp_path, monkeypatch):
     import yaml
 
-    from optima.selection.io import save_splits
+    from optima.store import save_splits
     from tests.test_dpo_train import run_trainer, write_config
     from tests.test_eval_split import RUN_SFT, SFT_ROWS
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import GenerationHooks, generate_conversations
-from optima.agents.runner import GenerationSettings
 from optima.environments import resolve_env
 from optima.hardware.placement import place_replicas
 from optima.paths import RunPaths
@@ -146,8 +146,7 @@ def test_scoring_while_generating_on_a_real_loss_server_matches_scoring_after(ti
     """Replica 0 generates, replica 1 (its own core) scores each conversation as it ends: same rewards (1e-6)."""
     from transformers import AutoTokenizer
 
-    from optima.lm_loss import VLLMLossScorer
-    from optima.loss_stream import StreamingLosses, load_known_losses
+    from optima.lm_loss import StreamingLosses, VLLMLossScorer, load_known_losses
     from optima.stages.reward_stage import RewardScorers, reward_generations
     from tests.test_layout import sft_recipe
     from tests.test_loss_stream import assert_same_rewarded, refuse, rewarded

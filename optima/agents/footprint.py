@@ -10,13 +10,13 @@ policy's CPU KV cache (``policy_demand``) and bounds the conversations in flight
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from optima.agents.prompts import AGENT_NAMES, build_agent_messages
 from optima.config.rules import tokenizer_path
 from optima.hardware.memory import DTYPE_BYTES, conversation_kv_tokens, kv_bytes_per_token, load_model_config
-from optima.quantiles import nearest_rank_quantile
 from optima.tasks import Example, get_task
 
 if TYPE_CHECKING:
@@ -72,3 +72,11 @@ def policy_demand(recipe: Recipe, examples: Sequence[Example], model_path: str) 
     if per_token is None:
         return None
     return recipe.thread_count * conversation_footprint(recipe, examples, model_path) * per_token
+
+
+def nearest_rank_quantile(values: Iterable[int], q: float) -> int:
+    """The `q` quantile by nearest rank: the value at rank `ceil(q * n)`, always one of the values (0 for none)."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

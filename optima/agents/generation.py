@@ -1,29 +1,10 @@
-"""Many two-agent conversations against the served replicas, written to a resumable JSONL.
+"""Many two-agent conversations against the served replicas, written to a resumable JSONL (docs/method.md#isft).
 
-See docs/method.md#isft.
-
-``generate_conversations(recipe, examples, endpoints, out_path, generation[, hooks])`` runs ``generation.samples``
-conversations per question (docs/method.md, D5 and D6: not one thread per question with its samples in sequence,
-nor lost futures):
-
-* ``thread_count`` conversations are in flight at once (``ThreadPoolExecutor`` + ``as_completed``), fewer when
-  the servers' KV caches cannot hold that many (``optima.hardware.memory``); the stage's KV figures and prefix-cache
-  hit rate go into its stats (``kv_cache``);
-* question ``q`` goes to replica ``q mod n`` (deterministic round-robin); every turn of its conversations stays on
-  that replica so vLLM's prefix cache reuses the shared system prompt and history; a dead replica fails over;
-* information exchange takes prefill off the critical path (docs/method.md#exact-replies): Bob's opening view
-  (system + his half of the context) is sent with ``max_tokens`` 1 beside Alice's first turn (``Prefill``; the
-  token is discarded, never stored or counted), and each agent's own replies come back to it exactly as generated;
-* one line per conversation, keyed by ``(task_id, sample_index)``, flushed as it completes; a rerun skips what is
-  written (``optima.store``), so a killed run resumes with nothing lost or duplicated;
-* every random choice is seeded from ``(seed, iteration, task_id, sample_index[, turn])``: the iteration-0 prompt
-  pool draw and each request's sampling seed, so a rerun reproduces, whatever the scheduling;
-* a failed request ends its conversation with ``status: error`` (retried on the next run); if every replica is
-  gone the run stops with ``NoReplicaLeft``.
-
-Temperature and pool follow docs/method.md#sampling-schedule (``generation_settings``); evaluation and tree search
-build their own settings. The settings and the runner of one conversation (``ConversationRunner``, ``Prefill``) are
-in ``optima.agents.runner``; this module runs many conversations at once and writes them.
+`thread_count` conversations are in flight at once (fewer when the servers' KV caches hold fewer); question `q`
+goes to replica `q mod n` for all its turns (vLLM's prefix cache), failing over when it dies; one line per
+conversation, keyed by `(task_id, sample_index)`, is flushed as it ends, so a killed run resumes with nothing lost
+or repeated; every random choice is seeded from the question and sample, whatever the scheduling; a failed
+request ends its conversation with `status: error` (retried on the next run).
 """
 
 from __future__ import annotations
@@ -37,23 +18,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from optima.agents.conversation import ConversationRunner, GenerationSettings, Job
 from optima.agents.footprint import conversation_footprint
-from optima.agents.runner import ConversationRunner, GenerationSettings, Job
-from optima.config.rules import workers
+from optima.config.rules import generation_temperature, workers
+from optima.methods import SFT
 from optima.serving.client import ReplicaPool, check_structured_outputs
 from optima.serving.kv_monitor import KVMonitor
 from optima.store import JsonlWriter, prepare_resume
 from optima.tasks import Example
 
 if TYPE_CHECKING:
-    from optima.config import Recipe
+    from optima.config import LoopRecipe, Recipe
 
 logger = logging.getLogger(__name__)
 
 
+def generation_settings(recipe: LoopRecipe, iteration: int, stage: str = SFT) -> GenerationSettings:
+    """The iSFT generate stage's sampling (docs/method.md#sampling-schedule): `explore_count` samples; the prompt
+    pool and the low temperature at iteration 0, the answer bootstrap in the first `answer_bootstrap_iterations`.
+    The stage runs these settings, `--dry-run` prints them and the stage's key reads them."""
+    first = iteration == 0
+    return GenerationSettings(
+        iteration=iteration,
+        temperature=generation_temperature(recipe, iteration),
+        samples=recipe.explore_count,
+        use_prompt_pool=recipe.use_prompt_pool and first,
+        stage=stage,
+        answer_bootstrap=recipe.answer_bootstrap if iteration < recipe.answer_bootstrap_iterations else "off",
+    )
+
+
 @dataclass
 class GenerationStats:
-    """What a generation run did (``to_dict`` goes into metrics.json)."""
+    """What a generation run did (`to_dict` goes into metrics.json)."""
 
     requested: int = 0
     already_done: int = 0
@@ -98,12 +95,8 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class GenerationHooks:
-    """How a method plugs into ``generate_conversations``.
-
-    Args:
-        runner_cls: What runs one job (the CoT, AutoForm and debate baselines bring their own).
-        on_record: Called with each record once it is written (LM-loss scoring while generating).
-    """
+    """How a method plugs into `generate_conversations`: the runner of one job (the baselines bring their own)
+    and a callback on each written record (LM-loss scoring while generating)."""
 
     runner_cls: Callable[..., ConversationRunner] = ConversationRunner
     on_record: Callable[[dict], None] | None = None
@@ -117,18 +110,11 @@ def generate_conversations(
     generation: GenerationSettings,
     hooks: GenerationHooks = GenerationHooks(),
 ) -> GenerationStats:
-    """Generate ``generation.samples`` conversations per example into ``out_path`` (resuming what is there).
-
-    Args:
-        recipe: A recipe (serving, generation and ``seed`` fields).
-        examples: The questions, in a fixed order (their position picks the replica).
-        endpoints: OpenAI base URLs (from ``optima.serving.serve``).
-        out_path: The JSONL output (e.g. ``StagePaths.generations``).
-        generation: Iteration, temperature, samples per question, prompt pool.
-        hooks: The runner of one job and the callback on each written record.
+    """`generation.samples` conversations per example (their order picks the replica) into `out_path`, resuming
+    what is there.
 
     Raises:
-        NoReplicaLeft: every replica died; what was written stays and the next run resumes from it.
+        NoReplicaLeft: every replica died; what was written stays, and the next run resumes from it.
     """
     jobs = pending_jobs(examples, out_path, generation)
     stats = GenerationStats(requested=len(examples) * generation.samples)
@@ -159,7 +145,7 @@ def generate_conversations(
 
 
 def pending_jobs(examples: Sequence[Example], out_path: Path, generation: GenerationSettings) -> list[Job]:
-    """The conversations not yet in ``out_path`` (a torn last line is cut first); the file exists afterwards."""
+    """The conversations not yet in `out_path` (a torn last line is cut first); the file exists afterwards."""
     ids = [example.id for example in examples]
     if len(set(ids)) != len(ids):
         raise ValueError("example ids must be unique (they key the output lines)")

@@ -1,21 +1,11 @@
-"""Agent prompts and the single chat renderer used by generation, training data, tree search and evaluation.
+"""The agents' prompts and the one chat renderer of generation, training rows, tree search and evaluation.
 
-The role prompts themselves (our own wording, the paper's roles and protocol) are in ``optima.agents.role_prompts``;
-this module renders them into each agent's chat.
-
-Every agent's view is an ordinary chat (`build_agent_messages`), not a transcript of `assistant` turns
-(docs/method.md D22): the system prompt holds the role instructions; the first user turn holds the task and
-the agent's private information (joined text, not a Python list repr: docs/method.md D11); the agent's own
-utterances are `assistant` turns and the partner's are `user` turns (consecutive turns of one role are merged).
-Utterances are stored as `Utterance(speaker, text)` without the name prefix and rendered as `"Alice: text"`. During
-an information-exchange conversation an utterance may also carry `reply`, what the model wrote, character for
-character: the agent's own view then replays it instead of the rendering, so the prompt of its next turn starts
-with exactly the tokens the server already holds in its prefix cache (docs/method.md#exact-replies); the partner
-always sees the rendering, and stored records, rewards and training rows never see `reply`.
-
-The iteration-0 format pool (docs/method.md#prompt-pool) lives in `prompt_pools/<pool>.jsonl`, one `{"index": k,
-"prompt": ...}` per line, each prompt being one extra rule that suggests a compact format. It is used only at iteration
-0 of SFT data generation and never in training data (which always uses the base prompts).
+The role prompts are our own wording of the paper's roles and protocol (docs/method.md#roles-and-prompts): in
+information exchange both agents share what matters and answer `<A>{your answer}</A>`; in debate Alice solves and
+Bob critiques without ever giving the answer. Each prompt ends with an example message whose answer slot is a
+placeholder no task would answer, never a worked answer: with the answer pre-fill a small model copies what it
+sees. An agent's view is an ordinary chat: the role in the system prompt, the task and its private information in
+the first user turn, its own utterances as `assistant` turns, the partner's as `user` turns.
 """
 
 from __future__ import annotations
@@ -29,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from optima.agents.role_prompts import ROLE_PROMPTS, RolePrompt
 from optima.tasks import TASKS, Example, Task, get_task
+from optima.tasks.answers import ANSWER_PLACEHOLDERS, render_answer
 
 AGENT_NAMES = ("Alice", "Bob")
 POOL_DIR = Path(__file__).with_name("prompt_pools")
@@ -40,15 +30,124 @@ _TURN_SEPARATOR = "\n\n"
 
 
 @dataclass(frozen=True)
-class Utterance:
-    """One message of a conversation, stored without its name prefix.
+class RolePrompt:
+    """A role's system prompt: an intro, numbered rules and an example message (`${name}`, `${partner}` slots).
 
-    Parameters:
-        speaker (`str`): "Alice" or "Bob".
-        text (`str`): what the agent said (a leading "Name:" written by the model is removed with
-            `strip_speaker_prefix` before storing).
-        reply (`str`, *optional*): the reply exactly as generated (pre-filled opening included), replayed in the
-            speaker's own view; None: rendered from `text`. Not part of equality and never stored.
+    `reminder` closes the first user turn with the answer format in one line (SmolLM2-135M wrote no answer tag in
+    144 replies without it: small models follow the last user line far more than the system prompt).
+    `answer_opening` starts a pre-filled reply (`answer_bootstrap: prefill`) from conversation turn
+    `answer_from_turn` on (information exchange waits until both agents have shared their information once).
+    `states_answer`: the role answers (not the critic), so the answer bootstrap touches its replies.
+    """
+
+    intro: str
+    rules: tuple[str, ...]
+    example: str
+    reminder: str = ""
+    answer_opening: str = ""
+    answer_from_turn: int = 0
+    states_answer: bool = True
+
+    def render(self, name: str, partner: str, extra_rule: str | None = None) -> str:
+        """The system prompt of agent `name`, with `extra_rule` (a format-pool entry) after the others."""
+        rules = [*self.rules, extra_rule] if extra_rule else list(self.rules)
+        lines = [self.intro, "Rules:", *(f"{i}. {rule}" for i, rule in enumerate(rules, start=1))]
+        lines += ["Example of a message:", self.example]
+        return Template("\n".join(lines)).safe_substitute(name=name, partner=partner)
+
+
+_PREFIX_RULE = 'Begin each message with "${name}:".'
+# The answer slot of each prompt set's examples and format lines: a placeholder, never a worked answer.
+QA_SLOT = render_answer(ANSWER_PLACEHOLDERS["qa"][0], "tag")  # <A>{your answer}</A>
+CHOICE_SLOT = render_answer(ANSWER_PLACEHOLDERS["choice"][0], "tag")  # <A>{letter}) {option text}</A>
+GSM8K_SLOT = render_answer(ANSWER_PLACEHOLDERS["gsm8k"][0], "boxed")  # \boxed{{number}}
+MATH_SLOT = render_answer(ANSWER_PLACEHOLDERS["math"][0], "boxed")  # \boxed{{your answer}}
+
+QA_PROMPT = RolePrompt(
+    intro=(
+        "You are ${name}. You and ${partner} answer a question together. Each of you holds different information "
+        "and neither can answer alone, so you must exchange what matters."
+    ),
+    rules=(
+        "Share only the facts from your information that help answer the question, or ask ${partner} for what "
+        "you are missing. Be as brief as possible: no greetings, no full sentences needed.",
+        "Use only your information and what ${partner} tells you.",
+        "When you know the answer, end your message with it between <A> and </A>. The conversation ends when "
+        "you both give the same answer.",
+        _PREFIX_RULE,
+    ),
+    example=f"${{name}}: {{the facts ${{partner}} needs, briefly}} {QA_SLOT}",
+    reminder=f"Share what helps, briefly. Once you know the answer, write it as {QA_SLOT}.",
+    answer_opening="<A>",
+    answer_from_turn=2,
+)
+
+CHOICE_SOLVER_PROMPT = RolePrompt(
+    intro="You are ${name}. You solve a multiple-choice question; ${partner} checks your reasoning.",
+    rules=(
+        "Reason step by step, briefly.",
+        "If ${partner} finds a mistake, fix it; otherwise keep your answer.",
+        "End every message with the chosen option between <A> and </A>: its letter and its text.",
+        _PREFIX_RULE,
+    ),
+    example=f"${{name}}: {{one short reason}} {CHOICE_SLOT}",
+    reminder=f"Reply as: {CHOICE_SLOT} then one short reason.",
+    answer_opening="<A>",
+)
+
+GSM8K_SOLVER_PROMPT = RolePrompt(
+    intro="You are ${name}, good at mathematics. You solve a word problem; ${partner} checks your work.",
+    rules=(
+        "Think step by step, one short line per calculation.",
+        "If ${partner} finds a mistake, correct it; otherwise keep your answer.",
+        "End every message with the final answer in \\boxed{}; put only the number inside the box.",
+        _PREFIX_RULE,
+    ),
+    example=f"${{name}}: {{one short line per calculation}} {GSM8K_SLOT}",
+    reminder=f"Calculate briefly, then write the final number as {GSM8K_SLOT}.",
+)
+
+MATH_SOLVER_PROMPT = RolePrompt(
+    intro="You are ${name}, good at mathematics. You solve a competition problem; ${partner} checks your work.",
+    rules=(
+        "Think step by step, concisely.",
+        "If ${partner} finds a mistake, correct it; otherwise keep your answer.",
+        "End every message with the final answer in \\boxed{}, simplified and written in LaTeX "
+        "(a number, a fraction, an expression, an interval, ...).",
+        _PREFIX_RULE,
+    ),
+    example=f"${{name}}: {{the key steps}} {MATH_SLOT}",
+    reminder=f"Solve briefly, then write the final answer as {MATH_SLOT}.",
+)
+
+CRITIC_PROMPT = RolePrompt(
+    intro="You are ${name}. ${partner} is solving a problem and you check the work.",
+    rules=(
+        "Check each step of ${partner}'s latest message. Point out any error and how to fix it, briefly.",
+        "If everything is right, say so in a few words.",
+        "Never state the final answer yourself: do not write <A> tags or a box.",
+        _PREFIX_RULE,
+    ),
+    example="${name}: Step 2 is wrong: 12 - 5 is 7, not 8. Redo the last step.",
+    reminder="Check ${partner}'s answer in a few words; never give the answer yourself.",
+    states_answer=False,
+)
+
+# prompt set -> (Alice's role prompt, Bob's role prompt); a task chooses by its `prompt_set`.
+ROLE_PROMPTS: dict[str, tuple[RolePrompt, RolePrompt]] = {
+    "qa": (QA_PROMPT, QA_PROMPT),
+    "choice": (CHOICE_SOLVER_PROMPT, CRITIC_PROMPT),
+    "gsm8k": (GSM8K_SOLVER_PROMPT, CRITIC_PROMPT),
+    "math": (MATH_SOLVER_PROMPT, CRITIC_PROMPT),
+}
+
+
+@dataclass(frozen=True)
+class Utterance:
+    """One message, stored without its name prefix and rendered `"Alice: text"`.
+
+    `reply`: the reply exactly as generated (pre-filled opening included), replayed in the speaker's own view so that
+    its next prompt extends the one the server cached (docs/method.md#exact-replies); never stored or compared.
     """
 
     speaker: str
@@ -57,11 +156,7 @@ class Utterance:
 
 
 def as_utterance(item: Utterance | Sequence[str] | dict) -> Utterance:
-    """Accept an `Utterance`, a `(speaker, text)` pair or a `{"speaker", "text"}` dict.
-
-    Args:
-        item: the utterance in any of those forms.
-    """
+    """An `Utterance` from itself, a `(speaker, text)` pair or a `{"speaker", "text"}` dict."""
     if isinstance(item, Utterance):
         return item
     if isinstance(item, dict):
@@ -71,35 +166,22 @@ def as_utterance(item: Utterance | Sequence[str] | dict) -> Utterance:
 
 
 def agent_index(speaker: str) -> int:
-    """Return 0 for Alice and 1 for Bob.
-
-    Args:
-        speaker: an agent name.
-    """
+    """0 for Alice, 1 for Bob."""
     if speaker not in AGENT_NAMES:
         raise ValueError(f"unknown speaker {speaker!r}; expected one of {AGENT_NAMES}")
     return AGENT_NAMES.index(speaker)
 
 
 def partner_of(speaker: str) -> str:
-    """Return the other agent's name.
-
-    Args:
-        speaker: "Alice" or "Bob".
-    """
+    """The other agent's name."""
     return AGENT_NAMES[1 - agent_index(speaker)]
 
 
 @dataclass(frozen=True)
 class RenderStyle:
-    """How a training row or a tree-search request renders an agent's view; ``compat: original`` changes it.
-
-    Parameters:
-        list_repr_context (`bool`): private information as the Python list repr of its pieces, the rendering of
-            training rows and tree-search prompts under ``compat: original`` (docs/method.md, D11); else joined text.
-        prompt_set (`str`, *optional*): role prompts to use instead of the task's own (``compat: original`` trains MATH
-            conversations under the GSM8K solver prompt: D12).
-    """
+    """How a training row or a tree-search request renders a view: under `compat: original` the private
+    information as the Python list repr of its pieces (docs/method.md, D11), and MATH rows under the GSM8K solver
+    prompt (`prompt_set`, D12)."""
 
     list_repr_context: bool = False
     prompt_set: str | None = None
@@ -109,10 +191,8 @@ DEFAULT_STYLE = RenderStyle()
 
 
 def compat_style(compat: str, task: Task | str, sft_rows: bool = False) -> RenderStyle:
-    """The rendering of training rows (``sft_rows``: iSFT rows) and tree-search views under recipe ``compat``.
-
-    Generation and evaluation always use the default rendering (joined text), whatever ``compat`` says.
-    """
+    """The rendering of training rows (`sft_rows`: iSFT's) and tree-search views under recipe `compat`
+    (generation and evaluation always render the default)."""
     if compat != "original":
         return DEFAULT_STYLE
     original_math = sft_rows and _resolve(task).prompt_set == "math"
@@ -124,47 +204,24 @@ def _resolve(task: Task | str) -> Task:
 
 
 def build_system_prompt(task: Task | str, speaker: str, extra_rule: str | None = None) -> str:
-    """Return the base system prompt of `speaker` for `task` (what training data always uses).
-
-    Args:
-        task: a `Task` or its name.
-        speaker: "Alice" or "Bob".
-        extra_rule: an optional format rule (iteration-0 pool entry).
-    """
+    """The base system prompt of `speaker` (training rows always carry it), with an optional pool rule."""
     return role_prompt(task, speaker).render(speaker, partner_of(speaker), extra_rule)
 
 
 def role_prompt(task: Task | str, speaker: str, style: RenderStyle = DEFAULT_STYLE) -> RolePrompt:
-    """The role prompt of `speaker` for `task` (solver/critic in debate, the same for both in qa).
-
-    Args:
-        task: a `Task` or its name.
-        speaker: "Alice" or "Bob".
-        style: may name another prompt set (`compat: original` MATH rows).
-    """
+    """The role prompt of `speaker` for `task` (or for `style.prompt_set`)."""
     return ROLE_PROMPTS[style.prompt_set or _resolve(task).prompt_set][agent_index(speaker)]
 
 
 def render_information(paragraphs: Iterable[str]) -> str:
-    """Join an agent's private paragraphs into one text block (one paragraph per line).
-
-    Args:
-        paragraphs: the agent's context.
-    """
+    """An agent's private paragraphs as one text, one per line (not a list repr: docs/method.md, D11)."""
     return "\n".join(paragraph.strip() for paragraph in paragraphs if paragraph.strip())
 
 
 def render_task_turn(
     example: Example, speaker: str, task: Task | None = None, style: RenderStyle = DEFAULT_STYLE
 ) -> str:
-    """Return the first user turn: the question and, for information exchange, the agent's private information.
-
-    Args:
-        example: the question.
-        speaker: whose view this is.
-        task: the example's task (looked up from `example.task` when None).
-        style: list-repr information and another prompt set's reminder under `compat: original`.
-    """
+    """The first user turn: the question, the agent's private information (information exchange), the reminder."""
     task = task or get_task(example.task)
     role = role_prompt(task, speaker, style)
     reminder = Template(role.reminder).safe_substitute(name=speaker, partner=partner_of(speaker))
@@ -180,11 +237,7 @@ def render_task_turn(
 
 
 def render_utterance(utterance: Utterance | Sequence[str] | dict) -> str:
-    """Return an utterance as it appears in a chat: `"Name: text"`.
-
-    Args:
-        utterance: the utterance.
-    """
+    """An utterance as a chat shows it: `"Name: text"`."""
     utterance = as_utterance(utterance)
     return f"{utterance.speaker}: {utterance.text}"
 
@@ -197,20 +250,15 @@ def build_agent_messages(
     task: Task | None = None,
     style: RenderStyle = DEFAULT_STYLE,
 ) -> list[dict[str, str]]:
-    """Build `speaker`'s chat view of a conversation: system, task turn, then user/assistant turns.
+    """`speaker`'s chat view of a conversation: system, task turn, then the utterances so far.
 
-    Own utterances become `assistant` turns (an utterance's exact `reply` when it carries one), the partner's
-    become `user` turns, each prefixed with its speaker's name; consecutive turns of one role are merged (so the
-    partner's first message joins the task turn). The list always starts with system + user, so it renders with
-    ChatML (SmolLM2) and Llama-3 templates alike.
+    Own utterances are `assistant` turns (their exact `reply` when they carry one), the partner's `user` turns;
+    consecutive turns of one role are merged, so the list starts with system + user under any chat template.
 
     Args:
-        example: the question.
-        speaker: "Alice" or "Bob".
-        utterances: the conversation so far, oldest first.
-        system_prompt: a rendered system prompt (e.g. from `draw_pool_prompts`); the base prompt when None.
+        system_prompt: a rendered system prompt (a pool draw); the base prompt when None.
         task: the example's task (looked up from `example.task` when None).
-        style: the rendering (`compat_style`); generation and evaluation use the default.
+        style: the rendering (`compat_style`).
     """
     task = task or get_task(example.task)
     if system_prompt is None:
@@ -233,39 +281,24 @@ def build_agent_messages(
 
 
 def strip_speaker_prefix(text: str, name: str) -> str:
-    """Remove one leading `"Name:"` (also `**Name:**`, `**Name**:`) that the model wrote itself (docs/method.md D15).
-
-    Args:
-        text: the generated message.
-        name: the speaker's name.
-    """
+    """`text` without one leading `"Name:"` (or `**Name:**`, `**Name**:`) the model wrote itself."""
     pattern = rf"\s*(?:\*\*)?{re.escape(name)}(?:\*\*)?\s*:(?:\*\*)?[ \t]*"
     match = re.match(pattern, text)
     return text[match.end() :] if match else text
 
 
 def is_impersonation(utterance: Utterance | str) -> bool:
-    """Whether an utterance speaks for both agents: both `Alice:` and `Bob:`, or one of them twice.
-
-    See docs/method.md#impersonation.
-
-    Args:
-        utterance: an `Utterance` (checked with its name prefix, as it is rendered) or prefixed text.
-    """
+    """Whether an utterance (rendered with its prefix) speaks for both agents: both names, or one of them twice."""
     text = render_utterance(utterance) if isinstance(utterance, Utterance) else utterance
     counts = [text.count(f"{name}:") for name in AGENT_NAMES]
     return all(count >= 1 for count in counts) or any(count >= 2 for count in counts)
 
 
 def load_prompt_pool(pool: str, pool_dir: Path = POOL_DIR) -> tuple[str, ...]:
-    """Load a format pool (`qa`, `debate`, `math`): the `prompt` of each JSONL line, ordered by `index`.
-
-    Args:
-        pool: the pool name (file stem).
-        pool_dir: the folder of pool files.
+    """A format pool (`qa`, `debate`, `math`): the `prompt` of each `{"index", "prompt"}` line, by index.
 
     Raises:
-        ValueError: on a missing file, a malformed line, or duplicate indices.
+        ValueError: a missing file, a malformed line, or a repeated index.
     """
     path = pool_dir / f"{pool}.jsonl"
     if not path.is_file():
@@ -286,24 +319,13 @@ def load_prompt_pool(pool: str, pool_dir: Path = POOL_DIR) -> tuple[str, ...]:
 
 
 def pool_name(task: Task | str) -> str:
-    """Return the name of the format pool a task draws from at iteration 0.
-
-    Args:
-        task: a `Task` or its name.
-    """
+    """The format pool a task draws from at iteration 0."""
     return POOL_FOR_PROMPT_SET[_resolve(task).prompt_set]
 
 
 def draw_pool_prompts(pool: Sequence[str], task: Task | str, rng: random.Random) -> tuple[str, str]:
-    """Draw iteration-0 system prompts for one conversation: (Alice's, Bob's) (docs/method.md#prompt-pool).
-
-    qa: one pool rule for both agents; debate: one pool rule for Alice, Bob keeps the base critic prompt.
-
-    Args:
-        pool: the pool's rules (from `load_prompt_pool(pool_name(task))`).
-        task: a `Task` or its name.
-        rng: the caller's seeded RNG (one draw per conversation).
-    """
+    """(Alice's, Bob's) iteration-0 system prompts (docs/method.md#prompt-pool): one pool rule for both agents in
+    information exchange, for Alice only in debate (the critic keeps its prompt); one `rng` draw."""
     task = _resolve(task)
     rule = rng.choice(list(pool))
     alice = build_system_prompt(task, AGENT_NAMES[0], extra_rule=rule)
@@ -312,11 +334,8 @@ def draw_pool_prompts(pool: Sequence[str], task: Task | str, rng: random.Random)
 
 
 def templates_identity() -> str:
-    """A hash of the role prompts in code and of the chats rendered from them (stage keys, result fingerprints).
-
-    One question of each prompt set, rendered for both agents after one partner message: a change to a role prompt,
-    a reminder, an answer opening or the renderer changes it.
-    """
+    """A hash of the role prompts and of chats rendered from them (one question per prompt set, both views): the
+    stage keys and result fingerprints change with a prompt, a reminder, an answer opening or the renderer."""
     probes: list = [repr(ROLE_PROMPTS)]
     tasks: dict[str, Task] = {}
     for task in TASKS.values():

@@ -1,12 +1,8 @@
-"""The conversation browser: ``conversations.html`` beside a run's ``report.md`` (or in an evaluation folder).
+"""The conversation browser: `conversations.html` beside a run's `report.md` (or in an evaluation folder).
 
-Conversations are what Optima produces and trains on; this page shows them without reading JSONL by hand: per
-iteration and stage, each question with its conversations (Alice's and Bob's turns, final answer, gold answer,
-task score, tokens, LM loss, every reward part, kept or dropped and by which rule), the DPO pairs with the chosen
-and rejected continuations side by side under their shared prefix, and filters (kept/dropped, answered, cut for
-length) with a search box. ``python -m optima show DIR`` writes it; a loop rewrites it after every iteration (with
-``report.md``), the sweep and ``compare`` after their tables. ``sample_conversations`` picks a few of the same
-views for the trackers (TensorBoard text).
+Per iteration and stage, each question with its conversations (turns, answers, score, tokens, LM loss, reward
+parts, kept or dropped and by which rule) and its DPO pairs side by side, with filters and a search box; a static
+page that opens from disk. `python -m optima show DIR` writes it; a loop rewrites it after every iteration.
 """
 
 from __future__ import annotations
@@ -32,15 +28,11 @@ MAX_QUESTIONS = 300
 def write_conversations_page(
     folder: Path, max_questions: int = MAX_QUESTIONS, sections: list[Section] | None = None
 ) -> Path:
-    """Write (or rewrite) ``<folder>/conversations.html`` from what the run or evaluation wrote; return its path.
+    """Write (or rewrite) `<folder>/conversations.html` from a run or evaluation folder; return its path.
 
     Args:
-        folder: A loop's run directory or an evaluation output folder.
-        max_questions: Questions shown per stage output, the first ones in file order (0: all).
-        sections: ``collect_sections(folder)`` when the caller has read them already (left unchanged).
-
-    Raises:
-        FileNotFoundError: ``folder`` is not a directory.
+        max_questions: Questions shown per stage output, the first in file order (0: all).
+        sections: `collect_sections(folder)` when the caller has read them already (left unchanged).
     """
     folder = Path(folder)
     sections = [_shown(s, max_questions) for s in (collect_sections(folder) if sections is None else sections)]
@@ -57,7 +49,7 @@ def write_conversations_page(
 
 
 def _shown(section: Section, max_questions: int) -> Section:
-    """The section as the page shows it: its first ``max_questions`` questions (0: all), the rest counted."""
+    """The section as the page shows it: its first `max_questions` questions (0: all), the rest counted."""
     if not max_questions or len(section.questions) <= max_questions:
         return section
     left_out = len(section.questions) - max_questions
@@ -65,7 +57,7 @@ def _shown(section: Section, max_questions: int) -> Section:
 
 
 def pick_samples(section: Section, count: int) -> list[tuple[QuestionView, ConversationView]]:
-    """Up to ``count`` conversations of a section: a kept one, a dropped one, a cut one, then the first others."""
+    """Up to `count` conversations of a section: a kept one, a dropped one, a cut one, then the first others."""
     every = [(q, c) for q in section.questions for c in q.conversations]
     picks: list[tuple[QuestionView, ConversationView]] = []
     for want in (lambda c: c.kept is True, lambda c: c.kept is False, lambda c: c.cut):
@@ -76,7 +68,7 @@ def pick_samples(section: Section, count: int) -> list[tuple[QuestionView, Conve
 
 
 def conversation_markdown(question: QuestionView, conv: ConversationView) -> str:
-    """A conversation as Markdown (what TensorBoard's text tab renders; text escaped: ``<A>`` is no tag there)."""
+    """A conversation as Markdown for TensorBoard's text tab (escaped: `<A>` is no tag there)."""
     verdict = (
         "" if conv.kept is None else ("kept" if conv.kept else "dropped") + (f" ({conv.rule})" if conv.rule else "")
     )
@@ -92,8 +84,7 @@ def conversation_markdown(question: QuestionView, conv: ConversationView) -> str
 def sample_conversations(
     run_dir: Path, count: int = 3, sections: list[Section] | None = None
 ) -> list[tuple[int, str, str]]:
-    """``(iteration, tag, markdown)`` per stage output of a run directory: up to ``count`` of its conversations
-    (``sections``: ``collect_sections(run_dir)`` when the caller has read them already)."""
+    """`(iteration, tag, markdown)` per stage output of a run folder: up to `count` of its conversations."""
     samples = []
     for section in collect_sections(run_dir) if sections is None else sections:
         picked = pick_samples(section, count)

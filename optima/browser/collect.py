@@ -1,16 +1,9 @@
-"""Read what a run or an evaluation wrote into the plain views the conversation browser shows.
+"""What a run or an evaluation wrote, read into the plain views the conversation browser shows.
 
-A loop's run directory (``optima.paths``) holds, per iteration and stage folder, ``generations.jsonl`` (the sampled
-conversations), ``rewarded.jsonl`` (the same with task score, LM losses and reward parts), ``selection.jsonl`` (SFT:
-per question, whether its best conversation was kept, by which rule, and the rule that dropped each other one;
-DPO: every pair found, kept or not and why), ``probe.jsonl`` (the token probe) and ``rollouts.jsonl`` (the search
-trees with their rollouts). An evaluation folder (sweep, compare, self-consistency) holds one
-``<model>[.<method>].jsonl`` per model and method, records of the same schema. Nothing here computes a decision:
-kept/dropped and the rule come from what selection recorded; a DPO pair's chosen and rejected continuations and
-their shared prefix are read from the tree with the functions that mined the pair (``optima.selection.dpo``).
-
-A record that carries ``cut`` (cut for length) is shown with it; older records count as cut when their status is
-``too_long`` (a reply reached ``max_tokens``).
+A run folder's stage folders hold the sampled conversations, their rewards, selection's verdicts (SFT), the token
+probe and the search trees with their pairs (DPO); an evaluation folder one `<model>[.<method>].jsonl` per model
+and method. Nothing here decides anything: kept or dropped and the rule come from what selection recorded, and a
+pair's texts are read from its tree with the functions that mined it.
 """
 
 from __future__ import annotations
@@ -20,11 +13,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optima.evaluation.baselines import LABELS
+from optima.evaluation.metrics import RecordScorer
+from optima.evaluation.runs import load_results
 from optima.lineage import lineage_folders
 from optima.paths import StagePaths, checkpoint_label
 from optima.reward import finite_losses, is_cut
+from optima.selection.dpo import best_and_worst, children_by_parent, path_utterances
 from optima.store import group_by_question, load_records
-from optima.tasks.reparse import reparsed
+from optima.tasks.math_equiv import MathVerifier
+from optima.tasks.scoring import reparsed
 
 NOT_RECORDED = "dropped (rule not recorded)"
 
@@ -120,7 +118,7 @@ def turns_of(record: dict) -> list[Turn]:
 
 
 def conversation_view(record: dict, label: str, verdict: tuple[bool | None, str] = (None, ""), score=None):
-    """A ``ConversationView`` of one record (``score``: the task score when the record has no reward parts)."""
+    """A `ConversationView` of one record (`score`: the task score when the record has no reward parts)."""
     turns = turns_of(record)
     losses = finite_losses(t.loss for t in turns)
     parts = record.get("reward_parts")
@@ -178,11 +176,8 @@ def plain_questions(records: Sequence[dict], score=None) -> list[QuestionView]:
 
 
 def sampled_questions(sp: StagePaths) -> list[QuestionView]:
-    """The sampled conversations of an SFT stage, scored and selected as far as the stage got.
-
-    Rewarded questions come with their reward parts and selection's verdicts; questions generated but not yet
-    scored (a stage still running, or killed) follow as generated.
-    """
+    """The sampled conversations of an SFT stage, rewarded and selected as far as it got (questions not yet
+    scored follow as generated)."""
     rewarded, _ = load_records(sp.rewarded)
     decisions = {str(d["task_id"]): d for d in load_records(sp.selection_record)[0]}
     questions = []
@@ -200,20 +195,12 @@ def sampled_questions(sp: StagePaths) -> list[QuestionView]:
 
 
 def probe_questions(sp: StagePaths) -> list[QuestionView]:
-    """The token probe's conversations (they set ``T_max``; nothing is kept or dropped)."""
+    """The token probe's conversations (they set `T_max`; nothing is kept or dropped)."""
     return plain_questions(load_records(sp.probe)[0])
 
 
 def pair_view(entry: dict, by_id: dict, children: dict) -> PairView:
-    """A recorded pair with its texts read from the tree (the same functions that mined it).
-
-    Args:
-        entry: The pair's record (``node_id``, values, ``kept``, ``reason``).
-        by_id: The tree's nodes by id.
-        children: ``children_by_parent`` of the tree (built once per tree, not per pair).
-    """
-    from optima.selection.dpo import best_and_worst, path_utterances
-
+    """A recorded pair with its texts read from the tree (`children`: `children_by_parent`, once per tree)."""
     node = by_id[entry["node_id"]]
     chosen, rejected = best_and_worst(children[node["id"]])
     return PairView(
@@ -231,8 +218,6 @@ def pair_view(entry: dict, by_id: dict, children: dict) -> PairView:
 
 def search_questions(sp: StagePaths) -> list[QuestionView]:
     """The search trees of a DPO stage: every rollout, and every pair found (kept or not, and why)."""
-    from optima.selection.dpo import children_by_parent
-
     records = {str(r["task_id"]): r for r in load_records(sp.selection_record)[0]}
     questions = []
     for line in load_records(sp.rollouts)[0]:
@@ -251,7 +236,7 @@ def search_questions(sp: StagePaths) -> list[QuestionView]:
 
 
 def stage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
-    """``(iteration, part, folder)`` of every stage folder with outputs of the current lineage, in run order."""
+    """`(iteration, part, folder)` of every stage folder with outputs of the current lineage, in run order."""
     return [
         (iteration, part, sp)
         for iteration, part, sp in lineage_folders(run_dir)
@@ -282,9 +267,7 @@ def _anchor(*parts: str) -> str:
 
 
 def method_of_file(path: Path) -> tuple[str, str]:
-    """(method label, model label) of an evaluation file ``<model>[.<method>].jsonl``."""
-    from optima.evaluation.baselines import LABELS
-
+    """(method label, model label) of an evaluation file `<model>[.<method>].jsonl`."""
     labels = {"sc": LABELS["optima_sc"]} | LABELS
     model, _, method = path.stem.rpartition(".")
     if not model or method not in labels:
@@ -294,10 +277,6 @@ def method_of_file(path: Path) -> tuple[str, str]:
 
 def eval_sections(folder: Path) -> list[Section]:
     """One section per result file of an evaluation folder, each conversation with its task score."""
-    from optima.evaluation.metrics import RecordScorer
-    from optima.evaluation.runs import load_results
-    from optima.tasks.math_equiv import MathVerifier
-
     sections = []
     with MathVerifier() as verifier:
         scorer = RecordScorer(verifier=verifier)

@@ -1,10 +1,7 @@
-"""HTML of the conversation browser: one self-contained page from the views of ``optima.browser.collect``.
+"""The conversation browser's HTML: one self-contained page (CSS and the filter script inline, in `page.html`).
 
-The page is static HTML (the CSS and the few lines of filter script are inline, in ``page.html``): no server, no
-network, it opens from disk. Every text from a run (questions, utterances, answers, rules, file names) goes through
-``html.escape``. Each conversation and pair is an ``.item`` whose ``data-kept`` / ``data-answered`` / ``data-cut``
-attributes the filters read (also from the address: ``conversations.html?kept=dropped&cut=yes&q=word``);
-questions are collapsible, the first of each section open.
+Every text from a run goes through `html.escape`. Each conversation and pair is an `.item` whose `data-kept`,
+`data-answered` and `data-cut` the filters read (also from the address: `?kept=dropped&cut=yes&q=word`).
 """
 
 from __future__ import annotations
@@ -171,14 +168,7 @@ def nav_html(sections: list[Section]) -> str:
 
 
 def render_page(title: str, subtitle: str, sections: list[Section], links: dict[str, str]) -> str:
-    """The whole page.
-
-    Args:
-        title: The heading (escaped here).
-        subtitle: One line under it (escaped here).
-        sections: What to show, in order.
-        links: Label -> relative address of files beside the page (``report.md``...).
-    """
+    """The whole page (`links`: label -> relative address of files beside it, `report.md`...)."""
     link_html = " · ".join(f'<a href="{esc(href)}">{esc(label)}</a>' for label, href in links.items())
     head = esc(subtitle) + (f" · {link_html}" if link_html else "")
     body = nav_html(sections) + "".join(section_html(s) for s in sections)

@@ -22,21 +22,31 @@ from typing import Literal
 from optima.agents.conversation import (
     AgentPrompts,
     ConversationResult,
+    ConversationRunner,
     CountTokens,
+    GenerationSettings,
+    Job,
     TurnLimits,
     reply_tokens,
     run_conversation,
 )
 from optima.agents.generation import GenerationHooks, GenerationStats, generate_conversations
-from optima.agents.prompts import AGENT_NAMES, Utterance, build_system_prompt, render_information
-from optima.agents.role_prompts import CHOICE_SLOT, GSM8K_SLOT, MATH_SLOT, QA_SLOT
-from optima.agents.runner import ConversationRunner, GenerationSettings, Job
+from optima.agents.prompts import (
+    AGENT_NAMES,
+    CHOICE_SLOT,
+    GSM8K_SLOT,
+    MATH_SLOT,
+    QA_SLOT,
+    Utterance,
+    build_system_prompt,
+    render_information,
+)
 from optima.config import InferenceRecipe, RecipeError
 from optima.evaluation.metrics import AnswerMatcher, settle_debate
 from optima.evaluation.runs import GenerationJob, conversation_prompts
 from optima.serving.client import ChatReply, RequestFailed, Sampling
 from optima.tasks import Example, Task, get_task
-from optima.tasks.contexts import stable_rng
+from optima.tasks.sampling import stable_rng
 
 BASELINES = ("cot", "cot_sc", "mad", "autoform")
 LABELS = {"optima": "Optima", "optima_sc": "Optima SC", "cot": "CoT", "cot_sc": "CoT-SC", "mad": "MAD",

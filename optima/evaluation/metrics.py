@@ -3,7 +3,7 @@
 
 A conversation cut for length (``too_long``) or failed (``error``) scores 0 even if an earlier utterance stated an
 answer; a question's score is the mean over its records, the metric the mean over questions. Every metric comes
-strict (the answer format) and flexible (the answer named in words, ``optima.tasks.flexible``), as lm-eval-harness
+strict (the answer format) and flexible (the answer named in words, ``optima.tasks.scoring``), as lm-eval-harness
 reports ``strict-match`` beside ``flexible-extract``.
 """
 
@@ -18,10 +18,9 @@ from optima.agents.conversation import ConversationResult
 from optima.reward import flexible_answer, has_answer, is_cut
 from optima.store import group_by_question
 from optima.tasks import Example, get_task
-from optima.tasks.answers import PARSER_VERSION
+from optima.tasks.answers import PARSER_VERSION, PARSER_VERSION_KEY
 from optima.tasks.math_equiv import MathVerifier
-from optima.tasks.reparse import PARSER_VERSION_KEY, is_current
-from optima.tasks.scoring import ScoreContext, score_by_type, score_example
+from optima.tasks.scoring import ScoreContext, is_current, score_by_type, score_example
 
 Tokenize = Callable[[str], list[str]]
 _FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # gsm8k's ``accuracy_original``: the first number of the answer

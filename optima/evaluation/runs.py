@@ -6,7 +6,7 @@ record other than ``error``. Beside it, ``<file>.producer.json`` holds its produ
 tokenizer, prompts, generation and serving settings, questions, method, scoring versions); before a file is filled
 the two are compared, and a file of another producer is moved to ``superseded/`` and generated anew, so rows of two
 producers never mix. ``scoring`` is how rows are read, not made: its change keeps the rows (readers re-parse them,
-``optima.tasks.reparse``) and only updates the sidecar.
+``optima.tasks.scoring``) and only updates the sidecar.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import generate_conversations
 from optima.agents.prompts import (
     AGENT_NAMES,
@@ -28,7 +29,6 @@ from optima.agents.prompts import (
     role_prompt,
     templates_identity,
 )
-from optima.agents.runner import GenerationSettings
 from optima.config import InferenceRecipe, Recipe, save_recipe
 from optima.config.rules import tokenizer_path, vllm_dtype_arg
 from optima.environments import PythonEnv, check_env
@@ -41,9 +41,8 @@ from optima.store import load_records, record_key, write_json
 from optima.tasks import Example, get_task
 from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.math_equiv import MathVerifier
-from optima.tasks.reparse import reparsed
 from optima.tasks.sampling import stratified_indices
-from optima.tasks.scoring import SCORER_VERSION
+from optima.tasks.scoring import SCORER_VERSION, reparsed
 
 logger = logging.getLogger(__name__)
 

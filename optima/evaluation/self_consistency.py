@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from optima.agents.runner import GenerationSettings
+from optima.agents.conversation import GenerationSettings
 from optima.config import MultiSCRecipe, RecipeError
 from optima.environments import PythonEnv
 from optima.evaluation.baselines import LABELS, BaselineSettings, DebateSettings, method_job

@@ -1,3 +1,2 @@
-"""Training-data selection: the best conversations for SFT (``sft``), preference pairs for DPO (``dpo``) from
-the tree search (``mcts``, over the nodes and records of ``tree``; its rollouts are scored by
-``rollout_reward``)."""
+"""What is trained on: the iSFT conversations (`sft`), the tree search (`mcts`, over the values of `tree`) and the
+DPO pairs mined from it (`dpo`)."""

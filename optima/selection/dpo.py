@@ -1,24 +1,9 @@
 """Preference pairs from the search trees, as a TRL conversational preference dataset (docs/method.md#mining-pairs).
 
-Input: one tree per question, the JSON line of ``optima.selection.tree.SearchResult.to_dict`` (nodes as plain dicts
-with their final ``value``). For every *minable* node (still in the candidate pool or selected) with at least two
-children, the best and the worst child are read from the children's **current** values (docs/method.md D14: the
-original kept min/max pointers that could go stale). The node gives a pair when
-
-    best.value > initial_dpo_epsilon   and   best.value - worst.value > initial_dpo_min_value.
-
-Per question the pairs are ranked by chosen value and the top ``dpo_keep_fraction`` are kept (at least one: the
-original kept ``int(0.5 n)`` of ``n >= 2`` pairs and a single pair as is).
-
-Each pair is one row **from the speaking agent's view**, in TRL's conversational preference format:
-
-* ``prompt``: that agent's chat up to the branch (``build_agent_messages`` with the base system prompt: system,
-  task turn, own turns as ``assistant``, the partner's as ``user``); it always ends with a ``user`` turn;
-* ``chosen`` / ``rejected``: one ``assistant`` turn each, the next utterance rendered ``"Name: text"``;
-* metadata: ``task_id``, ``node_id``, ``depth``, ``speaker``, ``chosen_value``, ``rejected_value``.
-
-The preference is one next utterance given the shared history, rendered the way our agents actually see a
-conversation (docs/method.md D22). The train/test split is seeded and by question (docs/method.md D20).
+Every minable node (still pooled or selected) with at least two children gives a pair of its best and worst child,
+read from the children's current values, when `best > initial_dpo_epsilon` and `best - worst >
+initial_dpo_min_value`; per question the top `dpo_keep_fraction` by chosen value are kept (at least one). A row is
+the speaking agent's view: `prompt` is its chat up to the branch, `chosen` / `rejected` one assistant turn each.
 """
 
 from __future__ import annotations
@@ -37,7 +22,7 @@ from optima.agents.prompts import (
     compat_style,
     render_utterance,
 )
-from optima.selection.io import save_splits, write_jsonl
+from optima.store import save_splits, write_jsonl
 from optima.tasks import Example
 
 if TYPE_CHECKING:
@@ -51,11 +36,7 @@ META_COLUMNS = ("task_id", "node_id", "depth", "speaker", "chosen_value", "rejec
 
 
 def children_by_parent(nodes: Sequence[dict]) -> dict[int, list[dict]]:
-    """Children of every node id, in creation order.
-
-    Args:
-        nodes: The tree's node dicts (``id``, ``parent``, ...).
-    """
+    """The children of every node id, in creation order."""
     children: dict[int, list[dict]] = {node["id"]: [] for node in nodes}
     for node in sorted(nodes, key=lambda n: n["id"]):
         if node["parent"] is not None:
@@ -64,12 +45,7 @@ def children_by_parent(nodes: Sequence[dict]) -> dict[int, list[dict]]:
 
 
 def path_utterances(node: dict, by_id: dict[int, dict]) -> list[Utterance]:
-    """The utterances from the root down to ``node`` included (empty for the root).
-
-    Args:
-        node: A node dict.
-        by_id: Every node dict by id.
-    """
+    """The utterances from the root down to `node` included."""
     path = []
     while node["parent"] is not None:
         path.append(Utterance(node["speaker"], node["text"]))
@@ -78,11 +54,7 @@ def path_utterances(node: dict, by_id: dict[int, dict]) -> list[Utterance]:
 
 
 def best_and_worst(children: Sequence[dict]) -> tuple[dict, dict]:
-    """The highest- and lowest-valued children by current value (ties: the older child); two distinct nodes.
-
-    Args:
-        children: At least two child node dicts.
-    """
+    """The highest- and the lowest-valued of at least two children (ties: the older child)."""
     if len(children) < 2:
         raise ValueError(f"a pair needs at least two children, got {len(children)}")
     ranked = sorted(children, key=lambda child: -child["value"])  # stable: ties keep creation order
@@ -90,13 +62,7 @@ def best_and_worst(children: Sequence[dict]) -> tuple[dict, dict]:
 
 
 def passes_pair_rule(best: float, worst: float, recipe: DPOLoopRecipe) -> bool:
-    """The pair rule: best value above ``initial_dpo_epsilon`` and best - worst above ``initial_dpo_min_value``.
-
-    Args:
-        best: Value of the best child.
-        worst: Value of the worst child.
-        recipe: Supplies ``initial_dpo_epsilon`` and ``initial_dpo_min_value``.
-    """
+    """The pair rule: `best > initial_dpo_epsilon` and `best - worst > initial_dpo_min_value`."""
     return best > recipe.initial_dpo_epsilon and best - worst > recipe.initial_dpo_min_value
 
 
@@ -108,16 +74,7 @@ def build_pair_row(
     node: dict,
     style: RenderStyle = DEFAULT_STYLE,
 ) -> dict:
-    """One TRL conversational preference row from the view of the agent who speaks after ``node``.
-
-    Args:
-        example: The question.
-        path: The utterances up to the branch.
-        chosen: The best child (node dict).
-        rejected: The worst child (node dict).
-        node: The branching node.
-        style: The rendering of the prompt (list-repr information under ``compat: original``).
-    """
+    """One preference row from the view of the agent who speaks after `node` (`path`: the utterances up to it)."""
     speaker = chosen["speaker"]
     return {
         "prompt": build_agent_messages(example, speaker, path, style=style),
@@ -133,12 +90,7 @@ def build_pair_row(
 
 
 def candidate_pairs(line: dict, recipe: DPOLoopRecipe) -> list[dict]:
-    """Every pair of one question's tree that passes the rule, in node order (before keeping the best).
-
-    Args:
-        line: The question's search result (``SearchResult.to_dict``).
-        recipe: Supplies the pair thresholds and ``compat``.
-    """
+    """Every pair of one question's tree (its `SearchResult` line) that passes the rule, in node order."""
     example = Example.from_dict(line["example"])
     style = compat_style(recipe.compat, example.task)
     by_id = {node["id"]: node for node in line["nodes"]}
@@ -155,12 +107,7 @@ def candidate_pairs(line: dict, recipe: DPOLoopRecipe) -> list[dict]:
 
 
 def keep_best_pairs(pairs: Sequence[dict], keep_fraction: float) -> list[dict]:
-    """The top ``keep_fraction`` of one question's pairs by chosen value (at least one when there are any).
-
-    Args:
-        pairs: The question's candidate pairs.
-        keep_fraction: Recipe ``dpo_keep_fraction`` (0.5 by default: docs/method.md D10).
-    """
+    """The top `keep_fraction` of one question's pairs by chosen value (at least one when there are any)."""
     if not pairs:
         return []
     ranked = sorted(pairs, key=lambda pair: -pair["chosen_value"])  # stable: ties keep node order
@@ -168,26 +115,14 @@ def keep_best_pairs(pairs: Sequence[dict], keep_fraction: float) -> list[dict]:
 
 
 def question_pairs(line: dict, recipe: DPOLoopRecipe) -> list[dict]:
-    """The kept pairs of one question (``candidate_pairs`` then ``keep_best_pairs``).
-
-    Args:
-        line: The question's search result.
-        recipe: Supplies the thresholds and ``dpo_keep_fraction``.
-    """
+    """The kept pairs of one question."""
     return keep_best_pairs(candidate_pairs(line, recipe), recipe.dpo_keep_fraction)
 
 
 def split_pairs(
     pairs_by_question: Sequence[Sequence[dict]], train_fraction: float, seed: int, iteration: int
 ) -> dict[str, list[dict]]:
-    """Seeded shuffle of the questions, split into train/test (all pairs of a question stay together).
-
-    Args:
-        pairs_by_question: The kept pairs, one list per question.
-        train_fraction: Recipe ``dpo_train_fraction`` (0.9 by default: docs/method.md D10).
-        seed: Recipe ``seed``.
-        iteration: The iteration (a different shuffle each iteration).
-    """
+    """A seeded shuffle of the questions (another each iteration), split into train/test by question."""
     # From question order, not the order the search finished them in: the split and the rows' order stay the same.
     groups = sorted((list(group) for group in pairs_by_question if group), key=lambda group: str(group[0]["task_id"]))
     random.Random(f"{seed}:dpo-split:{iteration}").shuffle(groups)
@@ -207,13 +142,7 @@ def pair_verdict(pair: dict, kept: bool) -> dict:
 
 
 def pair_record(line: dict, found: Sequence[dict], kept: Sequence[dict]) -> dict:
-    """The audit line of one question: tree size, branching nodes, and every pair found (kept or not, and why).
-
-    Args:
-        line: The question's search result.
-        found: Its candidate pairs.
-        kept: The pairs kept.
-    """
+    """The audit line of one question: tree size, branching nodes, and every pair found (kept or not, and why)."""
     kept_nodes = {pair["node_id"] for pair in kept}
     children = children_by_parent(line["nodes"])
     return {
@@ -228,15 +157,8 @@ def pair_record(line: dict, found: Sequence[dict], kept: Sequence[dict]) -> dict
 def save_pairs(
     lines: Sequence[dict], recipe: DPOLoopRecipe, dataset_path: Path, record_path: Path, iteration: int
 ) -> dict:
-    """Mine, keep, split and save the pairs of all questions; write the audit record. Returns a summary.
-
-    Args:
-        lines: One search result per question.
-        recipe: Pair thresholds, ``dpo_keep_fraction``, ``dpo_train_fraction`` and ``seed``.
-        dataset_path: The ``save_to_disk`` folder (``train``/``test`` splits); not written when no pair is kept.
-        record_path: The JSONL audit record (one line per question).
-        iteration: The iteration (seeds the split).
-    """
+    """Mine, keep, split and save the pairs of every question (no dataset when none is kept), write the audit
+    record (a line per question); return a summary."""
     records, kept_by_question, found_total = [], [], 0
     for line in lines:
         found = candidate_pairs(line, recipe)

@@ -1,39 +1,11 @@
-"""MCTS-inspired search for DPO pairs: one tree of utterances per question.
+"""The MCTS-inspired tree search for DPO pairs: one tree of utterances per question (docs/method.md#tree-search).
 
-See docs/method.md#tree-search; the paper's iDPO.
-
-Pure tree logic: the model call and the reward are injected callables, randomness is the caller's seeded
-``random.Random``, and nothing is shared between questions, so the pipeline may search many questions at once in a
-``ThreadPoolExecutor`` (one ``search_question`` call, one tree, one RNG per question).
-
-* **Tree.** A node is one utterance (speaker + text). The root is the empty conversation. ``next_speaker`` is the
-  index of the agent who speaks next from a node: 0 at the root, alternating down.
-* **Selection** (``SearchTree.select``). Candidates are the root and every node whose first child has children.
-  A candidate whose content is within ``selection_distance < diversity_threshold`` of an already selected node is
-  skipped and leaves the candidate pool for good (so a node is selected at most once and its near-duplicates are
-  neither selected nor mined). Among the ``top_k`` best values one is drawn with ``softmax(value)``; with no
-  candidate left the root is taken again.
-* **Expansion** (``SearchTree.run_rollout``, ``rollouts`` times per selection). From the selected node the two
-  agents talk to the end with generation's rules (``optima.agents.conversation``): each agent sees its own chat
-  view (``build_agent_messages`` with the speaker's own base system prompt: docs/method.md D13), the rollout
-  stops when the same answer is stated twice in a row (answers on the path count), after ``max_turns`` utterances,
-  or on a failed / too long reply (that reply is not added). Each new utterance merges into an existing child when
-  ``merge_distance(child, reply) < merge_threshold``, else becomes a new child; the rollout itself keeps the text
-  that was actually generated. Token counts follow generation's rule (``optima.agents.conversation.reply_tokens``:
-  the server's usage, else the agent's tokenizer).
-* **Failed requests.** A request that failed for good is sent again up to ``ERROR_RETRIES`` times; a rollout whose
-  request still fails is left out: not scored, its new nodes removed, nothing backpropagated (a server error is no
-  evidence about the utterances). Its record keeps status ``error``, ``reward`` None and the ``failed_requests``
-  count that the search statistics add up.
-* **Backpropagation.** The rollout's reward (``score(rollout)``) updates the running mean value and the visit count
-  of every node from the last one reached up to the root. Pair mining (``optima.selection.dpo``) reads the
-  children's *current* values, so there are no stale best/worst pointers (docs/method.md D14).
-
-Deliberate differences (docs/method.md D25, D26; ``compat: original`` restores both): a rollout that reaches
-``max_turns`` keeps its last stated answer (``stop_reason "max_turns"``), as in generation, instead of
-scoring no answer (task score 0); and the stop rule sees every answer stated on the path, not only the answer of
-the selected node's own utterance. ``compat: original`` also renders the agents' private information as a Python
-list repr (``compat_style``, D11).
+Pure tree logic: the model call and the reward are injected callables and randomness is the caller's seeded
+`random.Random`, so many questions can be searched at once (one `search_question` call, one tree, one RNG each).
+Each of `selections` rounds selects a node (the diversity filter, top-k, softmax of the values), plays `rollouts`
+conversations from it to their end with generation's rules, merges each new utterance into a near-identical child,
+scores the rollout and backpropagates its reward. `compat: original` restores the original's stop rule (only the
+selected node's own answer counts, D26) and scores a rollout that reaches `max_turns` without an answer (D25).
 """
 
 from __future__ import annotations
@@ -43,6 +15,8 @@ import math
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from rapidfuzz.distance import Levenshtein
 
 from optima.agents.conversation import is_cut_reply, reply_tokens
 from optima.agents.prompts import (
@@ -54,10 +28,9 @@ from optima.agents.prompts import (
     strip_speaker_prefix,
 )
 from optima.reward import RewardParts
-from optima.selection.edit_distance import merge_distance, selection_distance
 from optima.selection.tree import Generate, Reply, Rollout, Score, SearchResult, SearchSettings, TreeNode
 from optima.tasks import Example, Task, get_task
-from optima.tasks.scoring import AnswerTracker
+from optima.tasks.answers import AnswerTracker
 
 if TYPE_CHECKING:
     from optima.config import DPOLoopRecipe
@@ -69,15 +42,23 @@ logger = logging.getLogger(__name__)
 ERROR_RETRIES = 2
 
 
-class SearchTree:
-    """The tree of one question and the three MCTS steps on it.
+def levenshtein(a: str, b: str) -> int:
+    """Edit distance over characters (unit-cost insert, delete, substitute; rapidfuzz's bit-parallel C++)."""
+    return Levenshtein.distance(a, b)
 
-    Args:
-        example: The question.
-        settings: Search sizes and thresholds.
-        rng: This question's seeded RNG (selection sampling only).
-        task: The example's task (looked up from ``example.task`` when None).
-    """
+
+def selection_distance(a: str, b: str) -> float:
+    """`ed(a, b) / (max(len a, len b) + 1)`: how different two node contents are (the diversity filter)."""
+    return levenshtein(a, b) / (max(len(a), len(b)) + 1)
+
+
+def merge_distance(existing: str, reply: str) -> float:
+    """`ed(existing, reply) / (len(reply) + 1)`: how far a new reply is from an existing child (the merge rule)."""
+    return levenshtein(existing, reply) / (len(reply) + 1)
+
+
+class SearchTree:
+    """The tree of one question and the three MCTS steps on it (`rng`: this question's, for selection only)."""
 
     def __init__(self, example: Example, settings: SearchSettings, rng: random.Random, task: Task | None = None):
         self.example = example
@@ -92,16 +73,17 @@ class SearchTree:
         self.rollouts: list[dict] = []
 
     def candidates(self) -> list[TreeNode]:
-        """The root (while in the pool) and every pooled node whose first child has children."""
+        """The root (while pooled) and every pooled node whose first child has children."""
         return [n for n in self.pool if n is self.root or (n.children and n.children[0].children)]
 
     def near_selected(self, node: TreeNode) -> bool:
-        """Whether ``node`` is within the diversity threshold of a node selected before (itself included)."""
+        """Whether `node` is within the diversity threshold of a node selected before (itself included)."""
         threshold = self.settings.diversity_threshold
         return any(selection_distance(node.content, chosen.content) < threshold for chosen in self.selected)
 
     def select(self) -> TreeNode:
-        """Pick the node to expand next (diversity filter, top-k, softmax sampling; root as fallback)."""
+        """The node to expand next: near-duplicates of selected nodes leave the pool for good, then one of the
+        `top_k` best values is drawn by softmax; the root when no candidate is left."""
         candidates = []
         for node in self.candidates():
             if self.near_selected(node):
@@ -121,7 +103,7 @@ class SearchTree:
         return chosen
 
     def attach(self, node: TreeNode, utterance: Utterance, tokens: int) -> TreeNode:
-        """The child of ``node`` for a new utterance: a near-identical existing child, or a new one."""
+        """The child of `node` for a new utterance: an existing one within `merge_threshold`, or a new one."""
         text = render_utterance(utterance)
         for child in node.children:
             if merge_distance(child.content, text) < self.settings.merge_threshold:
@@ -134,23 +116,17 @@ class SearchTree:
 
     @staticmethod
     def backpropagate(node: TreeNode | None, reward: float) -> None:
-        """Add one visit with ``reward`` to ``node`` and every ancestor (running mean value)."""
+        """One visit with `reward` for `node` and every ancestor (a running mean value)."""
         while node is not None:
             node.visits += 1
             node.value += (reward - node.value) / node.visits
             node = node.parent
 
     def run_rollout(self, start: TreeNode, generate: Generate, score: Score) -> dict:
-        """Talk from ``start`` to the end of the conversation, grow the tree, score, backpropagate.
+        """Talk from `start` to the end of the conversation, grow the tree, score, backpropagate; return its record.
 
-        A failed request is sent again up to ``ERROR_RETRIES`` times; a rollout whose request still fails is left
-        out of the tree: it is not scored, its new nodes are removed and no value is backpropagated (its record
-        keeps the status ``error`` and ``reward`` None, and every failed request is counted).
-
-        Args:
-            start: The selected node.
-            generate: Returns the reply of ``speaker`` given that speaker's chat view.
-            score: The reward of a finished rollout (a float or ``RewardParts``).
+        A rollout whose request still fails after `ERROR_RETRIES` is left out (a server error is no evidence about
+        the utterances): not scored, its new nodes removed, nothing backpropagated; its record keeps `error`.
         """
         path = start.path()
         utterances = [n.utterance for n in path]
@@ -202,8 +178,8 @@ class SearchTree:
         return self.rollouts[-1]
 
     def drop_nodes_from(self, first: int, node: TreeNode) -> TreeNode:
-        """Remove the nodes created since ``len(self.nodes)`` was ``first`` (a failed rollout's); return the deepest
-        ancestor of ``node`` that stays."""
+        """Remove the nodes created since `len(self.nodes)` was `first` (a failed rollout's); return the deepest
+        ancestor of `node` that stays."""
         for new in reversed(self.nodes[first:]):
             new.parent.children.remove(new)
             self.pool.remove(new)
@@ -213,24 +189,24 @@ class SearchTree:
         return node
 
     def minable(self) -> list[TreeNode]:
-        """Nodes pair mining may use: still pooled or selected (``pool`` ∪ ``selected``)."""
+        """The nodes pair mining may use: still pooled, or selected."""
         keep = {id(n) for n in self.pool} | {id(n) for n in self.selected}
         return [n for n in self.nodes if id(n) in keep]
 
     def result(self) -> SearchResult:
-        """The tree as plain dicts (with a ``minable`` flag per node) plus the rollout records."""
+        """The tree as plain dicts (with a `minable` flag per node) and the rollout records."""
         minable = {n.node_id for n in self.minable()}
         nodes = [n.to_dict() | {"minable": n.node_id in minable} for n in self.nodes]
         return SearchResult(self.example, nodes, list(self.rollouts), list(self.selections))
 
 
 def reward_of(outcome: float | RewardParts) -> float:
-    """The reward of a ``score`` outcome (a float, or ``RewardParts``)."""
+    """The reward of a `score` outcome (a float, or `RewardParts`)."""
     return outcome.reward if isinstance(outcome, RewardParts) else float(outcome)
 
 
 def request_with_retries(generate: Generate, messages: list[dict], speaker: str) -> tuple[Reply, int]:
-    """``generate``'s reply, a failed one (``error``) sent again up to ``ERROR_RETRIES`` times; and the failures."""
+    """`generate`'s reply, a failed one sent again up to `ERROR_RETRIES` times; and the number of failures."""
     failures = 0
     while True:
         reply = generate(messages, speaker)
@@ -249,17 +225,11 @@ def search_question(
     rng: random.Random,
     task: Task | None = None,
 ) -> SearchResult:
-    """Run the whole tree search of one question: ``selections`` × (select, ``rollouts`` rollouts).
-
-    Thread-safe as long as ``generate`` and ``score`` are: the tree and ``rng`` belong to this call.
+    """The tree search of one question: `selections` x (select, `rollouts` rollouts); thread-safe when `generate`
+    (`(messages, speaker) -> Reply`) and `score` (`Rollout -> float | RewardParts`) are.
 
     Args:
-        example: The question.
-        generate: ``(messages, speaker) -> Reply``; ``messages`` is that speaker's chat view.
-        score: ``(Rollout) -> float | RewardParts`` (``optima.selection.rollout_reward.build_rollout_scorer``).
-        recipe: A DPO / SFT-DPO recipe, or a ``SearchSettings``.
-        rng: This question's seeded RNG.
-        task: The example's task (looked up from ``example.task`` when None).
+        recipe: A DPO / SFT-DPO recipe, or its `SearchSettings`.
     """
     settings = recipe if isinstance(recipe, SearchSettings) else SearchSettings.from_recipe(recipe)
     tree = SearchTree(example, settings, rng, task)
@@ -280,14 +250,8 @@ def reply_from_chat(
     failures: tuple[type[BaseException], ...] = (),
     count_tokens: Callable[[str, str], int] | None = None,
 ) -> Generate:
-    """Adapt a generation-style ``(messages, speaker) -> ChatReply`` callable to the search's ``Generate``.
-
-    Args:
-        chat_generate: Returns an object with ``text``, ``finish_reason`` and ``completion_tokens`` (``ChatReply``).
-        max_tokens: Token cap of one utterance; a reply cut by it is ``too_long``.
-        failures: Exception types meaning "this request failed for good" (e.g. ``RequestFailed``); others propagate.
-        count_tokens: ``(text, speaker) -> tokens`` when the server sent no usage.
-    """
+    """A generation-style `(messages, speaker) -> ChatReply` as the search's `Generate`: a reply cut at `max_tokens`
+    is `too_long`, an exception of `failures` (`RequestFailed`) an `error`; tokens counted as generation does."""
 
     def generate(messages: list[dict], speaker: str) -> Reply:
         try:

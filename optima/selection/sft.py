@@ -1,20 +1,9 @@
-"""iSFT data selection: the best conversations become per-agent training rows.
+"""iSFT selection: the best conversations become per-agent training rows (docs/method.md#isft-selection).
 
-See docs/method.md#isft-selection; D11, D12, D18.
-
-1. Per question, the top-1 conversation by reward (ties: the lower sample index), among those that ended ``ok`` and
-   never copy a prompt's placeholder as an answer (``optima.reward.placeholder_copies``): whatever the thresholds
-   say, training on a copy would teach it.
-2. Questions ranked by that reward, best first (ties: by question id); the ``[start, end)`` slice of the ranking
-   is kept (default top 70%, MATH ranks 10-80%, dropping MATH's top 10%: docs/method.md D18; recipe
-   ``selection_range``).
-3. Only conversations with reward >= epsilon.
-4. Each kept conversation gives two rows, Alice's view and Bob's view, rendered with the one renderer used by
-   generation (``build_agent_messages``) and the base system prompts, never the iteration-0 pool prompts.
-5. Seeded shuffle and train/test split by conversation (both views of one conversation stay together).
-
-Every question gets a line in ``selection.jsonl`` saying whether its best conversation was kept and why, and
-by which rule each of its other conversations was dropped (``dropped``: sample index -> rule).
+Per question the best finished conversation that copies no placeholder (ties: the lower sample index); questions
+ranked by its reward (ties: by id), the `selection_range` slice kept, then those with reward >= epsilon; each
+kept conversation gives Alice's and Bob's view under the base prompts. Every question gets a `selection.jsonl` line
+saying why its best conversation was kept or not, and which rule dropped each other one.
 """
 
 from __future__ import annotations
@@ -76,14 +65,14 @@ def is_usable(result: dict) -> bool:
 
 
 def unusable_rule(result: dict) -> str | None:
-    """The rule that rules a rewarded conversation out of training (None: it can be trained on)."""
+    """The rule that keeps a rewarded conversation out of training (None: it can be trained on)."""
     if result["status"] != "ok" or not result["utterances"]:
         return UNFINISHED.format(status=result["status"])
     return COPIES_PLACEHOLDER if placeholder_copies(result) else None
 
 
 def best_conversation(line: dict) -> dict | None:
-    """The highest-reward conversation of a rewarded question (``None`` when none ended ``ok``)."""
+    """The highest-reward usable conversation of a rewarded question (None when there is none)."""
     usable = [r for r in line["results"] if is_usable(r)]
     if not usable:
         return None
@@ -91,7 +80,7 @@ def best_conversation(line: dict) -> dict | None:
 
 
 def other_rules(line: dict, best: dict | None) -> dict[str, str]:
-    """The rule that drops each conversation of a question other than ``best`` (sample index -> rule)."""
+    """The rule that drops each conversation of a question other than `best` (sample index -> rule)."""
     rules = {}
     for r in line["results"]:
         if best is not None and r["sample_index"] == best["sample_index"]:
@@ -101,12 +90,8 @@ def other_rules(line: dict, best: dict | None) -> dict[str, str]:
 
 
 def select_questions(lines: Sequence[dict], recipe: SFTLoopRecipe) -> list[Decision]:
-    """Decide, for every rewarded question, whether its best conversation is trained on.
-
-    The decisions come in question order (``task_id``), whatever order the lines were written in (generation
-    finishes questions in an order that timing decides): equal rewards rank by question, so the rank slice and
-    everything trained on do not depend on it.
-    """
+    """Whether each rewarded question's best conversation is trained on, in question order whatever the order the
+    lines were written in (timing decides it), so nothing trained on depends on it."""
     lines = sorted(lines, key=lambda line: str(line["task_id"]))
     best = [(str(line["task_id"]), best_conversation(line)) for line in lines]
     others = {task_id: other_rules(line, conv) for line, (task_id, conv) in zip(lines, best, strict=True)}
@@ -127,11 +112,7 @@ def select_questions(lines: Sequence[dict], recipe: SFTLoopRecipe) -> list[Decis
 
 
 def conversation_rows(record: dict, compat: str = "default") -> list[dict]:
-    """Alice's and Bob's training rows of one conversation (base system prompts, docs/method.md#prompt-pool).
-
-    ``compat="original"`` renders them in compat style (``compat_style``: list-repr information, MATH rows
-    under the GSM8K solver prompt).
-    """
+    """Alice's and Bob's training rows of one conversation, under the base system prompts (`compat` style)."""
     example = Example.from_dict(record["example"])
     utterances = [Utterance(u["speaker"], u["text"]) for u in record["utterances"]]
     style = compat_style(compat, example.task, sft_rows=True)
@@ -151,11 +132,8 @@ def conversation_rows(record: dict, compat: str = "default") -> list[dict]:
 def split_rows(
     kept: Sequence[dict], train_fraction: float, seed: int, iteration: int, compat: str = "default"
 ) -> dict[str, list[dict]]:
-    """Seeded shuffle of the kept conversations, split into train/test, expanded into per-agent rows.
-
-    The shuffle starts from the conversations in (question, sample) order, so the rows and their order depend on
-    what was kept, not on the order it came in.
-    """
+    """A seeded shuffle of the kept conversations from (question, sample) order, split into train/test by
+    conversation, expanded into per-agent rows."""
     order = sorted(kept, key=lambda r: (str(r["example"]["id"]), r.get("sample_index", 0)))
     random.Random(f"{seed}:sft-split:{iteration}").shuffle(order)
     n_test = int(round(len(order) * (1 - train_fraction)))

@@ -1,8 +1,7 @@
-"""The tree search's pieces: a reply and a rollout, the search settings, a node of the tree and one question's result.
+"""The tree search's values: a reply and a rollout, the search settings, a node, one question's result.
 
-Plain values with no search logic: ``optima.selection.mcts`` grows the tree out of them (``SearchTree``,
-``search_question``), ``optima.selection.dpo`` mines pairs from the result's JSON line, and the scorer of
-``optima.selection.rollout_reward`` reads a ``Rollout``. See docs/method.md#tree-search.
+Plain values without search logic: `optima.selection.mcts` grows the tree, `optima.selection.dpo` mines pairs from
+the result's JSON line, and `optima.reward.build_rollout_scorer` scores a `Rollout`.
 """
 
 from __future__ import annotations
@@ -24,14 +23,8 @@ REPLY_STATUSES = ("ok", "too_long", "error")
 
 @dataclass(frozen=True)
 class Reply:
-    """What the injected ``generate`` returns for one utterance.
-
-    Args:
-        text: The generated content (a leading ``Name:`` is removed by the search).
-        tokens: Its generated tokens.
-        status: ``ok``, ``too_long`` (hit the token cap) or ``error`` (the request failed for good).
-        error: The failure message when ``status == "error"``.
-    """
+    """What the injected `generate` returns for one utterance: its text (the search removes a leading `Name:`),
+    tokens, status (`ok`, `too_long`: cut at the cap, `error`: failed for good) and the failure's message."""
 
     text: str
     tokens: int
@@ -45,16 +38,8 @@ class Reply:
 
 @dataclass(frozen=True)
 class Rollout:
-    """One complete conversation produced by a rollout (what ``score`` receives).
-
-    Args:
-        utterances: The whole conversation, the selected node's path included, oldest first.
-        tokens: Tokens of each utterance.
-        final_answer: Last stated answer ("" if none).
-        status: ``ok``, ``too_long`` or ``error``.
-        stop_reason: ``same_answer``, ``max_turns``, ``too_long`` or ``error``.
-        cut_tokens: Tokens of the reply that hit ``max_tokens`` and was not added (0 when none was cut).
-    """
+    """One whole conversation of a rollout, the selected node's path included (what `score` receives);
+    `cut_tokens`: those of a reply cut at `max_tokens` and not added."""
 
     utterances: tuple[Utterance, ...]
     tokens: tuple[int, ...]
@@ -65,7 +50,7 @@ class Rollout:
 
     @property
     def token_count(self) -> int:
-        """Every generated token of the conversation, a cut reply's included (docs/method.md#token-count)."""
+        """Every generated token, a cut reply's included (docs/method.md#token-count)."""
         return sum(self.tokens) + self.cut_tokens
 
     def to_dict(self) -> dict:
@@ -86,7 +71,7 @@ Score = Callable[[Rollout], "float | RewardParts"]
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """Search sizes and thresholds: recipe fields ``mcts_*``, ``*_threshold``, ``max_turns`` (see docs/method.md)."""
+    """Search sizes and thresholds: recipe fields `mcts_*`, `*_threshold`, `max_turns`, `compat`."""
 
     selections: int = ORIGINAL_MCTS_SELECTIONS
     rollouts: int = 3
@@ -98,7 +83,7 @@ class SearchSettings:
 
     @classmethod
     def from_recipe(cls, recipe: DPOLoopRecipe) -> SearchSettings:
-        """Read the settings from a validated DPO or SFT-DPO recipe (its ``mcts_selections`` is set)."""
+        """The settings of a validated DPO or SFT-DPO recipe."""
         return cls(
             selections=recipe.mcts_selections,
             rollouts=recipe.mcts_rollouts,
@@ -112,15 +97,7 @@ class SearchSettings:
 
 @dataclass(eq=False)
 class TreeNode:
-    """One utterance of the tree (the root holds none).
-
-    Args:
-        node_id: Creation index (the root is 0).
-        utterance: The utterance, None for the root.
-        parent: The parent node, None for the root.
-        depth: Utterances from the root to this node included.
-        tokens: Tokens of the utterance.
-    """
+    """One utterance of the tree (the root, id 0, holds none); `depth` counts the utterances down to it."""
 
     node_id: int
     utterance: Utterance | None
@@ -133,12 +110,12 @@ class TreeNode:
 
     @property
     def next_speaker(self) -> int:
-        """Index of the agent who speaks after this node (``depth % 2``: 0 Alice, 1 Bob)."""
+        """The agent who speaks after this node: 0 Alice, 1 Bob."""
         return self.depth % 2
 
     @property
     def content(self) -> str:
-        """The rendered utterance (``"Alice: text"``) compared by the edit-distance rules; "" for the root."""
+        """The rendered utterance (`"Alice: text"`) the edit distances compare; "" for the root."""
         return render_utterance(self.utterance) if self.utterance is not None else ""
 
     def path(self) -> list[TreeNode]:
@@ -178,7 +155,7 @@ class SearchResult:
     selections: list[int]
 
     def to_dict(self) -> dict:
-        """The JSON line of this question (what ``optima.selection.dpo`` reads)."""
+        """The JSON line of this question (what `optima.selection.dpo` reads)."""
         return {
             "task_id": self.example.id,
             "example": self.example.to_dict(),

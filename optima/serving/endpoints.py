@@ -43,11 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from optima.identity import model_identity
+from optima.identity import model_identity, read_probe
 from optima.serving.reload_check import check_served_weights, probe_mismatch
 from optima.serving.sleep_mode import reload_rpc
 from optima.serving.vllm_server import ServerStartupError, auth_headers, server_root
-from optima.weights_probe import read_probe
 
 if TYPE_CHECKING:
     from optima.config import Recipe

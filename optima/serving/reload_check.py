@@ -1,4 +1,4 @@
-"""Check that a server holds a checkpoint's weights after a wake or an in-place reload (``optima.weights_probe``).
+"""Check that a server holds a checkpoint's weights after a wake or an in-place reload (``optima.identity``).
 
 Called after every wake with new weights (GPU sleep mode, a CPU server kept through training,
 ``optima.serving.sleep_mode``) and after every reload of an external endpoint (``optima.serving.endpoints``),
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config.rules import vllm_dtype_arg
+from optima.identity import Probe, compare_probe, read_probe, tolerance_for
 from optima.serving.client import prompt_logprobs
 from optima.serving.vllm_server import ServerStartupError
-from optima.weights_probe import Probe, compare_probe, read_probe, tolerance_for
 
 if TYPE_CHECKING:
     from optima.config import Recipe

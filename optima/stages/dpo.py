@@ -19,22 +19,21 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
+from optima.agents.conversation import GenerationSettings, TokenCounter
 from optima.agents.generation import generate_conversations
-from optima.agents.runner import GenerationSettings, TokenCounter
 from optima.config.rules import train_start, workers
 from optima.methods import DPO
 from optima.paths import StagePaths
-from optima.reward import counted_tokens, has_answer, is_cut, search_t_max
+from optima.reward import build_rollout_scorer, counted_tokens, has_answer, is_cut, search_t_max
 from optima.run_context import RunContext
 from optima.selection.dpo import save_pairs
 from optima.selection.mcts import reply_from_chat, search_question
-from optima.selection.rollout_reward import build_rollout_scorer
 from optima.serving import ReplicaPool, RequestFailed, Sampling
 from optima.stages import common
 from optima.stages.common import StageCall
 from optima.stages.reward_stage import mean_parts
 from optima.store import JsonlWriter, load_records, prepare_resume
-from optima.tasks.contexts import stable_rng
+from optima.tasks.sampling import stable_rng
 
 if TYPE_CHECKING:
     from optima.config import DPOLoopRecipe, Recipe

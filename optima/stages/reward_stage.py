@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.agents.prompts import Utterance
-from optima.loss_stream import conversation_texts, needs_losses, to_json_losses
+from optima.lm_loss import conversation_texts, needs_losses, to_json_losses
 from optima.reward import (
     Conversation,
     flexible_answer,
@@ -29,8 +29,7 @@ from optima.reward import (
 )
 from optima.store import JsonlWriter, group_by_question, load_records, prepare_resume
 from optima.tasks import Example
-from optima.tasks.reparse import reparsed
-from optima.tasks.scoring import score_example
+from optima.tasks.scoring import reparsed, score_example
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe
@@ -48,7 +47,7 @@ class RewardScorers:
 
     Args:
         score_texts: Mean LM loss of each text (``None`` when ``cal_ppl`` is off).
-        known: ``losses_of(record)``: losses scored while generating (``optima.loss_stream``), None if missing;
+        known: ``losses_of(record)``: losses scored while generating (``optima.lm_loss``), None if missing;
             ``score_texts`` is called only for the rest.
         tokenize: The initial tokenizer's ``tokenize`` (subword F1 under ``compat: original``).
         verifier: One ``MathVerifier`` for the whole stage (MATH answers); without it each answer that needs the
@@ -113,7 +112,7 @@ class RewardStats:
             "conversations": self.conversations,
             "answer_rate": round(self.answered / n, 4),
             "accuracy": round(self.task_score_sum / n, 4),
-            # The answer named in words when not in the format (optima.tasks.flexible): reported, never rewarded.
+            # The answer named in words when not in the format (optima.tasks.scoring): reported, never rewarded.
             "flexible_answer_rate": round(self.flexible_answered / n, 4),
             "flexible_accuracy": round(self.flexible_score_sum / n, 4),
             "mean_tokens": round(self.token_sum / n, 2),

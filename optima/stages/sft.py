@@ -11,17 +11,15 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from optima.agents.generation import GenerationHooks, generate_conversations
-from optima.agents.runner import generation_settings
+from optima.agents.generation import GenerationHooks, generate_conversations, generation_settings
 from optima.config.rules import loss_model, train_start
-from optima.loss_stream import StreamingLosses, load_known_losses
+from optima.lm_loss import StreamingLosses, load_known_losses
 from optima.methods import SFT
-from optima.selection.io import save_splits, write_jsonl
 from optima.selection.sft import KEPT, select_questions, split_rows
 from optima.stages import common
 from optima.stages.common import StageCall
 from optima.stages.reward_stage import RewardScorers, reward_generations
-from optima.store import load_records
+from optima.store import load_records, save_splits, write_jsonl
 
 if TYPE_CHECKING:
     from optima.config import SFTLoopRecipe

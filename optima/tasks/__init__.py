@@ -1,9 +1,7 @@
-"""The task layer: datasets, examples, question slices, answer parsing and scoring (docs/method.md#tasks, #scoring).
+"""The tasks: `TASKS` maps each name to its `Task` (a plain dict); one module per dataset (docs/method.md#tasks).
 
-`TASKS` maps each task name to a `Task` instance (a plain dict, not a plugin system); `get_task` also resolves
-the alias table `TASK_ALIASES` (e.g. the correctly spelled `trivia_qa` for the task's recipe name `trival_qa`).
-Importing this package needs only the standard library: `datasets` is imported on the hub path only and
-`math-verify` only inside the math verifier's worker processes.
+Importing it needs only the standard library (`datasets` is imported on the hub path only, `math-verify` only in
+the MATH verifier's worker processes).
 """
 
 from __future__ import annotations
@@ -15,10 +13,9 @@ from optima.tasks.base import QA_EVAL_LIMIT, DataError, Example, Task
 from optima.tasks.cbt import CBT
 from optima.tasks.gsm8k import GSM8K
 from optima.tasks.hendrycks_math import HendrycksMath
-from optima.tasks.hotpot_qa import HotpotQA
 from optima.tasks.mix import MixTask
 from optima.tasks.mmlu import MMLU
-from optima.tasks.mwh_qa import MultiWikiHopQA
+from optima.tasks.multihop import HotpotQA, MultiWikiHopQA
 from optima.tasks.sampling import select_questions
 from optima.tasks.sources import DATA_DIR_ENV, resolve_data_dir
 from optima.tasks.trival_qa import TriviaQA
@@ -35,18 +32,15 @@ TASKS: dict[str, Task] = {
     "mix": MixTask(_QA_TASKS, name="mix"),
 }
 
-# Accepted alternative spellings -> canonical names in TASKS.
+# Accepted spellings -> the names in TASKS (the released recipes spell TriviaQA `trival_qa`).
 TASK_ALIASES: dict[str, str] = {"trivia_qa": "trival_qa"}
 
 
 def get_task(name: str) -> Task:
-    """Return the task called `name` (aliases in `TASK_ALIASES` are resolved, with a log line).
-
-    Args:
-        name: a key of `TASKS` or `TASK_ALIASES`.
+    """The task called `name` or one of its `TASK_ALIASES`.
 
     Raises:
-        KeyError: for an unknown name; the message lists the valid names.
+        KeyError: an unknown name; the message lists the valid ones.
     """
     if name in TASKS:
         return TASKS[name]

@@ -1,23 +1,8 @@
-"""Answer extraction: the `<A>...</A>` tag, the last `\\boxed{...}`, and the Minerva final-answer normaliser.
+"""Reading an answer from an utterance: the last `<A>..</A>`, the last `\\boxed{}` (Minerva-normalised), the
+placeholder rule, and the stop rule (docs/method.md#scoring).
 
-These parsers turn an agent's utterance into its stated answer (docs/method.md#scoring). They are used by the turn
-loop's stop rule, by the reward and by evaluation, so they must be fast and total: any string, including 100k
-characters of garbage, gives a string or None in linear time and never raises.
-
-Decisions (the protocol leaves them implicit, so they are written down here):
-* Tag: the answer is the text between the LAST `</A>` and the nearest `<A>` before it, stripped. Newlines inside
-  the tag are allowed (`<A>\\nParis\\n</A>` gives "Paris"). The tag is case-sensitive, as the protocol
-  writes it. `<A></A>` gives "" (the caller treats "" as "no answer").
-* Boxed: the content of the last `\\boxed{`, matched brace by brace; an unbalanced box gives None.
-* Placeholders: the prompts show the answer slot as a placeholder that no task would answer (`ANSWER_PLACEHOLDERS`,
-  per prompt set: `{your answer}`, `{letter}) {option text}`, `{number}`). An answer that copies a slot is no
-  answer (`is_placeholder`), by one rule over its skeleton (`answer_skeleton`: slot phrases, bracketed or the slot
-  words written plainly, become one mark): slots and punctuation only (`[your answer]`, `X) option text`,
-  `\\boxed{{answer}}`), or a slot where a value goes (`born={year}`, a format-pool example): a model that copies
-  the format line states nothing (docs/method.md#roles-and-prompts).
-* `normalize_final_answer` follows Minerva's (Lewkowycz et al. 2022, App. D) steps, written
-  from that description, with one deliberate change: unit/filler words and the article substitutions only match
-  where they do not continue a longer word, so `\\left` keeps its "ft" and "mean" keeps its "an ".
+The parsers run on every utterance (the stop rule, the reward, evaluation): any string, even 100k characters of
+garbage, gives a string or None in linear time and never raises.
 """
 
 from __future__ import annotations
@@ -27,10 +12,10 @@ import re
 TAG_OPEN = "<A>"
 TAG_CLOSE = "</A>"
 BOXED_OPEN = "\\boxed{"
-# The version of what turns an utterance into an answer (the parsers, the placeholder rule, `Task.parse_answer`):
-# raise it with any change that parses some text otherwise. Rows record the version they were parsed with, and a
-# reader re-parses rows of another version from their stored text (`optima.tasks.reparse`).
+# Raise it with any change that parses some text otherwise: rows record the version that parsed them, and readers
+# re-parse rows of another version from their text (`optima.tasks.scoring.reparsed`).
 PARSER_VERSION = 2  # 2: one placeholder rule over the skeleton ([your answer], X) option text, born={year})
+PARSER_VERSION_KEY = "parser_version"  # the field of a row that says which version parsed it
 
 # prompt set -> the placeholders its prompts show in the answer slot (the first is the one the format lines use).
 ANSWER_PLACEHOLDERS: dict[str, tuple[str, ...]] = {
@@ -40,7 +25,8 @@ ANSWER_PLACEHOLDERS: dict[str, tuple[str, ...]] = {
     "math": ("{your answer}",),
 }
 
-# Minerva substitutions, applied in order. The first two are article removals.
+# Minerva's normalisation (Lewkowycz et al. 2022, App. D), in its order; the article and unit words match only
+# where they do not continue a longer word, so `\\left` keeps its "ft" and "mean" keeps its "an ".
 _ARTICLES = ("an ", "a ")
 _SUBSTITUTIONS = (
     (".$", "$"),
@@ -106,7 +92,7 @@ _REMOVED_PATTERNS = tuple(
 _ARTICLE_PATTERNS = tuple(re.compile(_WORD_GUARD + re.escape(article)) for article in _ARTICLES)
 # Wrappers whose content is kept; `[^{}]*` keeps the scan linear on adversarial input.
 _UNWRAP = re.compile(r"\\(?:text|textbf|overline|boxed)\{([^{}]*)\}")
-# Shorthand arguments (docs/method.md#scoring): one command (`\\pi`) or one character; `{` opens a braced one.
+# Shorthand arguments: one command (`\\pi`) or one character; `{` opens a braced one.
 _FRAC_SHORTHAND = re.compile(r"frac(\\[A-Za-z]+|[^{}\\])(\\[A-Za-z]+|.)", re.DOTALL)
 _SQRT_SHORTHAND = re.compile(r"sqrt(\\[A-Za-z]+|[^{}\[\\])", re.DOTALL)
 # A comma-grouped number ("1,000", "12,345,678"): the only commas dropped from a number.
@@ -114,10 +100,9 @@ _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def parse_tag(text: str | None) -> str | None:
-    """Return the content of the last `<A>...</A>` in `text`, stripped, or None when there is none.
+    """The text between the last `</A>` and the nearest `<A>` before it, stripped ("" for `<A></A>`), or None.
 
-    Args:
-        text: an utterance (any string; None is accepted and gives None).
+    Newlines inside are allowed; the tag is case-sensitive, as the protocol writes it.
     """
     if not text:
         return None
@@ -131,12 +116,7 @@ def parse_tag(text: str | None) -> str | None:
 
 
 def find_matching_brace(text: str, open_index: int) -> int | None:
-    """Return the index of the `}` that closes the `{` at `open_index`, or None when unbalanced.
-
-    Args:
-        text: the string to scan.
-        open_index: index of an opening brace in `text`.
-    """
+    """The index of the `}` that closes the `{` at `open_index`, or None when unbalanced."""
     depth = 0
     for index in range(open_index, len(text)):
         char = text[index]
@@ -150,11 +130,7 @@ def find_matching_brace(text: str, open_index: int) -> int | None:
 
 
 def parse_boxed(text: str | None) -> str | None:
-    """Return the raw content of the last `\\boxed{...}` in `text`, or None when absent or unbalanced.
-
-    Args:
-        text: an utterance or a reference solution.
-    """
+    """The raw content of the last `\\boxed{...}`, matched brace by brace; None when absent or unbalanced."""
     if not text:
         return None
     start = text.rfind(BOXED_OPEN)
@@ -168,7 +144,7 @@ def parse_boxed(text: str | None) -> str | None:
 
 
 def _keep_between_dollars(text: str) -> str:
-    """Keep only the text between the first two `$` (Minerva's `$...$` rule), if there are two."""
+    """Only the text between the first two `$` (Minerva's `$...$` rule), if there are two."""
     first = text.find("$")
     if first < 0:
         return text
@@ -179,15 +155,9 @@ def _keep_between_dollars(text: str) -> str:
 
 
 def normalize_final_answer(answer: str) -> str:
-    """Normalise a final answer the Minerva way, so that equal answers become equal strings.
-
-    Steps: keep the text after the last `=`; remove articles, spaces and the listed unit/filler words; keep the
-    inside of `$...$`; unwrap `\\text{}`, `\\textbf{}`, `\\overline{}`, `\\boxed{}`; expand `\\fracab` and
-    `\\sqrta`; drop `$`; drop thousands commas from pure digit strings.
-
-    Args:
-        answer: the raw answer (e.g. the content of a `\\boxed{}`).
-    """
+    """Minerva's normalisation, so that equal answers become equal strings: the text after the last `=`, no
+    articles, spaces or unit words, the inside of `$...$` and of `\\text{}`-like wrappers, shorthand braced, no `$`,
+    no thousands commas."""
     final = answer.split("=")[-1]
     for pattern in _ARTICLE_PATTERNS:
         final = pattern.sub("", final)
@@ -208,26 +178,13 @@ def without_percent(text: str) -> str:
 
 
 def drop_thousands_commas(text: str) -> str:
-    """`"1,000"` -> `"1000"`; any other comma stays, so the list `"1,2"` never becomes the number 12.
-
-    Minerva dropped the commas of every digit string ("1,2" -> "12"); only thousands groups are separators.
-
-    Args:
-        text: a normalised answer.
-    """
+    """`"1,000"` -> `"1000"`; any other comma stays (Minerva's "1,2" -> "12" made a list a number)."""
     return text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
 
 
 def expand_shorthand(text: str) -> str:
-    """Brace the arguments of `\\frac` and `\\sqrt` shorthand: `\\frac12`, `\\frac9{19}`, `\\sqrt2`, `\\sqrt\\pi`.
-
-    Minerva's rewrite took one character per argument whatever it was, so `\\frac9{19}` became `\\frac{9}{{}19}`
-    and `\\sqrt[4]{8}` became `\\sqrt{[}4]{8}`. Here an argument is one character or one command (`\\pi`); a
-    denominator that is already braced is kept, and `\\sqrt[n]{x}` (an n-th root) is left as written.
-
-    Args:
-        text: a normalised answer.
-    """
+    """Brace shorthand arguments (`\\frac12`, `\\frac9{19}`, `\\sqrt\\pi`): one character or one command each,
+    a braced denominator kept, `\\sqrt[n]{x}` left as written (Minerva's rewrite broke both)."""
     return _SQRT_SHORTHAND.sub(r"sqrt{\1}", _FRAC_SHORTHAND.sub(_brace_frac, text))
 
 
@@ -238,11 +195,7 @@ def _brace_frac(match: re.Match) -> str:
 
 
 def parse_math_answer(text: str | None) -> str | None:
-    """Return the normalised content of the last `\\boxed{}` in `text` (the answer of a MATH solution), or None.
-
-    Args:
-        text: an utterance.
-    """
+    """The normalised content of the last `\\boxed{}` (a MATH answer), or None."""
     boxed = parse_boxed(text)
     if boxed is None:
         return None
@@ -280,32 +233,17 @@ _LABEL = re.compile(r"(?<![a-z0-9])[a-z0-9](?![a-z0-9])")
 
 
 def answer_skeleton(answer: str, prompt_set: str) -> str:
-    """`answer` with each slot phrase (bracketed words, or the prompt set's slot words) replaced by `SLOT`.
-
-    Casefolded, spaces collapsed: `<A>X) option text</A>` and `<A>{letter}) {option text}</A>` both give `x) SLOT`
-    and `SLOT) SLOT`.
-
-    Args:
-        answer: a parsed answer.
-        prompt_set: the task's prompt set (`qa`, `choice`, `gsm8k`, `math`).
-    """
+    """`answer` casefolded, spaces collapsed, each slot phrase (bracketed words, or the prompt set's slot words)
+    replaced by `SLOT`: `X) option text` gives `x) SLOT`."""
     skeleton = _BRACKETED_SLOT.sub(SLOT, " ".join(answer.casefold().split()))
     plain = _PLAIN_SLOTS.get(prompt_set)
     return plain.sub(SLOT, skeleton) if plain is not None else skeleton
 
 
 def is_placeholder(answer: str | None, prompt_set: str) -> bool:
-    """Whether `answer` copies an answer slot of the prompts (a placeholder or a format example), not an answer.
-
-    One rule over the answer's skeleton (`answer_skeleton`), which holds a slot phrase and either nothing else but
-    punctuation and, for multiple choice, one label (`[your answer]`, `<your answer>`, `{letter}) {option text}`,
-    `X) option text`, `\\boxed{[number]}`, `\\boxed{{answer}}`), or a slot where a value goes (`born={year}`,
-    a copied format-pool example). A slot beside words is an answer (`{letter}) adding heat` names its option).
-
-    Args:
-        answer: a parsed answer.
-        prompt_set: the task's prompt set (`qa`, `choice`, `gsm8k`, `math`).
-    """
+    """Whether `answer` copies a prompt's answer slot: its skeleton holds a slot and only punctuation besides (for
+    multiple choice, one label: `X) option text`), or a slot where a value goes (`born={year}`). A slot beside words
+    is an answer (`{letter}) adding heat`); see docs/method.md#roles-and-prompts."""
     if not answer:
         return False
     if _placeholder_key(answer) in _PLACEHOLDER_KEYS.get(prompt_set, ()):
@@ -320,12 +258,7 @@ def is_placeholder(answer: str | None, prompt_set: str) -> bool:
 
 
 def render_answer(answer: str, answer_style: str) -> str:
-    """Write `answer` the way an agent must state it: `<A>answer</A>` or `\\boxed{answer}`.
-
-    Args:
-        answer: the answer text.
-        answer_style: "tag" or "boxed".
-    """
+    """`answer` as an agent must state it: `<A>answer</A>` ("tag") or `\\boxed{answer}` ("boxed")."""
     if answer_style == "tag":
         return f"{TAG_OPEN}{answer}{TAG_CLOSE}"
     if answer_style == "boxed":
@@ -334,31 +267,19 @@ def render_answer(answer: str, answer_style: str) -> str:
 
 
 def should_stop(previous_answer: str | None, new_answer: str | None) -> bool:
-    """The stop rule (docs/method.md#turn-loop): stop when a newly parsed answer equals the previously parsed one.
-
-    Args:
-        previous_answer: the last non-empty answer parsed so far in the conversation ("" or None if none).
-        new_answer: the answer parsed from the newest utterance (None or "" when it states none).
-    """
+    """The stop rule (docs/method.md#turn-loop): the newest stated answer equals the one stated before it."""
     return new_answer not in (None, "") and new_answer == previous_answer
 
 
 class AnswerTracker:
-    """Tracks the parsed answers of one conversation and applies the same-answer-twice stop rule.
-
-    Utterances without an answer (None or "") are skipped over, so in a debate
-    Alice `<A>X</A>`, Bob's critique, Alice `<A>X</A>` stops. `final_answer` is the last parsed answer ("" if none).
-    """
+    """The stated answers of one conversation under the stop rule; utterances without one are skipped over (in a
+    debate, Alice `<A>X</A>`, Bob's critique, Alice `<A>X</A>` stops). `final_answer`: the last one ("" if none)."""
 
     def __init__(self) -> None:
         self.final_answer = ""
 
     def update(self, new_answer: str | None) -> bool:
-        """Record the answer parsed from the newest utterance; return True when the conversation should stop.
-
-        Args:
-            new_answer: the parsed answer of the newest utterance, or None/"" when it has none.
-        """
+        """Record the newest utterance's answer (None or "": none); True when the conversation stops."""
         if new_answer in (None, ""):
             return False
         stop = should_stop(self.final_answer, new_answer)

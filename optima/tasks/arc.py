@@ -1,14 +1,36 @@
-"""ARC-Challenge (Clark et al. 2018): science multiple choice, a debate task (task `arc`).
+"""ARC-Challenge (Clark et al. 2018): science multiple choice, a debate task (task `arc`), and the rendering of
+multiple-choice questions it shares with MMLU.
 
-Hub: `allenai/ai2_arc`, config `ARC-Challenge`; local folder `arc_challenge/` with `train.jsonl` and `test.jsonl`
-in the HF schema `{"id", "question", "choices": {"text", "label"}, "answerKey"}` (some labels are "1".."4").
-The question lists the labelled options; gold = the text of the correct option. Eval: the full test split.
+Hub `allenai/ai2_arc`, config `ARC-Challenge`; local `arc_challenge/` train/test in the HF schema (`choices:
+{text, label}`, `answerKey`; some labels are "1".."4"). The question lists its labelled options, one per line; the
+gold is the correct option's text. Eval: the full test split.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from optima.tasks.base import Example, Task, row_id
-from optima.tasks.multiple_choice import render_choice_question
+
+LETTERS = "ABCDEFGHIJ"
+OPTIONS_HEADER = "Options:"
+
+
+def render_choice_question(question: str, options: Sequence[tuple[str, str]]) -> str:
+    """The question stem, then `Options:` and one `"A) text"` line per option."""
+    lines = [question.strip(), OPTIONS_HEADER]
+    lines.extend(f"{label}) {text}" for label, text in options)
+    return "\n".join(lines)
+
+
+def normalize_question(text: str) -> str:
+    """A question stem compared across datasets: casefolded, whitespace collapsed."""
+    return " ".join(text.casefold().split())
+
+
+def question_stem(rendered: str) -> str:
+    """The stem of a question rendered by `render_choice_question`."""
+    return rendered.rsplit(f"\n{OPTIONS_HEADER}\n", 1)[0]
 
 
 class ARCChallenge(Task):
@@ -27,7 +49,6 @@ class ARCChallenge(Task):
     eval_limit = None
 
     def build_example(self, row: dict, *, split: str, index: int, seed: int) -> Example | None:
-        """Convert one row; the gold is the text of the option labelled `answerKey`."""
         choices = row["choices"]
         options = tuple(
             (str(label).strip(), text.strip()) for label, text in zip(choices["label"], choices["text"], strict=True)

@@ -1,11 +1,8 @@
-"""Children's Book Test (Hill et al. 2016): information exchange over a 20-sentence story excerpt.
+"""Children's Book Test (Hill et al. 2016): fill the word XXXXX of a 20-sentence story excerpt.
 
-Two tasks: `cbt` (common nouns, config CN, the one the paper uses) and `cbt_ne` (named entities, config NE).
-Hub: `cam-cbt/cbt`; local folder `cbt/CN/` or `cbt/NE/` with `train.jsonl`, `validation.jsonl`, `test.jsonl` in the
-HF schema `{"sentences": [20], "question": "... XXXXX ...", "answer", "options": [10]}`. Eval: first 1000 test rows.
-Context split (deterministic by construction): Alice gets the first half of the sentences,
-Bob the second half; sentences are kept as they are (a story may repeat a short sentence such as "said he .").
-The question asks for the word that fills XXXXX and lists the ten candidates; the score is F1.
+`cbt` (common nouns, config CN, the paper's) and `cbt_ne` (named entities). Hub `cam-cbt/cbt`; local `cbt/CN/`
+or `cbt/NE/` train/validation/test. Alice gets the first half of the sentences, Bob the second; the question lists
+the ten candidates; the score is F1. Eval: the first 1000 test rows.
 """
 
 from __future__ import annotations
@@ -26,12 +23,6 @@ class CBT(Task):
     eval_limit = QA_EVAL_LIMIT
 
     def __init__(self, config: str = "CN", name: str = "cbt") -> None:
-        """Create the task for one CBT config.
-
-        Args:
-            config: "CN" (common nouns) or "NE" (named entities).
-            name: the task name in `TASKS`.
-        """
         if config not in ("CN", "NE"):
             raise ValueError(f"CBT config must be 'CN' or 'NE', got {config!r}")
         self.name = name
@@ -40,7 +31,6 @@ class CBT(Task):
         self.local_folder = f"cbt/{config}"
 
     def build_example(self, row: dict, *, split: str, index: int, seed: int) -> Example | None:
-        """Convert one row: question with its candidate list, story halves as the two contexts."""
         sentences = tuple(" ".join(s.split()) for s in row["sentences"] if s.strip())
         half = (len(sentences) + 1) // 2
         options = ", ".join(row["options"])

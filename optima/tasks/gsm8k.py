@@ -1,9 +1,7 @@
-"""GSM8K (Cobbe et al. 2021): grade-school math word problems, a debate task.
+"""GSM8K (Cobbe et al. 2021): grade-school maths word problems, a debate task without context.
 
-Hub: `openai/gsm8k`, config `main`; local folder `gsm8k/` with `train.jsonl` and `test.jsonl` in the release
-schema `{"question", "answer"}`, where the answer ends with `#### <number>`. Gold = the text after the last `####`.
-Answers are written as `\\boxed{number}` and compared as numbers ("1,000" == "1000" == "1000.0"). No context.
-Eval: the full test split.
+Hub `openai/gsm8k`, config `main`; local `gsm8k/` train/test in the release schema. The gold is the number after
+the last `####`; answers are written as `\\boxed{number}` and compared as numbers. Eval: the full test split.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ class GSM8K(Task):
     eval_limit = None
 
     def build_example(self, row: dict, *, split: str, index: int, seed: int) -> Example | None:
-        """Convert one row; the gold answer is the text after `####`."""
         return Example(
             id=row_id(row, ("id",), split, index),
             task=self.name,

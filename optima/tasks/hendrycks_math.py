@@ -1,12 +1,9 @@
-"""MATH (Hendrycks et al. 2021): competition mathematics, a debate task (task `math`).
+"""MATH (Hendrycks et al. 2021): competition mathematics, a debate task (task `math`; the module name does not
+shadow the standard `math`).
 
-Hub: `EleutherAI/hendrycks_math` (one config per subject, concatenated); local folder `math/` with `train.jsonl`
-and `test.jsonl` rows in the release's per-problem schema `{"problem", "level", "type", "solution"}`, or the
-release's own folders `math/train/<subject>/<n>.json` and `math/test/...` (one problem per file).
-Gold = the last `\\boxed{}` of the solution, normalised with `normalize_final_answer`
-(Minerva's normaliser, docs/method.md D30).
-Rows whose solution has no parsable box are skipped and counted in the log. Scored by symbolic equivalence.
-Eval: the full test split. (Module named `hendrycks_math` so it does not shadow the standard `math` module.)
+Hub `EleutherAI/hendrycks_math` (one config per subject); local `math/` train/test as JSONL or the release's
+`<split>/<subject>/<n>.json` files. The gold is the solution's last `\\boxed{}`, Minerva-normalised; a row without
+one is skipped. Scored by symbolic equivalence. Eval: the full test split.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ class HendrycksMath(Task):
     eval_limit = None
 
     def build_example(self, row: dict, *, split: str, index: int, seed: int) -> Example | None:
-        """Convert one row; None when the solution has no balanced `\\boxed{}`."""
         gold = parse_math_answer(row["solution"])
         if not gold:
             logger.debug("%s %s row %d: no boxed answer in the solution; skipped", self.name, split, index)

@@ -1,19 +1,8 @@
-"""Equivalence of MATH final answers: a fast string/number path, then a symbolic check in worker processes.
+"""Equivalence of MATH answers: a fast string/number path, then `math-verify` in worker processes.
 
-The symbolic check runs in worker processes with a per-item timeout, since a `signal.alarm` timeout only works in
-the main thread (docs/method.md D7):
-1. Fast path (no sympy): equal after `normalize_final_answer` plus a few LaTeX spellings that never change the
-   value (`\\left`, `\\right`, `\\dfrac`, thin spaces, ...), or equal as numbers (integers, decimals, `a/b`,
-   `\\frac{a}{b}`).
-2. Symbolic path: `math-verify` (HF's LaTeX answer verifier, built on sympy) runs in a `ProcessPoolExecutor`
-   owned by a `MathVerifier`. Inside a worker the check runs in the worker's main thread, so math-verify's own
-   signal-based timeout works; a hard deadline on the future backs it up and recycles the pool if a worker hangs.
-   Callers may use one `MathVerifier` from many threads. `math-verify` is imported only inside the workers;
-   without it the symbolic path answers "not equivalent" and the verifier warns once.
-
-A check that times out (math-verify's own limit, which it only logs, or the hard deadline) is run once more; one that
-times out again scores "not equivalent" and is counted (`MathVerifier.timeouts`), and every table with a MATH score
-shows that count (`verifier_timeouts`), since the score then depends on the machine's load.
+The symbolic check runs in a process pool (a `signal.alarm` timeout only works in a main thread, docs/method.md
+D7); a check that times out twice scores "not equivalent" and is counted (`MathVerifier.timeouts`), since the
+score then depends on the machine's load. Without `math-verify` installed, only the fast path decides.
 """
 
 from __future__ import annotations
@@ -31,8 +20,7 @@ from optima.tasks.answers import drop_thousands_commas, normalize_final_answer, 
 
 logger = logging.getLogger(__name__)
 
-# LaTeX that changes only the spelling of an answer, removed or rewritten before comparing strings (then the percent
-# signs, ``without_percent``).
+# LaTeX that changes only the spelling of an answer, removed or rewritten before comparing strings.
 _CANONICAL_REWRITES = (
     ("\\left", ""),
     ("\\right", ""),
@@ -53,11 +41,7 @@ TIMEOUT_RETRIES = 1  # a symbolic check that timed out is run once more before i
 
 
 def canonical_answer(answer: str) -> str:
-    """Return the Minerva-normalised answer with value-preserving LaTeX spellings removed.
-
-    Args:
-        answer: a final answer (raw or already normalised).
-    """
+    """The Minerva-normalised answer without the LaTeX spellings that never change its value."""
     text = normalize_final_answer(answer)
     for before, after in _CANONICAL_REWRITES:
         text = text.replace(before, after)
@@ -65,13 +49,8 @@ def canonical_answer(answer: str) -> str:
 
 
 def numeric_value(text: str) -> Fraction | None:
-    """Parse an integer, a decimal, `a/b` or `\\frac{a}{b}` (spaces and thousands commas ignored) into a Fraction.
-
-    A comma that does not group thousands makes it no number: the list `-1, 2` is not -12.
-
-    Args:
-        text: a candidate number; anything else gives None.
-    """
+    """An integer, a decimal, `a/b` or `\\frac{a}{b}` as a Fraction (thousands commas ignored; any other comma,
+    as in the list `-1, 2`, makes it no number), else None."""
     text = drop_thousands_commas("".join(text.split()))
     if not text or "," in text or len(text) > _MAX_NUMBER_CHARS:
         return None
@@ -90,12 +69,7 @@ def numeric_value(text: str) -> Fraction | None:
 
 
 def fast_equivalence(prediction: str, gold: str) -> bool | None:
-    """Decide equivalence without sympy when possible: True, False, or None (undecided, try symbolic).
-
-    Args:
-        prediction: the predicted final answer.
-        gold: the reference final answer.
-    """
+    """Equal strings or numbers without sympy: True, False, or None (undecided: try the symbolic check)."""
     pred_text, gold_text = canonical_answer(prediction), canonical_answer(gold)
     if pred_text == gold_text:
         return True
@@ -117,15 +91,8 @@ class _TimeoutLog(logging.Handler):
 
 
 def symbolic_check(prediction: str, gold: str, timeout_s: int) -> bool | None:
-    """Compare two LaTeX answers with math-verify (run inside a worker process's main thread).
-
-    Returns True or False, or None when math-verify timed out before finding them equal (undecided).
-
-    Args:
-        prediction: the predicted final answer.
-        gold: the reference final answer.
-        timeout_s: math-verify's own (signal-based) time limit for parsing and for verifying.
-    """
+    """math-verify's verdict on two LaTeX answers, in a worker's main thread (its signal-based `timeout_s` works
+    there); None when it timed out before finding them equal."""
     from math_verify import parse, verify  # lazy: only worker processes import sympy/math-verify
 
     watch, log = _TimeoutLog(), logging.getLogger("math_verify")
@@ -145,18 +112,14 @@ def symbolic_backend_available() -> bool:
 
 
 class MathVerifier:
-    """Thread-safe symbolic answer checker backed by a process pool; use as a context manager.
+    """Thread-safe symbolic checker over a process pool; a context manager.
 
     Args:
-        max_workers: number of worker processes.
-        timeout_s: per-item time limit, in seconds.
-        check: the function run in the workers (picklable, `(prediction, gold, timeout_s) -> bool | None`, None
-            when it timed out).
-        hard_timeout_s: deadline on a worker's answer (default `3 * timeout_s + 5`: parse twice, verify once);
-            past it the pool is recycled.
-
-    A check that timed out is run once more (`TIMEOUT_RETRIES`); timing out again, it scores 0 and counts in
-    `timeouts`.
+        max_workers: worker processes.
+        timeout_s: math-verify's limit per item.
+        check: what the workers run, `(prediction, gold, timeout_s) -> bool | None` (None: timed out).
+        hard_timeout_s: deadline on a worker's answer (default `3 * timeout_s + 5`: parse twice, verify once),
+            past which the pool is recycled.
     """
 
     def __init__(
@@ -208,12 +171,7 @@ class MathVerifier:
         executor.shutdown(wait=False, cancel_futures=True)
 
     def symbolic_equal(self, prediction: str, gold: str) -> bool:
-        """Run the symbolic check in a worker; False on parse failure, missing backend or a timeout on every try.
-
-        Args:
-            prediction: the predicted final answer.
-            gold: the reference final answer.
-        """
+        """The symbolic check in a worker, run again after a timeout; False on failure or timeouts only."""
         if not self.available:
             return False
         for _ in range(TIMEOUT_RETRIES + 1):
@@ -247,12 +205,7 @@ class MathVerifier:
         return False
 
     def is_equivalent(self, prediction: str | None, gold: str) -> bool:
-        """Whether two final answers are mathematically equal (fast path first, then symbolic).
-
-        Args:
-            prediction: the predicted final answer (None or "" is never equivalent).
-            gold: the reference final answer.
-        """
+        """Whether two final answers are equal (fast path first, then symbolic; None or "" never is)."""
         if not prediction or not gold:
             return False
         decided = fast_equivalence(prediction, gold)

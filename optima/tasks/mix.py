@@ -1,12 +1,8 @@
-"""A round-robin mixture of several tasks (recipe `dataset_type: mix`; no released recipe uses it).
+"""A round-robin mixture of tasks of one family (recipe `dataset_type: mix`; no released recipe uses it).
 
-`MixTask(tasks)` loads each sub-task's split and interleaves the examples round-robin (first example of each
-task, then the second of each, ...; a task that runs out is skipped, so nothing is dropped or repeated). Counts
-are exact (docs/method.md, D19). Each example keeps its sub-task's name in
-`Example.task` and its own score type, so per-example behaviour (prompts, parsing, scoring) comes from
-`TASKS[example.task]`. Ids become `"<task>:<id>"` so they stay unique across sub-tasks.
-Split names: "train" and "eval" map to each sub-task's own train and eval sets; any other name is passed through.
-The sub-tasks must share a family, an answer style and a prompt set (one conversation protocol for the mixture).
+The first example of each sub-task, then the second of each, ... (an exhausted sub-task is skipped); each example
+keeps its sub-task in `Example.task` (its prompts, parser and scorer) and gets the id `"<task>:<id>"`. "train" and
+"eval" are each sub-task's own splits.
 """
 
 from __future__ import annotations
@@ -20,11 +16,7 @@ from optima.tasks.base import Example, Task
 
 
 def interleave(groups: Sequence[Sequence[Example]]) -> list[Example]:
-    """Round-robin over the groups, skipping exhausted ones.
-
-    Args:
-        groups: one list of examples per task.
-    """
+    """Round-robin over the groups, skipping exhausted ones."""
     return [example for row in zip_longest(*groups) for example in row if example is not None]
 
 
@@ -37,12 +29,6 @@ class MixTask(Task):
     eval_limit = None
 
     def __init__(self, tasks: Sequence[Task], name: str = "mix") -> None:
-        """Create the mixture.
-
-        Args:
-            tasks: the sub-tasks (at least one), in round-robin order.
-            name: the task name in `TASKS`.
-        """
         if not tasks:
             raise ValueError("MixTask needs at least one task")
         for attribute in ("family", "answer_style", "prompt_set"):
@@ -71,13 +57,7 @@ class MixTask(Task):
         ]
 
     def load(self, split: str, *, data_dir: str | os.PathLike | None = None, seed: int = 0) -> list[Example]:
-        """Load `split` of every sub-task ("train"/"eval" = each one's own) and interleave them round-robin.
-
-        Args:
-            split: "train", "eval", or a split name every sub-task has.
-            data_dir: the local data root, or None for `$OPTIMA_DATA_DIR` / the hub.
-            seed: the context-split seed.
-        """
+        """`split` of every sub-task ("train"/"eval": each one's own), interleaved."""
         groups = []
         for task in self.tasks:
             if split == self.train_split:
@@ -90,5 +70,5 @@ class MixTask(Task):
         return interleave(groups)
 
     def load_eval(self, *, data_dir: str | os.PathLike | None = None, seed: int = 0) -> list[Example]:
-        """Load every sub-task's eval set (each capped by its own rule) and interleave them."""
+        """Every sub-task's eval set (each capped by its own rule), interleaved."""
         return self.load(self.eval_split, data_dir=data_dir, seed=seed)

@@ -1,21 +1,16 @@
 """MMLU (Hendrycks et al. 2021): 57-subject multiple choice, a debate task.
 
-Hub: `cais/mmlu`, config `all`; train = `auxiliary_train`, eval = `test`. Local folder `mmlu/` with
-`auxiliary_train.jsonl` and `test.jsonl` in the HF schema `{"question", "subject", "choices": [4], "answer": int}`.
-The question lists options A-D; gold = the text of the correct option. Eval: the full test split.
-Training questions that also occur in ARC-Challenge's train split are dropped (compared
-case- and space-insensitively; ARC is read from the same source; if it cannot be read, nothing is dropped and a
-warning says so). No extra shuffle is applied: question slices are drawn by `select_questions`.
-Ids are `"<split>-<row index>"` of the source file, so they survive the filter.
+Hub `cais/mmlu`, config `all`; train = `auxiliary_train`, eval = `test` (the full split); local `mmlu/` in the HF
+schema (`choices: [4]`, `answer: int`). Training questions that also occur in ARC-Challenge's train split are
+dropped, as the original did (compared casefolded; if ARC cannot be read, nothing is dropped, with a warning).
 """
 
 from __future__ import annotations
 
 import logging
 
-from optima.tasks.arc import ARCChallenge
+from optima.tasks.arc import LETTERS, ARCChallenge, normalize_question, question_stem, render_choice_question
 from optima.tasks.base import DataError, Example, Task, row_id
-from optima.tasks.multiple_choice import LETTERS, normalize_question, question_stem, render_choice_question
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +31,7 @@ class MMLU(Task):
     eval_limit = None
 
     def build_example(self, row: dict, *, split: str, index: int, seed: int) -> Example | None:
-        """Convert one row (hub auxiliary_train rows may nest the fields under "train")."""
-        if "question" not in row and isinstance(row.get("train"), dict):
+        if "question" not in row and isinstance(row.get("train"), dict):  # hub auxiliary_train rows nest them
             row = row["train"]
         options = tuple((LETTERS[i], str(text).strip()) for i, text in enumerate(row["choices"]))
         return Example(
@@ -51,7 +45,7 @@ class MMLU(Task):
         )
 
     def sources(self, split, data_dir):
-        """The split's files, and ARC-Challenge's train split for the train split (its questions are dropped)."""
+        """The split's files; the train split also reads ARC-Challenge's (its questions are dropped)."""
         if split != self.train_split:
             return super().sources(split, data_dir)
         arc = ARCChallenge()
@@ -62,7 +56,7 @@ class MMLU(Task):
         return super().sources(split, data_dir) + arc_sources
 
     def finalize(self, examples, *, split, data_dir, seed):
-        """On the train split, drop questions that also occur in ARC-Challenge train (original behaviour)."""
+        """On the train split, drop the questions that also occur in ARC-Challenge train."""
         if split != self.train_split:
             return examples
         arc = ARCChallenge()

@@ -1,9 +1,8 @@
-"""Shared loader for the multi-hop information-exchange datasets (HotpotQA distractor, 2WikiMultiHopQA).
+"""HotpotQA (distractor) and 2WikiMultiHopQA: information exchange over about ten Wikipedia paragraphs.
 
-Both datasets give a question, a short answer, about ten (title, sentences) paragraphs and supporting facts
-(title, sentence index). The local files keep the release schema (`context: [[title, [sentences]]]`,
-`supporting_facts: [[title, sent_id]]`); the hub copies use columns (`context: {title: [...], sentences: [...]}`).
-Both are accepted. Contexts are split between the agents by `optima.tasks.contexts.split_supporting`.
+Both give a question, a short answer, (title, sentences) paragraphs and supporting facts; the release files write
+them as lists (`context: [[title, [sentences]]]`), the hub copies as columns (`context: {title, sentences}`).
+The paragraphs are split between the agents by `split_supporting`. Eval: the first 1000 questions.
 """
 
 from __future__ import annotations
@@ -11,15 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from optima.tasks.base import QA_EVAL_LIMIT, Example, Task, row_id
-from optima.tasks.contexts import format_paragraph, split_supporting, stable_rng, unique_paragraphs
+from optima.tasks.sampling import format_paragraph, split_supporting, stable_rng, unique_paragraphs
 
 
 def iter_context(context: list | dict) -> Iterator[tuple[str, list[str] | str]]:
-    """Yield (title, sentences) from either schema of a multi-hop `context` field.
-
-    Args:
-        context: `[[title, [sentences]], ...]` (original files) or `{"title": [...], "sentences": [...]}` (hub).
-    """
+    """(title, sentences) of a `context` field in either schema."""
     if isinstance(context, dict):
         yield from zip(context["title"], context["sentences"], strict=True)
         return
@@ -27,11 +22,7 @@ def iter_context(context: list | dict) -> Iterator[tuple[str, list[str] | str]]:
 
 
 def iter_supporting_titles(supporting_facts: list | dict) -> Iterator[str]:
-    """Yield the title of every supporting fact, from either schema.
-
-    Args:
-        supporting_facts: `[[title, sent_id], ...]` or `{"title": [...], "sent_id": [...]}`.
-    """
+    """The title of every supporting fact, in either schema."""
     if isinstance(supporting_facts, dict):
         yield from supporting_facts["title"]
         return
@@ -40,7 +31,7 @@ def iter_supporting_titles(supporting_facts: list | dict) -> Iterator[str]:
 
 
 class MultiHopTask(Task):
-    """Base of HotpotQA and 2WikiMultiHopQA: F1-scored, `<A>` answers, paragraphs split between the agents."""
+    """F1-scored, `<A>` answers, whole paragraphs dealt between the agents (supporting ones alternately)."""
 
     family = "qa"
     answer_style = "tag"
@@ -49,7 +40,6 @@ class MultiHopTask(Task):
     eval_limit = QA_EVAL_LIMIT
 
     def build_example(self, row: dict, *, split: str, index: int, seed: int) -> Example | None:
-        """Convert one row: whole unique paragraphs, supporting ones dealt alternately (see module doc)."""
         example_id = row_id(row, ("_id", "id"), split, index)
         paragraphs = unique_paragraphs(
             (title, format_paragraph(title, sentences)) for title, sentences in iter_context(row["context"])
@@ -65,3 +55,24 @@ class MultiHopTask(Task):
             context_first=first,
             context_second=second,
         )
+
+
+class HotpotQA(MultiHopTask):
+    """HotpotQA distractor (Yang et al. 2018): hub `hotpotqa/hotpot_qa`, local `hotpotqa/` train/validation."""
+
+    name = "hotpot_qa"
+    train_split = "train"
+    eval_split = "validation"
+    hub_name = "hotpotqa/hotpot_qa"
+    hub_configs = ("distractor",)
+    local_folder = "hotpotqa"
+
+
+class MultiWikiHopQA(MultiHopTask):
+    """2WikiMultiHopQA (Ho et al. 2020): no hub copy; local `2wikimultihopqa/` train/dev, JSONL or release JSON."""
+
+    name = "mwh_qa"
+    train_split = "train"
+    eval_split = "dev"
+    hub_name = None
+    local_folder = "2wikimultihopqa"

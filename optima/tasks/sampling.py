@@ -1,51 +1,37 @@
-"""Deterministic question slices per iteration and stage (replaces the shared loader cursor;
-docs/method.md#question-slices).
+"""Seeded draws: the question slice of each stage and iteration, a stratified `--limit` sample, context splits.
 
-A slice is a pure function of (seed, stage, iteration, count), so the questions a stage sees do not depend on what
-ran before it, and a resumed run sees the same ones (docs/method.md, D9):
-
-* For each (seed, stage) there is an endless stream of question indices made of "epochs"; epoch `e` is a
-  permutation of all indices drawn by `random.Random` seeded from SHA-256 of `"{seed}:{stage}:{e}"`.
-* Iteration `i` takes stream positions `[i * count, (i + 1) * count)`.
-
-So consecutive iterations of a stage get disjoint, fresh questions until the split is used up, then the stream
-wraps into a new permutation (small splits repeat questions). Different stages ("sft",
-"search", "probe") draw from independent streams. Resuming at iteration `i` needs no replay of earlier stages.
+Every draw is a pure function of its inputs (never Python's salted `hash()`), so a resumed run sees the same
+questions and every run the same eval contexts (docs/method.md#question-slices).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import random
+from collections.abc import Iterable, Sequence
 from typing import TypeVar
-
-from optima.tasks.contexts import stable_rng
 
 T = TypeVar("T")
 
 
-def epoch_permutation(size: int, seed: int, stage: str, epoch: int) -> list[int]:
-    """Return the permutation of `range(size)` used for one epoch of a (seed, stage) stream.
+def stable_rng(*parts: object) -> random.Random:
+    """A `random.Random` seeded from a SHA-256 of the parts joined by ":" (the same in every process)."""
+    key = ":".join(str(part) for part in parts).encode("utf-8")
+    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
 
-    Args:
-        size: number of questions in the split.
-        seed: the run's seed.
-        stage: the stage name, e.g. "sft", "search", "probe".
-        epoch: the epoch number (0, 1, ...).
-    """
+
+def epoch_permutation(size: int, seed: int, stage: str, epoch: int) -> list[int]:
+    """The order of `range(size)` in one epoch of the (seed, stage) stream."""
     order = list(range(size))
     stable_rng(seed, stage, epoch).shuffle(order)
     return order
 
 
 def select_indices(size: int, count: int, seed: int, iteration: int, stage: str) -> list[int]:
-    """Return the question indices for (seed, iteration, stage): positions `[i*count, (i+1)*count)` of the stream.
+    """Positions `[i * count, (i + 1) * count)` of an endless stream of epoch permutations of the split.
 
-    Args:
-        size: number of questions in the split (> 0).
-        count: how many questions the stage uses per iteration (>= 0).
-        seed: the run's seed.
-        iteration: the iteration number (>= 0).
-        stage: the stage name.
+    Consecutive iterations get fresh questions until the split is used up, then it wraps; each stage ("sft",
+    "search", "probe") has its own stream.
     """
     if size <= 0:
         raise ValueError(f"cannot select questions from an empty split (size={size})")
@@ -62,28 +48,12 @@ def select_indices(size: int, count: int, seed: int, iteration: int, stage: str)
 
 
 def select_questions(examples: Sequence[T], count: int, seed: int, iteration: int, stage: str) -> list[T]:
-    """Return the `count` examples a stage uses in one iteration (deterministic, see module doc).
-
-    Args:
-        examples: the whole split, in dataset order.
-        count: questions per iteration (e.g. the recipe's sample_count or monte_sample_count).
-        seed: the run's seed.
-        iteration: the iteration number.
-        stage: the stage name, e.g. "sft", "search", "probe".
-    """
+    """The `count` examples a stage uses in one iteration (`select_indices` over the whole split)."""
     return [examples[index] for index in select_indices(len(examples), count, seed, iteration, stage)]
 
 
 def allocate(sizes: Sequence[int], count: int) -> list[int]:
-    """How many of ``count`` draws each group gets: one per group first (coverage), the rest in proportion to size.
-
-    The rest is shared by the largest-remainder rule over the groups' sizes beyond their first question, so the
-    total is exactly ``count`` (``len(sizes) <= count <= sum(sizes)``) and no group gets more than it holds.
-
-    Args:
-        sizes: questions per group (each >= 1).
-        count: questions to draw in all.
-    """
+    """How many of `count` draws each group gets: one each first, the rest by size (largest remainder)."""
     spare, extra = sum(sizes) - len(sizes), count - len(sizes)
     quotas = [extra * (size - 1) / spare if spare else 0.0 for size in sizes]
     shares = [int(quota) for quota in quotas]
@@ -94,17 +64,9 @@ def allocate(sizes: Sequence[int], count: int) -> list[int]:
 
 
 def stratified_indices(groups: Sequence[str], count: int, seed: int) -> list[int]:
-    """A seeded sample of ``count`` positions, stratified by ``groups`` (each position's group), in order.
+    """A seeded sample of `count` positions stratified by each position's group, in order (all when it fits).
 
-    Every group gets at least one question when ``count`` allows (``count >= number of groups``), the rest goes
-    in proportion to the groups' sizes; with fewer draws than groups, ``count`` groups are drawn (seeded) and
-    give one question each. Inside a group the questions are a seeded draw. The sample is a pure function of
-    (groups, count, seed): the same for every method and checkpoint evaluated with one seed.
-
-    Args:
-        groups: the group of each question of the split, in split order ("" everywhere: a uniform sample).
-        count: questions to keep; all of them when ``count >= len(groups)``.
-        seed: the run's seed.
+    With fewer draws than groups, `count` groups are drawn and give one question each.
     """
     if count >= len(groups):
         return list(range(len(groups)))
@@ -119,3 +81,51 @@ def stratified_indices(groups: Sequence[str], count: int, seed: int) -> list[int
     else:
         shares = allocate([len(members[name]) for name in names], count)
     return sorted(i for name, share in zip(names, shares, strict=True) for i in rng.sample(members[name], share))
+
+
+def format_paragraph(title: str, sentences: Sequence[str] | str) -> str:
+    """`"Title: full text"`, the sentences joined as in the source and the whitespace collapsed."""
+    text = sentences if isinstance(sentences, str) else "".join(sentences)
+    text = " ".join(text.split())
+    return f"{title}: {text}" if title else text
+
+
+def unique_paragraphs(pairs: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(title, paragraph) pairs without repeated titles or texts, first occurrence kept, in order."""
+    seen_titles: set[str] = set()
+    seen_texts: set[str] = set()
+    kept = []
+    for title, text in pairs:
+        if not text or title in seen_titles or text in seen_texts:
+            continue
+        if title:
+            seen_titles.add(title)
+        seen_texts.add(text)
+        kept.append((title, text))
+    return kept
+
+
+def split_supporting(
+    paragraphs: Sequence[tuple[str, str]], supporting_titles: Iterable[str], rng: random.Random
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Deal paragraphs to (Alice, Bob): the supporting ones shuffled and dealt alternately, the rest at random.
+
+    Each agent's paragraphs keep their source order, so a paragraph's place does not say it is a supporting one.
+    """
+    index_of = {title: index for index, (title, _) in reversed(list(enumerate(paragraphs))) if title}
+    support = [index_of[t] for t in dict.fromkeys(supporting_titles) if t in index_of]
+    rng.shuffle(support)
+    owner = {index: position % 2 for position, index in enumerate(support)}
+    for index in range(len(paragraphs)):
+        if index not in owner:
+            owner[index] = rng.randrange(2)
+    first = tuple(text for index, (_, text) in enumerate(paragraphs) if owner[index] == 0)
+    second = tuple(text for index, (_, text) in enumerate(paragraphs) if owner[index] == 1)
+    return first, second
+
+
+def split_alternating(texts: Iterable[str], rng: random.Random) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Unique non-empty texts shuffled and dealt alternately to (Alice, Bob) (TriviaQA's snippets)."""
+    unique = [text for text in dict.fromkeys(" ".join(t.split()) for t in texts) if text]
+    rng.shuffle(unique)
+    return tuple(unique[0::2]), tuple(unique[1::2])

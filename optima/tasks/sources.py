@@ -1,21 +1,10 @@
-"""Where dataset rows come from: a local folder, or the Hugging Face hub.
+"""Where dataset rows come from: a local folder (`data_dir`, else `$OPTIMA_DATA_DIR`), else the Hugging Face hub.
 
-The data root is resolved as:
-the `data_dir` argument, else the environment variable `OPTIMA_DATA_DIR`, else the hub. A local root holds one
-folder per dataset (`gsm8k/`, `math/`, `mmlu/`, `arc_challenge/`, `hotpotqa/`, `2wikimultihopqa/`, `triviaqa/`,
-`cbt/CN/`, ...). A split is read from the first of these layouts that the folder has:
-
-1. `<split>.jsonl` (or `<split>.<anything>.jsonl` files, read in name order), rows in the dataset's own schema;
-2. `<split>.json`, one JSON array of rows (the 2WikiMultiHopQA release's `train.json` / `dev.json`);
-3. a folder `<split>/<group>/<name>.json` of one JSON object per file (the MATH release: `train/algebra/1.json`);
-   each row gets the id `<split>/<group>/<name>`;
-4. a downloaded copy of the hub repository (`huggingface-cli download <repo> --repo-type dataset --local-dir
-   <folder>`): a `README.md` whose YAML header lists `configs:` and their parquet/JSON files, found in the
-   dataset's folder or a parent inside the root (`cbt/` for `cbt/CN/`). It is read through
-   `datasets.load_dataset(<folder>, <config>, split=...)`, the same call as the hub path, so no network is used.
-
-`datasets` is imported only for the hub and hub-copy layouts, so the task layer imports without it. Every failure
-to find a split raises one `DataError` that names the path, the layouts that were expected and how to convert.
+A local root holds one folder per dataset (`gsm8k/`, `hotpotqa/`, `cbt/CN/`, ...). A split is the first of:
+`<split>.jsonl` (or every `<split>.*.jsonl`, in name order); `<split>.json`, one JSON array; a folder
+`<split>/<group>/<name>.json` of one problem per file (the MATH release); a downloaded copy of the hub repository
+(a `README.md` listing `configs:`, here or in a parent folder), read with `datasets.load_dataset` offline. A
+missing split raises one `DataError` naming the path and the layouts expected.
 """
 
 from __future__ import annotations
@@ -36,11 +25,7 @@ class DataError(Exception):
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
-    """Return the local data root: `data_dir`, else `$OPTIMA_DATA_DIR`, else None (load from the hub).
-
-    Args:
-        data_dir: an explicit root folder, or None.
-    """
+    """The local data root: `data_dir`, else `$OPTIMA_DATA_DIR`, else None (the hub)."""
     if data_dir is not None and str(data_dir) != "":
         return Path(data_dir)
     env_value = os.environ.get(DATA_DIR_ENV, "")
@@ -48,11 +33,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
 
 
 def split_patterns(split: str) -> tuple[str, str]:
-    """The file names that hold `split` in a local dataset folder, in order of preference.
-
-    Args:
-        split: the split name, e.g. "train", "validation", "auxiliary_train".
-    """
+    """The file names that hold `split` in a dataset folder, in order of preference."""
     return f"{split}.jsonl", f"{split}.*.jsonl"
 
 
@@ -63,14 +44,10 @@ CONVERT_HINT = (
 
 
 def find_split_files(folder: Path, split: str) -> list[Path]:
-    """Return the files of `split` in `folder`: `<split>.jsonl`, else all `<split>.*.jsonl`, else `<split>.json`.
-
-    Args:
-        folder: the dataset's local folder.
-        split: the split name.
+    """The files of `split` in `folder`: `<split>.jsonl`, else all `<split>.*.jsonl`, else `<split>.json`.
 
     Raises:
-        DataError: when the folder or the split is missing.
+        DataError: the folder or the split is missing.
     """
     exact, pattern = split_patterns(split)
     if not folder.is_dir():
@@ -91,14 +68,7 @@ def find_split_files(folder: Path, split: str) -> list[Path]:
 
 
 def read_jsonl(path: Path) -> Iterator[dict]:
-    """Yield the JSON objects of a JSONL file, one per non-blank line.
-
-    Args:
-        path: the file.
-
-    Raises:
-        DataError: on a line that is not a JSON object.
-    """
+    """The JSON object of each non-blank line (`DataError` for a line that is not one)."""
     with path.open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -113,11 +83,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
 
 
 def read_json_array(path: Path) -> list[dict]:
-    """Rows of a file holding one JSON array of objects (or one object, for a per-problem file).
-
-    Raises:
-        DataError: the file is not JSON, or holds something other than objects.
-    """
+    """The rows of a file holding one JSON array of objects (or one object: a per-problem file)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
@@ -141,12 +107,7 @@ def read_problem_folder(folder: Path, split: str) -> list[dict]:
 
 
 def read_local_rows(folder: Path, split: str) -> list[dict]:
-    """Read every row of `split` from a local dataset folder (JSONL, JSON array, or per-problem files).
-
-    Args:
-        folder: the dataset's local folder (data root / the task's local folder).
-        split: the split name.
-    """
+    """Every row of `split` in a dataset folder (JSONL, a JSON array, or per-problem files)."""
     if (folder / split).is_dir():
         rows = read_problem_folder(folder / split, split)
     else:
@@ -158,10 +119,8 @@ def read_local_rows(folder: Path, split: str) -> list[dict]:
 
 
 def find_hub_copy(root: Path, local_folder: str) -> Path | None:
-    """The folder of a downloaded hub repository for `local_folder` under `root` (itself or a parent), if any.
-
-    A hub copy is recognised by its dataset card: a `README.md` whose YAML header has a `configs:` list.
-    """
+    """The downloaded hub repository for `local_folder` (it or a parent under `root`, whose `README.md` header
+    lists `configs:`), or None."""
     candidate = root / local_folder
     while candidate != root and root in candidate.parents:
         card = candidate / "README.md"
@@ -178,14 +137,7 @@ def _card_lists_configs(card: Path) -> bool:
 
 
 def read_split(root: Path, local_folder: str, hub_configs: Sequence[str | None], split: str) -> list[dict]:
-    """Rows of `split` from the local root: the task folder's own files, else a downloaded hub copy.
-
-    Args:
-        root: the local data root.
-        local_folder: the task's folder under the root (e.g. `gsm8k`, `cbt/CN`).
-        hub_configs: the hub configs to read from a hub copy.
-        split: the split name.
-    """
+    """The rows of `split` under `root`: the task folder's own files, else a downloaded hub copy's `hub_configs`."""
     folder = root / local_folder
     try:
         return read_local_rows(folder, split)
@@ -197,15 +149,10 @@ def read_split(root: Path, local_folder: str, hub_configs: Sequence[str | None],
 
 
 def split_sources(root: Path, local_folder: str, split: str) -> list[Path]:
-    """The files that ``read_split`` reads `split` from (the task folder's own, else every file of a hub copy).
-
-    Args:
-        root: the local data root.
-        local_folder: the task's folder under the root.
-        split: the split name.
+    """The files `read_split` reads `split` from (the task folder's own, else every file of a hub copy).
 
     Raises:
-        DataError: when the split is not there (the message of ``find_split_files``).
+        DataError: the split is not there.
     """
     folder = root / local_folder
     if (folder / split).is_dir():
@@ -221,15 +168,10 @@ def split_sources(root: Path, local_folder: str, split: str) -> list[Path]:
 
 
 def read_hub_rows(hub_name: str | None, hub_configs: Sequence[str | None], split: str) -> list[dict]:
-    """Load `split` of a hub dataset (all listed configs, concatenated) with `datasets.load_dataset`.
-
-    Args:
-        hub_name: the hub repository, e.g. "openai/gsm8k"; None when the dataset is only available locally.
-        hub_configs: config names to load and concatenate (one entry of None for the default config).
-        split: the split name.
+    """`split` of every config of a hub dataset, concatenated (`datasets.load_dataset`).
 
     Raises:
-        DataError: when there is no hub copy, `datasets` is missing, or the hub load fails.
+        DataError: no hub copy (`hub_name` None), no `datasets`, or the load failed.
     """
     if hub_name is None:
         raise DataError(

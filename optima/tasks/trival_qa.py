@@ -1,12 +1,9 @@
 """TriviaQA, reading-comprehension config (Joshi et al. 2017): information exchange over web snippets.
 
-The task keeps the released recipes' spelling `trival_qa` (`trivia_qa` is accepted through `TASK_ALIASES`).
-Hub: `mandarjoshi/trivia_qa`, config `rc`, splits train/validation. Local folder `triviaqa/` with `<split>.jsonl`
-or `<split>.*.jsonl` (e.g. `validation.rc.wikipedia.nocontext.jsonl`) rows in the HF schema; rows in TriviaQA's release
-JSON schema (`Question`, `QuestionId`, `Answer`, `SearchResults`) are accepted too.
-Contexts: the search-result descriptions, de-duplicated, shuffled and dealt alternately (Alice first).
-Rows without any evidence run closed-book (both agents get no context); `load` logs how many, once per load.
-Gold answer: a tuple of aliases (the answer value first); the score is the maximum over aliases.
+The task keeps the released recipes' spelling `trival_qa` (`trivia_qa` is an alias). Hub `mandarjoshi/trivia_qa`,
+config `rc`; local `triviaqa/` with `<split>.jsonl` or `<split>.*.jsonl`, in the HF or the release's JSON schema.
+The search snippets are dealt alternately (Alice first); a question without any runs closed-book. The gold is a
+tuple of aliases (the score is their maximum). Eval: the first 1000 validation questions.
 """
 
 from __future__ import annotations
@@ -14,17 +11,13 @@ from __future__ import annotations
 import logging
 
 from optima.tasks.base import QA_EVAL_LIMIT, Example, Task, row_id
-from optima.tasks.contexts import split_alternating, stable_rng
+from optima.tasks.sampling import split_alternating, stable_rng
 
 logger = logging.getLogger(__name__)
 
 
 def search_descriptions(row: dict) -> list[str]:
-    """Return the search-result descriptions of a row in either schema (HF columns or original records).
-
-    Args:
-        row: a TriviaQA row.
-    """
+    """The search-result descriptions of a row, in either schema."""
     if "search_results" in row:
         results = row["search_results"] or {}
         return list(results.get("description") or []) if isinstance(results, dict) else []
@@ -32,11 +25,7 @@ def search_descriptions(row: dict) -> list[str]:
 
 
 def answer_aliases(row: dict) -> tuple[str, ...]:
-    """Return the gold aliases of a row, its answer value first, without duplicates.
-
-    Args:
-        row: a TriviaQA row in either schema.
-    """
+    """The gold aliases of a row, its answer value first, without duplicates."""
     answer = row.get("answer") or {}
     if answer:
         names = [answer.get("value", ""), *(answer.get("aliases") or [])]
@@ -62,7 +51,6 @@ class TriviaQA(Task):
     eval_limit = QA_EVAL_LIMIT
 
     def build_example(self, row: dict, *, split: str, index: int, seed: int) -> Example | None:
-        """Convert one row; rows without any answer alias are skipped."""
         aliases = answer_aliases(row)
         if not aliases:
             return None
@@ -80,7 +68,7 @@ class TriviaQA(Task):
         )
 
     def finalize(self, examples, *, split, data_dir, seed):
-        """Log, once per load, how many questions have no evidence and therefore run closed-book."""
+        """Warn, once per load, how many questions have no evidence (they run closed-book)."""
         closed_book = sum(1 for example in examples if not example.context_first and not example.context_second)
         if closed_book:
             logger.warning(

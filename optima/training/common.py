@@ -157,11 +157,11 @@ def save_checkpoint(trainer: Any, tokenizer: Any, output_dir: str, metrics: dict
     Every process calls this (gathering sharded weights and the probe's forward passes are collective); only the
     main process writes. The marker is written after ``verify_saved_checkpoint`` passed (the state dict in memory,
     the files' headers), so a broken save is never taken for a finished one. It carries a fresh ``weights_id`` and
-    the weights probe of the trained model (``optima.weights_probe``), against which every later reload of this
+    the weights probe of the trained model (``optima.identity``), against which every later reload of this
     checkpoint into a server is checked.
     """
+    from optima.identity import PROBE_KEY, record_probe
     from optima.training.checkpoint import remove_trainer_checkpoints, save_servable, verify_saved_checkpoint
-    from optima.weights_probe import PROBE_KEY, record_probe
 
     probe = record_probe(trainer.model, tokenizer)
     state_dict = save_servable(trainer, tokenizer, output_dir)
@@ -181,7 +181,7 @@ def is_complete(checkpoint: Path) -> bool:
 
 def read_completion(checkpoint: Path) -> dict[str, Any]:
     """The metrics a trainer script wrote with its completion marker (its weights probe left out: not a metric)."""
-    from optima.weights_probe import PROBE_KEY
+    from optima.identity import PROBE_KEY
 
     marker = read_marker(checkpoint)
     if marker is None:
