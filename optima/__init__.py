@@ -7,14 +7,8 @@ __version__ = "0.1.0"
 
 
 def lazy_exports(package: str, exports: dict[str, str]):
-    """A package's ``__getattr__``: each name of ``exports`` imported on first use.
-
-    ``exports`` maps a name to its module: one of the package (``"holder"``), or any other module by its full name
-    (``"optima.hardware.placement"``).
-
-    A package's public names (what ``bench/`` and the scripts may import) without importing its modules, and their
-    dependencies, when the package is imported.
-    """
+    """A package's `__getattr__`: each name of `exports` (name -> a module of the package, or a full module name)
+    imported on first use, so importing the package imports none of its modules."""
     import importlib
 
     def __getattr__(name: str):

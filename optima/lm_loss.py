@@ -1,14 +1,12 @@
-"""Per-utterance LM loss under the fixed loss model (the reward's readability term), and its streaming while
-generation runs (docs/method.md#readability).
+"""Per-utterance LM loss under the fixed loss model (the readability term), streamed while generation runs, and
+where the assistant turns of a rendered chat lie (docs/method.md#readability).
 
-`L(u)` is the mean NLL of utterance `u`'s tokens and its end-of-turn token, `u` rendered alone as one assistant
-message of the chat template (the template's own tokens are context, never scored). The `vllm` backend reads it
-from a server's prompt log-probabilities (`echo`, `max_tokens: 0`, many texts per request, several requests at
-once); `hf` runs a padded forward pass in this process: the same number on the same token ids.
-
-The loss model is fixed for the run, so each conversation is scored as soon as it is written (`StreamingLosses`)
-into `losses.jsonl`, keyed by conversation, loss model and a hash of its rendered utterances; the last valid line
-wins; only finished conversations are streamed; a failed request is left for the score stage to fill.
+`L(u)` is the mean NLL of utterance `u`'s tokens and its end-of-turn token, `u` rendered alone as an assistant
+message (the template's tokens are never scored): from a vLLM server's prompt log-probabilities, or a forward pass
+in this process, on the same token ids. The turn spans (`trained_char_spans`) are also the trainer's loss masks
+(docs/method.md#loss-masks). `StreamingLosses` scores each conversation as it is written into `losses.jsonl`
+(keyed by conversation, loss model and a hash of its texts; the last valid line wins; a failed request is left
+for the score stage).
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optima.agents.prompts import Utterance, render_utterance
-from optima.chat_spans import trained_char_spans
 from optima.config.rules import vllm_loss_batch_size, workers
 from optima.reward import reads_losses
 from optima.serving.client import prompt_logprobs
@@ -38,6 +35,39 @@ logger = logging.getLogger(__name__)
 
 ScoreTexts = Callable[[Sequence[str]], list[float]]
 STREAM_WORKERS = 4  # requests in flight at once: enough for vLLM to batch, few enough to leave it to generation
+
+
+class MaskError(ValueError):
+    """The chat template does not render conversation prefixes as text prefixes."""
+
+
+SENTINEL = "\u2063optima-turn-start\u2063"  # text no real message contains
+
+
+def _render(tokenizer: Any, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def trained_char_spans(tokenizer: Any, messages: list[dict], end_of_turn: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns (content and `end_of_turn`): turn
+    k starts where a sentinel put in its place appears (no token pattern of one template is matched).
+
+    Raises:
+        MaskError: the template does not render a prefix of the messages as a prefix of the text.
+    """
+    full = _render(tokenizer, messages)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        probe = _render(tokenizer, [*messages[:k], {"role": "assistant", "content": SENTINEL}])
+        head = probe[: probe.find(SENTINEL)]
+        upto = _render(tokenizer, messages[: k + 1])
+        if SENTINEL not in probe or not (full.startswith(upto) and upto.startswith(head)):
+            raise MaskError(f"the chat template does not render message {k} as a continuation of the ones before")
+        end = upto.find(end_of_turn, len(head))
+        spans.append((len(head), end + len(end_of_turn) if end >= 0 else len(upto)))
+    return full, spans
 
 
 @dataclass(frozen=True)

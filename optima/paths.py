@@ -1,7 +1,7 @@
 """Every file of a run, derived from the run directory, an iteration and a stage.
 
-One run directory per recipe (``output_dir``) replaces five separate root paths (docs/method.md,
-D3). Nothing is written into the source tree, and no other module builds run paths by hand::
+One run directory per recipe (`output_dir`, docs/method.md D3); nothing is written into the source tree, and no
+other module builds run paths by hand::
 
     <output_dir>/
       recipe.yaml                     the validated recipe, every field
@@ -22,7 +22,7 @@ D3). Nothing is written into the source tree, and no other module builds run pat
         trainer.yaml                  the rendered TRL trainer recipe
         metrics.json                  per-iteration metrics
         logs/                         vllm_<replica>.log, train.log
-      conversations.html              the conversation browser (``optima.browser``), beside report.md
+      conversations.html              the conversation browser (`optima.browser`), beside report.md
       heldout/                        the held-out evaluation (heldout_size > 0): <model>.jsonl, summary.*
 """
 
@@ -43,10 +43,7 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class RunLocation(Protocol):
-    """Where a loop's recipe puts its run (``Recipe.output_dir``, ``LoopRecipe.check_point_root_path``).
-
-    A protocol, because this module sits below ``optima.config`` (docs/layers.md).
-    """
+    """Where a loop's recipe puts its run (a protocol: this module sits below `optima.config`)."""
 
     output_dir: str | None
     check_point_root_path: str | None
@@ -68,7 +65,7 @@ class StagePaths:
 
     @property
     def losses(self) -> Path:
-        """LM losses scored while generating (``optima.lm_loss``)."""
+        """LM losses scored while generating (`optima.lm_loss`)."""
         return self.root / "losses.jsonl"
 
     @property
@@ -117,7 +114,7 @@ class RunPaths:
 
     Args:
         output_dir: The run directory (absolute).
-        checkpoint_root: Where checkpoints go; default ``<output_dir>/checkpoints``.
+        checkpoint_root: Where checkpoints go; default `<output_dir>/checkpoints`.
     """
 
     output_dir: Path
@@ -125,7 +122,7 @@ class RunPaths:
 
     @classmethod
     def from_recipe(cls, recipe: RunLocation) -> RunPaths:
-        """Paths of a validated recipe (``output_dir`` and ``check_point_root_path`` are absolute there)."""
+        """Paths of a validated recipe (`output_dir` and `check_point_root_path` are absolute there)."""
         root = Path(recipe.check_point_root_path) if recipe.check_point_root_path else None
         return cls(Path(recipe.output_dir), root)
 
@@ -143,16 +140,16 @@ class RunPaths:
 
     @property
     def tensorboard(self) -> Path:
-        """TensorBoard events: the trainers' per stage folder, the iteration scalars (``optima.tracking``)."""
+        """TensorBoard events: the trainers' per stage folder, the iteration scalars (`optima.tracking`)."""
         return self.output_dir / TENSORBOARD_DIR
 
     def trainer_logs(self, sp: StagePaths) -> Path:
-        """The TensorBoard events of one stage folder's trainer: ``tensorboard/iteration_<i>[/<stage>]``."""
+        """The TensorBoard events of one stage folder's trainer: `tensorboard/iteration_<i>[/<stage>]`."""
         return self.tensorboard / sp.root.relative_to(self.output_dir)
 
     @property
     def heldout(self) -> Path:
-        """The held-out evaluation's folder (``optima.evaluation.heldout``)."""
+        """The held-out evaluation's folder (`optima.evaluation.heldout`)."""
         return self.output_dir / "heldout"
 
     @property
@@ -160,20 +157,19 @@ class RunPaths:
         return self.checkpoint_root or self.output_dir / "checkpoints"
 
     def checkpoint(self, iteration: int, stage: str | None = None) -> Path:
-        """``checkpoints/iteration_<i>``; an intermediate stage's is ``checkpoints/<stage>_iteration_<i>``."""
+        """`checkpoints/iteration_<i>`; an intermediate stage's is `checkpoints/<stage>_iteration_<i>`."""
         name = f"iteration_{iteration}" if stage is None else f"{stage}_iteration_{iteration}"
         return self.checkpoints / name
 
     def stage(self, iteration: int, stage: str | None = None) -> StagePaths:
-        """The folder of ``iteration``, or of one of its stages (``sft``/``dpo`` in iSFT-DPO)."""
+        """The folder of `iteration`, or of one of its stages (`sft`/`dpo` in iSFT-DPO)."""
         root = self.output_dir / f"iteration_{iteration}"
         return StagePaths(root / stage if stage else root)
 
 
 def stage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
-    """``(iteration, part, folder)`` of every ``iteration_<i>`` folder of ``run_dir`` and its possible stage parts
-    (``optima.methods.PART_FOLDERS``), in run order, whether or not a folder exists: each reader keeps those holding
-    its file."""
+    """`(iteration, part, folder)` of every `iteration_<i>` folder of `run_dir` and each of its possible parts, in
+    run order, whether the folder exists or not (each reader keeps those holding its file)."""
     paths, found = RunPaths(Path(run_dir)), []
     for folder in Path(run_dir).glob("iteration_*"):
         number = folder.name.removeprefix("iteration_")
@@ -183,12 +179,8 @@ def stage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
 
 
 def find_checkpoints(root: Path) -> list[tuple[str, Path]]:
-    """Finished checkpoints under ``root`` in iteration order: ``iteration_<k>`` folders by k, else ``root`` itself.
-
-    Numeric order, not ``os.listdir`` order, keeps curves straight (docs/method.md, D29). Only folders with a
-    completion marker count (a save that was killed or failed its verification has none); the others are named
-    in a warning. A folder that is itself a model (holds ``config.json``) is one checkpoint named after the folder.
-    """
+    """The finished checkpoints under `root` (completion marker present; the others named in a warning) in numeric
+    order (docs/method.md, D29); a folder that is itself a model (`config.json`) is one checkpoint."""
     root = Path(root)
     if (root / "config.json").is_file():
         return [(root.name, root)]
@@ -208,11 +200,8 @@ def find_checkpoints(root: Path) -> list[tuple[str, Path]]:
 
 
 def checkpoint_label(name: str) -> str:
-    """A checkpoint folder's name for people: ``iteration_k`` is the model after iteration k+1.
-
-    ``sft_iteration_k`` is the SFT stage's model of iSFT-DPO iteration k+1; other names (``base``, a model folder)
-    stay as they are.
-    """
+    """A checkpoint folder's name for people: `iteration_k` is the model after iteration k+1 (`sft_iteration_k`:
+    of its SFT stage); other names stay as they are."""
     prefix, _, number = name.rpartition("_")
     if not number.isdigit() or prefix not in ("iteration", "sft_iteration", "dpo_iteration"):
         return name
@@ -221,6 +210,6 @@ def checkpoint_label(name: str) -> str:
 
 
 def models_label(root: Path) -> str:
-    """A folder of checkpoints for a title, without the machine's path: the run's name (``<run>/checkpoints``)."""
+    """A folder of checkpoints for a title, without the machine's path: the run's name (`<run>/checkpoints`)."""
     root = Path(root)
     return root.parent.name if root.name == "checkpoints" and root.parent.name else root.name

@@ -1,20 +1,9 @@
 """The run's files: append-only JSONL that a killed run resumes, and atomic whole-file writes.
 
-Every layer writes through this module (it imports only the standard library, plus ``yaml`` inside
-``write_yaml``): a file is either the old one or the new one, never half written.
-
-Append-only JSONL of conversations, resumed without loss or duplicates:
-
-The open-r1 pattern (generation resumes by skipping ids already written), hardened for resume and loud
-failures (docs/method.md D4, D5): one line per conversation keyed by ``(task_id, sample_index)``, written and flushed
-line by line by one writer under a lock. On reopening:
-
-* a torn last line (the process was killed mid-write) is cut off;
-* records with ``status == "error"`` (a failed request) are dropped, so the rerun tries them again;
-* any other damage raises, naming the file and line: nothing is silently skipped.
-
-Repairs, like every whole-file write (``atomic_write_text``, ``write_json``, ``write_jsonl``, ``write_yaml``), go
-through a temporary file next to the target and an atomic rename.
+The open-r1 pattern (resume by skipping ids already written), hardened (docs/method.md D4, D5): one line per
+conversation keyed by `(task_id, sample_index)`, flushed line by line under a lock. On reopening, a torn last line
+is cut off, failed records (`status: error`) are dropped to be tried again, and any other damage raises naming the
+file and line. Every whole-file write goes through a temporary file and an atomic rename.
 """
 
 from __future__ import annotations
@@ -34,16 +23,12 @@ Key = tuple[str, int]
 
 
 def record_key(record: dict) -> Key:
-    """``(task_id, sample_index)`` of a conversation record."""
+    """`(task_id, sample_index)` of a conversation record."""
     return str(record["task_id"]), int(record["sample_index"])
 
 
 def load_records(path: Path) -> tuple[list[dict], bool]:
-    """Read a JSONL file; return its records and whether its last line was torn (and left out).
-
-    Raises:
-        ValueError: a line other than the last one is not JSON.
-    """
+    """A JSONL file's records, and whether its last line was torn (and left out); `ValueError` for another bad line."""
     if not path.exists():
         return [], False
     raw = path.read_bytes()
@@ -62,7 +47,7 @@ def load_records(path: Path) -> tuple[list[dict], bool]:
 
 
 def group_by_question(records: Sequence[dict]) -> list[list[dict]]:
-    """Conversations grouped by ``task_id`` (first-seen order), each group sorted by sample index."""
+    """Conversations grouped by `task_id` (first-seen order), each group sorted by sample index."""
     groups: dict[str, list[dict]] = {}
     for record in records:
         groups.setdefault(str(record["task_id"]), []).append(record)
@@ -70,13 +55,8 @@ def group_by_question(records: Sequence[dict]) -> list[list[dict]]:
 
 
 def prepare_resume(path: Path, retry_errors: bool = True, key: Callable[[dict], Hashable] = record_key) -> set:
-    """Make ``path`` ready to append to and return the keys already done.
-
-    Args:
-        path: The JSONL output.
-        retry_errors: Drop ``status == "error"`` records so that they are generated again.
-        key: What identifies a record: ``(task_id, sample_index)`` by default; per-question files pass their own.
-    """
+    """Make `path` ready to append to; return the keys already done (`key`: per-question files pass their own;
+    `retry_errors`: drop failed records so that they are generated again)."""
     records, torn = load_records(path)
     keep = [r for r in records if not (retry_errors and r.get("status") == "error")]
     dropped_errors = len(records) - len(keep)
@@ -95,18 +75,14 @@ def prepare_resume(path: Path, retry_errors: bool = True, key: Callable[[dict], 
             dropped_errors,
             len(keep) - len(unique),
         )
-        _rewrite(path, unique)
+        write_jsonl(unique, path)
     elif records:
         logger.info("%s: resuming; %d conversations already written", path, len(records))
     return seen
 
 
-def _rewrite(path: Path, records: list[dict]) -> None:
-    write_jsonl(records, path)
-
-
 def atomic_write_text(path: Path, text: str) -> Path:
-    """Replace ``path`` with ``text`` (UTF-8) through a temporary file and a rename; create its folder."""
+    """Replace `path` with `text` (UTF-8) through a temporary file and a rename; create its folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -119,17 +95,17 @@ def atomic_write_text(path: Path, text: str) -> Path:
 
 
 def write_json(path: Path, payload: Any, indent: int | None = 2) -> Path:
-    """Write ``payload`` as JSON (non-JSON values as ``str``), atomically."""
+    """Write `payload` as JSON (non-JSON values as `str`), atomically."""
     return atomic_write_text(path, json.dumps(payload, indent=indent, ensure_ascii=False, default=str) + "\n")
 
 
 def write_jsonl(records: Iterable[dict], path: Path) -> Path:
-    """Write ``records`` one per line, atomically (a rerun replaces the file, never appends)."""
+    """Write `records` one per line, atomically (a rerun replaces the file, never appends)."""
     return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def write_yaml(path: Path, data: Any) -> Path:
-    """Write ``data`` as YAML (keys in their order), atomically."""
+    """Write `data` as YAML (keys in their order), atomically."""
     import yaml
 
     return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
@@ -153,11 +129,7 @@ def save_splits(splits: dict[str, list[dict]], path: Path) -> dict[str, int]:
 
 
 class JsonlWriter:
-    """Thread-safe appender: one complete line per ``write``, flushed at once.
-
-    Args:
-        path: The JSONL file (created with its folder if needed).
-    """
+    """Thread-safe appender to a JSONL file (created with its folder): one complete line per `write`, flushed."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)

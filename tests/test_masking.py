@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from optima.agents.prompts import Utterance, build_agent_messages
-from optima.chat_spans import MaskError
+from optima.lm_loss import MaskError
 from optima.tasks import Example
 from optima.training.masking import IGNORE_INDEX, decode_trained, tokenize_with_mask
 from tests._task_fixtures import LLAMA3_CHAT_TEMPLATE

@@ -9,7 +9,7 @@ _EXPORTS = {
     "render_trainer_config": "launch_config",
     "resolve_accelerate_config": "optima.hardware.machine",
     "write_trainer_config": "launch_config",
-    "SENTINEL": "optima.chat_spans",
+    "SENTINEL": "optima.lm_loss",
 }
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

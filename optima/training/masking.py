@@ -5,14 +5,14 @@ own utterances as ``assistant`` turns and the partner's as ``user`` turns. Only 
 trained, each with its end-of-turn token; the system prompt, the task, the partner's turns and the chat
 template's role headers are masked with -100.
 
-The trained spans come from the rendered text itself, with any chat template (``optima.chat_spans``).
+The trained spans come from the rendered text itself, with any chat template (``optima.lm_loss``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from optima.chat_spans import trained_char_spans
+from optima.lm_loss import trained_char_spans
 
 IGNORE_INDEX = -100
 
