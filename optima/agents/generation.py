@@ -121,7 +121,7 @@ def generate_conversations(
     stats.already_done = stats.requested - len(jobs)
     _log_start(generation, len(examples), len(endpoints), stats)
     if jobs:
-        # Never more conversations in flight than the servers' KV caches hold (else they thrash: see capacity.py).
+        # Never more conversations in flight than the servers' KV caches hold (else they thrash and preempt).
         monitor = KVMonitor(endpoints, recipe.api_key)
         in_flight = workers(recipe)
         if monitor.kv_tokens is not None:

@@ -33,8 +33,7 @@ _TURN_SEPARATOR = "\n\n"
 class RolePrompt:
     """A role's system prompt: an intro, numbered rules and an example message (`${name}`, `${partner}` slots).
 
-    `reminder` closes the first user turn with the answer format in one line (SmolLM2-135M wrote no answer tag in
-    144 replies without it: small models follow the last user line far more than the system prompt).
+    `reminder` closes the first user turn with the answer format in one line (docs/method.md#roles-and-prompts).
     `answer_opening` starts a pre-filled reply (`answer_bootstrap: prefill`) from conversation turn
     `answer_from_turn` on (information exchange waits until both agents have shared their information once).
     `states_answer`: the role answers (not the critic), so the answer bootstrap touches its replies.
