@@ -1,16 +1,16 @@
-"""A run folder holds one lineage (docs/method.md#one-lineage-per-run-folder).
+"""A run folder holds one lineage: the stage manifests, what a rerun sets aside, what the readers read, the lock.
 
-A lineage is the chain of stage keys of one run (``optima.stage_identity``): every stage's key holds the key of the
-stage before it, across the parts and iterations of the run. What a rerun under other settings makes stale is never
-deleted and never left where a reader looks: it is moved to a ``set_aside/<why>-<when>/`` folder beside it
-(``set_aside``): a redone stage's outputs under ``set_aside/<stage>-<old key>-<time>/``, the later parts of a
-redone part under ``set_aside/old-lineage-<time>/``, iterations past ``iteration_times`` under
-``set_aside/beyond-iteration_times-<n>-<time>/``.
+Each part folder's ``manifest.json`` records every stage when it starts, under its key (``StageKey``: a hash of the
+recipe fields it depends on, their values, and the identities of what it reads, the stage before it included), and
+its result and wall time when it succeeded; a stage counts as done only then, never because its files exist. A
+rerun skips finished stages and continues an unfinished one under the same key; the first stage whose key changed,
+finished or not, is redone with every stage after it, and their outputs are moved to ``set_aside/<why>-<time>/``
+beside them, never deleted or continued (docs/method.md#resume, #one-lineage-per-run-folder).
 
-The readers (report, conversation browser, trackers, hub upload, checkpoint sweep) read only the current lineage,
-from the files alone: ``lineage_folders`` follows the chain of ``previous stage`` links of the manifests and stops
-at the first folder that does not continue it; ``lineage_checkpoints`` keeps the checkpoints with a completion
-marker that the lineage's train stages wrote. ``run_lock`` keeps a second run out of a folder that one is writing.
+The readers (report, browser, trackers, hub upload, checkpoint sweep) read only the current lineage, from the files
+alone: ``lineage_folders`` follows the chain of ``previous stage`` links and stops at the first folder that does not
+continue it; ``lineage_checkpoints`` keeps the checkpoints the lineage's train stages wrote. ``run_lock`` keeps a
+second run out of a folder that one is writing.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from optima.identity import WEIGHTS_ID_KEY, read_marker
+from optima.identity import WEIGHTS_ID_KEY, digest, read_marker
 from optima.methods import SFT
 from optima.paths import RunPaths, StagePaths, find_checkpoints, stage_folders
 from optima.store import write_json
@@ -33,10 +34,176 @@ logger = logging.getLogger(__name__)
 
 SET_ASIDE = "set_aside"
 LOCK_FILE = ".optima.lock"
+NOT_TRAINED, UNKNOWN = "not trained", "unknown"
 
 
 class FolderLocked(RuntimeError):
     """Another live run holds the folder's lock."""
+
+
+def field_values(recipe: object, names: tuple[str, ...]) -> dict:
+    """The JSON form of the values of ``names`` in ``recipe``."""
+    return json.loads(json.dumps({name: getattr(recipe, name, None) for name in names}, default=str))
+
+
+def fields_hash(recipe: object, names: tuple[str, ...]) -> str:
+    """Hash of the values of ``names`` in ``recipe`` (what one stage's output depends on)."""
+    return digest({name: getattr(recipe, name, None) for name in names})
+
+
+@dataclass(frozen=True)
+class StageKey:
+    """What one stage's output depends on.
+
+    Args:
+        config_hash: ``fields_hash`` of the stage's recipe fields.
+        fields: Those fields' values (to name the ones that changed).
+        inputs: Identity of each thing the stage reads (models, files, ``previous stage``); None: only the fields.
+    """
+
+    config_hash: str
+    fields: dict = field(default_factory=dict)
+    inputs: dict | None = None
+
+    @property
+    def identity(self) -> str:
+        """One hash of the whole key (what the next stage records as its ``previous stage``)."""
+        return digest({"config_hash": self.config_hash, "inputs": self.inputs})
+
+    def changes(self, entry: dict) -> list[str]:
+        """What differs between this key and a recorded manifest entry, one phrase per change (empty: none)."""
+        reasons = []
+        if entry.get("config_hash") != self.config_hash:
+            old = entry.get("fields")
+            if old is None:
+                reasons.append("recipe fields changed")
+            else:
+                names = sorted(n for n in set(old) | set(self.fields) if old.get(n) != self.fields.get(n))
+                reasons += [f"{n}: {old.get(n)!r} -> {self.fields.get(n)!r}" for n in names] or ["recipe fields"]
+        if "inputs" in entry and self.inputs is not None:
+            old = entry["inputs"]
+            for name in sorted(set(old) | set(self.inputs)):
+                if old.get(name) != self.inputs.get(name):
+                    reasons.append(f"{name}: {old.get(name)} -> {self.inputs.get(name)}")
+        return reasons
+
+
+def stage_link(where: str, stage: str, identity: str) -> str:
+    """What the stage after ``stage`` records as its ``previous stage``: ``<folder in the run>/<stage>@<identity>``."""
+    return f"{where}/{stage}@{identity}"
+
+
+def short_key(entry: dict | None) -> str:
+    """A manifest entry's key for a folder name (``nokey``: none recorded)."""
+    return ((entry or {}).get("identity") or (entry or {}).get("config_hash") or "nokey")[:12]
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+class Manifest:
+    """The started and finished stages of one part folder.
+
+    Args:
+        path: ``<part folder>/manifest.json``.
+        keys: Per stage, its ``StageKey`` (or just its fields hash: no inputs).
+        label: Put before a stage's name in its log line (``iteration 1/2 | ``).
+    """
+
+    def __init__(self, path: Path, keys: dict[str, StageKey | str], label: str = ""):
+        self.path, self.label = path, label
+        self.keys = {name: key if isinstance(key, StageKey) else StageKey(key) for name, key in keys.items()}
+        self.entries: dict[str, dict] = read_entries(path)
+
+    def done(self, stage: str) -> bool:
+        return "result" in self.entries.get(stage, {})
+
+    def finished(self) -> list[str]:
+        """The finished stages, in the order they ran."""
+        return [name for name in self.entries if self.done(name)]
+
+    def result(self, stage: str) -> dict:
+        return self.entries[stage]["result"]
+
+    def timings(self) -> dict[str, float]:
+        return {name: self.entries[name]["elapsed_s"] for name in self.finished()}
+
+    def _save(self) -> None:
+        write_json(self.path, {"stages": self.entries})
+
+    def _stale(self, stage: str, outputs: list[Path]) -> list[str]:
+        """Why ``stage``'s recorded work (finished or not) cannot be kept; empty: it can."""
+        entry = self.entries.get(stage)
+        if entry is None:
+            return ["its output has no recorded key"] if any(path.exists() for path in outputs) else []
+        return self.keys[stage].changes(entry)
+
+    def invalidate_changed(
+        self, order: list[str], outputs: dict[str, list[Path]], part_files: list[Path] = ()
+    ) -> list[str]:
+        """Set aside the first stage whose key changed (finished or not) and every later one; return their names.
+
+        Args:
+            order: Stage names in the order they run.
+            outputs: What each stage writes: moved to ``set_aside/<stage>-<old key>-<time>/`` beside it.
+            part_files: What sums up the whole part (``metrics.json``): set aside with the first stage redone.
+        """
+        upgraded = False
+        for index, stage in enumerate(order):
+            reasons = self._stale(stage, outputs.get(stage, []))
+            if not reasons:
+                entry = self.entries.get(stage)
+                if entry is not None and "inputs" not in entry and self.keys[stage].inputs is not None:
+                    entry |= self._key_fields(stage)  # written before inputs were recorded: take them as they are
+                    upgraded = True
+                continue
+            later = order[index:]
+            logger.warning(
+                "%s: stage %s must be redone (%s); redoing %s", self.path, stage, "; ".join(reasons), ", ".join(later)
+            )
+            for name in later:
+                old = self.entries.pop(name, None)
+                why = reasons if name == stage else [f"stage {stage} before it is redone"]
+                paths = [*outputs.get(name, []), *(part_files if name == stage else [])]
+                set_aside(paths, f"{name}-{short_key(old)}", {"stage": name, "reasons": why, "entry": old})
+            self._save()
+            return later
+        if upgraded:
+            self._save()
+        return []
+
+    def _key_fields(self, stage: str) -> dict:
+        key = self.keys[stage]
+        known = {"inputs": key.inputs, "identity": key.identity} if key.inputs is not None else {}
+        return {"config_hash": key.config_hash, "fields": key.fields} | known
+
+    def start(self, stage: str) -> None:
+        """Record that ``stage`` starts, under its key: what it writes from now on is made under that key."""
+        self.entries[stage] = self._key_fields(stage) | {"started_at": now()}
+        self._save()
+
+    def record(self, stage: str, result: dict, elapsed_s: float) -> None:
+        started = self.entries.get(stage, {}).get("started_at") or now()
+        self.entries[stage] = self._key_fields(stage) | {
+            "result": result,
+            "elapsed_s": round(elapsed_s, 2),
+            "started_at": started,
+            "finished_at": now(),
+        }
+        self._save()
+
+    def run(self, stage: str, body: Callable[..., dict], *args) -> dict:
+        """``body(*args)`` unless ``stage`` is finished (then its recorded result); its key is recorded before."""
+        if self.done(stage):
+            logger.info("%s%s | done before, skipped", self.label, stage)
+            return self.result(stage)
+        logger.info("%s%s", self.label, stage)
+        started = time.monotonic()
+        self.start(stage)
+        result = body(*args)
+        self.record(stage, result, time.monotonic() - started)
+        return result
 
 
 def set_aside(paths: Iterable[Path], label: str, note: dict | None = None) -> list[Path]:
@@ -90,7 +257,7 @@ def _continues(upstream: str | None, previous: tuple[str, dict] | None) -> bool:
     if previous is None:
         return False  # its chain starts in a folder that is not there
     where, entries = previous
-    head, _, identity = upstream.rpartition("@")  # optima.manifest.stage_link: <folder>/<stage>@<identity>
+    head, _, identity = upstream.rpartition("@")  # stage_link: <folder>/<stage>@<identity>
     link_where, _, stage = head.rpartition("/")
     if link_where != where:
         return False
@@ -102,8 +269,7 @@ def lineage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
     """``(iteration, part, folder)`` of the run's current lineage, in run order (``optima.paths.stage_folders``).
 
     A folder belongs when its first stage's ``previous stage`` is the last folder's stage of the same key; the
-    first that does not (an earlier run's iteration) ends the lineage. A folder without a manifest (written by
-    hand, or before manifests) cannot be judged and is kept.
+    first that does not (an earlier run's iteration) ends the lineage. A folder without a manifest is kept.
     """
     run_dir = Path(run_dir)
     found, previous = [], None
@@ -149,12 +315,9 @@ def lineage_checkpoints(root: Path) -> list[tuple[str, Path]]:
     return kept
 
 
-NOT_TRAINED, UNKNOWN = "not trained", "unknown"
-
-
 def _trained(sp: StagePaths) -> str:
-    """The ``weights_id`` a folder's train stage recorded; ``UNKNOWN`` when it cannot tell (a train stage started
-    under the lineage's key but not finished, an entry without the id); ``NOT_TRAINED``: not started."""
+    """The ``weights_id`` a folder's train stage recorded; ``UNKNOWN`` when it cannot tell (started under the
+    lineage's key but not finished, an entry without the id); ``NOT_TRAINED``: not started."""
     train = read_entries(sp.manifest).get("train")
     if train is None:
         return NOT_TRAINED

@@ -1,20 +1,17 @@
-"""The three training methods, once: each one's name, label, recipe class, the parts of an iteration and the trainer
-each part runs (docs/method.md#isft, #idpo, #isft-dpo).
+"""The three training methods and the stages of their iterations, once (docs/method.md#the-three-loops).
 
-Every place that tells the methods or their trainers apart reads this table, and no other file spells a method's
-name (``tests/test_methods.py``): the recipes (``method``), the validation of ``trainer_overrides``
-(``optima.config.rules``), the trainer YAML of each trainer (the same module), the hardware allocation's
-trainer YAMLs (``optima.hardware``), the stage table (``optima.plan``: each part runs the stages of its
-trainer), the run folders (``optima.paths``), the run report's method line and ``recipe-keys`` (``optima.__main__``).
-
-iSFT and iDPO run one part per iteration, in the iteration's own folder; iSFT-DPO runs an iSFT part and then a
-DPO part from its checkpoint, each in its own subfolder (``iteration_<i>/sft``, ``iteration_<i>/dpo``). The two
-trainers carry the names of the methods that run them alone: ``sft`` (TRL's ``SFTTrainer``) and ``dpo``.
+Every place that tells the methods, their trainers or their stages apart reads these tables; no other file spells a
+method's name (``tests/test_methods.py``). iSFT and iDPO run one part per iteration, in the iteration's own folder;
+iSFT-DPO runs an iSFT part, then a DPO part from its checkpoint, each in its own subfolder (``iteration_<i>/sft``,
+``iteration_<i>/dpo``). A part runs the stages of its trainer; a recipe field names the stages its change redoes
+(``field(redoes=...)``), so a tag that names no stage fails when the recipe class is defined. The stage names are
+the strings earlier runs' manifests recorded, so those runs keep resuming.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
 SFT = "sft"
@@ -25,6 +22,41 @@ TrainerKind = Literal["sft", "dpo"]
 TRAINERS: tuple[TrainerKind, ...] = (SFT, DPO)
 # The recipe field holding each trainer's handbook-style base YAML.
 TRAINER_YAML_FIELDS = {SFT: "origin_yaml_path", DPO: "origin_dpo_yaml_path"}
+
+
+class Stage(str, Enum):  # noqa: UP042 - StrEnum needs 3.11 (see below)
+    """A stage of iSFT (generate, score, select, train) or iDPO (probe, search, pairs, train).
+
+    A ``str`` enum spelt as its value (``enum.StrEnum`` needs Python 3.11; ``make gpu-check`` imports this module
+    with the system's python3 before it checks the version).
+    """
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    GENERATE = "generate"  # iSFT: sample conversations
+    SCORE = "score"  # iSFT: reward them
+    SELECT = "select"  # iSFT: keep the best as the training set
+    PROBE = "probe"  # iDPO: sample conversations for the token budget T_max
+    SEARCH = "search"  # iDPO: the tree search
+    PAIRS = "pairs"  # iDPO: mine preference pairs from the trees
+    TRAIN = "train"  # either: fine-tune into the checkpoint
+
+
+# The stages of a part, in the order they run, by the part's trainer.
+TRAINER_STAGES: dict[str, tuple[Stage, ...]] = {
+    SFT: (Stage.GENERATE, Stage.SCORE, Stage.SELECT, Stage.TRAIN),
+    DPO: (Stage.PROBE, Stage.SEARCH, Stage.PAIRS, Stage.TRAIN),
+}
+
+
+def stage_tags(tags: tuple[str, ...]) -> tuple[Stage, ...]:
+    """``tags`` as ``Stage`` members; ValueError for a tag that names no stage."""
+    known = [stage.value for stage in Stage]
+    unknown = [tag for tag in tags if tag not in known]
+    if unknown:
+        raise ValueError(f"redoes: no stage named {', '.join(map(repr, unknown))}; the stages: {', '.join(known)}")
+    return tuple(Stage(tag) for tag in tags)
 
 
 @dataclass(frozen=True)

@@ -16,18 +16,18 @@ from pathlib import Path
 from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import generate_conversations
 from optima.config import SFTDPORecipe, load_recipe
+from optima.loop import planned_parts
 from optima.paths import RunPaths
-from optima.plan import build_plan
 from optima.reward import build_rollout_scorer
-from optima.run_context import build_run_context
+from optima.run import build_run, stage_settings
 from optima.selection.dpo import save_pairs
 from optima.selection.mcts import search_question
 from optima.selection.tree import Reply
-from optima.stages.reward_stage import RewardScorers, reward_generations
-from optima.stages.sft import select
+from optima.stages import RewardScorers, reward_generations, select
 from optima.store import JsonlWriter
 from tests.fake_openai import FakeOpenAIServer, FakeReply, question_of, speaker_of, turn_of
 from tests.helpers import arc_examples
+from tests.test_pipeline import TRAIN_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTILE = 'Careful: <script>alert("x")</script> & 1 < 2'  # must reach the page escaped
@@ -85,9 +85,9 @@ def write_sft_stage(recipe, paths: RunPaths, url: str) -> None:
     examples = arc_examples(QUESTIONS)
     generate_conversations(recipe, examples, [url], sp.generations, GenerationSettings(0, 1.0, 2))
     reward_generations(recipe, sp.generations, sp.rewarded, RewardScorers(score_texts=fake_losses))
-    sft_part = build_plan(recipe).parts[0]  # iteration 0's SFT part: its folder is ``sp``
+    sft_part = planned_parts(build_run(recipe, {"train": TRAIN_ENV}, gpu=False))[0]  # iteration 0's SFT part
     assert sft_part.sp.root == sp.root
-    select(sft_part.stage_call(build_run_context(recipe, {}, gpu=False), sft_part.model))
+    select(sft_part, stage_settings(sft_part)["select"])
 
 
 def write_dpo_stage(recipe, paths: RunPaths, url: str) -> None:

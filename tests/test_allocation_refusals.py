@@ -100,7 +100,7 @@ def test_gpu_check_refuses_an_old_python_before_importing_what_needs_a_newer_one
     code = (
         "import sys, optima.install; from dev.gpu_check import main; sys.version_info = (3, 10, 12, 'final', 0); "
         f"code = main(['--dry-run', '--output-dir', {str(tmp_path / 'o')!r}]); "
-        "print('optima.cli' in sys.modules, 'optima.config.stage_names' in sys.modules); raise SystemExit(code)"
+        "print('optima.cli' in sys.modules, 'optima.config.loading' in sys.modules); raise SystemExit(code)"
     )
     result = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
     assert result.returncode == 2, result.stderr

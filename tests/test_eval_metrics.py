@@ -20,7 +20,7 @@ from optima.evaluation.metrics import (
 )
 from optima.reward import build_rollout_scorer
 from optima.selection.tree import Rollout
-from optima.stages.reward_stage import reward_question
+from optima.stages import reward_question
 from optima.tasks import Example
 from optima.tasks.math_equiv import MathVerifier
 from tests._task_fixtures import echo_check, timed_out_check

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -20,7 +19,9 @@ from optima.config import DPORecipe, SFTDPORecipe, SFTRecipe, load_recipe
 from optima.config.rules import trainer_base_yaml
 from optima.hardware.allocation import HardwareAllocation, TrainerBatch, allocate_hardware, processes_per_node
 from optima.hardware.machine import parse_hardware
-from optima.stages.common import StageCall, iteration_values
+from optima.paths import RunPaths
+from optima.run import Part, Run, train_settings
+from tests.test_pipeline import TRAIN_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 CLASSES = {"sft_recipes": SFTRecipe, "dpo_recipes": DPORecipe, "sft_dpo_recipes": SFTDPORecipe}
@@ -74,12 +75,12 @@ def test_the_allocations_accumulation_goes_into_the_trainer_yaml(tmp_path):
     recipe = load(REPO / "train/sft_dpo_recipes/arc.yaml")
     allocation = allocate_hardware(recipe, parse_hardware("8x80GB"), [0])
     assert allocation.accumulation == {"sft": 4, "dpo": 16}  # base YAMLs: 2 and 8 on 8 processes; 4 train here
-    ctx = SimpleNamespace(recipe=recipe, hardware=allocation, report_to=[], paths=SimpleNamespace(output_dir=tmp_path))
-    sp = SimpleNamespace(dataset=tmp_path / "data", root=tmp_path / "iteration_0")
-    call = StageCall(ctx=ctx, iteration=0, part="dpo", model="m", sp=sp, out=tmp_path / "out")
-    assert iteration_values(call, "dpo", "m")["gradient_accumulation_steps"] == 16
-    ctx.hardware = HardwareAllocation(allocation.hardware)  # nothing to adjust: the YAML's value stays
-    assert "gradient_accumulation_steps" not in iteration_values(call, "sft", "m")
+    run = Run(recipe=recipe, paths=RunPaths(tmp_path), envs={"train": TRAIN_ENV}, hardware=allocation)
+    dpo = Part(run, 0, "dpo", "dpo", run.paths.stage(0, "dpo"), tmp_path / "out", "m")
+    assert train_settings(dpo).train.values["gradient_accumulation_steps"] == 16
+    run.hardware = HardwareAllocation(allocation.hardware)  # nothing to adjust: the YAML's value stays
+    sft = Part(run, 0, "sft", "sft", run.paths.stage(0, "sft"), tmp_path / "out", "m")
+    assert "gradient_accumulation_steps" not in train_settings(sft).train.values
 
 
 def test_the_users_accumulation_is_kept_and_the_difference_shown():

@@ -35,7 +35,7 @@ from optima.paths import RunPaths
 from optima.serving import ReplicaPool, RequestFailed, Sampling, serve
 from optima.serving.processes import group_members
 from optima.serving.vllm_server import find_free_port
-from optima.stages.reward_stage import reward_generations
+from optima.stages import reward_generations
 from optima.store import load_records
 from optima.tasks import get_task
 from optima.tasks import select_questions as slice_questions

@@ -1,4 +1,4 @@
-"""The held-out evaluation at the end of a training run (optima.evaluation.heldout, optima.stages.heldout)."""
+"""The held-out evaluation at the end of a training run (optima.evaluation.heldout, optima.loop.run_heldout_stage)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from optima.config import SFTRecipe, load_recipe
 from optima.evaluation.heldout import heldout_examples, run_heldout
 from optima.evaluation.metrics import wilson_interval
 from optima.identity import digest
-from optima.plan import build_plan
+from optima.loop import heldout_models, render_plan, run_heldout_stage
 from optima.reporting import write_run_report
-from optima.run_context import build_run_context
-from optima.stages.heldout import heldout_models, run_heldout_stage
+from optima.run import build_run
 from optima.tasks import get_task, select_questions
 from optima.tasks.arc import normalize_question
 from tests.fake_openai import FakeOpenAIServer
@@ -45,7 +44,7 @@ def test_the_demo_holds_out_questions_it_never_trains_on():
     assert len(sample) == recipe.heldout_size and len({e.id for e in sample}) == len(sample)
     task = get_task(recipe.dataset_type)
     train = task.load_train(data_dir=recipe.data_dir, seed=recipe.seed)
-    trained = [  # every question the demo's iterations sample conversations on (optima.stages.common)
+    trained = [  # every question the demo's iterations sample conversations on (optima.stages)
         example
         for iteration in range(recipe.iteration_times)
         for example in select_questions(train, recipe.sample_count, recipe.seed, iteration, "sft")
@@ -132,11 +131,11 @@ def test_every_model_answers_the_same_questions_and_a_rerun_generates_nothing(tm
 
 def test_the_plan_shows_the_heldout_evaluation_after_the_last_iteration(tmp_path):
     recipe = sft_recipe(tmp_path, heldout_size=5, iteration_times=2)
-    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
-    text = build_plan(recipe).render(ctx)
+    run = build_run(recipe, {"train": TRAIN_ENV}, gpu=False)
+    text = render_plan(run)
     assert text.index("[heldout]") > text.rindex("[train]") and "5 of the arc eval split" in text
-    checkpoint = model_folder(ctx.paths.checkpoint(0), "0")  # iteration 2 has not trained yet
-    assert heldout_models(ctx) == [("base", Path("/models/base")), ("iteration_0", checkpoint)]
+    checkpoint = model_folder(run.paths.checkpoint(0), "0")  # iteration 2 has not trained yet
+    assert heldout_models(run) == [("base", Path("/models/base")), ("iteration_0", checkpoint)]
     plain = sft_recipe(tmp_path)
-    assert run_heldout_stage(build_run_context(plain, {}, gpu=False)) is None  # off by default
-    assert "[heldout]" not in build_plan(plain).render(build_run_context(plain, {"train": TRAIN_ENV}, gpu=False))
+    assert run_heldout_stage(build_run(plain, {}, gpu=False)) is None  # off by default
+    assert "[heldout]" not in render_plan(build_run(plain, {"train": TRAIN_ENV}, gpu=False))

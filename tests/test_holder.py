@@ -333,7 +333,9 @@ def test_health_is_polled_at_least_every_half_second():
 
 def test_generation_starts_before_the_loss_server_answers(tmp_path, monkeypatch):
     """The SFT generation stage asks for the policy only; the loss server is waited for by the first score."""
-    from optima.stages import common, sft
+    from optima import run as run_module
+    from optima import stages
+    from optima.run import LossRoute, Settings
 
     events: list[str] = []
     record = {"task_id": "q1", "sample_index": 0, "status": "ok", "utterances": [{"speaker": "Alice", "text": "hi"}]}
@@ -355,18 +357,18 @@ def test_generation_starts_before_the_loss_server_answers(tmp_path, monkeypatch)
         return SimpleNamespace(to_dict=dict)
 
     recipe = sft_recipe(tmp_path)
-    monkeypatch.setattr(common, "training_questions", lambda ctx, iteration, kind: [])
-    monkeypatch.setattr(common, "served_loss_scorer", lambda ctx, urls: lambda texts: [2.0] * len(texts))
-    monkeypatch.setattr(sft, "generate_conversations", generate)
-    ctx = SimpleNamespace(recipe=recipe, servers=Servers())
-    call = SimpleNamespace(ctx=ctx, sp=RunPaths.from_recipe(recipe).stage(0), recipe=recipe, iteration=0, model="/m")
-    result = sft.generate(call)
+    monkeypatch.setattr(stages, "training_questions", lambda run, iteration, kind, count: [])
+    monkeypatch.setattr(run_module, "served_loss_scorer", lambda run, urls: lambda texts: [2.0] * len(texts))
+    monkeypatch.setattr(stages, "generate_conversations", generate)
+    run = SimpleNamespace(recipe=recipe, servers=Servers())
+    part = SimpleNamespace(run=run, sp=RunPaths.from_recipe(recipe).stage(0), recipe=recipe, iteration=0, model="/m")
+    result = stages.generate(part, Settings({}, loss=LossRoute("loss server", "/m")))
     assert events == ["policy ready", "generation starts", "loss server ready"]
     assert result["loss_stream"]["scored"] == 1
 
 
 def test_a_scorer_that_cannot_be_built_is_not_built_again_by_every_conversation():
-    from optima.stages.common import built_on_first_use
+    from optima.run import built_on_first_use
 
     builds = []
 

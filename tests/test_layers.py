@@ -357,7 +357,7 @@ def test_pure_modules_do_not_import_process_code(package):
         "    new = set(sys.modules) - before\n"
         "    hits = sorted(m for m in new if m == 'subprocess' or m.startswith(('optima.serving.replicas',"
         " 'optima.serving.vllm_server', 'optima.serving.processes', 'optima.training.launch', 'optima.install',"
-        " 'optima.environments', 'optima.plan', 'optima.pipeline')))\n"
+        " 'optima.environments', 'optima.loop', 'optima.stages')))\n"
         "    if hits: bad[name] = hits\n"
         "print(bad)\n"
     )

@@ -267,23 +267,25 @@ def test_search_and_score_stage_use_the_loss_server_never_the_driver(tmp_path, m
     from types import SimpleNamespace
 
     from optima import lm_loss
-    from optima.stages import common
+    from optima import run as run_module
+    from optima.methods import Stage
+    from optima.run import loss_route, loss_scorer
 
     def no_hf(*args, **kwargs):
         raise AssertionError("an in-process HF loss model in the driver")
 
     asked = []
     monkeypatch.setattr(lm_loss.HFLossScorer, "__init__", no_hf)
-    monkeypatch.setattr(common, "served_loss_scorer", lambda ctx, urls: lambda texts: asked.append(urls) or [1.0])
+    monkeypatch.setattr(run_module, "served_loss_scorer", lambda run, urls: lambda texts: asked.append(urls) or [1.0])
     recipe = sft_recipe(tmp_path, loss_model_path="/models/judge")
-    holder = ServerHolder(
-        recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=place_servers(recipe, [], [0, 1])
-    )
+    layout = place_servers(recipe, [], [0, 1])
+    holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=layout)
     stage = RunPaths.from_recipe(recipe).stage(0)
+    route = loss_route(recipe, layout, Stage.SEARCH if keep_served else Stage.SCORE, "/ckpt/iteration_0")
     with holder:
         policy = holder.serve("/ckpt/iteration_0", stage)  # the policy is not the loss model
-        score = common.loss_scorer(SimpleNamespace(recipe=recipe, servers=holder), stage, keep_served=keep_served)
-        assert score(["Alice: hi"]) == [1.0]
+        with loss_scorer(SimpleNamespace(recipe=recipe, servers=holder), route, stage) as score:
+            assert score(["Alice: hi"]) == [1.0]
         assert asked == [holder.loss_urls()] and asked[0] != policy
         assert holder.model == "/ckpt/iteration_0"  # the policy kept serving
 

@@ -13,7 +13,7 @@ import pytest
 from optima.agents.conversation import GenerationSettings
 from optima.agents.generation import GenerationHooks, generate_conversations
 from optima.lm_loss import StreamingLosses, conversation_texts, load_known_losses, texts_sha1
-from optima.stages.reward_stage import RewardScorers, reward_generations
+from optima.stages import RewardScorers, reward_generations
 from optima.store import load_records
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import arc_examples

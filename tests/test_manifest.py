@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from optima.manifest import Manifest, StageKey, fields_hash
+from optima.lineage import Manifest, StageKey, fields_hash
 
 ORDER = ["generate", "score", "select", "train"]
 

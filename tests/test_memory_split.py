@@ -80,10 +80,10 @@ def test_the_demo_policy_gets_the_3_gib_its_32_conversations_need_on_a_24_gb_box
 
 @requires_smollm2
 def test_the_runs_servers_measure_what_the_conversations_ask_on_the_training_questions(tmp_path):
-    from optima.run_context import build_run_context
+    from optima.run import build_run
 
     recipe = load_recipe(SFTRecipe, DEMO, {"output_dir": str(tmp_path / "run")})
     env = PythonEnv(sys.executable, "python", (sys.executable,))
-    servers = build_run_context(recipe, {"train": env, "vllm": env}, gpu=False).servers
+    servers = build_run(recipe, {"train": env, "vllm": env}, gpu=False).servers
     examples = get_task(recipe.dataset_type).load_train(data_dir=recipe.data_dir, seed=recipe.seed)
     assert servers.demand(recipe.initial_model_path) == policy_demand(recipe, examples, recipe.initial_model_path)

@@ -7,10 +7,21 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from optima import config, plan
+from optima import config, loop
 from optima.__main__ import RECIPE_CLASSES
 from optima.hardware.allocation import trainer_yamls
-from optima.methods import DPO, METHODS, PART_FOLDERS, SFT, SFT_DPO, TRAINER_YAML_FIELDS, method_of_trainers, runs
+from optima.methods import (
+    DPO,
+    METHODS,
+    PART_FOLDERS,
+    SFT,
+    SFT_DPO,
+    TRAINER_STAGES,
+    TRAINER_YAML_FIELDS,
+    method_of_trainers,
+    runs,
+)
+from optima.paths import RunPaths
 
 REPO = Path(__file__).resolve().parent.parent
 TABLE = REPO / "optima" / "methods.py"
@@ -57,12 +68,12 @@ def test_every_reader_follows_the_table():
     for name, method in METHODS.items():
         recipe_class = getattr(config, method.recipe)
         assert recipe_class.method == name and RECIPE_CLASSES[name] == method.recipe
-        assert [part for part, _ in plan.METHOD_PARTS[name]] == [part for part, _ in method.parts]
+        parts = loop.iteration_parts(recipe_class, RunPaths(Path("/run")), 0)
+        assert [(part, trainer) for part, trainer, _ in parts] == list(method.parts)
         assert method_of_trainers(set(method.trainers)) is method
-    assert set(plan.METHOD_PARTS) == set(METHODS)
+    assert set(loop.LOOPS) == set(TRAINER_STAGES) == {SFT, DPO}  # a part runs its trainer's loop
     assert [name for name in METHODS if runs(name, DPO)] == [DPO, SFT_DPO] and not runs("inference", SFT)
     assert PART_FOLDERS == ("", SFT, DPO)  # the iteration's own folder, then iSFT-DPO's two parts, in run order
-    assert plan.METHOD_PARTS[SFT_DPO][1][1] == plan.METHOD_PARTS[DPO][0][1]  # a part runs its trainer's stages
     names = {f.name for cls in (config.SFTRecipe, config.DPORecipe) for f in dataclasses.fields(cls)}
     assert set(TRAINER_YAML_FIELDS.values()) <= names
 

@@ -138,28 +138,31 @@ def test_after_on_a_gpu_plans_a_loss_server_for_the_search_only():
 @pytest.fixture
 def no_driver_scoring(monkeypatch):
     from optima import lm_loss
-    from optima.stages import common
+    from optima import run as run_module
 
     def no_hf(*args, **kwargs):
         raise AssertionError("an in-process HF loss model in the driver")
 
     asked: list[list[str]] = []
     monkeypatch.setattr(lm_loss.HFLossScorer, "__init__", no_hf)
-    monkeypatch.setattr(common, "served_loss_scorer", lambda ctx, urls: lambda texts: asked.append(urls) or [1.0])
+    monkeypatch.setattr(run_module, "served_loss_scorer", lambda run, urls: lambda texts: asked.append(urls) or [1.0])
     return asked
 
 
 def test_after_on_a_gpu_the_search_scores_on_a_loss_server_it_starts_and_stops(tmp_path, no_driver_scoring):
-    from optima.stages.dpo import search_loss
+    from optima.methods import Stage
+    from optima.run import loss_route, loss_scorer
 
     recipe = dpo_after(tmp_path)
     layout = place_servers(recipe, ["0"], [0, 1], loss_share=0.2)
     holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=layout)
-    ctx = SimpleNamespace(recipe=recipe, servers=holder)
+    run = SimpleNamespace(recipe=recipe, servers=holder)
     stage = RunPaths.from_recipe(recipe).stage(0)
+    route = loss_route(recipe, layout, Stage.SEARCH, "/ckpt/iteration_0")  # what the dry run prints, too
+    assert route.where == "search loss server"
     with holder:
         policy = holder.serve("/ckpt/iteration_0", stage)  # the policy is not the loss model
-        with search_loss(ctx, stage) as score:
+        with loss_scorer(run, route, stage) as score:
             assert score(["Alice: hi"]) == [1.0]
             (urls,) = no_driver_scoring
             assert urls != policy and answers_health(urls[0])
@@ -170,15 +173,18 @@ def test_after_on_a_gpu_the_search_scores_on_a_loss_server_it_starts_and_stops(t
 
 
 def test_the_policy_scores_the_search_while_it_serves_the_loss_model(tmp_path, no_driver_scoring):
-    from optima.stages.dpo import search_loss
+    from optima.methods import Stage
+    from optima.run import loss_route, loss_scorer
 
     recipe = dpo_after(tmp_path)
     layout = place_servers(recipe, ["0"], [0, 1], loss_share=0.2)
     holder = ServerHolder(recipe, FAKE_ENV, "/models/judge", tmp_path / "logs", layout=layout)
     stage = RunPaths.from_recipe(recipe).stage(0)
+    route = loss_route(recipe, layout, Stage.SEARCH, "/models/judge")
+    assert route.where == "policy"
     with holder:
         policy = holder.serve("/models/judge", stage)
-        with search_loss(SimpleNamespace(recipe=recipe, servers=holder), stage) as score:
+        with loss_scorer(SimpleNamespace(recipe=recipe, servers=holder), route, stage) as score:
             score(["Alice: hi"])
         assert no_driver_scoring == [policy]
         assert not (tmp_path / "logs" / "search_loss_server.log").exists()

@@ -12,6 +12,7 @@ checkpoints a sweep evaluates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -21,15 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from optima import pipeline, plan
-from optima.config import SFTRecipe, load_recipe
+import optima.loop as loop_module
+from optima import stages
+from optima.config import SFTRecipe, load_recipe, stage_fields
 from optima.config.rules import loss_model, train_start
 from optima.identity import COMPLETE_MARKER, new_weights_id, read_marker
 from optima.lineage import lineage_checkpoints
+from optima.methods import SFT, TRAINER_STAGES
 from optima.reporting import collect_rows
-from optima.run_context import build_run_context, iteration_metrics
+from optima.run import build_run
 from optima.serving.holder import ServerHolder
-from optima.stages import common, sft
 from optima.store import JsonlWriter, load_records, write_json
 from tests.fake_openai import FakeOpenAIServer, FakeReply, question_of, speaker_of, turn_of
 from tests.test_stage_table import RECIPES, TRAIN_ENV
@@ -96,25 +98,25 @@ def model_tag(model: str) -> str:
 
 
 def fake_train(budget: Budget):
-    def train(call) -> dict:
-        out, recipe = call.out, call.ctx.recipe
-        if (out / COMPLETE_MARKER).is_file():  # as ``train_checkpoint``: a finished checkpoint is reused
+    def train(part, settings) -> dict:
+        out, recipe = part.out, part.recipe
+        if (out / COMPLETE_MARKER).is_file():  # as ``stages.train``: a finished checkpoint is reused
             return json.loads((out / COMPLETE_MARKER).read_text()) | {
-                "model": train_start(recipe, call.model, call.part)
+                "model": train_start(recipe, part.model, part.name)
             }
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text("{}")  # a save under way: no completion marker yet
         budget.spend()
         from datasets import load_from_disk
 
-        data = load_from_disk(str(call.sp.dataset))
+        data = load_from_disk(str(part.sp.dataset))
         rows = {name: sorted(json.dumps(row, sort_keys=True) for row in split) for name, split in data.items()}
-        start = model_tag(train_start(recipe, call.model, call.part))
+        start = model_tag(train_start(recipe, part.model, part.name))
         yaml_text = Path(recipe.origin_yaml_path).read_text()
         rows_tag = tag(rows, start, recipe.trainer_overrides, yaml_text, recipe.accelerate_config)
         marker = {"weights_id": new_weights_id(), "rows_tag": rows_tag, "train_loss": int(rows_tag, 16) / 1e9}
         (out / COMPLETE_MARKER).write_text(json.dumps(marker))
-        return marker | {"model": str(train_start(recipe, call.model, call.part))}
+        return marker | {"model": str(train_start(recipe, part.model, part.name))}
 
     return train
 
@@ -123,13 +125,13 @@ def killable(run, name: str, budget: Budget, kill_at: dict):
     """``run`` of stage ``name``, killed at ``kill_at`` (iteration, stage, rows): at a row, or just before its end is
     recorded."""
 
-    def stage(call):
-        if kill_at.get("where") != (call.iteration, name):
-            return run(call)
+    def stage(part, settings, *more):
+        if kill_at.get("where") != (part.iteration, name):
+            return run(part, settings, *more)
         kill_at.pop("where")
         budget.left = kill_at["rows"]
         try:
-            run(call)
+            run(part, settings, *more)
         finally:
             budget.left = None
         raise Killed  # its work is done, but the kill came before the manifest recorded it
@@ -149,8 +151,8 @@ def loop(tmp_path, monkeypatch):
 
     monkeypatch.setattr(JsonlWriter, "write", write)
     for name in ("write_jsonl", "save_splits"):
-        original = getattr(sft, name)
-        monkeypatch.setattr(sft, name, lambda *a, _original=original: (budget.spend(), _original(*a))[1])
+        original = getattr(stages, name)
+        monkeypatch.setattr(stages, name, lambda *a, _original=original: (budget.spend(), _original(*a))[1])
 
     def serve(self, model, sp):
         script.model = model_tag(model)
@@ -158,19 +160,21 @@ def loop(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ServerHolder, "serve", serve)
     monkeypatch.setattr(
-        common, "loss_scorer", lambda ctx, sp, keep_served=False: fake_losses(ctx) if ctx.recipe.cal_ppl else None
+        stages,
+        "loss_scorer",
+        lambda run, route, sp: contextlib.nullcontext(fake_losses(run) if route.where != "off" else None),
     )
-    monkeypatch.setattr(pipeline, "check_env", lambda env, role: None)
+    monkeypatch.setattr(loop_module, "check_env", lambda env, role: None)
     monkeypatch.setattr(
-        pipeline,
+        loop_module,
         "write_iteration_report",
-        lambda ctx, i, sp, manifest, out: write_json(sp.metrics, {"iteration": i} | iteration_metrics(manifest)),
+        lambda part, trained: write_json(
+            part.sp.metrics, {"iteration": part.iteration} | loop_module.iteration_metrics(part.manifest)
+        ),
     )
-    stages = []
-    for stage in plan.SFT_STAGES:
-        run = fake_train(budget) if stage.name == "train" else stage.run
-        stages.append(dataclasses.replace(stage, run=killable(run, stage.name, budget, kill_at)))
-    monkeypatch.setattr(plan, "METHOD_PARTS", dict(plan.METHOD_PARTS) | {"sft": ((None, tuple(stages)),)})
+    for name in TRAINER_STAGES[SFT]:
+        run = fake_train(budget) if name == "train" else getattr(stages, name)
+        monkeypatch.setattr(stages, name, killable(run, name, budget, kill_at))
     base = {
         "dataset_type": "arc",
         "data_dir": str(write_data(tmp_path / "data")),
@@ -186,6 +190,7 @@ def loop(tmp_path, monkeypatch):
         "on_empty_selection": "carry_forward",
         "min_tokens": 5,
         "report_to": "none",
+        "loss_placement": "after",  # no loss server here: the stand-in losses are scored by the score stage
     }
 
     def run_loop(folder: str, where: tuple | None = None, rows: int = 0, **settings) -> Path:
@@ -195,8 +200,7 @@ def loop(tmp_path, monkeypatch):
         values = base | {"output_dir": str(tmp_path / folder)} | settings
         recipe = load_recipe(SFTRecipe, None, values, check_paths=False)
         try:
-            ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
-            pipeline.run_plan(ctx, plan.build_plan(recipe))
+            loop_module.run_loop(build_run(recipe, {"train": TRAIN_ENV}, gpu=False))
         except Killed:
             assert where is not None
         return tmp_path / folder
@@ -296,7 +300,7 @@ QUICK = ("temperature_iteration0", "lambda1", "trainer_overrides")  # the stages
 
 
 def test_the_cases_cover_every_setting_of_a_stage_key():
-    keyed = {name for stage in plan.SFT_STAGES for name in stage.fields}
+    keyed = {name for stage in TRAINER_STAGES[SFT] for name in stage_fields(stage, SFTRecipe)}
     assert set(OTHER) | NOT_VARIED == keyed and not set(OTHER) & NOT_VARIED
 
 
@@ -319,10 +323,11 @@ def check_case(loop, tmp_path: Path, setting: str, stages: list[str]) -> None:
 def test_a_rerun_after_a_kill_and_a_change_holds_only_rows_of_the_final_settings(loop, tmp_path, setting):
     """One setting of each stage that continues what a killed run left (rows, a checkpoint), the run killed in that
     very stage (of either iteration): the worst case. Selection rewrites its files whole: in the slow cases."""
-    check_case(loop, tmp_path, setting, [next(s.name for s in plan.SFT_STAGES if setting in s.fields)])
+    stage = next(s for s in TRAINER_STAGES[SFT] if setting in stage_fields(s, SFTRecipe))
+    check_case(loop, tmp_path, setting, [stage])
 
 
 @pytest.mark.slow  # every other setting of a stage key: three runs each
 @pytest.mark.parametrize("setting", sorted(set(OTHER) - set(QUICK)))
 def test_every_setting_of_a_stage_key_after_a_kill(loop, tmp_path, setting):
-    check_case(loop, tmp_path, setting, [stage.name for stage in plan.SFT_STAGES])
+    check_case(loop, tmp_path, setting, list(TRAINER_STAGES[SFT]))

@@ -1,8 +1,7 @@
 """Every function that takes the recipe says which fields it reads: its ``recipe`` parameter names a recipe class or
 a union of them from ``optima.config`` (never ``Any``), and each ``recipe.<field>`` it reads exists on that type; so
 does each ``self.recipe.<field>`` in a class whose ``__init__`` takes the recipe, each ``ctx.recipe.<field>`` of a
-context whose ``recipe`` field is annotated (``RunContext``), and each ``call.ctx.recipe.<field>`` of a context that
-holds one in its ``ctx`` field (``StageCall``).
+context whose ``recipe`` field is annotated (``Run``) or whose ``recipe`` property returns one (``Part``).
 
 A union (``Recipe``, ``SFTLoopRecipe``, ...) is taken by code that tells the kinds apart itself (``isinstance``,
 ``hasattr``, ``getattr`` with a default): a field read through it must exist on at least one member of the union.
@@ -285,23 +284,20 @@ def test_a_right_annotation_passes():
 @pytest.mark.parametrize(
     "body",
     [
-        "    return call.ctx.recipe.model_root_path\n",
-        "    ctx, recipe = call.ctx, call.ctx.recipe\n    return recipe.limit\n",
-        "    return len(call.ctx.recipe.limit)\n",
+        "    return part.recipe.model_root_path\n",
+        "    run, recipe = part.run, part.recipe\n    return recipe.limit\n",
+        "    return len(part.recipe.limit)\n",
     ],
 )
 def test_a_field_read_through_a_stage_context_is_checked(body):
-    """A stage's recipe (``StageCall.ctx.recipe``) is a loop's recipe: an evaluation's field read through it is
+    """A part's recipe (``Part.recipe``, its run's) is a loop's recipe: an evaluation's field read through it is
     reported."""
-    problems = check_source("def f(call: StageCall):\n" + body, "optima.stages.common", "example.py")
+    problems = check_source("def f(part: Part):\n" + body, "optima.run", "example.py")
     assert len(problems) == 1 and "does not have" in problems[0]
-    fine = (
-        "def f(call: StageCall):\n"
-        "    recipe = call.ctx.recipe\n    return recipe.initial_epsilon, call.ctx.recipe.port\n"
-    )
-    assert check_source(fine, "optima.stages.common", "example.py") == []
+    fine = "def f(part: Part):\n    recipe = part.recipe\n    return recipe.initial_epsilon, part.recipe.port\n"
+    assert check_source(fine, "optima.run", "example.py") == []
 
 
 def test_a_field_read_through_the_run_context_is_checked():
-    problems = check_source("def f(ctx: RunContext):\n    return ctx.recipe.limit\n", "optima.run_context", "x.py")
+    problems = check_source("def f(run: Run):\n    return run.recipe.limit\n", "optima.run", "x.py")
     assert len(problems) == 1 and "reads .limit" in problems[0]

@@ -10,11 +10,10 @@ import pytest
 
 from optima.__main__ import main as optima_main
 from optima.config import parse_report_to
-from optima.manifest import Manifest
+from optima.lineage import Manifest
+from optima.loop import iteration_metrics
 from optima.reporting import collect_rows, write_run_report
-from optima.run_context import iteration_metrics
-from optima.stages.common import verifier_stats
-from optima.stages.reward_stage import RewardStats
+from optima.stages import RewardStats, verifier_stats
 from optima.tasks import Example
 from optima.tracking import (
     resolve_report_to,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from optima import pipeline, plan
+from optima import loop, stages
 from optima.identity import COMPLETE_MARKER, model_identity, new_weights_id
-from optima.run_context import build_run_context
-from optima.stages.common import CHECKPOINT
+from optima.methods import TRAINER_STAGES
+from optima.run import build_run
 from tests.test_stage_table import TRAIN_ENV, make_recipe
 
 SFT = ["generate", "score", "select", "train"]
@@ -33,17 +33,16 @@ def write_model(folder: Path, weights: bytes) -> Path:
     return folder
 
 
-def fake_stage(name: str, stage: plan.StageDef, ran: list):
-    def run(call):
-        ran.append((call.iteration, call.part, name))
-        for output in stage.outputs:
-            path = call.output(output)
-            if output == CHECKPOINT:  # a finished checkpoint: new weights, new id
+def fake_stage(name: str, ran: list):
+    def run(part, settings, *more):
+        ran.append((part.iteration, part.name, name))
+        for path in loop.stage_outputs(part, name):  # what the stage writes, as the loop sets it aside
+            if path == part.out:  # a finished checkpoint: new weights, new id
                 write_model(path, b"trained")
                 (path / COMPLETE_MARKER).write_text(json.dumps({"weights_id": new_weights_id()}))
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(f"{name} from {model_identity(call.model)}\n")
+                path.write_text(f"{name} from {model_identity(part.model)}\n")
         return {"kept_conversations": 1, "pairs_kept": 1, "t_max": 10}
 
     return run
@@ -52,22 +51,16 @@ def fake_stage(name: str, stage: plan.StageDef, ran: list):
 @pytest.fixture
 def ran(monkeypatch) -> list:
     calls: list = []
-    tables = {
-        method: tuple(
-            (part, tuple(dataclasses.replace(s, run=fake_stage(s.name, s, calls)) for s in stages))
-            for part, stages in parts
-        )
-        for method, parts in plan.METHOD_PARTS.items()
-    }
-    monkeypatch.setattr(plan, "METHOD_PARTS", tables)
-    monkeypatch.setattr(pipeline, "check_env", lambda env, role: None)
-    monkeypatch.setattr(pipeline, "write_iteration_report", lambda *args: None)  # plots: slow, not tested here
+    for name in {stage for order in TRAINER_STAGES.values() for stage in order}:
+        monkeypatch.setattr(stages, name, fake_stage(name, calls))
+    monkeypatch.setattr(loop, "check_env", lambda env, role: None)
+    monkeypatch.setattr(loop, "write_iteration_report", lambda *args: None)  # plots: slow, not tested here
     return calls
 
 
 def run(tmp_path: Path, method: str, **overrides) -> None:
     recipe = make_recipe(tmp_path, method, **overrides)
-    pipeline.run_plan(build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False), plan.build_plan(recipe))
+    loop.run_loop(build_run(recipe, {"train": TRAIN_ENV}, gpu=False))
 
 
 def every_stage(method: str, iterations=(0, 1)) -> list:
@@ -107,7 +100,7 @@ def test_a_changed_field_redoes_what_depends_on_it_across_iterations(tmp_path, r
     assert ran == []  # a finished run is a no-op
     if "initial_model_path" in change:
         change = {"initial_model_path": str(tmp_path / change["initial_model_path"])}
-    with caplog.at_level(logging.WARNING, logger="optima.manifest"):
+    with caplog.at_level(logging.WARNING, logger="optima.lineage"):
         run(tmp_path, method, **change)
     assert ran == redone
     if redone:  # the warning names why: the field that changed, or the model that changed under the stage
@@ -147,13 +140,12 @@ def test_a_checkpoint_replaced_in_place_redoes_the_iterations_after_it(tmp_path,
 
 def with_metrics(monkeypatch) -> None:
     """Each part writes its ``metrics.json`` (the report's rows), without the plots of the real report."""
-    from optima.run_context import iteration_metrics
     from optima.store import write_json
 
-    def write(ctx, iteration, sp, manifest, checkpoint):
-        write_json(sp.metrics, {"iteration": iteration} | iteration_metrics(manifest))
+    def write(part, trained):
+        write_json(part.sp.metrics, {"iteration": part.iteration} | loop.iteration_metrics(part.manifest))
 
-    monkeypatch.setattr(pipeline, "write_iteration_report", write)
+    monkeypatch.setattr(loop, "write_iteration_report", write)
 
 
 def test_iterations_beyond_iteration_times_are_set_aside(tmp_path, ran, monkeypatch):
@@ -254,11 +246,9 @@ def test_changed_role_prompts_redo_the_run(tmp_path, ran, monkeypatch):
 
 def test_a_new_parser_rescores_without_sampling_again(tmp_path, ran, monkeypatch):
     """Generations keep their text (re-parsed when read); the stages that score answers are redone."""
-    from optima import stage_identity
-
     write_model(tmp_path / "base_model", b"base")
     run(tmp_path, "sft")
     ran.clear()
-    monkeypatch.setattr(stage_identity, "PARSER_VERSION", stage_identity.PARSER_VERSION + 1)
+    monkeypatch.setattr(loop, "PARSER_VERSION", loop.PARSER_VERSION + 1)
     run(tmp_path, "sft")
     assert ran == [(0, None, s) for s in SFT[1:]] + every_stage("sft", [1])

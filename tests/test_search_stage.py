@@ -1,4 +1,4 @@
-"""The search stage (``optima.stages.dpo.search``) against a scripted server: tokens counted as generation counts
+"""The search stage (``optima.stages.search``) against a scripted server: tokens counted as generation counts
 them when the server sends no usage, and failed requests retried, then left out and counted.
 
 See docs/method.md#rollouts.
@@ -6,19 +6,21 @@ See docs/method.md#rollouts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from optima import stages
 from optima.config import DPORecipe, load_recipe
+from optima.methods import Stage
 from optima.paths import StagePaths
+from optima.run import Part, Settings, loss_route
 from optima.selection.mcts import ERROR_RETRIES
-from optima.stages import common, dpo
-from optima.stages.common import StageCall
+from optima.stages import search
 from optima.store import load_records
-from optima.tasks import get_task
 from tests.fake_openai import FakeOpenAIServer, FakeReply, question_of, speaker_of
 from tests.helpers import arc_examples
 from tests.tiny_model import build_tiny_tokenizer
@@ -59,14 +61,13 @@ def searched(tmp_path_factory):
     }
     recipe = load_recipe(DPORecipe, REPO / "train/dpo_recipes/arc.yaml", overrides, check_paths=False)
     with pytest.MonkeyPatch.context() as monkeypatch, FakeOpenAIServer(respond) as server:
-        monkeypatch.setattr(common, "training_questions", lambda ctx, iteration, stage, count: QUESTIONS)
-        servers = SimpleNamespace(serve=lambda model, sp: [server.base_url], loss=None, model="m")
-        ctx = SimpleNamespace(recipe=recipe, servers=servers, task=get_task("arc"))
+        monkeypatch.setattr(stages, "training_questions", lambda run, iteration, stage, count: QUESTIONS)
+        servers = SimpleNamespace(serve=lambda model, sp: [server.base_url])
+        run = SimpleNamespace(recipe=recipe, servers=servers, math_verifier=lambda: contextlib.nullcontext(None))
         sp = StagePaths(tmp_path / "run" / "iteration_0")
         sp.root.mkdir(parents=True)
-        probed = {"probe": {"t_max": 100}}
-        call = StageCall(ctx=ctx, iteration=0, part=None, model="m", sp=sp, out=tmp_path / "ckpt", results=probed)
-        stats = dpo.search(call)
+        part = Part(run, 0, None, "dpo", sp, tmp_path / "ckpt", "m")
+        stats = search(part, Settings({}, loss=loss_route(recipe, None, Stage.SEARCH, "m")), 100)  # T_max 100
     lines = {line["task_id"]: line for line in load_records(sp.rollouts)[0]}
     return stats, lines, tokenizer_dir
 

@@ -1,29 +1,27 @@
-"""One stage table per method drives both ``--dry-run`` and the run; derived values come from one rule each."""
+"""One loop drives both ``--dry-run`` and the run: the stages run in the order the plan prints them, with the settings
+it prints; derived values come from one rule each."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from optima import pipeline, plan
+from optima import loop, stages
 from optima.agents.generation import generation_settings
-from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, field, load_recipe, rules
-from optima.config.stage_names import Stage
-from optima.environments import PythonEnv
+from optima.config import DPORecipe, InferenceRecipe, SFTDPORecipe, SFTRecipe, field, load_recipe, rules, stage_fields
+from optima.methods import DPO, SFT, TRAINER_STAGES, Stage
 from optima.reward import question_t_max
-from optima.run_context import build_run_context
-from optima.stages.reward_stage import RewardScorers, reward_generations, reward_question
+from optima.run import build_run, stage_settings
+from optima.stages import RewardScorers, reward_generations, reward_question
 from optima.tasks.answers import PARSER_VERSION
 from tests.helpers import arc_examples
-from tests.test_pipeline import EMPTY_SELECTION
+from tests.test_pipeline import EMPTY_SELECTION, TRAIN_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "alignment-handbook" / "recipes" / "smollm2-135m"
-TRAIN_ENV = PythonEnv(sys.executable, "python", (sys.executable,))
 CLASSES = {"sft": SFTRecipe, "dpo": DPORecipe, "sft_dpo": SFTDPORecipe}
 
 # The field lists the stages had before the table derived them from the recipe fields: a finished run directory
@@ -52,7 +50,7 @@ DPO_BEFORE = {
 
 def dry_run(recipe, gpu: bool | None = False) -> str:
     """What ``--dry-run`` prints for ``recipe`` (on this machine without its GPUs unless ``gpu`` is None)."""
-    return plan.build_plan(recipe).render(build_run_context(recipe, {"train": TRAIN_ENV}, gpu=gpu))
+    return loop.render_plan(build_run(recipe, {"train": TRAIN_ENV}, gpu=gpu))
 
 
 def make_recipe(tmp_path: Path, method: str, **overrides):
@@ -74,8 +72,8 @@ def make_recipe(tmp_path: Path, method: str, **overrides):
 
 
 def test_stage_fields_come_from_the_recipe_fields_and_match_what_runs_resumed_with():
-    assert {s.name: set(s.fields) for s in plan.SFT_STAGES} == SFT_BEFORE
-    assert {s.name: set(s.fields) for s in plan.DPO_STAGES} == DPO_BEFORE
+    assert {stage: set(stage_fields(stage, SFTRecipe)) for stage in TRAINER_STAGES[SFT]} == SFT_BEFORE
+    assert {stage: set(stage_fields(stage, DPORecipe)) for stage in TRAINER_STAGES[DPO]} == DPO_BEFORE
     # iSFT-DPO redefines two DPO fields; they keep their stage.
     for name in ("rpo_alpha", "token_quantile"):
         ours = {f.name: f for f in dataclasses.fields(SFTDPORecipe)}[name].metadata["redoes"]
@@ -90,115 +88,107 @@ def test_a_redoes_tag_must_name_a_stage():
             sample_count: int = field(100, help="questions", redoes=("generat",))
 
     assert field(1, redoes=("generate",)).metadata["redoes"] == (Stage.GENERATE,)
-    # The tags of every loop recipe and the names of the stage tables are the same set: the enum.
+    # The tags of every loop recipe and the stages of the loops are the same set: the enum.
     tags = {tag for cls in CLASSES.values() for f in dataclasses.fields(cls) for tag in f.metadata["redoes"]}
-    names = {stage.name for stage in plan.SFT_STAGES + plan.DPO_STAGES}
+    names = set(TRAINER_STAGES[SFT] + TRAINER_STAGES[DPO])
     assert tags == names == set(Stage)
     assert all(isinstance(name, Stage) for name in names | tags)
 
 
 def test_the_dry_run_shows_the_generation_settings_the_stage_runs(tmp_path):
     recipe = make_recipe(tmp_path, "sft", temperature_iteration0=0.2, answer_bootstrap="grammar")
-    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
-    the_plan = plan.build_plan(recipe)
-    shown = [part.stages[0].describe(part.stage_call(ctx, part.model)) for part in the_plan.parts]
-    runs = [generation_settings(recipe, part.iteration) for part in the_plan.parts]
+    run = build_run(recipe, {"train": TRAIN_ENV}, gpu=False)
+    settings = [stage_settings(part)[Stage.GENERATE] for part in loop.planned_parts(run)]
+    shown = [s.show for s in settings]
+    runs = [s.generation for s in settings]  # what the generate stage hands generate_conversations
     assert [(s["temperature"], s["conversations per question"]) for s in shown] == [(0.2, 10), (0.7, 10)]
     assert [(g.temperature, g.samples) for g in runs] == [(0.2, 10), (0.7, 10)]
+    assert runs == [generation_settings(recipe, i) for i in range(2)]  # the one rule of docs/method.md
     assert [(s["prompt pool"], s["answer bootstrap"]) for s in shown] == [("built-in", "grammar"), ("off", "off")]
     assert [(g.use_prompt_pool, g.answer_bootstrap) for g in runs] == [(True, "grammar"), (False, "off")]
     # Describing every stage made nothing.
-    assert the_plan.render(ctx)
+    assert loop.render_plan(run)
     assert not Path(recipe.output_dir).exists()
 
 
-def recording_tables(monkeypatch, seen: list | None = None) -> list[tuple[int, str | None, str]]:
-    """Replace every stage function by one that records (iteration, part, stage) and leaves something to train;
-    ``seen`` gets each stage's name and the call it ran with."""
+BODIES = ("generate", "score", "select", "probe", "search", "pairs", "train")
+
+
+def recording_stages(monkeypatch, seen: list | None = None) -> list[tuple[int, str | None, str]]:
+    """Replace every stage body by one that records (iteration, part, stage) and leaves something to train; ``seen``
+    gets each stage's name, part, settings and further arguments."""
     ran: list[tuple[int, str | None, str]] = []
 
     def recorder(name):
-        def run(call):
-            ran.append((call.iteration, call.part, name))
+        def body(part, settings, *more):
+            ran.append((part.iteration, part.name, name))
             if seen is not None:
-                seen.append((name, call))
+                seen.append((name, part, settings, more))
             return {"kept_conversations": 1, "pairs_kept": 1, "t_max": 10, "stage": name}
 
-        return run
+        return body
 
-    tables = {
-        method: tuple(
-            (part, tuple(dataclasses.replace(s, run=recorder(s.name)) for s in stages)) for part, stages in parts
-        )
-        for method, parts in plan.METHOD_PARTS.items()
-    }
-    monkeypatch.setattr(plan, "METHOD_PARTS", tables)
-    monkeypatch.setattr(pipeline, "check_env", lambda env, role: None)
+    for name in BODIES:
+        monkeypatch.setattr(stages, name, recorder(name))
+    monkeypatch.setattr(loop, "check_env", lambda env, role: None)
     return ran
 
 
 @pytest.mark.parametrize("method", ["sft", "dpo", "sft_dpo"])
 @pytest.mark.parametrize("skip", [0, 1])
 def test_the_run_follows_the_dry_run(tmp_path, monkeypatch, method, skip):
-    ran = recording_tables(monkeypatch)
+    ran = recording_stages(monkeypatch)
     recipe = make_recipe(tmp_path, method)
-    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
-    the_plan = plan.build_plan(recipe, skip_iteration=skip)
-    printed = re.findall(r"^  \[(\w+)\]$", the_plan.render(ctx), flags=re.MULTILINE)
-    pipeline.run_plan(ctx, the_plan)
+    run = build_run(recipe, {"train": TRAIN_ENV}, gpu=False)
+    printed = re.findall(r"^  \[(\w+)\]$", loop.render_plan(run, skip), flags=re.MULTILINE)
+    loop.run_loop(run, skip)
 
-    assert ran == [entry for entry in the_plan.stage_names() if entry[2] != "skip"]
-    assert [name for name in printed if name != "serve"] == [name for _, _, name in the_plan.stage_names()]
+    assert [name for name in printed if name not in ("serve", "skip")] == [name for _, _, name in ran]
+    assert printed.count("skip") == skip
     expected = {"sft": ["generate", "score", "select", "train"], "dpo": ["probe", "search", "pairs", "train"]}
     per_iteration = expected.get(method) or expected["sft"] + expected["dpo"]
     assert [name for _, _, name in ran] == per_iteration * (2 - skip)
+    parts = [(part.iteration, part.name) for part in loop.planned_parts(run) if part.iteration >= skip]
+    assert list(dict.fromkeys((i, name) for i, name, _ in ran)) == parts
 
 
-def test_each_stage_gets_the_results_before_it_in_its_own_frozen_call(tmp_path, monkeypatch):
-    """The pipeline keeps a part's results itself: each stage's call holds those of the part's earlier stages, as
-    they were when it started, and nothing can change them (or the call) under it."""
+def test_each_stage_runs_with_the_settings_the_dry_run_prints(tmp_path, monkeypatch):
+    """Every stage gets its part (the model it really starts from) and its settings, the very values --dry-run
+    prints, frozen; the tree search gets the probe's T_max."""
     seen: list = []
-    recording_tables(monkeypatch, seen)
+    recording_stages(monkeypatch, seen)
     recipe = make_recipe(tmp_path, "sft_dpo", iteration_times=1)
-    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
-    pipeline.run_plan(ctx, plan.build_plan(recipe))
-    sft_stages, dpo_stages = ["generate", "score", "select", "train"], ["probe", "search", "pairs", "train"]
-    expected = [(s, sft_stages[:i]) for i, s in enumerate(sft_stages)] + [
-        (s, dpo_stages[:i])
-        for i, s in enumerate(dpo_stages)  # a part starts with no results
-    ]
-    assert [(name, list(call.results)) for name, call in seen] == expected
-    assert all(call.results[name]["stage"] == name for _, call in seen for name in call.results)
-    assert all(call.ctx is ctx for _, call in seen)
-    _, search_call = seen[5]
+    run = build_run(recipe, {"train": TRAIN_ENV}, gpu=False)
+    loop.run_loop(run)
+    assert [name for name, *_ in seen] == ["generate", "score", "select", "train", "probe", "search", "pairs", "train"]
+    planned = loop.planned_parts(run)
+    for name, part, settings, _ in seen:
+        (plan,) = [p for p in planned if (p.iteration, p.name) == (part.iteration, part.name)]
+        assert part.model == plan.model and settings.show == stage_settings(plan)[name].show
+        assert part.run is run
+    (search,) = [(settings, more) for name, _, settings, more in seen if name == "search"]
+    assert search[1] == (10,) and search[0].loss.where == "loss server"  # the probe's T_max; the loss server
     with pytest.raises(dataclasses.FrozenInstanceError):
-        search_call.model = "another model"  # type: ignore[misc]
-    with pytest.raises(TypeError):
-        search_call.results["probe"] = {}  # type: ignore[index]
+        search[0].loss = None  # type: ignore[misc]
 
 
 def test_a_part_with_nothing_to_train_stops_there_and_the_next_part_starts_from_its_model(tmp_path, monkeypatch):
-    ran = recording_tables(monkeypatch)
+    ran = recording_stages(monkeypatch)
     starts = []
 
-    def select_nothing(call):
-        starts.append(call.model)
-        ran.append((call.iteration, call.part, "select"))
+    def select_nothing(part, settings):
+        starts.append(part.model)
+        ran.append((part.iteration, part.name, "select"))
         return EMPTY_SELECTION
 
-    tables = dict(plan.METHOD_PARTS)
-    sft_stages = [
-        dataclasses.replace(s, run=select_nothing) if s.name == "select" else s for s in tables["sft_dpo"][0][1]
-    ]
-    tables["sft_dpo"] = (("sft", tuple(sft_stages)), tables["sft_dpo"][1])
-    monkeypatch.setattr(plan, "METHOD_PARTS", tables)
+    monkeypatch.setattr(stages, "select", select_nothing)
     recipe = make_recipe(tmp_path, "sft_dpo", iteration_times=1, on_empty_selection="carry_forward")
-    ctx = build_run_context(recipe, {"train": TRAIN_ENV}, gpu=False)
-    final = pipeline.run_plan(ctx, plan.build_plan(recipe))
+    run = build_run(recipe, {"train": TRAIN_ENV}, gpu=False)
+    final = loop.run_loop(run)
     assert [name for _, part, name in ran if part == "sft"] == ["generate", "score", "select"]  # no train
     assert [name for _, part, name in ran if part == "dpo"] == ["probe", "search", "pairs", "train"]
     assert starts == [recipe.initial_model_path]
-    assert final == str(ctx.paths.checkpoint(0))
+    assert final == str(run.paths.checkpoint(0))
 
 
 def test_dry_run_names_the_loss_model_in_use(tmp_path):

@@ -16,7 +16,7 @@ import yaml
 from optima.config import RecipeError, SFTDPORecipe, SFTRecipe, apply_overrides, load_recipe, stage_fields
 from optima.config.rules import trainer_overrides_for
 from optima.hardware.machine import ACCELERATE_CONFIGS
-from optima.manifest import fields_hash
+from optima.lineage import fields_hash
 from optima.training.launch_config import describe_trainer_overrides, render_trainer_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -147,7 +147,7 @@ def test_scoring_while_generating_on_a_real_loss_server_matches_scoring_after(ti
     from transformers import AutoTokenizer
 
     from optima.lm_loss import StreamingLosses, VLLMLossScorer, load_known_losses
-    from optima.stages.reward_stage import RewardScorers, reward_generations
+    from optima.stages import RewardScorers, reward_generations
     from tests.test_layout import sft_recipe
     from tests.test_loss_stream import assert_same_rewarded, refuse, rewarded
 

@@ -65,35 +65,31 @@ def resolve_envs(vllm_env: str | None, alignment_env: str | None = None, train: 
     return envs
 
 
-def expected_failures() -> tuple[type[BaseException], ...]:
-    """Failures that end a run with one clear message instead of a traceback (each names what to look at)."""
+def failure_code(exc: Exception) -> int:
+    """The exit code of a command that raised ``exc``, its one message logged: bad input 2, a failed stage 1; an
+    unexpected exception is raised again (a traceback is what a bug should show)."""
     from optima.lineage import FolderLocked
-    from optima.pipeline import NothingSelected
+    from optima.loop import NothingSelected
     from optima.serving import ConstraintRejected, NoReplicaLeft, ServerStartupError
     from optima.tasks import DataError
     from optima.training.launch import TrainingError
 
-    return (
-        NothingSelected,
-        ServerStartupError,
-        NoReplicaLeft,
-        ConstraintRejected,
-        DataError,
-        TrainingError,
-        FolderLocked,
-    )
+    if isinstance(exc, RecipeError | EnvError):
+        logger.error("%s", exc)
+        return EXIT_BAD_INPUT
+    failed = (NothingSelected, ServerStartupError, NoReplicaLeft, ConstraintRejected, DataError, TrainingError)
+    if isinstance(exc, (*failed, FolderLocked)):
+        logger.error("%s: %s", type(exc).__name__, exc)
+        return EXIT_FAILED
+    raise exc
 
 
 def guarded(body: Callable[[], int]) -> int:
-    """Run a script body; bad input ends with one clear message and exit code 2, a failed stage with 1."""
+    """Run a command's body; bad input ends with one clear message and exit code 2, a failed stage with 1."""
     try:
         return body()
-    except (RecipeError, EnvError) as exc:
-        logger.error("%s", exc)
-        return EXIT_BAD_INPUT
-    except expected_failures() as exc:
-        logger.error("%s: %s", type(exc).__name__, exc)
-        return EXIT_FAILED
+    except Exception as exc:  # noqa: BLE001 - failure_code raises again what it does not expect
+        return failure_code(exc)
 
 
 def emit(text: str) -> None:

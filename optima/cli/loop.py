@@ -1,13 +1,16 @@
 """The three training scripts (``sft_script.py``, ``dpo_script.py``, ``sft_dpo_script.py``): flags, recipe, then the
-plan (``--dry-run``) or the run."""
+plan (``--dry-run``) or the loop (``optima.loop``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from optima.cli.common import add_control_args, add_env_args, emit, guarded, logger, resolve_envs
+from optima.cli.common import add_control_args, add_env_args, emit, failure_code, logger, resolve_envs
 from optima.config import RecipeError, load_recipe
+from optima.hardware.machine import resolve_hardware
 from optima.logging_utils import setup_logging
+from optima.loop import render_plan, run_loop
+from optima.run import build_run
 
 
 def build_loop_parser(description: str) -> argparse.ArgumentParser:
@@ -50,31 +53,20 @@ def trainer_set_overrides(items: list[str]) -> list[str]:
 
 
 def run_loop_script(recipe_cls: type, description: str, argv: list[str] | None) -> int:
-    """Body of the three training scripts: parse, load, plan or run."""
+    """Body of the three training scripts: parse, load, then print the plan (``--dry-run``) or run the loop."""
     args = build_loop_parser(description).parse_args(argv)
     setup_logging()
-
-    def body() -> int:
-        if args.skipping:
-            logger.warning(
-                "--skipping %d ignored: question slices derive from (seed, iteration, stage)", args.skipping
-            )
+    if args.skipping:
+        logger.warning("--skipping %d ignored: question slices derive from (seed, iteration, stage)", args.skipping)
+    try:
         overrides = args.set + trainer_set_overrides(args.trainer_set)
         recipe = load_recipe(recipe_cls, args.train_config_path, overrides, check_paths=not args.dry_run)
         envs = resolve_envs(args.vllm_env, args.alignment_env)
-        from optima.hardware.machine import resolve_hardware
-        from optima.plan import build_plan
-        from optima.run_context import build_run_context
-
-        hardware = resolve_hardware(args.hardware)
-        ctx = build_run_context(recipe, envs, hardware=hardware, progress=not args.quiet)
-        plan = build_plan(recipe, skip_iteration=args.skip_iteration)
+        run = build_run(recipe, envs, hardware=resolve_hardware(args.hardware), progress=not args.quiet)
         if args.dry_run:
-            emit(plan.render(ctx))
-            return 0
-        from optima.pipeline import run_plan
-
-        run_plan(ctx, plan)
+            emit(render_plan(run, args.skip_iteration))
+        else:
+            run_loop(run, args.skip_iteration)
         return 0
-
-    return guarded(body)
+    except Exception as exc:  # noqa: BLE001 - failure_code raises again what it does not expect
+        return failure_code(exc)

@@ -19,8 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
-from optima.config.stage_names import Stage, stage_tags
-from optima.methods import TRAINERS
+from optima.methods import TRAINERS, Stage, stage_tags
 
 logger = logging.getLogger(__name__)
 

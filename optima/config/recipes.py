@@ -25,7 +25,7 @@ from optima.config.loading import (
     require_positive,
     resolve_path,
 )
-from optima.config.stage_names import Stage
+from optima.methods import Stage
 from optima.store import write_yaml
 
 logger = logging.getLogger(__name__)

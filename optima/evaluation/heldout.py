@@ -1,9 +1,9 @@
 """The held-out evaluation of a training run (docs/method.md#held-out-evaluation): the base model and every
 checkpoint, greedily, on one seeded sample of eval questions that the run never trained on.
 
-Run after the last iteration (``optima.stages.heldout``) with the sweep's job: one greedy conversation per question,
-no prompt pool, no answer pre-fill, no constraint, resumable and fingerprinted as every evaluation file. The sample:
-the eval split without any question of the training split (by id or by text), then ``select_questions`` with
+Run after the last iteration (``optima.loop.run_heldout_stage``) with the sweep's job: one greedy conversation per
+question, no prompt pool, no answer pre-fill, no constraint, resumable and fingerprinted as every evaluation file. The
+sample: the eval split without any question of the training split (by id or by text), then ``select_questions`` with
 ``heldout_seed``. Under ``<output_dir>/heldout/``: ``<model>.jsonl`` and ``summary.json/.csv/.md/.png`` (answer rate,
 strict and flexible metric with their 95% Wilson intervals, tokens, cut and out-of-turns shares).
 """

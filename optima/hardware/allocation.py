@@ -39,7 +39,7 @@ from optima.hardware.placement import (
     place_servers,
     search_loss_server_wanted,
 )
-from optima.methods import DPO, METHODS, SFT, TRAINER_YAML_FIELDS, runs
+from optima.methods import DPO, METHODS, SFT, TRAINER_YAML_FIELDS
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe, Recipe
@@ -129,12 +129,6 @@ def allocate_hardware(
             )
         allocate_node_servers(recipe, hardware, allocation, hosts)
         allocate_training(recipe, hardware, size, yamls, allocation, hosts or ["localhost"])
-        if hardware.has_gpu and runs(recipe.method, DPO) and recipe.cal_ppl and not loss_server_wanted(recipe):
-            allocation.notes.append(
-                f"the tree search scores LM losses of {loss_model(recipe)} with transformers in the driver process "
-                "(fp32, on the CPU) whenever the policy is not the loss model (--dry-run's [search] stages say "
-                "which): slow for an 8B model; loss_placement: beside serves it with vLLM on a GPU"
-            )
     return allocation
 
 

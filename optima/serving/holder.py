@@ -19,7 +19,7 @@ processes:
   the memory available now (``available_memory``, with a margin), the policy is stopped for that training
   instead, and the next stage starts a fresh one;
 * ``loss_urls()``: the loss server's URLs, waiting until it answers (started now if it is not up, again if it died);
-  ``serve_loss_for_search()``: a block during which the tree search has the loss model served;
+  ``search_loss_server()``: a block during which a loss server runs for the tree search;
 * ``stop_policy()``: stop the policy replicas; ``stop_all()``: every server (the end of the run, or any error).
 
 Nothing starts at construction: ``loss`` (the loss server, when the recipe wants one: ``LossServer``, in
@@ -251,27 +251,12 @@ class ServerHolder:
         return self.loss.serve() if self.loss is not None else None
 
     @contextlib.contextmanager
-    def serve_loss_for_search(self) -> Iterator[Callable[[], list[str]] | None]:
-        """Have the loss model served while the policy stays served (the tree search); None: scored another way.
-
-        Yields a function that waits until the loss model's URLs answer and returns them: the run's loss server
-        (``beside``); else the policy replicas while they serve the loss model; else, where the plan placed one for
-        the search (``loss_placement: after`` on a GPU: ``layout.loss``, not resident), a loss server started now,
-        loading while the policy samples, and stopped when the block ends, before anything trains.
-        """
-        if self.loss is not None:
-            yield self.loss_urls
-            return
-        if self._stack is not None and self.model == self.loss_model:
-            urls = list(self.urls)
-            yield lambda: urls
-            return
-        layout = self.layout
-        if layout.loss is None or layout.loss_resident or self.vllm_env is None or self.loss_model is None:
-            yield None
-            return
+    def search_loss_server(self) -> Iterator[Callable[[], list[str]]]:
+        """A loss server for one tree search (``loss_placement: after`` on a GPU: ``layout.loss``, not resident),
+        loading while the policy samples and stopped when the block ends, before anything trains. Yields a function
+        that waits until it answers and returns its URLs; where the search scores is ``optima.run.loss_route``'s."""
         log = (self.log_dir or Path(self.recipe.output_dir) / "logs") / "search_loss_server.log"
-        server = LossServer(self.recipe, self.vllm_env, self.loss_model, layout, log)
+        server = LossServer(self.recipe, self.vllm_env, self.loss_model, self.layout, log)
         try:
             server.start()
             logger.info("serve | loss server for the tree search: %s (stopped when the search ends)", self.loss_model)
