@@ -105,13 +105,13 @@ def check_recipe(out: Path, name: str, **values):
 
 def ask(url: str, recipe: Recipe) -> str:
     """One greedy chat request to ``url`` through the run's chat client; its reply."""
-    from optima.serving.client import ChatClient, Sampling
+    from optima.serving.client import ReplicaPool, Sampling
 
-    client = ChatClient(url, recipe.served_model_name, recipe.api_key, recipe.request_timeout_s)
+    pool = ReplicaPool([url], recipe)
     try:
-        reply = client.chat([{"role": "user", "content": "2 + 3 = ?"}], Sampling(temperature=0.0, max_tokens=8))
+        reply = pool.chat(0, [{"role": "user", "content": "2 + 3 = ?"}], Sampling(temperature=0.0, max_tokens=8))
     finally:
-        client.close()
+        pool.close()
     return reply.text
 
 
@@ -119,7 +119,7 @@ def is_sleeping(url: str, recipe: Recipe) -> bool:
     """vLLM's ``GET /is_sleeping`` (a development route, open with sleep mode)."""
     import requests
 
-    from optima.serving.vllm_server import auth_headers, server_root
+    from optima.serving.client import auth_headers, server_root
 
     response = requests.get(server_root(url) + "/is_sleeping", headers=auth_headers(recipe.api_key), timeout=30)
     response.raise_for_status()
@@ -151,7 +151,7 @@ def check_wake_reload(out: Path) -> int:
 
     from optima.identity import read_probe
     from optima.paths import RunPaths
-    from optima.serving.reload_check import probe_mismatch
+    from optima.serving.reload import probe_mismatch
 
     refusal = cuda_refusal(torch.cuda.device_count())
     if refusal:

@@ -19,7 +19,7 @@ from optima.agents.generation import generate_conversations  # noqa: E402
 from optima.environments import PythonEnv, resolve_env  # noqa: E402
 from optima.logging_utils import setup_logging  # noqa: E402
 from optima.paths import RunPaths  # noqa: E402
-from optima.serving import serve  # noqa: E402
+from optima.serving.vllm_server import serve  # noqa: E402
 from tests.helpers import arc_examples, build_test_recipe  # noqa: E402
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")

@@ -1,10 +1,11 @@
-"""ReplicaPool against scripted OpenAI servers: request shape, retries, non-transient errors, failover."""
+"""ReplicaPool against scripted OpenAI servers: request shape, the SDK's retries, errors it does not retry,
+fail-over."""
 
 from __future__ import annotations
 
 import pytest
 
-from optima.serving import NoReplicaLeft, ReplicaPool, RequestFailed, Sampling
+from optima.serving.client import NoReplicaLeft, ReplicaPool, RequestFailed, Sampling
 from optima.serving.vllm_server import find_free_port
 from tests.fake_openai import FakeOpenAIServer, FakeReply
 
@@ -47,7 +48,7 @@ def test_missing_usage_gives_no_token_count(make_recipe):
 def test_transient_errors_are_retried(make_recipe, status):
     script = Script(FakeReply(status=status), FakeReply(status=status), FakeReply("ok"))
     with FakeOpenAIServer(script) as server:
-        pool = ReplicaPool([server.base_url], make_recipe(max_retries=2), backoff_s=0.01)
+        pool = ReplicaPool([server.base_url], make_recipe(max_retries=2))
         reply = pool.chat(0, MESSAGES, Sampling(0, 5))
     assert reply.text == "ok" and script.calls == 3
 
@@ -55,7 +56,7 @@ def test_transient_errors_are_retried(make_recipe, status):
 def test_retries_are_capped(make_recipe):
     script = Script(FakeReply(status=500))
     with FakeOpenAIServer(script) as server:
-        pool = ReplicaPool([server.base_url], make_recipe(max_retries=2), backoff_s=0.01)
+        pool = ReplicaPool([server.base_url], make_recipe(max_retries=2))
         with pytest.raises(RequestFailed, match="after 3 attempts"):
             pool.chat(0, MESSAGES, Sampling(0, 5))
     assert script.calls == 3 and pool.dead == set()  # a server that answers 5xx is not dead
@@ -64,7 +65,7 @@ def test_retries_are_capped(make_recipe):
 def test_client_errors_are_not_retried(make_recipe):
     script = Script(FakeReply(status=400))
     with FakeOpenAIServer(script) as server:
-        pool = ReplicaPool([server.base_url], make_recipe(max_retries=3), backoff_s=0.01)
+        pool = ReplicaPool([server.base_url], make_recipe(max_retries=3))
         with pytest.raises(RequestFailed, match="replica 0"):
             pool.chat(0, MESSAGES, Sampling(0, 5))
     assert script.calls == 1
@@ -73,14 +74,14 @@ def test_client_errors_are_not_retried(make_recipe):
 def test_timeouts_are_retried_then_fail(make_recipe):
     script = Script(FakeReply("slow", delay_s=1.6))
     with FakeOpenAIServer(script) as server:
-        pool = ReplicaPool([server.base_url], make_recipe(request_timeout_s=1, max_retries=1), backoff_s=0.01)
+        pool = ReplicaPool([server.base_url], make_recipe(request_timeout_s=1, max_retries=1))
         with pytest.raises(RequestFailed):
             pool.chat(0, MESSAGES, Sampling(0, 5))
     assert script.calls == 2 and pool.dead == set()
 
 
 def test_dead_replica_fails_over_and_stays_dead(make_recipe, fake_server):
-    pool = ReplicaPool([dead_url(), fake_server.base_url], make_recipe(max_retries=1), backoff_s=0.01)
+    pool = ReplicaPool([dead_url(), fake_server.base_url], make_recipe(max_retries=1))
     assert pool.route(0) == 0
     reply = pool.chat(0, MESSAGES, Sampling(0, 5))
     assert reply.replica == 1 and pool.dead == {0}
@@ -93,7 +94,7 @@ def test_round_robin_routing(make_recipe, fake_servers):
 
 
 def test_no_replica_left(make_recipe):
-    pool = ReplicaPool([dead_url(), dead_url()], make_recipe(max_retries=0), backoff_s=0.01)
+    pool = ReplicaPool([dead_url(), dead_url()], make_recipe(max_retries=0))
     with pytest.raises(NoReplicaLeft):
         pool.chat(1, MESSAGES, Sampling(0, 5))
     assert pool.dead == {0, 1}

@@ -6,7 +6,7 @@ import pytest
 
 from optima.agents.conversation import AgentPrompts, TurnLimits, build_agent_prompts, run_conversation
 from optima.agents.prompts import build_system_prompt
-from optima.serving import ChatReply, RequestFailed
+from optima.serving.client import ChatReply, RequestFailed
 from optima.tasks import Example
 
 ARC = Example(id="q", task="arc", question="2 + 2?", answer="B", score_type="choice", options=(("A", "3"), ("B", "4")))

@@ -15,10 +15,9 @@ import pytest
 
 from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, model_identity, score_ids
 from optima.paths import RunPaths
-from optima.serving import serve
-from optima.serving.endpoints import EndpointMismatch, Holding, same_model, sync_endpoints
 from optima.serving.holder import ServerHolder
-from optima.serving.reload_check import WeightsMismatch
+from optima.serving.reload import EndpointMismatch, Holding, WeightsMismatch, same_model, sync_endpoints
+from optima.serving.vllm_server import serve
 from tests.fake_openai import FakeOpenAIServer
 
 

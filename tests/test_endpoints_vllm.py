@@ -18,10 +18,9 @@ from optima.environments import resolve_env
 from optima.hardware.placement import place_replicas
 from optima.identity import model_identity
 from optima.paths import RunPaths
-from optima.serving import start_replicas
-from optima.serving.endpoints import EndpointMismatch, server_root, sync_endpoints
-from optima.serving.replicas import build_replica_specs
-from optima.serving.vllm_server import find_free_port
+from optima.serving.client import server_root
+from optima.serving.reload import EndpointMismatch, sync_endpoints
+from optima.serving.vllm_server import build_replica_specs, find_free_port, start_replicas
 from tests.conftest import requires_vllm
 from tests.helpers import build_test_recipe
 from tests.tiny_model import build_tiny_model

@@ -16,7 +16,7 @@ import pytest
 from optima.agents.conversation import GenerationSettings, Prefill
 from optima.agents.generation import generate_conversations, generation_settings
 from optima.agents.prompts import build_agent_messages, build_system_prompt
-from optima.serving import NoReplicaLeft, RequestFailed
+from optima.serving.client import NoReplicaLeft, RequestFailed
 from optima.serving.processes import group_members
 from optima.serving.vllm_server import find_free_port
 from optima.store import load_records

@@ -32,9 +32,9 @@ from optima.agents.generation import generate_conversations
 from optima.config import SFTRecipe, load_recipe
 from optima.environments import PythonEnv
 from optima.paths import RunPaths
-from optima.serving import ReplicaPool, RequestFailed, Sampling, serve
+from optima.serving.client import ReplicaPool, RequestFailed, Sampling
 from optima.serving.processes import group_members
-from optima.serving.vllm_server import find_free_port
+from optima.serving.vllm_server import find_free_port, serve
 from optima.stages import reward_generations
 from optima.store import load_records
 from optima.tasks import get_task

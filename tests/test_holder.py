@@ -25,8 +25,8 @@ from optima.serving import holder as holder_module
 from optima.serving import vllm_server
 from optima.serving.holder import ServerHolder
 from optima.serving.processes import group_members, wait_group_exit
-from optima.serving.reload_check import WeightsMismatch
-from optima.serving.replicas import ReplicaLayout
+from optima.serving.reload import WeightsMismatch
+from optima.serving.vllm_server import ReplicaLayout
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import child_groups
 from tests.test_layout import FAKE_ENV, server_log_lines, sft_recipe
@@ -60,7 +60,7 @@ def scripted(monkeypatch):
         finally:
             server.stop()
 
-    monkeypatch.setattr(holder_module, "serve_replicas", serve)
+    monkeypatch.setattr(holder_module, "serve", serve)
     return factory
 
 

@@ -355,7 +355,7 @@ def test_pure_modules_do_not_import_process_code(package):
         "    before = set(sys.modules)\n"
         "    importlib.import_module(name)\n"
         "    new = set(sys.modules) - before\n"
-        "    hits = sorted(m for m in new if m == 'subprocess' or m.startswith(('optima.serving.replicas',"
+        "    hits = sorted(m for m in new if m == 'subprocess' or m.startswith(('optima.serving.holder',"
         " 'optima.serving.vllm_server', 'optima.serving.processes', 'optima.training.launch', 'optima.install',"
         " 'optima.environments', 'optima.loop', 'optima.stages')))\n"
         "    if hits: bad[name] = hits\n"

@@ -21,9 +21,8 @@ from optima.hardware.placement import Placement, ServerLayout, describe_layout, 
 from optima.paths import RunPaths
 from optima.serving.holder import ServerHolder
 from optima.serving.processes import group_members
-from optima.serving.replicas import ReplicaLayout, memory_share
-from optima.serving.sleep_mode import put_to_sleep, wake_with_weights
-from optima.serving.vllm_server import build_serve_command, build_serve_env
+from optima.serving.reload import put_to_sleep, wake_with_weights
+from optima.serving.vllm_server import ReplicaLayout, build_serve_command, build_serve_env, memory_share
 from tests.fake_openai import FakeOpenAIServer
 from tests.helpers import child_groups
 

@@ -28,7 +28,7 @@ from optima.hardware.memory import (
     model_weight_bytes,
 )
 from optima.hardware.placement import Placement
-from optima.serving.replicas import ReplicaLayout, memory_share
+from optima.serving.vllm_server import ReplicaLayout, memory_share
 from optima.tasks import get_task
 from tests.conftest import requires_smollm2
 

@@ -1,7 +1,7 @@
 """Every Python file of the package, the benchmarks and the developer tools stays within the house limit of 400 lines.
 
 A module that grows past it holds more than one thing: split it along a seam of what the code does (as
-``optima.config.loop_recipes`` left ``recipes``, or ``optima.serving.loss_server`` left ``holder``), not at a line
+``optima.config.loop_recipes`` left ``recipes``, or ``optima.serving.reload`` left ``holder``), not at a line
 count. The check reports every file over the limit with its count, so one failing run lists all of them.
 """
 

@@ -26,8 +26,7 @@ from optima.identity import (
     record_probe,
     score_ids,
 )
-from optima.serving.reload_check import WeightsMismatch, served_dtype
-from optima.serving.sleep_mode import wake_with_weights
+from optima.serving.reload import WeightsMismatch, served_dtype, wake_with_weights
 from tests.fake_openai import FakeOpenAIServer
 
 
@@ -159,7 +158,7 @@ def test_half_precision_serving_passes_with_the_half_tolerance(make_recipe, chec
 
 
 def test_a_base_model_without_a_probe_is_not_checked(make_recipe, tiny_model, caplog):
-    with FakeOpenAIServer() as server, caplog.at_level(logging.INFO, logger="optima.serving.reload_check"):
+    with FakeOpenAIServer() as server, caplog.at_level(logging.INFO, logger="optima.serving.reload"):
         wake_with_weights([server.base_url], str(tiny_model), make_recipe(), gpu=False)
     assert not server.bodies() and "has no recorded weights probe" in caplog.text
 

@@ -21,11 +21,8 @@ from optima.hardware.machine import ACCELERATE_CONFIGS
 from optima.hardware.placement import Placement
 from optima.identity import read_probe
 from optima.paths import RunPaths
-from optima.serving import start_replicas
-from optima.serving.reload_check import WeightsMismatch, probe_server
-from optima.serving.replicas import build_replica_specs
-from optima.serving.sleep_mode import wake_with_weights
-from optima.serving.vllm_server import find_free_port
+from optima.serving.reload import WeightsMismatch, probe_server, wake_with_weights
+from optima.serving.vllm_server import build_replica_specs, find_free_port, start_replicas
 from optima.store import save_splits
 from optima.training.common import is_complete
 from optima.training.launch import run_training

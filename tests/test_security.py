@@ -16,9 +16,8 @@ from optima.config import RecipeError, SFTRecipe, load_recipe, save_recipe
 from optima.environments import PythonEnv
 from optima.hardware.placement import Placement
 from optima.paths import RunPaths
-from optima.serving import build_serve_command, serve
 from optima.serving.processes import group_members
-from optima.serving.vllm_server import find_free_port
+from optima.serving.vllm_server import build_serve_command, find_free_port, serve
 from tests.helpers import child_groups
 
 REPO = Path(__file__).resolve().parent.parent

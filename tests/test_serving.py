@@ -15,11 +15,19 @@ from optima.config import RecipeError
 from optima.environments import PythonEnv
 from optima.hardware.placement import Placement, place_replicas
 from optima.paths import RunPaths
-from optima.serving import ServerStartupError, VLLMServer, build_serve_command, serve, start_replicas
-from optima.serving.endpoints import normalize_base_url, sync_endpoints
+from optima.serving.client import ServerStartupError
 from optima.serving.processes import group_members
-from optima.serving.replicas import build_replica_specs
-from optima.serving.vllm_server import ServerSpec, build_serve_env, find_free_port
+from optima.serving.reload import normalize_base_url, sync_endpoints
+from optima.serving.vllm_server import (
+    ServerSpec,
+    VLLMServer,
+    build_replica_specs,
+    build_serve_command,
+    build_serve_env,
+    find_free_port,
+    serve,
+    start_replicas,
+)
 from tests.fake_vllm import CRASH_MARKER
 from tests.helpers import child_groups
 
@@ -236,3 +244,16 @@ def test_sigterm_handler_turns_into_system_exit():
             time.sleep(5)  # the handler raises before this ends
     assert exit_info.value.code == 143
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_names_vllm_imports_by_name_exist():
+    """The server's command line names the launcher module and the CPU worker extension; the reload calls the
+    extension's method by name: all three must resolve (a rename would break only the real server)."""
+    import importlib
+    import importlib.util
+
+    from optima.serving import reload, vllm_server
+
+    module, _, name = vllm_server.CPU_RELOAD_EXTENSION.rpartition(".")
+    assert callable(getattr(getattr(importlib.import_module(module), name), reload.REFRESH_METHOD))
+    assert importlib.util.find_spec(vllm_server.LAUNCHER_MODULE) is not None

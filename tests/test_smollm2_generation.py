@@ -11,9 +11,8 @@ from optima.agents.generation import generate_conversations, generation_settings
 from optima.agents.prompts import build_agent_messages
 from optima.environments import resolve_env
 from optima.paths import RunPaths
-from optima.serving import serve
 from optima.serving.client import ReplicaPool, Sampling, regex_constraint
-from optima.serving.vllm_server import find_free_port
+from optima.serving.vllm_server import find_free_port, serve
 from optima.store import load_records
 from optima.tasks import TASKS
 from optima.tasks.base import reply_pattern

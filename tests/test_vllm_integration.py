@@ -21,10 +21,9 @@ from optima.agents.generation import GenerationHooks, generate_conversations
 from optima.environments import resolve_env
 from optima.hardware.placement import place_replicas
 from optima.paths import RunPaths
-from optima.serving import ServerStartupError, serve, start_replicas
+from optima.serving.client import ServerStartupError
 from optima.serving.processes import group_members
-from optima.serving.replicas import build_replica_specs
-from optima.serving.vllm_server import find_free_port
+from optima.serving.vllm_server import build_replica_specs, find_free_port, serve, start_replicas
 from optima.store import load_records
 from tests.conftest import requires_vllm
 from tests.helpers import arc_examples, build_test_recipe, child_groups, count_lines, wait_for

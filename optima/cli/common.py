@@ -70,7 +70,7 @@ def failure_code(exc: Exception) -> int:
     unexpected exception is raised again (a traceback is what a bug should show)."""
     from optima.lineage import FolderLocked
     from optima.loop import NothingSelected
-    from optima.serving import ConstraintRejected, NoReplicaLeft, ServerStartupError
+    from optima.serving.client import ConstraintRejected, NoReplicaLeft, ServerStartupError
     from optima.tasks import DataError
     from optima.training.launch import TrainingError
 

@@ -36,7 +36,7 @@ from optima.evaluation.metrics import RecordScorer, reparsed_debate
 from optima.identity import digest, model_identity
 from optima.logging_utils import attach_driver_log
 from optima.paths import StagePaths
-from optima.serving import serve
+from optima.serving.vllm_server import serve
 from optima.store import load_records, record_key, write_json
 from optima.tasks import Example, get_task
 from optima.tasks.answers import PARSER_VERSION

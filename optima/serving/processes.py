@@ -1,18 +1,11 @@
-"""Process groups: how every child process of Optima (vLLM replicas, the trainer) is watched and stopped.
+"""Process groups: how every child process of Optima (vLLM servers, the trainer) is watched and stopped.
 
-Standard library only, so that the serving launcher and the training guard can import it in any environment.
-
-* A child runs in its own process group (``start_new_session=True``); ``stop_group`` stops it with SIGTERM to
-  the group -> wait -> SIGKILL of whatever is left, never ``pkill``. ``group_members`` reads the group from
-  /proc, ``wait_group_exit`` waits for it to empty.
-* ``die_with_parent``: a child started with ``OPTIMA_PARENT_PID`` asks Linux for SIGTERM when the driver dies,
-  even by ``kill -9`` (``PR_SET_PDEATHSIG``): nothing else would stop a process in its own group.
-* ``run_to_end``: a command the user waits for (the demo's training script, a gpu-check stage), run to its end in
-  the foreground; its exit code.
-* ``sigterm_as_exit``: Python turns Ctrl-C (SIGINT) into ``KeyboardInterrupt`` but lets SIGTERM end the
-  process at once, skipping every ``__exit__``, so servers in their own groups would survive the driver. Inside
-  ``sigterm_as_exit()`` the first SIGTERM raises ``SystemExit(143)`` in the main thread instead; further
-  SIGTERMs are logged and ignored so that the clean-up they interrupt can finish.
+Standard library only: the vLLM launcher and the trainer import it in their own environments. A child runs in its own
+process group (``start_new_session=True``) and is stopped with SIGTERM to the group -> wait -> SIGKILL of what is
+left (``stop_group``), never by name. A child started with ``OPTIMA_PARENT_PID`` asks Linux for SIGTERM when the
+driver dies, even by ``kill -9`` (``die_with_parent``): nothing else would stop a process in its own group. Python
+lets SIGTERM end the process at once, skipping every ``__exit__``: inside ``sigterm_as_exit()`` it raises
+``SystemExit(143)`` instead, so the servers are stopped on the way out.
 """
 
 from __future__ import annotations
@@ -35,13 +28,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``, read from /proc (Linux; elsewhere: [pgid] or [])."""
-    if not Path("/proc/self/stat").exists():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
+    """Live (non-zombie) processes of process group ``pgid``, read from /proc (Linux)."""
     members = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

