@@ -6,7 +6,8 @@ behaves as ``FAKE_VLLM_MODE`` says:
 * ``serve`` (default): after ``FAKE_VLLM_STARTUP_S`` seconds, serve the scripted OpenAI API of
   ``tests.fake_openai`` (replies delayed by ``FAKE_VLLM_DELAY_S``); with ``FAKE_VLLM_CHILD=1`` it first starts a
   child process (like vLLM's engine core) in its process group;
-* ``crash``: print a marker line and exit with code 3 before listening;
+* ``crash``: print a marker line (and ``FAKE_VLLM_REASON`` as vLLM logs a refusal) and exit with code 3 before
+  listening;
 * ``hang``: never listen;
 * ``stubborn``: like ``serve``, but ignore SIGTERM (teardown must escalate to SIGKILL).
 """
@@ -35,6 +36,9 @@ def main() -> None:
     print(f"fake vllm: mode={mode} port={port} argv={argv}", flush=True)
     if mode == "crash":
         print(CRASH_MARKER, flush=True)
+        if os.environ.get("FAKE_VLLM_REASON"):  # what vLLM logs when it refuses to start: the cause, then a wrapper
+            print(f"(EngineCore pid=7) ERROR {os.environ['FAKE_VLLM_REASON']}", flush=True)
+            print("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}")
         raise SystemExit(3)
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -148,8 +148,8 @@ def test_serve_checks_every_endpoint(make_recipe, models, tmp_path):
     ],
 )
 def test_what_an_endpoint_holds(root, version, model, words):
-    holding = Holding("http://h:1/v1", ("optima",), root, version)
-    assert holding.model == model and words in holding.describe()
+    holding = Holding("http://h:1/v1", root, version)
+    assert holding.held[0] == model and words in holding.describe()
 
 
 def mark_finished(folder: str, weights_id: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -145,6 +146,38 @@ def test_crash_before_ready_fails_fast_with_the_log_tail(tmp_path):
             server.wait_until_ready(60)
     assert CRASH_MARKER in str(error.value) and str(tmp_path / "vllm_0.log") in str(error.value)
     assert time.monotonic() - started < 10
+
+
+REFUSAL = "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`"
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "share"),
+    [
+        ((), {"VLLM_CPU_KVCACHE_SPACE": "2"}, "with VLLM_CPU_KVCACHE_SPACE=2 GiB"),
+        (
+            ("--gpu-memory-utilization", "0.4"),
+            {"CUDA_VISIBLE_DEVICES": "3"},
+            "with --gpu-memory-utilization 0.4 (GPUs 3)",
+        ),
+    ],
+)
+def test_a_refused_start_names_the_server_its_share_and_vllms_reason(tmp_path, flags, env, share):
+    """vLLM checks the memory at start-up; the error says which server, with what share, and vLLM's own reason (the
+    cause, not the wrapper line after it), from this start's part of the log only."""
+    spec = fake_spec(tmp_path, FAKE_VLLM_MODE="crash", FAKE_VLLM_REASON=REFUSAL, **env)
+    spec = dataclasses.replace(spec, argv=spec.argv + flags, name="loss server")
+    messages = []
+    for refusal in (REFUSAL, ""):  # the second start logs no reason: the first start's is not reported again
+        spec.env["FAKE_VLLM_REASON"] = refusal
+        with pytest.raises(ServerStartupError) as error, VLLMServer(spec) as server:
+            server.wait_until_ready(60)
+        messages.append(str(error.value).splitlines()[0])
+    where = f"vLLM loss server ({spec.api_url}) exited with code 3 before it was ready, {share}"
+    assert messages == [
+        f"{where}: {REFUSAL}; log {spec.log_path}, last lines:",
+        f"{where}; log {spec.log_path}, last lines:",
+    ]
 
 
 def test_startup_deadline(tmp_path):

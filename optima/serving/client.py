@@ -1,10 +1,9 @@
 """The chat client of the served replicas: the ``openai`` client retries, we only fail over between replicas.
 
-Each replica gets one ``openai.OpenAI`` client (``request_timeout_s``, ``max_retries``: the SDK retries connection
-errors, timeouts, 408/409/429 and 5xx with its own back-off), shared by all threads. What is ours: a replica that
-still refuses connections is marked dead and its requests go to the next live one (``NoReplicaLeft`` when none is
-left); any other failure, or a reply that is not a readable chat completion, raises ``RequestFailed`` for that
-request only. ``prompt_logprobs`` is the other request a server answers (the LM loss, the weights probe).
+One ``openai.OpenAI`` client per replica (``request_timeout_s``, ``max_retries``: the SDK retries connection errors,
+timeouts, 408/409/429 and 5xx with its own back-off), shared by all threads. Ours: a replica that still refuses
+connections is marked dead and its requests go to the next live one (``NoReplicaLeft`` when none is left); any other
+failure, or a reply that is not a chat completion, fails that request only (``RequestFailed``).
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ class ConstraintRejected(RuntimeError):
 
 @dataclass(frozen=True)
 class ChatReply:
-    """One completion: its text, ``finish_reason``, the server's token counts (None without usage; cached tokens
-    need ``--enable-prompt-tokens-details``) and the index of the replica that answered."""
+    """One completion: text, ``finish_reason``, the server's token counts (None without usage; cached tokens need
+    ``--enable-prompt-tokens-details``) and the replica that answered."""
 
     text: str
     finish_reason: str | None
@@ -70,39 +69,9 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _retried(exc: Exception) -> bool:
-    """Whether the SDK retried ``exc`` before raising it (so its message says how often)."""
-    import openai
-
-    if isinstance(exc, openai.APIConnectionError):  # timeouts included
-        return True
-    return isinstance(exc, openai.APIStatusError) and (exc.status_code in (408, 409, 429) or exc.status_code >= 500)
-
-
-def _reply(response: Any, replica: int, url: str) -> ChatReply:
-    if isinstance(response, str) or not response.choices:  # not JSON, or a completion without a choice
-        raise RequestFailed(f"{url}: not a chat completion: {str(response)[:200]!r}")
-    choice, usage = response.choices[0], response.usage
-    details = usage.prompt_tokens_details if usage is not None else None
-    # Lone surrogates (a "\udc80" escape in the JSON) cannot be written as UTF-8: replace them with "?".
-    text = (choice.message.content or "").encode("utf-8", "replace").decode("utf-8")
-    return ChatReply(
-        text,
-        choice.finish_reason,
-        usage.completion_tokens if usage is not None else None,
-        replica,
-        prompt_tokens=usage.prompt_tokens if usage is not None else None,
-        cached_tokens=details.cached_tokens if details is not None else None,
-    )
-
-
 class ReplicaPool:
-    """Clients of all replicas, round-robin routing and fail-over.
-
-    Args:
-        urls: OpenAI base URLs of the replicas.
-        recipe: Its ``served_model_name``, ``api_key``, ``request_timeout_s`` and ``max_retries``.
-    """
+    """Clients of all replicas (``urls``; the recipe's ``served_model_name``, ``api_key``, ``request_timeout_s``,
+    ``max_retries``), round-robin routing and fail-over."""
 
     def __init__(self, urls: Sequence[str], recipe: Recipe):
         import openai
@@ -110,14 +79,9 @@ class ReplicaPool:
         if not urls:
             raise ValueError("ReplicaPool needs at least one endpoint")
         self.urls, self.model, self.max_retries = list(urls), recipe.served_model_name, recipe.max_retries
+        key, timeout = recipe.api_key or "EMPTY", recipe.request_timeout_s
         self.clients = [
-            openai.OpenAI(
-                base_url=url,
-                api_key=recipe.api_key or "EMPTY",
-                timeout=recipe.request_timeout_s,
-                max_retries=recipe.max_retries,
-            )
-            for url in self.urls
+            openai.OpenAI(base_url=u, api_key=key, timeout=timeout, max_retries=self.max_retries) for u in urls
         ]
         self.stop_event = threading.Event()
         self._dead: set[int] = set()
@@ -174,18 +138,20 @@ class ReplicaPool:
                     extra_body=sampling.extra_body,
                     **optional,
                 )
+                return _reply(response, replica, self.urls[replica])
             except ValueError as exc:  # a body that is not UTF-8 or not JSON: a broken reply, not a broken replica
                 raise RequestFailed(f"replica {replica}: unreadable reply: {exc}") from exc
-            except openai.APITimeoutError as exc:
-                raise RequestFailed(f"replica {replica}: {exc} (after {self.max_retries + 1} attempts)") from exc
-            except openai.APIConnectionError as exc:  # refused through every retry: the replica is gone
-                self.mark_dead(replica, exc)
+            except openai.APIConnectionError as exc:
+                if isinstance(exc, openai.APITimeoutError):
+                    raise RequestFailed(f"replica {replica}: {exc} (after {self.max_retries + 1} attempts)") from exc
+                self.mark_dead(replica, exc)  # refused through every retry: the replica is gone
                 replica += 1
-                continue
             except openai.OpenAIError as exc:
-                tries = f" (after {self.max_retries + 1} attempts)" if _retried(exc) else ""
-                raise RequestFailed(f"replica {replica}: {exc}{tries}") from exc
-            return _reply(response, replica, self.urls[replica])
+                status = getattr(exc, "status_code", 0)
+                retried = status in (408, 409, 429) or status >= 500  # what the SDK retries
+                raise RequestFailed(
+                    f"replica {replica}: {exc}" + (f" (after {self.max_retries + 1} attempts)" if retried else "")
+                ) from exc
 
     def close(self) -> None:
         self.stop_event.set()
@@ -193,26 +159,34 @@ class ReplicaPool:
             client.close()
 
 
+def _reply(response: Any, replica: int, url: str) -> ChatReply:
+    if isinstance(response, str) or not response.choices:  # not JSON, or a completion without a choice
+        raise RequestFailed(f"{url}: not a chat completion: {str(response)[:200]!r}")
+    choice, usage = response.choices[0], response.usage
+    details = usage.prompt_tokens_details if usage is not None else None
+    # Lone surrogates (a "\udc80" escape in the JSON) cannot be written as UTF-8: replace them with "?".
+    text = (choice.message.content or "").encode("utf-8", "replace").decode("utf-8")
+    return ChatReply(
+        text,
+        choice.finish_reason,
+        usage.completion_tokens if usage is not None else None,
+        replica,
+        prompt_tokens=usage.prompt_tokens if usage is not None else None,
+        cached_tokens=details.cached_tokens if details is not None else None,
+    )
+
+
 def prompt_logprobs(client: Any, model: str, prompts: Sequence[Sequence[int]], top: int = 0) -> list[Any]:
-    """The served log-probabilities of each prompt's tokens, nothing generated (one choice per prompt, in order).
-
-    ``/v1/completions`` with token ids, ``echo`` and ``max_tokens: 0``: ``logprobs.token_logprobs`` holds each prompt
-    token's log-probability given the ones before (the first is None); ``top`` > 0 adds ``logprobs.top_logprobs``.
-
-    Args:
-        client: An ``openai.OpenAI`` client of the server.
-        model: Its served model name.
-        prompts: Token ids of each prompt.
-        top: Alternatives per position.
-    """
+    """The served log-probabilities of each prompt's tokens, nothing generated (one choice per prompt, in order):
+    ``/v1/completions`` with token ids, ``echo`` and ``max_tokens: 0``. ``logprobs.token_logprobs`` holds each token's
+    log-probability given the ones before (the first is None); ``top`` > 0 adds ``logprobs.top_logprobs``."""
     response = client.completions.create(
         model=model, prompt=[list(p) for p in prompts], max_tokens=0, echo=True, logprobs=top, temperature=0.0
     )
     return sorted(response.choices, key=lambda c: c.index)
 
 
-# The probe of ``check_structured_outputs``: a constraint that admits one reply only.
-PROBE_REPLY = "<A>ok</A>"
+PROBE_REPLY = "<A>ok</A>"  # the probe of check_structured_outputs: a constraint that admits one reply only
 
 
 def regex_constraint(pattern: str) -> dict:
@@ -221,14 +195,9 @@ def regex_constraint(pattern: str) -> dict:
 
 
 def check_structured_outputs(pool: ReplicaPool) -> None:
-    """Ask every replica for a reply constrained to ``PROBE_REPLY``; raise unless each returns exactly that.
-
-    A server without structured outputs rejects the field or ignores it: either way every constrained turn would be
-    wrong, so the run stops before the first conversation.
-
-    Raises:
-        ConstraintRejected: naming the endpoint, what it answered and what to do.
-    """
+    """Ask every replica for a reply constrained to ``PROBE_REPLY``; ``ConstraintRejected`` unless each returns
+    exactly that (a server without structured outputs rejects or ignores the field: every constrained turn would be
+    wrong, so the run stops before the first conversation)."""
     messages = [{"role": "user", "content": f"Reply with {PROBE_REPLY}"}]
     sampling = Sampling(0.0, 16, 0, regex_constraint(PROBE_REPLY))
     advice = "use a server with structured outputs (vLLM >= 0.12), or set answer_bootstrap: prefill or off"

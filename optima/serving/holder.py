@@ -70,7 +70,9 @@ class LossServer:
             cache = RunPaths.from_recipe(recipe).vllm_cache
             env = build_serve_env(recipe, self.vllm_env, self.placement, cache, self.model)
             logger.info("loss server | %s | port %d | log %s", self.model, port, self.log)
-            self.server = VLLMServer(ServerSpec(0, tuple(argv), env, recipe.host, port, self.log)).__enter__()
+            self.server = VLLMServer(
+                ServerSpec(0, tuple(argv), env, recipe.host, port, self.log, "loss server")
+            ).__enter__()
 
     def urls(self) -> list[str]:
         if self.server is not None and self.server.ready and not self.server.is_healthy():

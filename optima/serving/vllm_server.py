@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import subprocess
 import time
@@ -43,11 +44,16 @@ CPU_MAX_BATCHED_TOKENS = 8192
 HEALTH_TIMEOUT_S = 2.0
 HEALTH_POLL_MAX_S = 0.5  # a server that is ready is seen within half a second
 LOG_TAIL_LINES = 40
+START_MARK = "=== optima: starting "  # opens each start's part of a server log
+# vLLM's reason for refusing to start: the last exception line of its log that is not the "see root cause above"
+# wrapper (vLLM 0.32: "ValueError: No available memory for the cache blocks. Try increasing gpu_memory_utilization").
+REASON = re.compile(r"\b[A-Za-z]*(?:Error|Exception): .+")
 
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One server process: its index, command line (no shell), complete environment, address and log."""
+    """One server process: its index, command line (no shell), complete environment, address, log and the name its
+    errors give it (default ``policy replica <index>``)."""
 
     replica: int
     argv: tuple[str, ...]
@@ -55,6 +61,7 @@ class ServerSpec:
     host: str
     port: int
     log_path: Path
+    name: str = ""
 
     @property
     def root_url(self) -> str:
@@ -116,7 +123,7 @@ def serve_env_extra(
     """vLLM's settings for one server (a server on another node gets only these).
 
     A CPU server's KV cache is its placement's (the loss server), else ``cpu_kvcache_space_gb``, else what the memory
-    available now leaves it beside ``share`` (``optima.hardware.capacity``); its compute threads are bound to
+    available now leaves it beside ``share`` (``optima.hardware.memory``); its compute threads are bound to
     ``placement.cpu_bind``. The API key travels as ``VLLM_API_KEY``, never in ``ps`` or the logged command line.
     """
     extra = {"VLLM_CACHE_ROOT": str(cache_root), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -190,7 +197,7 @@ class VLLMServer:
         self._log = open(self.spec.log_path, "ab")  # noqa: SIM115 - closed in stop()
         shown, key = " ".join(self.spec.argv), self.spec.env.get("VLLM_API_KEY")
         shown = shown.replace(key, "<redacted>") if key else shown  # a node server's command carries it
-        self._log.write(f"=== optima: starting {shown}\n".encode())
+        self._log.write(f"{START_MARK}{shown}\n".encode())
         self._log.flush()
         self._started_at, self.ready = time.monotonic(), False
         self._proc = subprocess.Popen(
@@ -238,12 +245,23 @@ class VLLMServer:
         wait_until_all_ready([self], timeout_s)
 
     def describe_failure(self, what: str) -> str:
-        try:
-            tail = "\n".join(self.spec.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+        """``what`` happened, with the server's memory share and vLLM's own reason, then the tail of its log."""
+        spec = self.spec
+        try:  # this start's lines only: the log keeps every start of the server
+            lines = spec.log_path.read_text(errors="replace").rsplit(START_MARK, 1)[-1].splitlines()
         except OSError as exc:
-            tail = f"<cannot read {self.spec.log_path}: {exc}>"
-        where = f"vLLM replica {self.spec.replica} ({self.spec.api_url}) {what}; log {self.spec.log_path}"
-        return f"{where}, last lines:\n{tail}"
+            lines = [f"<cannot read {spec.log_path}: {exc}>"]
+        if "--gpu-memory-utilization" in spec.argv:
+            flag = spec.argv[spec.argv.index("--gpu-memory-utilization") + 1]
+            what += f", with --gpu-memory-utilization {flag} (GPUs {spec.env.get('CUDA_VISIBLE_DEVICES')})"
+        elif "VLLM_CPU_KVCACHE_SPACE" in spec.env:
+            what += f", with VLLM_CPU_KVCACHE_SPACE={spec.env['VLLM_CPU_KVCACHE_SPACE']} GiB"
+        reasons = [found.group(0) for found in map(REASON.search, lines) if found]
+        reasons = [r for r in reasons if "root cause above" not in r] or reasons
+        what += f": {reasons[-1]}" if reasons else ""
+        name = spec.name or f"policy replica {spec.replica}"
+        tail = "\n".join(lines[-LOG_TAIL_LINES:])
+        return f"vLLM {name} ({spec.api_url}) {what}; log {spec.log_path}, last lines:\n{tail}"
 
     def stop(self) -> None:
         """SIGTERM to the process group, wait, then SIGKILL whatever is left of it."""
