@@ -38,10 +38,9 @@ from optima.evaluation.tables import (
     render_table,
     task_metric,
     write_csv,
-    write_json,
 )
 from optima.identity import digest
-from optima.store import atomic_write_text
+from optima.store import atomic_write_text, write_json
 from optima.tasks import TASKS, get_task
 from optima.tasks.math_equiv import MathVerifier
 

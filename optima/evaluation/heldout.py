@@ -25,10 +25,10 @@ from optima.evaluation.runs import (
     greedy_job,
     read_producer,
 )
-from optima.evaluation.tables import plot_heldout, render_heldout_table, write_csv, write_json
+from optima.evaluation.tables import plot_heldout, render_heldout_table, write_csv
 from optima.identity import digest
 from optima.paths import checkpoint_label
-from optima.store import atomic_write_text, load_records
+from optima.store import atomic_write_text, load_records, write_json
 from optima.tasks import Example, get_task, select_questions
 from optima.tasks.arc import normalize_question
 from optima.tasks.math_equiv import MathVerifier

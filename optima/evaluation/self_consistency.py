@@ -40,8 +40,9 @@ from optima.evaluation.runs import (
     read_producer,
 )
 from optima.evaluation.sweep import list_models
-from optima.evaluation.tables import plot_self_consistency, render_table, write_csv, write_json
+from optima.evaluation.tables import plot_self_consistency, render_table, write_csv
 from optima.identity import COMPLETE_MARKER
+from optima.store import write_json
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 

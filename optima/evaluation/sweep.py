@@ -28,10 +28,11 @@ from optima.evaluation.runs import (
     prepare_output,
     read_producer,
 )
-from optima.evaluation.tables import plot_sweep, render_table, write_csv, write_json
+from optima.evaluation.tables import plot_sweep, render_table, write_csv
 from optima.identity import digest
 from optima.lineage import lineage_checkpoints
 from optima.paths import checkpoint_label, models_label
+from optima.store import write_json
 from optima.tasks import get_task
 from optima.tasks.math_equiv import MathVerifier
 

@@ -29,11 +29,6 @@ HELDOUT_HEADERS = ("model", "questions", "answer rate", "{metric} (strict)", "95
                    "out of turns")  # fmt: skip
 
 
-def write_json(path: Path, payload: Mapping) -> None:
-    """Write ``payload`` as indented JSON."""
-    store.write_json(path, payload)
-
-
 def write_csv(path: Path, rows: Sequence[Mapping], columns: Sequence[str]) -> None:
     """Write ``rows`` as CSV with the given columns (missing values left empty)."""
     buffer = io.StringIO()
