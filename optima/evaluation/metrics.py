@@ -194,14 +194,9 @@ def question_curves(
 def analyze_self_consistency(
     records: Sequence[dict], max_k: int, scorer: RecordScorer, cluster_f1: float = 0.9, flexible: bool = False
 ) -> list[dict]:
-    """For k = 1..K (``max_k`` capped by the most samples of a question), averaged over questions: the majority
-    vote of the first k samples, their coverage (best score, pass@k), their summed tokens and cut share.
-
-    Returns:
-        One row per k: ``{"k", "majority_vote", "coverage", "tokens", "cut_rate", "questions"}``, plus
-        ``verifier_timeouts`` over the whole analysis for MATH. ``flexible``: the samples vote with their flexible
-        answers.
-    """
+    """One row per k = 1..K (``max_k`` capped by the most samples of a question), averaged over questions: the
+    majority vote of the first k samples, their coverage (pass@k), summed tokens, cut share (``verifier_timeouts``
+    for MATH); ``flexible``: the samples vote with their flexible answers."""
     before = verifier_timeouts(scorer)
     per_question = [question_curves(g, max_k, scorer, cluster_f1, flexible) for g in group_by_question(records)]
     if not per_question:

@@ -57,18 +57,9 @@ READING = ("scoring",)  # how rows are read, not made: a change updates the side
 
 @dataclass(frozen=True)
 class GenerationJob:
-    """One result file to fill for a served model.
-
-    Args:
-        label: Method label (``eval``, ``optima_sc``, ``cot``, ...), part of the file's fingerprint.
-        out_path: The JSONL result file.
-        generation: Temperature and samples per question.
-        generate: ``generate_conversations`` or a baseline's function with its signature.
-        params: The method's own parameters (MAD's shape), part of the fingerprint.
-        prompts: Renders the texts the method sends for one question (its prompt version); None: Optima's
-            two-agent conversation.
-        reads: Recipe fields the method reads besides the common ones (MAD's vote: ``cluster_f1``).
-    """
+    """One result file to fill for a served model: its method ``label``, ``generate`` (``generate_conversations`` or
+    a baseline's function of the same signature), and what its fingerprint adds: the method's ``params`` (MAD's
+    shape), its ``prompts`` renderer (None: Optima's conversation) and the recipe fields it ``reads``."""
 
     label: str
     out_path: Path
@@ -264,16 +255,8 @@ def claim_result_file(out_path: Path, fingerprint: dict) -> bool:
 
 
 class EvalSession:
-    """Serves models one at a time, only when one of their result files is incomplete.
-
-    Args:
-        recipe: The evaluation recipe (serving fields), or a training run's (held-out evaluation).
-        envs: ``{"vllm": PythonEnv}``.
-        examples: The eval set.
-        out_root: Where the models' folders go.
-        server: Serves a model (a training run's servers); default: ``optima.serving.serve`` starts replicas for
-            each model and stops them after.
-    """
+    """Serves models one at a time, only when one of their result files is incomplete: with ``server`` (a training
+    run's servers, the held-out evaluation), else by ``optima.serving.serve`` with ``envs["vllm"]``."""
 
     def __init__(
         self,

@@ -126,14 +126,8 @@ def comparison_rows(recipe: InferenceRecipe, models, baselines, settings, scorer
 def run_sweep(
     recipe: InferenceRecipe, envs: dict[str, PythonEnv], baselines: tuple[str, ...] = (), settings=None
 ) -> str:
-    """Evaluate every model (resuming), write the summaries and the plot; return the table.
-
-    Args:
-        recipe: A validated ``InferenceRecipe``.
-        envs: ``{"vllm": PythonEnv}`` (unused when the recipe lists ``endpoints``).
-        baselines: Methods also run on every model (same server, same questions), compared in ``comparison.*``.
-        settings: ``BaselineSettings`` of those baselines (default: its defaults).
-    """
+    """Evaluate every model (resuming), write the summaries and the plot; return the table. ``baselines`` run on
+    every model too (same server, same questions, with ``settings``) and are compared in ``comparison.*``."""
     out_root = prepare_output(recipe)
     models = list_models(recipe)
     if not models:
