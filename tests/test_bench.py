@@ -1,10 +1,11 @@
 """bench/ sits on top of Optima: a package run as ``python -m bench.<name>``, without ``sys.path`` edits, using only
-Optima's public entry points; what it writes (bench/RESULTS.md) names repository paths and is rewritten whole."""
+public names of Optima's modules; what it writes (bench/RESULTS.md) names repository paths and is rewritten whole."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -28,45 +29,50 @@ def optima_imports(path: Path) -> list[tuple[int, str, list[str]]]:
     return found
 
 
-def private_reach(module: str, names: list[str]) -> str | None:
-    """Why an import is not a public entry point (None when it is one).
-
-    Public: a name a package exports (its ``__all__``), or a public name of a top-level module of ``optima``.
-    """
-    parts = module.split(".")
-    if len(parts) == 1:
-        return "import a package or a top-level module of optima, not optima itself" if names else None
-    if len(parts) > 2:
-        return f"{module} is inside a package: import what {'.'.join(parts[:2])} exports"
-    target = importlib.import_module(module)
-    if (OPTIMA / parts[1]).is_dir():
-        hidden = [name for name in names if name not in getattr(target, "__all__", [])]
-        return f"{module} does not export {hidden} (add them to its __init__)" if hidden else None
+def bad_import(module: str, names: list[str]) -> str | None:
+    """Why an import of optima's is not a public name of a module (None when it is one): the module imports, has
+    each name, and no name is private (a leading ``_``); ``from optima import x`` names a module."""
+    try:
+        target = importlib.import_module(module)
+    except ImportError as error:
+        return f"{module} does not import ({error})"
     hidden = [name for name in names if name.startswith("_")]
-    return f"{hidden} are private to {module}" if hidden else None
+    if hidden:
+        return f"{hidden} are private to {module}"
+    missing = [name for name in names if not hasattr(target, name) and not is_submodule(target, name)]
+    return f"{module} has no {missing}" if missing else None
 
 
-def test_the_public_entry_point_rule_sees_an_internal_import():
-    assert private_reach("optima.serving.holder", ["ServerHolder"]).startswith("optima.serving.holder is inside")
-    assert "does not export ['KVMonitor']" in private_reach("optima.serving", ["KVMonitor"])
-    assert private_reach("optima.paths", ["_private"]) and private_reach("optima.paths", ["RunPaths"]) is None
-    assert private_reach("optima.serving", ["ServerHolder"]) is None
+def is_submodule(package, name: str) -> bool:
+    """Whether ``name`` is a module of ``package`` (``from optima import paths``)."""
+    return hasattr(package, "__path__") and importlib.util.find_spec(f"{package.__name__}.{name}") is not None
 
 
-def test_bench_uses_only_public_entry_points_of_optima():
+def test_the_import_rule_sees_a_private_a_missing_and_an_unknown_name():
+    assert bad_import("optima.paths", ["_private"]) == "['_private'] are private to optima.paths"
+    assert bad_import("optima.serving.client", ["NoSuchClient"]) == "optima.serving.client has no ['NoSuchClient']"
+    assert bad_import("optima.no_such_module", []).startswith("optima.no_such_module does not import")
+    assert bad_import("optima.paths", ["RunPaths"]) is None and bad_import("optima", ["paths", "serving"]) is None
+    assert bad_import("optima", ["no_such_module"]) == "optima has no ['no_such_module']"
+
+
+@pytest.mark.parametrize("folder", ["bench", "dev"])
+def test_bench_and_dev_import_only_public_names_of_optima(folder):
+    """They sit above every layer (docs/layers.md) and may use any module, through its public names only."""
     offenders = []
-    for path in sorted(BENCH.glob("*.py")):
+    for path in sorted((REPO / folder).glob("*.py")):
         for line, module, names in optima_imports(path):
-            if reason := private_reach(module, names):
-                offenders.append(f"bench/{path.name}:{line}: {reason}")
+            if reason := bad_import(module, names):
+                offenders.append(f"{folder}/{path.name}:{line}: {reason}")
     assert not offenders, "\n".join(offenders)
 
 
 def test_every_exported_name_resolves():
-    """The lazy exports bench relies on point at modules and names that exist."""
-    for package in ("optima.agents", "optima.hardware", "optima.serving", "optima.training", "optima.cli"):
+    """A package that still lists its names (``__all__``, lazy or not) points at modules and names that exist."""
+    for init in sorted(OPTIMA.rglob("__init__.py")):
+        package = ".".join(init.parent.relative_to(REPO).parts)
         module = importlib.import_module(package)
-        missing = [name for name in module.__all__ if not hasattr(module, name)]
+        missing = [name for name in getattr(module, "__all__", []) if not hasattr(module, name)]
         assert not missing, f"{package} exports {missing}, which do not resolve"
 
 
