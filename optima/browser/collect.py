@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optima.evaluation.baselines import LABELS
 from optima.evaluation.metrics import RecordScorer
 from optima.evaluation.runs import load_results
+from optima.evaluation.tables import LABELS
 from optima.lineage import lineage_folders
 from optima.paths import StagePaths, checkpoint_label
 from optima.reward import finite_losses, is_cut

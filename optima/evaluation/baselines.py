@@ -44,13 +44,12 @@ from optima.agents.prompts import (
 from optima.config import InferenceRecipe, RecipeError
 from optima.evaluation.metrics import AnswerMatcher, settle_debate
 from optima.evaluation.runs import GenerationJob, conversation_prompts
+from optima.evaluation.tables import LABELS
 from optima.serving.client import ChatReply, RequestFailed, Sampling
 from optima.tasks import Example, Task, get_task
 from optima.tasks.sampling import stable_rng
 
 BASELINES = ("cot", "cot_sc", "mad", "autoform")
-LABELS = {"optima": "Optima", "optima_sc": "Optima SC", "cot": "CoT", "cot_sc": "CoT-SC", "mad": "MAD",
-          "autoform": "AutoForm", "autoform_sc": "AutoForm SC"}  # fmt: skip
 MAD_CONTEXTS = ("whole", "split")
 DebateGenerate = Callable[[list[dict], int, int], ChatReply]  # (messages, agent, round) -> reply; RequestFailed
 

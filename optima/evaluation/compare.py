@@ -18,7 +18,7 @@ from pathlib import Path
 
 from optima.config import MultiSCRecipe, RecipeError
 from optima.environments import PythonEnv
-from optima.evaluation.baselines import BASELINES, LABELS, BaselineSettings, method_job
+from optima.evaluation.baselines import BASELINES, BaselineSettings, method_job
 from optima.evaluation.metrics import TIMEOUTS, flexible_name, method_row, metric_names, with_timeouts
 from optima.evaluation.runs import (
     EvalSession,
@@ -31,6 +31,7 @@ from optima.evaluation.runs import (
     read_producer,
 )
 from optima.evaluation.tables import (
+    LABELS,
     cut_share,
     plot_comparison,
     plot_task_table,

@@ -20,7 +20,7 @@ import yaml
 from optima.agents.conversation import GenerationSettings
 from optima.config import MultiSCRecipe, RecipeError
 from optima.environments import PythonEnv
-from optima.evaluation.baselines import LABELS, BaselineSettings, DebateSettings, method_job
+from optima.evaluation.baselines import BaselineSettings, DebateSettings, method_job
 from optima.evaluation.metrics import (
     TIMEOUTS,
     RecordScorer,
@@ -40,7 +40,7 @@ from optima.evaluation.runs import (
     read_producer,
 )
 from optima.evaluation.sweep import list_models
-from optima.evaluation.tables import plot_self_consistency, render_table, write_csv
+from optima.evaluation.tables import LABELS, plot_self_consistency, render_table, write_csv
 from optima.identity import COMPLETE_MARKER
 from optima.store import write_json
 from optima.tasks import get_task

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from optima.config import InferenceRecipe, MultiSCRecipe
 from optima.environments import PythonEnv
-from optima.evaluation.baselines import LABELS, BaselineSettings, method_job
+from optima.evaluation.baselines import BaselineSettings, method_job
 from optima.evaluation.compare import write_comparison
 from optima.evaluation.metrics import RecordScorer, method_row, metric_names, summarize_records, with_timeouts
 from optima.evaluation.runs import (
@@ -28,7 +28,7 @@ from optima.evaluation.runs import (
     prepare_output,
     read_producer,
 )
-from optima.evaluation.tables import plot_sweep, render_table, write_csv
+from optima.evaluation.tables import LABELS, plot_sweep, render_table, write_csv
 from optima.identity import digest
 from optima.lineage import lineage_checkpoints
 from optima.paths import checkpoint_label, models_label

@@ -18,6 +18,9 @@ from optima.tasks import get_task
 
 logger = logging.getLogger(__name__)
 
+# Each method's name in the tables and plots.
+LABELS = {"optima": "Optima", "optima_sc": "Optima SC", "cot": "CoT", "cot_sc": "CoT-SC", "mad": "MAD",
+          "autoform": "AutoForm", "autoform_sc": "AutoForm SC"}  # fmt: skip
 MARKERS = "osD^vP*X"  # colours repeat after ten points, markers tell them apart
 # Where a point's label may go (offset in points from the point; a negative x puts the label on the left).
 LABEL_OFFSETS = ((6, 5), (6, -13), (-6, 5), (-6, -13), (6, 15), (6, -23), (-6, 15), (-6, -23), (10, -4), (-10, -4))
