@@ -1,16 +1,10 @@
-"""A run folder holds one lineage: the stage manifests, what a rerun sets aside, what the readers read, the lock.
+"""A run folder holds one lineage (docs/method.md#resume, #one-lineage-per-run-folder).
 
-Each part folder's ``manifest.json`` records every stage when it starts, under its key (``StageKey``: a hash of the
-recipe fields it depends on, their values, and the identities of what it reads, the stage before it included), and
-its result and wall time when it succeeded; a stage counts as done only then, never because its files exist. A
-rerun skips finished stages and continues an unfinished one under the same key; the first stage whose key changed,
-finished or not, is redone with every stage after it, and their outputs are moved to ``set_aside/<why>-<time>/``
-beside them, never deleted or continued (docs/method.md#resume, #one-lineage-per-run-folder).
-
-The readers (report, browser, trackers, hub upload, checkpoint sweep) read only the current lineage, from the files
-alone: ``lineage_folders`` follows the chain of ``previous stage`` links and stops at the first folder that does not
-continue it; ``lineage_checkpoints`` keeps the checkpoints the lineage's train stages wrote. ``run_lock`` keeps a
-second run out of a folder that one is writing.
+Each part's ``manifest.json`` records a stage under its key (``StageKey``) when it starts and its result when it
+succeeded: a rerun skips finished stages, continues an unfinished one under the same key, and moves the first stage
+whose key changed and every later one to ``set_aside/<why>-<time>/``, never deleting or continuing them. The readers
+(report, browser, trackers, hub, sweep) read only the current lineage (``lineage_folders``, ``lineage_checkpoints``);
+``run_lock`` keeps a second run out of a folder that one is writing.
 """
 
 from __future__ import annotations
@@ -53,13 +47,8 @@ def fields_hash(recipe: object, names: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class StageKey:
-    """What one stage's output depends on.
-
-    Args:
-        config_hash: ``fields_hash`` of the stage's recipe fields.
-        fields: Those fields' values (to name the ones that changed).
-        inputs: Identity of each thing the stage reads (models, files, ``previous stage``); None: only the fields.
-    """
+    """What one stage's output depends on: ``fields_hash`` of its recipe fields, their values (to name a change) and
+    the identity of each thing it reads (models, files, ``previous stage``; None: only the fields)."""
 
     config_hash: str
     fields: dict = field(default_factory=dict)
@@ -103,13 +92,8 @@ def now() -> str:
 
 
 class Manifest:
-    """The started and finished stages of one part folder.
-
-    Args:
-        path: ``<part folder>/manifest.json``.
-        keys: Per stage, its ``StageKey`` (or just its fields hash: no inputs).
-        label: Put before a stage's name in its log line (``iteration 1/2 | ``).
-    """
+    """The started and finished stages of one part folder (``path``: its ``manifest.json``), under ``keys`` (a
+    ``StageKey``, or a fields hash alone); ``label`` starts each stage's log line (``iteration 1/2 | ``)."""
 
     def __init__(self, path: Path, keys: dict[str, StageKey | str], label: str = ""):
         self.path, self.label = path, label
@@ -142,13 +126,9 @@ class Manifest:
     def invalidate_changed(
         self, order: list[str], outputs: dict[str, list[Path]], part_files: list[Path] = ()
     ) -> list[str]:
-        """Set aside the first stage whose key changed (finished or not) and every later one; return their names.
-
-        Args:
-            order: Stage names in the order they run.
-            outputs: What each stage writes: moved to ``set_aside/<stage>-<old key>-<time>/`` beside it.
-            part_files: What sums up the whole part (``metrics.json``): set aside with the first stage redone.
-        """
+        """Set aside the first stage of ``order`` whose key changed (finished or not) and every later one: their
+        ``outputs`` go to ``set_aside/<stage>-<old key>-<time>/``, ``part_files`` (``metrics.json``) with the first;
+        return their names."""
         upgraded = False
         for index, stage in enumerate(order):
             reasons = self._stale(stage, outputs.get(stage, []))
@@ -207,13 +187,8 @@ class Manifest:
 
 
 def set_aside(paths: Iterable[Path], label: str, note: dict | None = None) -> list[Path]:
-    """Move each existing path to ``<its parent>/set_aside/<label>-<time>/<its name>``; return where they went.
-
-    Args:
-        paths: Files or folders made stale.
-        label: Says why (``select-<old key>``, ``old-lineage``...).
-        note: Written as ``why.json`` into each ``set_aside`` folder used (the old manifest entry, the reasons).
-    """
+    """Move each existing path to ``<its parent>/set_aside/<label>-<time>/<its name>`` (``label`` says why), with
+    ``note`` as ``why.json`` beside it; return where they went."""
     moved = []
     stamp = time.strftime("%Y%m%dT%H%M%S")
     for path in paths:
@@ -266,11 +241,8 @@ def _continues(upstream: str | None, previous: tuple[str, dict] | None) -> bool:
 
 
 def lineage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
-    """``(iteration, part, folder)`` of the run's current lineage, in run order (``optima.paths.stage_folders``).
-
-    A folder belongs when its first stage's ``previous stage`` is the last folder's stage of the same key; the
-    first that does not (an earlier run's iteration) ends the lineage. A folder without a manifest is kept.
-    """
+    """``(iteration, part, folder)`` of the run's current lineage, in run order: a folder belongs when its first
+    stage's ``previous stage`` is the last folder's stage of the same key (one without a manifest is kept)."""
     run_dir = Path(run_dir)
     found, previous = [], None
     for iteration, part, sp in stage_folders(run_dir):
@@ -288,11 +260,8 @@ def lineage_folders(run_dir: Path) -> list[tuple[int, str, StagePaths]]:
 
 
 def lineage_checkpoints(root: Path) -> list[tuple[str, Path]]:
-    """The checkpoints under ``root`` that a sweep evaluates (``optima.paths.find_checkpoints``: finished ones).
-
-    When ``root`` is a run's ``checkpoints`` folder, a checkpoint is kept only when a train stage of the current
-    lineage started under its key and, if it finished, recorded the checkpoint's ``weights_id``.
-    """
+    """The finished checkpoints under ``root`` a sweep evaluates; in a run's ``checkpoints``, only those a train stage
+    of the current lineage started under its key and, if it finished, recorded (their ``weights_id``)."""
     root = Path(root)
     found = find_checkpoints(root)
     run_dir = root.parent
@@ -363,13 +332,8 @@ def _alive(holder: dict) -> bool:
 
 @contextlib.contextmanager
 def run_lock(folder: Path) -> Iterator[Path]:
-    """Hold ``<folder>/.optima.lock`` while a run writes ``folder``; a second run stops with the holder's pid.
-
-    A lock left by a process that is gone (killed with SIGKILL, a crashed machine) is taken over with a warning.
-
-    Raises:
-        FolderLocked: another live process holds the folder.
-    """
+    """Hold ``<folder>/.optima.lock`` while a run writes ``folder``; a second run stops with ``FolderLocked``, naming
+    the holder. A lock whose process is gone (SIGKILL, a crash) is taken over with a warning."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / LOCK_FILE
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid())}

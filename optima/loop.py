@@ -22,7 +22,7 @@ from optima.config.rules import loss_model, train_start, trainer_base_yaml
 from optima.environments import check_env
 from optima.evaluation.heldout import run_heldout
 from optima.hardware.placement import describe_layout
-from optima.hub import build_model_card
+from optima.hub import build_model_card, push_run
 from optima.identity import digest, file_digest, model_identity
 from optima.lineage import (
     Manifest,
@@ -86,8 +86,6 @@ def run_loop(run: Run, skip_iteration: int = 0) -> str:
             if run_heldout_stage(run) is not None:
                 write_run_report(paths.output_dir)  # the held-out table is the report's last
     if recipe.push_to_hub:
-        from optima.hub import push_run
-
         push_run(recipe, paths, model)
     logger.info("done | final model %s", model)
     return model

@@ -61,15 +61,8 @@ def stage_tags(tags: tuple[str, ...]) -> tuple[Stage, ...]:
 
 @dataclass(frozen=True)
 class Method:
-    """One training method.
-
-    Args:
-        name: As recipes and the command line spell it (``sft_dpo``).
-        label: As the paper and the reports write it (``iSFT-DPO``).
-        recipe: Its recipe class in ``optima.config``.
-        parts: The parts of one iteration, in order, each as ``(subfolder, trainer)``; subfolder ``None``: the
-            iteration's own folder.
-    """
+    """One training method: its ``name`` (``sft_dpo``), ``label`` (``iSFT-DPO``), recipe class in ``optima.config``,
+    and the parts of one iteration in order, each ``(subfolder, trainer)`` (``None``: the iteration's own folder)."""
 
     name: str
     label: str

@@ -31,10 +31,12 @@ from optima.hardware.allocation import HardwareAllocation, allocate_this_machine
 from optima.hardware.machine import Hardware
 from optima.hardware.placement import ServerLayout, loss_server_wanted
 from optima.lineage import Manifest
+from optima.lm_loss import HFLossScorer, VLLMLossScorer
 from optima.methods import DPO, Stage, TrainerKind
 from optima.paths import RunPaths, StagePaths
 from optima.serving.holder import ServerHolder
 from optima.tasks import Task, get_task
+from optima.tasks.math_equiv import MathVerifier
 from optima.tracking import trainer_overrides
 from optima.training.launch_config import TrainLaunch, describe_trainer_overrides, launch_for, render_trainer_config
 
@@ -45,16 +47,9 @@ ScoreTexts = Callable[[Sequence[str]], list[float]]
 
 @dataclass(kw_only=True)
 class Run:
-    """What every stage of a run shares, one per run (``build_run``; the dry run builds one too and makes nothing).
-
-    Args:
-        recipe: The validated recipe.
-        paths: Every file of the run.
-        envs: ``{"vllm": ..., "train": ...}``.
-        hardware: Where every process runs, checked before the run starts.
-        progress: Training progress bars on the console (``--quiet``: none).
-        report_to: The run's trackers (``auto`` resolved when the run starts).
-    """
+    """What every stage of a run shares, one per run (``build_run``; a dry run builds one and makes nothing): the
+    recipe, its files, the environments, the hardware allocation, the servers, the task, the tokenizer, the trackers
+    (``report_to``, resolved when the run starts) and whether training draws progress bars."""
 
     recipe: LoopRecipe
     paths: RunPaths
@@ -101,8 +96,6 @@ class Run:
         """One symbolic checker of MATH answers (one worker pool) for a whole stage; yields None for other tasks."""
         if self.task.score_type != "math":
             return contextlib.nullcontext(None)
-        from optima.tasks.math_equiv import MathVerifier
-
         return MathVerifier()
 
 
@@ -119,18 +112,8 @@ def build_run(
 
 @dataclass(frozen=True)
 class Part:
-    """One iteration, or one part of it (``sft``/``dpo`` in iSFT-DPO): where it runs and the model it starts from.
-
-    Args:
-        run: The run.
-        iteration: The iteration.
-        name: ``sft`` or ``dpo`` within an iSFT-DPO iteration, else None.
-        trainer: Which stages it runs (``optima.methods.TRAINER_STAGES``).
-        sp: Its folder.
-        out: Its checkpoint.
-        model: The model it samples from and trains (the run's real one, after any ``carry_forward``).
-        manifest: Its stages' record (None in the dry run).
-    """
+    """One iteration, or one part of it (``name``: ``sft``/``dpo`` in iSFT-DPO): the stages of its ``trainer``, its
+    folder and checkpoint (``out``), the model it samples from and trains, its manifest (None in the dry run)."""
 
     run: Run
     iteration: int
@@ -178,14 +161,11 @@ class LossRoute:
 
 
 def loss_route(recipe: LoopRecipe, layout: ServerLayout | None, stage: Stage, served: str) -> LossRoute:
-    """Where ``stage`` computes its LM losses while the policy serves ``served`` (docs/method.md#reward).
-
-    Without ``cal_ppl``: nowhere. With the vLLM backend, on the run's loss server beside the policy when there is
-    one; else generation scores nothing; the tree search, which still samples, uses the policy when it serves the
-    loss model, else a loss server started for the search where the layout placed one (``loss_placement: after``
-    on a GPU); the score stage starts a server of the loss model in place of the policy. Otherwise (``loss_backend:
-    hf``, or a tree search with nowhere to serve the loss model) transformers in the driver.
-    """
+    """Where ``stage`` computes its LM losses while the policy serves ``served`` (docs/method.md#reward): the run's
+    loss server beside the policy when it keeps one; else generation scores none, the tree search (which still
+    samples) scores on the policy when it serves the loss model, else on a loss server started for it where the layout
+    placed one (``loss_placement: after`` on a GPU), and the score stage on a server started in place of the policy;
+    with ``loss_backend: hf`` or nowhere to serve, with transformers in the driver."""
     model, search = loss_model(recipe), stage == Stage.SEARCH
     vllm = recipe.loss_backend == "vllm"
     if not recipe.cal_ppl:
@@ -226,8 +206,6 @@ def loss_scorer(run: Run, route: LossRoute, sp) -> Iterator[ScoreTexts | None]:
         }[route.where]
         yield built_on_first_use(lambda: served_loss_scorer(run, urls()))
     else:
-        from optima.lm_loss import HFLossScorer
-
         if not route.keeps_policy:
             servers.release_for_training()  # the in-process scorer needs the cores / memory, as training does
         backend = run.recipe.loss_backend
@@ -237,8 +215,6 @@ def loss_scorer(run: Run, route: LossRoute, sp) -> Iterator[ScoreTexts | None]:
 
 def served_loss_scorer(run: Run, urls: list[str]) -> ScoreTexts:
     """Mean LM loss of each text from vLLM servers of the loss model at ``urls``."""
-    from optima.lm_loss import VLLMLossScorer
-
     return VLLMLossScorer(urls, run.recipe.served_model_name, run.tokenizer, run.recipe).score
 
 

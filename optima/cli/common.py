@@ -1,11 +1,6 @@
-"""What every command line of Optima shares: the environment and control flags, the environments, and the guard
-that turns bad input into one message and exit code 2 (a failed stage: 1).
-
-The scripts take the flags of the released Optima commands (``--train_config_path``, ``--vllm_env``,
-``--alignment_env``, ``--skip_iteration``, ``--model_root_path``, ``--dataset_type``, ...), so those commands work
-unchanged, and add ``--set key=value`` (recipe overrides, YAML-typed) and ``--dry-run`` (validate and print
-the plan; start nothing). Errors in the recipe or the environments end the script with exit code 2 and one
-message naming the file, the field and the value.
+"""What every command line of Optima shares: the released commands' environment flags, ``--set``, ``--dry-run`` and
+``--hardware``, and the exit codes: bad input (the recipe, an environment) ends with one message naming the file,
+the field and the value and exit code 2, a failed stage with its reason and 1.
 """
 
 from __future__ import annotations
