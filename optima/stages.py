@@ -11,7 +11,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -93,7 +93,7 @@ def score(part: Part, s: Settings) -> dict:
         known = load_known_losses(sp.losses, s.loss.model)
         scorers = RewardScorers(score_texts=scorer, known=known, tokenize=tokenize, verifier=verifier)
         stats = reward_generations(run.recipe, sp.generations, sp.rewarded, scorers)
-    return stats.to_dict() | verifier_stats(verifier)
+    return stats | verifier_stats(verifier)
 
 
 def select(part: Part, s: Settings) -> dict:
@@ -254,68 +254,39 @@ class RewardScorers:
     verifier: object | None = None
 
 
-@dataclass
-class RewardStats:
-    """What the score stage saw (goes into metrics.json)."""
+def reward_stats(lines: Sequence[dict], verifier=None) -> dict:
+    """What the score stage saw (metrics.json), over every rewarded line; ``verifier`` checks flexible MATH answers.
 
-    questions: int = 0
-    conversations: int = 0
-    answered: int = 0
-    flexible_answered: int = 0
-    task_score_sum: float = 0.0
-    flexible_score_sum: float = 0.0
-    token_sum: int = 0
-    cut: int = 0  # conversations cut for length
-    placeholder_copies: int = 0  # conversations that copy a prompt's placeholder as an answer
-    best_rewards: list[float] = field(default_factory=list)
-    parts_sum: Counter = field(default_factory=Counter)
-    verifier: object | None = None  # the stage's MathVerifier (flexible MATH answers)
-
-    def add(self, line: dict) -> None:
-        results = line["results"]
-        for r in results:
-            self.parts_sum.update(r["reward_parts"])
-        self.questions += 1
-        self.conversations += len(results)
-        self.answered += sum(scored_answer(r.get("final_answer"), r.get("status", "ok")) is not None for r in results)
-        self.task_score_sum += sum(r["reward_parts"]["task_score"] for r in results)  # per question, as before
-        for r in results:
-            self.add_flexible(r)
-        self.token_sum += sum(r["token_count"] for r in results)
-        self.cut += sum(is_cut(r) for r in results)
-        self.placeholder_copies += sum(placeholder_copies(r) > 0 for r in results)
-        self.best_rewards.append(max(r["reward"] for r in results))
-
-    def add_flexible(self, result: dict) -> None:
-        """Count a rewarded conversation's flexible answer: its strict one scores as the reward scored it."""
-        if scored_answer(result.get("final_answer"), result.get("status", "ok")) is not None:
-            self.flexible_answered += 1
-            self.flexible_score_sum += result["reward_parts"]["task_score"]
-            return
-        answer = flexible_answer(result)
-        if answer is not None:
-            self.flexible_answered += 1
-            example = Example.from_dict(result["example"])
-            self.flexible_score_sum += score_example(example, answer, verifier=self.verifier)
-
-    def to_dict(self) -> dict:
-        n = max(self.conversations, 1)
-        best = sorted(self.best_rewards)
-        return {
-            "questions": self.questions,
-            "conversations": self.conversations,
-            "answer_rate": round(self.answered / n, 4),
-            "accuracy": round(self.task_score_sum / n, 4),
-            # The answer named in words when not in the format (optima.tasks.flexible): reported, never rewarded.
-            "flexible_answer_rate": round(self.flexible_answered / n, 4),
-            "flexible_accuracy": round(self.flexible_score_sum / n, 4),
-            "mean_tokens": round(self.token_sum / n, 2),
-            "cut_rate": round(self.cut / n, 4),
-            "placeholder_copies": self.placeholder_copies,
-            "best_reward_max": round(best[-1], 4) if best else None,
-            "best_reward_median": round(best[len(best) // 2], 4) if best else None,
-            "mean_reward_parts": mean_parts(self.parts_sum, self.conversations),
-        }
+    The flexible answer is the one named in words when not in the format (``optima.tasks.scoring``): reported, never
+    rewarded; a strict answer is its own flexible one, scored as the reward scored it.
+    """
+    results = [r for line in lines for r in line["results"]]
+    parts, task_sum, flexible, flexible_sum = Counter(), 0.0, 0, 0.0
+    for line in lines:
+        task_sum += sum(r["reward_parts"]["task_score"] for r in line["results"])  # per question, as before
+    for r in results:
+        parts.update(r["reward_parts"])
+        if scored_answer(r.get("final_answer"), r.get("status", "ok")) is not None:
+            flexible, flexible_sum = flexible + 1, flexible_sum + r["reward_parts"]["task_score"]
+        elif (answer := flexible_answer(r)) is not None:
+            example = Example.from_dict(r["example"])
+            flexible, flexible_sum = flexible + 1, flexible_sum + score_example(example, answer, verifier=verifier)
+    n, best = max(len(results), 1), sorted(max(r["reward"] for r in line["results"]) for line in lines)
+    answered = sum(scored_answer(r.get("final_answer"), r.get("status", "ok")) is not None for r in results)
+    return {
+        "questions": len(lines),
+        "conversations": len(results),
+        "answer_rate": round(answered / n, 4),
+        "accuracy": round(task_sum / n, 4),
+        "flexible_answer_rate": round(flexible / n, 4),
+        "flexible_accuracy": round(flexible_sum / n, 4),
+        "mean_tokens": round(sum(r["token_count"] for r in results) / n, 2),
+        "cut_rate": round(sum(is_cut(r) for r in results) / n, 4),
+        "placeholder_copies": sum(placeholder_copies(r) > 0 for r in results),
+        "best_reward_max": round(best[-1], 4) if best else None,
+        "best_reward_median": round(best[len(best) // 2], 4) if best else None,
+        "mean_reward_parts": mean_parts(parts, len(results)),
+    }
 
 
 def mean_parts(parts_sum: Counter, count: int) -> dict[str, float] | None:
@@ -363,16 +334,14 @@ def _losses_for(chunk: Sequence[Sequence[dict]], score_texts: ScoreTexts | None,
 
 def reward_generations(
     recipe: LoopRecipe, generations: Path, out_path: Path, scorers: RewardScorers = RewardScorers()
-) -> RewardStats:
+) -> dict:
     """Reward every question of ``generations`` into ``out_path`` (``rewarded.jsonl``), resuming what is there: one
-    line per question, written in chunks, so a killed stage resumes at the first question not yet written."""
+    line per question, written in chunks, so a killed stage resumes at the first question not yet written. Returns
+    ``reward_stats`` of every line."""
     records, _ = load_records(generations)
     groups = group_by_question(records)
     # One line per question (no sample_index): the question's id is the resume key.
     done = prepare_resume(out_path, retry_errors=False, key=lambda line: str(line["task_id"]))
-    stats = RewardStats(verifier=scorers.verifier)
-    for line in load_records(out_path)[0]:
-        stats.add(line)
     todo = [g for g in groups if str(g[0]["task_id"]) not in done]
     on = "on" if scorers.score_texts else "off"
     logger.info("score | %d questions (%d already rewarded) | LM loss %s", len(groups), len(done), on)
@@ -380,8 +349,6 @@ def reward_generations(
         for start in range(0, len(todo), QUESTIONS_PER_CHUNK):
             chunk = todo[start : start + QUESTIONS_PER_CHUNK]
             for group, losses in zip(chunk, _losses_for(chunk, scorers.score_texts, scorers.known), strict=True):
-                line = reward_question(group, losses, recipe, scorers.tokenize, scorers.verifier)
-                writer.write(line)
-                stats.add(line)
+                writer.write(reward_question(group, losses, recipe, scorers.tokenize, scorers.verifier))
                 bar.update()
-    return stats
+    return reward_stats(load_records(out_path)[0], scorers.verifier)

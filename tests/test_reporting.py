@@ -13,7 +13,7 @@ from optima.config import parse_report_to
 from optima.lineage import Manifest
 from optima.loop import iteration_metrics
 from optima.reporting import collect_rows, write_run_report
-from optima.stages import RewardStats, verifier_stats
+from optima.stages import reward_stats, verifier_stats
 from optima.tasks import Example
 from optima.tracking import (
     resolve_report_to,
@@ -44,11 +44,9 @@ def write_metrics(folder: Path, iteration: int, stages: dict[str, tuple[dict, fl
 
 
 def sft_stages(scores: list[float], tokens: list[int], kept: int, loss: float) -> dict[str, tuple[dict, float]]:
-    stats = RewardStats()
-    stats.add(rewarded_line(scores, tokens))
     return {
         "generate": ({"written": len(scores)}, 10.0),
-        "score": (stats.to_dict(), 2.0),
+        "score": (reward_stats([rewarded_line(scores, tokens)]), 2.0),
         "select": ({"kept_conversations": kept, "rows": {"train": 2 * kept}}, 0.5),
         "train": ({"train_loss": loss, "train_rows": 2 * kept}, 30.0),
     }
@@ -109,13 +107,11 @@ def test_the_score_stage_counts_answers_named_in_words():
         return {"final_answer": final, "status": status, "token_count": 4, "reward_parts": parts, "reward": 0.0,
                 "example": example, "utterances": utterances}  # fmt: skip
 
-    stats = RewardStats()
-    stats.add({"task_id": "q", "results": [
+    numbers = reward_stats([{"task_id": "q", "results": [
         result("", "ok", "<A>{letter}) {option text}</A> The answer is C."),  # right, in words only
         result("", "too_long", "The answer is C."),  # cut: no answer either way
         result("A", "ok", "<A>A</A>"),  # a strict answer (wrong) is also the flexible one
-    ]})  # fmt: skip
-    numbers = stats.to_dict()
+    ]}])  # fmt: skip
     assert numbers["answer_rate"] == round(1 / 3, 4) and numbers["accuracy"] == 0.0
     assert numbers["flexible_answer_rate"] == round(2 / 3, 4) and numbers["flexible_accuracy"] == round(1 / 3, 4)
 
@@ -145,10 +141,9 @@ def test_the_report_counts_placeholder_copies_per_iteration(tmp_path):
     line = rewarded_line([0.0, 1.0, 0.0], [10, 10, 10])
     for result, utterances in zip(line["results"], texts, strict=True):
         result |= {"example": EXAMPLE, "status": "ok", "utterances": [{"speaker": "A", "text": t} for t in utterances]}
-    stats = RewardStats()
-    stats.add(line)
-    assert stats.to_dict()["placeholder_copies"] == 2
-    write_metrics(tmp_path / "run" / "iteration_0", 0, {"score": (stats.to_dict(), 1.0)})
+    stats = reward_stats([line])
+    assert stats["placeholder_copies"] == 2
+    write_metrics(tmp_path / "run" / "iteration_0", 0, {"score": (stats, 1.0)})
     (row,) = collect_rows(tmp_path / "run")
     assert row["placeholder_copies"] == 2
     assert "| cut share | placeholder copies |" in write_run_report(tmp_path / "run")[0].read_text()

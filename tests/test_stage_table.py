@@ -300,6 +300,6 @@ def test_the_score_stage_shares_one_math_verifier(tmp_path, monkeypatch):
         stats = reward_generations(
             recipe, tmp_path / "generations.jsonl", tmp_path / "rewarded.jsonl", RewardScorers(verifier=shared)
         )
-    assert stats.to_dict()["accuracy"] == 1.0 and started == []
+    assert stats["accuracy"] == 1.0 and started == []
     reward_generations(recipe, tmp_path / "generations.jsonl", tmp_path / "again.jsonl")
     assert len(started) == 2  # without one, each answer starts its own
