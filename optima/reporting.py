@@ -13,6 +13,8 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+import yaml
+
 from optima.browser import collect_sections, sample_conversations, write_conversations_page
 from optima.evaluation.metrics import with_timeouts
 from optima.evaluation.tables import new_figure, render_heldout_table, render_markdown_table
@@ -145,8 +147,6 @@ def _describe_run(run_dir: Path, rows: list[dict]) -> str:
     recipe_file = run_dir / "recipe.yaml"
     if not recipe_file.is_file():
         return f"method {method}"
-    import yaml
-
     recipe = yaml.safe_load(recipe_file.read_text()) or {}
     return (
         f"method {method}, task `{recipe.get('dataset_type', '?')}`, "

@@ -17,6 +17,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, int]
@@ -106,8 +108,6 @@ def write_jsonl(records: Iterable[dict], path: Path) -> Path:
 
 def write_yaml(path: Path, data: Any) -> Path:
     """Write `data` as YAML (keys in their order), atomically."""
-    import yaml
-
     return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
 
 
