@@ -23,7 +23,7 @@ from optima.methods import DPO, SFT, method_of_trainers
 from optima.paths import PAGE, StagePaths
 from optima.store import atomic_write_text, load_records
 from optima.tasks.scoring import reparsed
-from optima.tracking import log_rows, scalars_of, write_tensorboard_scalars
+from optima.tracking import log_rows, write_tensorboard_scalars
 
 logger = logging.getLogger(__name__)
 
@@ -318,6 +318,6 @@ def publish_iteration(run_dir: Path, report_to: list[str]) -> None:
                 samples = []
             write_tensorboard_scalars(run_dir, rows, samples)
         if rows and "wandb" in report_to:
-            log_rows(run_dir, rows, scalars_of)  # every finished row not sent yet (backfills after a resume)
+            log_rows(run_dir, rows)  # every finished row not sent yet (backfills after a resume)
     except (OSError, ValueError, ImportError) as exc:
         logger.warning("report | could not write the run report or tracker logs of %s: %s", run_dir, exc)

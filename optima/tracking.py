@@ -143,9 +143,9 @@ def row_key(row: dict) -> str:
     return f"{key}@{row['lineage'][:12]}" if row.get("lineage") else key
 
 
-def log_rows(run_dir: Path, rows: list[dict], scalars_of) -> list[str]:
-    """Send the rows not sent yet to the run's W&B run (resumed by its id, `iteration` its step metric); returns
-    their keys. `scalars_of` maps a row to `{metric name: value}`."""
+def log_rows(run_dir: Path, rows: list[dict]) -> list[str]:
+    """Send the rows not sent yet to the run's W&B run (resumed by its id, `iteration` its step metric), under the
+    TensorBoard tags; returns their keys."""
     record = run_record(run_dir)
     missing = [row for row in rows if row_key(row) not in record["logged"]]
     if not missing:

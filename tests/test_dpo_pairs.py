@@ -19,7 +19,6 @@ from optima.selection.dpo import (
     candidate_pairs,
     keep_best_pairs,
     passes_pair_rule,
-    question_pairs,
     save_pairs,
     split_pairs,
 )
@@ -133,8 +132,9 @@ def test_keep_the_best_half_and_at_least_one(found, kept):
     assert [p["chosen_value"] for p in result] == sorted((p["chosen_value"] for p in pairs), reverse=True)[:kept]
 
 
-def test_question_pairs_keeps_the_best_by_chosen_value():
-    (kept,) = question_pairs(fan(EXAMPLES[0], [0.8, 0.1]), RECIPE)  # two pairs found: root (0.9) and node 1 (0.8)
+def test_a_question_keeps_its_best_pairs_by_chosen_value():
+    found = candidate_pairs(fan(EXAMPLES[0], [0.8, 0.1]), RECIPE)  # two pairs found: root (0.9) and node 1 (0.8)
+    (kept,) = keep_best_pairs(found, RECIPE.dpo_keep_fraction)
     assert kept["node_id"] == 0 and kept["chosen_value"] == 0.9
 
 
@@ -168,7 +168,8 @@ def test_save_and_load_round_trip(tmp_path):
     assert train.column_names == ["prompt", "chosen", "rejected", *META_COLUMNS]
     row = train[0]
     assert row["prompt"][0]["role"] == "system" and row["chosen"][0]["role"] == "assistant"
-    assert row == next(p for p in question_pairs(lines[int(row["task_id"][1:])], RECIPE))
+    line = lines[int(row["task_id"][1:])]
+    assert row == next(p for p in keep_best_pairs(candidate_pairs(line, RECIPE), RECIPE.dpo_keep_fraction))
     records = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert [r["task_id"] for r in records] == [f"q{i}" for i in range(9)]
     assert [p["kept"] for p in records[0]["pairs"]] == [True, False] and records[8]["pairs"] == []

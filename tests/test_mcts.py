@@ -26,7 +26,7 @@ from optima.selection.mcts import (
     search_question,
     selection_distance,
 )
-from optima.selection.tree import Reply, Rollout, SearchSettings, ranked_children
+from optima.selection.tree import Reply, Rollout, SearchSettings
 from tests.helpers import arc_examples
 
 REPO = Path(__file__).resolve().parent.parent
@@ -277,7 +277,7 @@ def test_stale_best_and_worst_regression():
     tree.backpropagate(a, -1.0)  # a falls below b: the original's pointers now say max = min = a
     tree.backpropagate(a, -1.0)
     assert a.value == pytest.approx(-1 / 3)
-    assert ranked_children(tree.root) == [b, a]
+    assert sorted(tree.root.children, key=lambda child: -child.value) == [b, a]
     recipe = SimpleNamespace(initial_dpo_epsilon=0.4, initial_dpo_min_value=0.2, compat="default")
     (pair,) = candidate_pairs(tree.result().to_dict(), recipe)
     assert pair["chosen"][0]["content"] == "Alice: I pick <A>B</A> for sure"

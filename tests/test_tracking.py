@@ -107,9 +107,9 @@ def run_header(run_dir: Path, run_id: str):
 def test_driver_run_project_group_step_metric_and_backfill(sft_run, wandb_offline):  # noqa: F811
     rows = collect_rows(sft_run)
     # The run so far had iteration 0 only; a resumed run then finishes iteration 1.
-    assert log_rows(sft_run, rows[:1], scalars_of) == ["0"]
-    assert log_rows(sft_run, rows[:1], scalars_of) == []  # nothing new: no W&B run started
-    assert log_rows(sft_run, rows, scalars_of) == ["1"]
+    assert log_rows(sft_run, rows[:1]) == ["0"]
+    assert log_rows(sft_run, rows[:1]) == []  # nothing new: no W&B run started
+    assert log_rows(sft_run, rows) == ["1"]
     record = json.loads((sft_run / RUN_FILE).read_text())
     assert record["project"] == "optima" and record["group"] == "run_sft" and record["logged"] == ["0", "1"]
     header = run_header(sft_run, record["id"])

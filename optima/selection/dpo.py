@@ -114,11 +114,6 @@ def keep_best_pairs(pairs: Sequence[dict], keep_fraction: float) -> list[dict]:
     return ranked[: max(1, int(keep_fraction * len(ranked)))]
 
 
-def question_pairs(line: dict, recipe: DPOLoopRecipe) -> list[dict]:
-    """The kept pairs of one question."""
-    return keep_best_pairs(candidate_pairs(line, recipe), recipe.dpo_keep_fraction)
-
-
 def split_pairs(
     pairs_by_question: Sequence[Sequence[dict]], train_fraction: float, seed: int, iteration: int
 ) -> dict[str, list[dict]]:

@@ -140,11 +140,6 @@ class TreeNode:
         }
 
 
-def ranked_children(node: TreeNode) -> list[TreeNode]:
-    """Children by current value, best first (ties: older first). Mining uses the ends of this list."""
-    return sorted(node.children, key=lambda child: -child.value)
-
-
 @dataclass
 class SearchResult:
     """One question's search: the tree (plain dicts), every rollout, and the order of selections."""
