@@ -1,8 +1,11 @@
 """The conversation browser: `conversations.html` beside a run's `report.md` (or in an evaluation folder).
 
 Per iteration and stage, each question with its conversations (turns, answers, score, tokens, LM loss, reward
-parts, kept or dropped and by which rule) and its DPO pairs side by side, with filters and a search box; a static
-page that opens from disk. `python -m optima show DIR` writes it; a loop rewrites it after every iteration.
+parts, kept or dropped and by which rule) and its DPO pairs side by side, with filters and a search box: one static
+page that opens from disk (the CSS and the filter script inline, in `page.html`; every text from a run escaped).
+Each conversation and pair is an `.item` whose `data-kept`, `data-answered` and `data-cut` the filters read (also
+from the address: `?kept=dropped&cut=yes&q=word`). `python -m optima show DIR` writes it; a loop rewrites it after
+every iteration. What it shows is read by `collect`.
 """
 
 from __future__ import annotations
@@ -10,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import html
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
-from optima.browser.collect import ConversationView, QuestionView, Section, collect_sections
-from optima.browser.render import render_page
+from optima.browser.collect import ConversationView, PairView, QuestionView, Section, Turn, collect_sections
 from optima.paths import PAGE
 from optima.store import atomic_write_text
 
@@ -21,8 +24,173 @@ logger = logging.getLogger(__name__)
 
 LINKED_FILES = ("report.md", "report.png", "summary.csv", "comparison.md", "sc_analysis.md")
 # Questions shown per stage output: a paper-scale iteration (2000 questions x 8 conversations) would make a page
-# no browser opens comfortably; ``show --max-questions 0`` writes them all.
+# no browser opens comfortably; `show --max-questions 0` writes them all.
 MAX_QUESTIONS = 300
+TEMPLATE = Path(__file__).with_name("page.html")
+PART_ORDER = ("task_score", "token_term", "loss_term", "penalty", "reward")
+
+
+def esc(value) -> str:
+    """Escaped text of any value (quotes too: safe in attributes)."""
+    return html.escape(str(value), quote=True)
+
+
+def number(value) -> str:
+    """A short number: 4 significant digits for floats, `-` for none."""
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def chip(text: str, kind: str = "") -> str:
+    return f'<span class="chip {kind}">{esc(text)}</span>'
+
+
+def verdict_chip(kept: bool | None, rule: str) -> str:
+    """Kept (green) or dropped (red) with the rule that decided; nothing when no decision applies."""
+    if kept is None:
+        return chip(rule) if rule else ""
+    if kept:
+        return chip("kept" if rule in ("", "kept") else f"kept: {rule}", "good")
+    return chip(f"dropped: {rule}", "bad")
+
+
+def kept_value(kept: bool | None) -> str:
+    return "" if kept is None else "kept" if kept else "dropped"
+
+
+def turn_html(turn: Turn) -> str:
+    """One utterance bubble: Alice left, Bob right, anyone else (debate agents, CoT) neutral."""
+    who = turn.speaker.lower() if turn.speaker in ("Alice", "Bob") else "other"
+    extra = [f"{turn.tokens} tok"] if turn.tokens is not None else []
+    extra += [f"loss {turn.loss:.3g}"] if turn.loss is not None else []
+    note = f'<span class="tok">{esc(", ".join(extra))}</span>' if extra else ""
+    return f'<div class="turn {who}"><span class="who">{esc(turn.speaker)}</span>{note}\n{esc(turn.text)}</div>'
+
+
+def turns_html(turns: Iterable[Turn]) -> str:
+    body = "".join(turn_html(t) for t in turns)
+    return f'<div class="turns">{body or "<span class=empty>no utterance</span>"}</div>'
+
+
+def conversation_meta(conv: ConversationView, gold: str) -> list[str]:
+    """The chips of a conversation: answer, gold, score, tokens, loss, reward parts, status, verdict."""
+    chips = [chip(conv.label, "label"), verdict_chip(conv.kept, conv.rule)]
+    answer = conv.final_answer or "no answer"
+    chips.append(chip(f"answer: {answer}", "" if conv.final_answer else "warn"))
+    chips.append(chip(f"gold: {gold}"))
+    if conv.task_score is not None:
+        chips.append(chip(f"task score {number(conv.task_score)}", "good" if conv.task_score > 0 else ""))
+    chips.append(chip(f"{conv.tokens} tokens"))
+    if conv.lm_loss is not None:
+        chips.append(chip(f"LM loss {conv.lm_loss:.3g}"))
+    for name in PART_ORDER:
+        if conv.parts and name in conv.parts and name != "task_score":
+            chips.append(chip(f"{name.replace('_', ' ')} {number(conv.parts[name])}"))
+    if conv.cut:
+        chips.append(chip("cut for length", "warn"))
+    status = conv.status + (f" ({conv.stop_reason})" if conv.stop_reason else "")
+    chips.append(chip(f"status {status}", "" if conv.status == "ok" else "bad"))
+    return [c for c in chips if c]
+
+
+def conversation_html(conv: ConversationView, gold: str) -> str:
+    data = (
+        f'data-kept="{kept_value(conv.kept)}" data-answered="{"yes" if conv.answered else "no"}" '
+        f'data-cut="{"yes" if conv.cut else "no"}"'
+    )
+    meta = "".join(conversation_meta(conv, gold))
+    return f'<div class="conv item {kept_value(conv.kept)}" {data}><div class="meta">{meta}</div>' + (
+        f"{turns_html(conv.turns)}</div>"
+    )
+
+
+def pair_html(pair: PairView) -> str:
+    """A DPO pair: its verdict, the shared prefix (collapsed), chosen and rejected side by side."""
+    meta = "".join(
+        [
+            chip(f"pair at node {pair.node_id}, depth {pair.depth}", "label"),
+            verdict_chip(pair.kept, pair.rule),
+            chip(f"chosen value {number(pair.chosen_value)}"),
+            chip(f"rejected value {number(pair.rejected_value)}"),
+        ]
+    )
+    if pair.prefix:
+        prefix = f"<details class=prefix><summary>shared prefix: {len(pair.prefix)} utterances</summary>"
+        prefix += turns_html(pair.prefix) + "</details>"
+    else:
+        prefix = "<div class=empty>no shared prefix: the pair is the first utterance</div>"
+    sides = (
+        f'<div class="sides"><div class="side chosen"><h4>chosen</h4>{turn_html(pair.chosen)}</div>'
+        f'<div class="side rejected"><h4>rejected</h4>{turn_html(pair.rejected)}</div></div>'
+    )
+    kept = kept_value(pair.kept)
+    return f'<div class="pair item {kept}" data-kept="{kept}"><div class="meta">{meta}</div>{prefix}{sides}</div>'
+
+
+def question_html(question: QuestionView, is_open: bool, unit: str = "conversations") -> str:
+    counts = [f"{len(question.conversations)} {unit}"] + ([f"{len(question.pairs)} pairs"] * bool(question.pairs))
+    summary = (
+        f'<span class="qhead"><span class="qid">{esc(question.task_id)}</span>{esc(_first_line(question.question))}'
+        f"</span> {chip(', '.join(counts))}" + (f" {chip(question.verdict)}" if question.verdict else "")
+    )
+    # Pairs first: they are what a DPO stage trains on; the rollouts they were mined from follow.
+    items = "".join(pair_html(p) for p in question.pairs)
+    items += "".join(conversation_html(c, question.gold) for c in question.conversations)
+    body = f'<div class="qtext">{esc(question.question)}</div><div class="items">{items}</div>'
+    return f'<details class="question"{" open" if is_open else ""}><summary>{summary}</summary>{body}</details>'
+
+
+def _first_line(text: str, width: int = 140) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def unit_of(section: Section) -> str:
+    """What a section's conversations are called: the rollouts of a tree search, else conversations."""
+    return "rollouts" if section.tag.endswith("search") else "conversations"
+
+
+def section_stats(section: Section) -> str:
+    """One line of counts: questions, conversations, kept, answered, cut, pairs."""
+    convs = [c for q in section.questions for c in q.conversations]
+    pairs = [p for q in section.questions for p in q.pairs]
+    parts = [f"{len(section.questions)} questions", f"{len(convs)} {unit_of(section)}"]
+    if any(c.kept is not None for c in convs):
+        parts.append(f"{sum(c.kept is True for c in convs)} kept")
+    parts += [f"{sum(c.answered for c in convs)} answered", f"{sum(c.cut for c in convs)} cut for length"]
+    if pairs:
+        parts.append(f"{len(pairs)} pairs ({sum(p.kept for p in pairs)} kept)")
+    return " · ".join(parts)
+
+
+def section_html(section: Section) -> str:
+    questions = "".join(question_html(q, i == 0, unit_of(section)) for i, q in enumerate(section.questions))
+    if section.left_out:
+        note = f"{section.left_out} more questions not shown: python -m optima show DIR --max-questions 0 shows all"
+        questions += f"<p class=empty>{esc(note)}</p>"
+    return (
+        f'<section class="stage" id="{esc(section.anchor)}"><h2>{esc(section.title)}</h2>'
+        f'<div class="source">{esc(section.source)} · {esc(section_stats(section))}</div>'
+        f"{questions or '<p class=empty>nothing written yet</p>'}</section>"
+    )
+
+
+def nav_html(sections: list[Section]) -> str:
+    links = "".join(f'<li><a href="#{esc(s.anchor)}">{esc(s.title)}</a></li>' for s in sections)
+    return f"<nav><ul>{links}</ul></nav>"
+
+
+def render_page(title: str, subtitle: str, sections: list[Section], links: dict[str, str]) -> str:
+    """The whole page (`links`: label -> relative address of files beside it, `report.md`...)."""
+    link_html = " · ".join(f'<a href="{esc(href)}">{esc(label)}</a>' for label, href in links.items())
+    head = esc(subtitle) + (f" · {link_html}" if link_html else "")
+    body = nav_html(sections) + "".join(section_html(s) for s in sections)
+    if not sections:
+        body = "<p class=empty>No conversation has been written yet.</p>"
+    page = TEMPLATE.read_text()
+    # The body is last: a run's text can never be taken for a placeholder.
+    return page.replace("{{title}}", esc(title)).replace("{{subtitle}}", head).replace("{{body}}", body)
 
 
 def write_conversations_page(
