@@ -16,7 +16,7 @@ from optima.loop import heldout_models, render_plan, run_heldout_stage
 from optima.reporting import write_run_report
 from optima.run import build_run
 from optima.tasks import get_task, select_questions
-from optima.tasks.arc import normalize_question
+from optima.tasks.choice import normalize_question
 from tests.fake_openai import FakeOpenAIServer
 from tests.test_layout import sft_recipe
 from tests.test_stage_table import TRAIN_ENV

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from optima.tasks import QA_EVAL_LIMIT, TASK_ALIASES, TASKS, DataError, Example, MixTask, get_task, select_questions
-from optima.tasks.arc import normalize_question, question_stem
+from optima.tasks.choice import normalize_question, question_stem
 from optima.tasks.multihop import iter_context
 from optima.tasks.sampling import select_indices, stable_rng
 from optima.tasks.trival_qa import TriviaQA

@@ -30,7 +30,7 @@ from optima.identity import digest
 from optima.paths import checkpoint_label
 from optima.store import atomic_write_text, load_records, write_json
 from optima.tasks import Example, get_task, select_questions
-from optima.tasks.arc import normalize_question
+from optima.tasks.choice import normalize_question
 from optima.tasks.math_equiv import MathVerifier
 
 logger = logging.getLogger(__name__)

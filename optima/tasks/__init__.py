@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from itertools import zip_longest
 
-from optima.tasks.arc import ARCChallenge
 from optima.tasks.base import QA_EVAL_LIMIT, DataError, Example, Task
 from optima.tasks.cbt import CBT
+from optima.tasks.choice import MMLU, ARCChallenge
 from optima.tasks.gsm8k import GSM8K
 from optima.tasks.hendrycks_math import HendrycksMath
-from optima.tasks.mmlu import MMLU
 from optima.tasks.multihop import HotpotQA, MultiWikiHopQA
 from optima.tasks.sampling import select_questions
 from optima.tasks.sources import DATA_DIR_ENV, resolve_data_dir
