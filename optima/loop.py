@@ -136,7 +136,21 @@ def iteration_parts(recipe: LoopRecipe, paths: RunPaths, iteration: int) -> list
             for i, (name, trainer) in enumerate(parts)]  # fmt: skip
 
 
-# What each stage's key reads besides its recipe fields, and what it writes (set aside when it is redone).
+# What each stage's key reads besides its recipe fields (each one's identity: None when unused), and what it writes.
+READERS = {
+    "served model": lambda part: model_identity(part.model),
+    "loss model": lambda part: model_identity(loss_model(part.recipe)) if part.recipe.cal_ppl else None,
+    "start model": lambda part: model_identity(train_start(part.recipe, part.model, part.name)),
+    "trainer YAML": lambda part: file_identity(trainer_base_yaml(part.recipe, part.trainer)),
+    "prompt pool": lambda part: (
+        file_identity(part.recipe.prompt_pool_path)
+        if generation_settings(part.recipe, part.iteration).use_prompt_pool  # the generate stage's own rule
+        else None
+    ),
+    "task data": lambda part: data_identity(part.recipe),
+    "role prompts": lambda part: templates_identity(),
+    "answer checks": lambda part: f"parser {PARSER_VERSION}, scorer {SCORER_VERSION}",
+}
 READS = {
     Stage.GENERATE: ("served model", "prompt pool", "task data", "role prompts"),
     Stage.SCORE: ("loss model", "answer checks"),
@@ -157,27 +171,6 @@ WRITES = {
 }
 
 
-def read_identity(part: Part, name: str) -> str | None:
-    """The identity of one thing a stage reads (None: unused): a model's weights id, a file's hash, a version."""
-    recipe = part.recipe
-    if name == "served model":
-        return model_identity(part.model)
-    if name == "loss model":
-        return model_identity(loss_model(recipe)) if recipe.cal_ppl else None
-    if name == "start model":
-        return model_identity(train_start(recipe, part.model, part.name))
-    if name == "trainer YAML":
-        return file_identity(trainer_base_yaml(recipe, part.trainer))
-    if name == "prompt pool":  # the generate stage's own settings say whether it reads the pool
-        used = generation_settings(recipe, part.iteration).use_prompt_pool
-        return file_identity(recipe.prompt_pool_path) if used else None
-    if name == "task data":
-        return data_identity(recipe)
-    if name == "role prompts":
-        return templates_identity()
-    return f"parser {PARSER_VERSION}, scorer {SCORER_VERSION}"  # answer checks
-
-
 def part_keys(part: Part, upstream: str | None) -> dict[str, StageKey]:
     """The ``StageKey`` of every stage of ``part``, in order, each chained to the one before it (``upstream``: the
     previous part's last stage; None for the first part and after a skipped iteration)."""
@@ -185,7 +178,7 @@ def part_keys(part: Part, upstream: str | None) -> dict[str, StageKey]:
     for stage in TRAINER_STAGES[part.trainer]:
         inputs = {}
         for name in READS[stage]:
-            value = read_identity(part, name)
+            value = READERS[name](part)
             if value is not None:  # the trainer YAML is recorded under its trainer's name (SFT trainer YAML)
                 inputs[f"{part.trainer.upper()} {name}" if name == "trainer YAML" else name] = value
         if upstream is not None:
@@ -257,7 +250,6 @@ def check_writable(folder: Path) -> None:
 
 def start_run(run: Run) -> None:
     """Write ``recipe.yaml``, attach the driver log and resolve the trackers, before any work starts."""
-    check_writable(run.paths.output_dir)
     save_recipe(run.recipe, run.paths.recipe_file)
     attach_driver_log(run.paths.driver_log)
     run.report_to = resolve_report_to(run.recipe.report_to, run.envs.get("train"))
