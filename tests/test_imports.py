@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MAX_MODULES = 76
+MAX_MODULES = 74
 DEMO = "train/sft_recipes/demo_arc.yaml"
 COUNT = """
 import contextlib, io, runpy, sys
