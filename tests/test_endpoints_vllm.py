@@ -20,7 +20,7 @@ from optima.identity import model_identity
 from optima.paths import RunPaths
 from optima.serving.client import server_root
 from optima.serving.reload import EndpointMismatch, sync_endpoints
-from optima.serving.vllm_server import build_replica_specs, find_free_port, start_replicas
+from optima.serving.vllm_server import ReplicaLayout, build_replica_specs, find_free_port, start_replicas
 from tests.conftest import requires_vllm
 from tests.helpers import build_test_recipe
 from tests.tiny_model import build_tiny_model
@@ -60,10 +60,12 @@ def two_servers(tiny_model, tmp_path_factory):
     recipe = build_test_recipe(root, port=port, server_startup_timeout_s=300.0, request_timeout_s=120.0)
     placements = place_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=2)
     stage, env = RunPaths.from_recipe(recipe).stage(0), resolve_env(None, "vllm")
-    dev = build_replica_specs(recipe, str(tiny_model), env, stage, placements[:1])[0]
+    dev = build_replica_specs(recipe, str(tiny_model), env, stage, ReplicaLayout(placements[:1]))[0]
     dev = dataclasses.replace(dev, env=dev.env | {"VLLM_SERVER_DEV_MODE": "1"})
     plain_recipe = dataclasses.replace(recipe, port=find_free_port("127.0.0.1", dev.port + 1))
-    plain = build_replica_specs(plain_recipe, str(model_b), env, RunPaths(root / "plain").stage(0), placements[1:])[0]
+    plain = build_replica_specs(
+        plain_recipe, str(model_b), env, RunPaths(root / "plain").stage(0), ReplicaLayout(placements[1:])
+    )[0]
     plain = dataclasses.replace(plain, replica=1)
     with start_replicas([dev, plain], recipe.server_startup_timeout_s) as servers:
         yield recipe, str(tiny_model), str(model_b), servers[0].spec.api_url, servers[1].spec.api_url

@@ -22,7 +22,7 @@ from optima.hardware.placement import Placement
 from optima.identity import read_probe
 from optima.paths import RunPaths
 from optima.serving.reload import WeightsMismatch, probe_server, wake_with_weights
-from optima.serving.vllm_server import build_replica_specs, find_free_port, start_replicas
+from optima.serving.vllm_server import ReplicaLayout, build_replica_specs, find_free_port, start_replicas
 from optima.store import save_splits
 from optima.training.common import is_complete
 from optima.training.launch import run_training
@@ -63,7 +63,9 @@ def kept_server(tiny_model, tmp_path_factory):
     port = find_free_port("127.0.0.1", 29000 + os.getpid() % 5000)
     recipe = build_test_recipe(root, port=port, server_startup_timeout_s=300.0, request_timeout_s=120.0)
     placement = [Placement(carry_over=True)]  # kept across checkpoints: the reload routes and the CPU extension
-    spec = build_replica_specs(recipe, str(tiny_model), resolve_env(None, "vllm"), RunPaths(root).stage(0), placement)
+    spec = build_replica_specs(
+        recipe, str(tiny_model), resolve_env(None, "vllm"), RunPaths(root).stage(0), ReplicaLayout(placement)
+    )
     with start_replicas(spec, recipe.server_startup_timeout_s) as servers:
         yield recipe, servers[0].spec.api_url
 

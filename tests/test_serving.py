@@ -20,6 +20,7 @@ from optima.serving.client import ServerStartupError
 from optima.serving.processes import group_members
 from optima.serving.reload import normalize_base_url, sync_endpoints
 from optima.serving.vllm_server import (
+    ReplicaLayout,
     ServerSpec,
     VLLMServer,
     build_replica_specs,
@@ -117,7 +118,9 @@ def test_ports_skip_busy_ones_and_each_other(make_recipe, tmp_path):
         assert find_free_port("127.0.0.1", port) > port
         assert find_free_port("127.0.0.1", port + 1, exclude=[port + 1]) >= port + 2
         recipe = make_recipe(port=port)
-        specs = build_replica_specs(recipe, str(tmp_path), VENV, RunPaths(tmp_path).stage(0), [Placement()] * 2)
+        specs = build_replica_specs(
+            recipe, str(tmp_path), VENV, RunPaths(tmp_path).stage(0), ReplicaLayout([Placement()] * 2)
+        )
     assert port < specs[0].port < specs[1].port
     assert specs[1].log_path == tmp_path / "iteration_0" / "logs" / "vllm_1.log"
     assert specs[0].api_url == f"http://127.0.0.1:{specs[0].port}/v1"

@@ -23,7 +23,7 @@ from optima.hardware.placement import place_replicas
 from optima.paths import RunPaths
 from optima.serving.client import ServerStartupError
 from optima.serving.processes import group_members
-from optima.serving.vllm_server import build_replica_specs, find_free_port, serve, start_replicas
+from optima.serving.vllm_server import ReplicaLayout, build_replica_specs, find_free_port, serve, start_replicas
 from optima.store import load_records
 from tests.conftest import requires_vllm
 from tests.helpers import arc_examples, build_test_recipe, child_groups, count_lines, wait_for
@@ -50,7 +50,7 @@ def tiny_servers(tiny_model, tmp_path_factory):
     recipe = build_test_recipe(tmp_path_factory.mktemp("vllm_run"), port=free_port(), **LIMITS)
     placements = place_replicas(recipe, [], sorted(os.sched_getaffinity(0)), cpu_replicas=2)
     stage = RunPaths.from_recipe(recipe).stage(0)
-    specs = build_replica_specs(recipe, str(tiny_model), resolve_env(None, "vllm"), stage, placements)
+    specs = build_replica_specs(recipe, str(tiny_model), resolve_env(None, "vllm"), stage, ReplicaLayout(placements))
     with start_replicas(specs, recipe.server_startup_timeout_s) as servers:
         yield recipe, servers
 

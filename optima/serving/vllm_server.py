@@ -339,22 +339,14 @@ def memory_share(recipe: Recipe, layout: ReplicaLayout) -> MemoryShare:
 
 
 def build_replica_specs(
-    recipe: Recipe,
-    model_path: str,
-    vllm_env: PythonEnv,
-    stage_paths: StagePaths,
-    placements: Sequence[Placement],
-    exclude_ports: Sequence[int] = (),
-    share: MemoryShare | None = None,
+    recipe: Recipe, model_path: str, vllm_env: PythonEnv, stage_paths: StagePaths, layout: ReplicaLayout
 ) -> list[ServerSpec]:
-    """Command line, environment, port (the first free from ``port`` up, skipping ``exclude_ports``) and log of each
-    replica; nothing starts. ``share``: who they share the memory with."""
-    cache_root = RunPaths(Path(recipe.output_dir)).vllm_cache
-    if share is None:
-        share = memory_share(recipe, ReplicaLayout(placements, exclude_ports))
-    specs, taken = [], list(exclude_ports)
-    for replica, placement in enumerate(placements):
-        port = find_free_port(recipe.host, recipe.port if len(taken) == len(exclude_ports) else taken[-1] + 1, taken)
+    """Command line, environment, port (the first free from ``port`` up, skipping ``layout.busy_ports``) and log of
+    each replica of ``layout``; nothing starts."""
+    cache_root, share = RunPaths(Path(recipe.output_dir)).vllm_cache, memory_share(recipe, layout)
+    specs, taken = [], list(layout.busy_ports)
+    for replica, placement in enumerate(layout.placements):
+        port = find_free_port(recipe.host, taken[-1] + 1 if specs else recipe.port, taken)
         taken.append(port)
         argv = build_serve_command(recipe, model_path, port, vllm_env, placement)
         env = build_serve_env(recipe, vllm_env, placement, cache_root, model_path, share)
@@ -388,10 +380,7 @@ def serve(
             layout = ReplicaLayout(
                 place_replicas(recipe, visible_gpus(), sorted(os.sched_getaffinity(0)), cpu_replicas)
             )
-        share = memory_share(recipe, layout)
-        specs = build_replica_specs(
-            recipe, str(model_path), vllm_env, stage_paths, layout.placements, layout.busy_ports, share
-        )
+        specs = build_replica_specs(recipe, str(model_path), vllm_env, stage_paths, layout)
         kv_gb = specs[0].env.get("VLLM_CPU_KVCACHE_SPACE")
         where = f"CPU (KV cache {kv_gb} GiB each)" if layout.placements[0].on_cpu else "GPU"
         ports = ", ".join(str(s.port) for s in specs)
