@@ -39,7 +39,8 @@ from optima.config import InferenceRecipe, load_recipe
 from optima.environments import resolve_env
 from optima.logging_utils import setup_logging
 from optima.paths import RunPaths
-from optima.serving import CacheCounters, fetch_metrics, serve
+from optima.serving.kv_monitor import CacheCounters, fetch_metrics
+from optima.serving.vllm_server import serve
 from optima.tasks import TASKS
 
 

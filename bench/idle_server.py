@@ -32,7 +32,7 @@ from optima.config import SFTRecipe, load_recipe
 from optima.environments import resolve_env
 from optima.hardware import place_servers
 from optima.paths import RunPaths
-from optima.serving import ServerHolder
+from optima.serving.holder import ServerHolder
 
 SIDES = ("frozen", "loss idle", "both idle")
 DEMO_RECIPE = REPO / "train" / "sft_recipes" / "demo_arc.yaml"

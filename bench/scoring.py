@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     from optima.environments import resolve_env
     from optima.logging_utils import setup_logging
     from optima.paths import RunPaths
-    from optima.serving import serve
+    from optima.serving.vllm_server import serve
 
     setup_logging()
     conversations = load_conversations(Path(args.generations), args.conversations)

@@ -49,7 +49,8 @@ from optima.hardware import Placement, ServerLayout, allocate_this_machine
 from optima.lm_loss import StreamingLosses, VLLMLossScorer, conversation_texts
 from optima.logging_utils import setup_logging
 from optima.paths import RunPaths
-from optima.serving import ServerHolder, group_members
+from optima.serving.holder import ServerHolder
+from optima.serving.processes import group_members
 from optima.store import load_records
 from optima.tasks import TASKS
 
