@@ -192,15 +192,15 @@ def allocate_servers(recipe: Recipe, hardware: Hardware, allocation: HardwareAll
     if layout.loss is not None:
         allocation.lines.append(f"loss model: {loss_size.describe()}" if loss_size else "loss model: size unknown")
         servers.append(("loss server" if layout.loss_resident else "search loss server", layout.loss))
+    resident, search = "stays up through training", "started with each tree search, stopped after it"
+    after = {"loss server": resident, "search loss server": search}
     for name, placement in servers:
         value = placement.gpu_memory_utilization or recipe.gpu_memory_utilization
-        after = "stays up through training" if name == "loss server" else "sleeps during training"
-        after = after if placement.carry_over or name == "loss server" else "stops for training"
-        after = "started with each tree search, stopped after it" if name.startswith("search") else after
-        rule = " (its weights + one scoring batch of KV cache)" if name.endswith("loss server") and share else ""
+        then = after.get(name, "sleeps during training" if placement.carry_over else "stops for training")
+        rule = " (its weights + one scoring batch of KV cache)" if name in after and share else ""
         allocation.lines.append(
             f"{name}: GPUs {','.join(placement.gpus)} (tensor parallel {len(placement.gpus)}), "
-            f"--gpu-memory-utilization {value} = {value * hardware.gpu_gib:.1f} GiB{rule}, {after}"
+            f"--gpu-memory-utilization {value} = {value * hardware.gpu_gib:.1f} GiB{rule}, {then}"
         )
 
 

@@ -138,7 +138,7 @@ def search_loss_server_wanted(recipe: Recipe) -> bool:
     return bool(served and searches and recipe.loss_placement == "after" and not recipe.endpoints)
 
 
-def carry_over_on(recipe: Recipe, gpus: Sequence[str] = ()) -> bool:
+def carry_over_on(recipe: Recipe) -> bool:
     """Keep the policy server across checkpoints: ``sleep_mode``, on by default (GPU and CPU); never endpoints."""
     return not recipe.endpoints and (True if recipe.sleep_mode is None else recipe.sleep_mode)
 
@@ -165,8 +165,8 @@ def place_replicas(recipe: Recipe, gpus: Sequence[str], cpus: Sequence[int], cpu
         ordinals = recipe.devices if recipe.devices is not None else range(len(gpus))
         bad = [d for d in ordinals if d >= len(gpus)]
         if bad:
-            raise RecipeError("devices", f"GPU {bad[0]} of {list(ordinals)} is not visible (visible: {list(gpus)}); "
-                              "name the GPUs as a list, e.g. [0, 1]")  # fmt: skip
+            visible = f"GPU {bad[0]} of {list(ordinals)} is not visible (visible: {list(gpus)})"
+            raise RecipeError("devices", f"{visible}; name the GPUs as a list, e.g. [0, 1]")
         selected, tp = [gpus[d] for d in ordinals], recipe.tensor_parallel_size
         if not selected or len(selected) % tp:
             raise RecipeError(
@@ -189,7 +189,7 @@ def place_servers(
     ``loss_share``, the allocation's rule) taken from that replica's share. CPU: the loss server on the last quarter
     of the cores (at least one; ``bench/RESULTS.md`` measured the choice), with a KV cache of one scoring batch.
     """
-    beside, carry = loss_server_wanted(recipe), carry_over_on(recipe, gpus)
+    beside, carry = loss_server_wanted(recipe), carry_over_on(recipe)
     if not gpus:
         if not beside:
             return ServerLayout((Placement(carry_over=carry),), None)
@@ -206,19 +206,21 @@ def place_servers(
         bad = [d for d in recipe.loss_devices if d >= len(gpus)]
         if bad:
             raise RecipeError("loss_devices", f"GPU {bad[0]} is not visible (visible: {list(gpus)})")
-        return ServerLayout(tuple(policy), Placement(gpus=tuple(gpus[d] for d in recipe.loss_devices), scoring=True),
-                            beside)  # fmt: skip
+        loss = Placement(gpus=tuple(gpus[d] for d in recipe.loss_devices), scoring=True)
+        return ServerLayout(tuple(policy), loss, beside)
     share = recipe.loss_gpu_memory_utilization or loss_share
     if share is None:
         raise ValueError("loss_gpu_memory_utilization is null: the hardware allocation computes the share")
     left = round(recipe.gpu_memory_utilization - share, 4)
     if left <= 0:
-        raise RecipeError("loss_gpu_memory_utilization", f"{share} leaves nothing of gpu_memory_utilization="
-                          f"{recipe.gpu_memory_utilization} for the policy on the GPU they share; lower it or name "
-                          "loss_devices")  # fmt: skip
+        whole = f"gpu_memory_utilization={recipe.gpu_memory_utilization}"
+        raise RecipeError(
+            "loss_gpu_memory_utilization",
+            f"{share} leaves nothing of {whole} for the policy on the GPU they share; lower it or name loss_devices",
+        )
     policy[0] = dataclasses.replace(policy[0], gpu_memory_utilization=left)
-    return ServerLayout(tuple(policy), Placement(gpus=policy[0].gpus[:1], gpu_memory_utilization=share, scoring=True),
-                        beside)  # fmt: skip
+    loss = Placement(gpus=policy[0].gpus[:1], gpu_memory_utilization=share, scoring=True)
+    return ServerLayout(tuple(policy), loss, beside)
 
 
 def describe_placement(placement: Placement, recipe: Recipe) -> str:
