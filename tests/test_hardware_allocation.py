@@ -237,12 +237,15 @@ def test_detect_hardware_reads_nvidia_smi(tmp_path):
 
 
 @requires_smollm2
-def test_a_local_models_size_is_read_from_its_weights_and_equals_the_table():
+def test_a_local_models_size_is_read_from_its_weights_and_equals_the_table(tmp_path):
     local = memory.model_size(REPO / "models/SmolLM2-135M-Instruct")
     table = memory.model_size("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert (local.params, local.largest) == (table.params, table.largest) == (134_515_008, 49152 * 576)
     assert local.source.startswith("safetensors of") and table.source == "built-in table (SmolLM2-135M-Instruct)"
     assert memory.model_size("org/unknown-model", "./missing/folder") is None
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_text("not weights")  # a placeholder: no size, no crash
+    assert memory.model_size(tmp_path) is None
     # a checkpoint not written yet stands in by its base model (the trainer YAML's)
     assert memory.model_size("./runs/x/checkpoints/iteration_0", "meta-llama/Meta-Llama-3-8B-Instruct").params > 8e9
 

@@ -101,12 +101,17 @@ class ModelSize:
 
 
 def safetensors_params(folder: Path) -> tuple[int, int] | None:
-    """Parameters in all and of the largest tensor, read from a folder's safetensors headers (None: none there)."""
+    """Parameters in all and of the largest tensor, read from a folder's safetensors headers (None: none there, or
+    one that is not a safetensors file: vLLM and the trainer say so when they load it)."""
     counts = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with path.open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        counts += [math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__"]
+    try:
+        for path in sorted(folder.glob("*.safetensors")):
+            with path.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if size < path.stat().st_size else None
+            counts += [math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
     return (sum(counts), max(counts)) if counts else None
 
 
