@@ -77,18 +77,7 @@ class StageKey:
         return reasons
 
 
-def stage_link(where: str, stage: str, identity: str) -> str:
-    """What the stage after ``stage`` records as its ``previous stage``: ``<folder in the run>/<stage>@<identity>``."""
-    return f"{where}/{stage}@{identity}"
-
-
-def short_key(entry: dict | None) -> str:
-    """A manifest entry's key for a folder name (``nokey``: none recorded)."""
-    return ((entry or {}).get("identity") or (entry or {}).get("config_hash") or "nokey")[:12]
-
-
-def now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S")
+STAMP = "%Y-%m-%dT%H:%M:%S"  # when a stage started and finished, in its manifest entry
 
 
 class Manifest:
@@ -146,7 +135,8 @@ class Manifest:
                 old = self.entries.pop(name, None)
                 why = reasons if name == stage else [f"stage {stage} before it is redone"]
                 paths = [*outputs.get(name, []), *(part_files if name == stage else [])]
-                set_aside(paths, f"{name}-{short_key(old)}", {"stage": name, "reasons": why, "entry": old})
+                old_key = ((old or {}).get("identity") or (old or {}).get("config_hash") or "nokey")[:12]
+                set_aside(paths, f"{name}-{old_key}", {"stage": name, "reasons": why, "entry": old})
             self._save()
             return later
         if upgraded:
@@ -160,16 +150,16 @@ class Manifest:
 
     def start(self, stage: str) -> None:
         """Record that ``stage`` starts, under its key: what it writes from now on is made under that key."""
-        self.entries[stage] = self._key_fields(stage) | {"started_at": now()}
+        self.entries[stage] = self._key_fields(stage) | {"started_at": time.strftime(STAMP)}
         self._save()
 
     def record(self, stage: str, result: dict, elapsed_s: float) -> None:
-        started = self.entries.get(stage, {}).get("started_at") or now()
+        started = self.entries.get(stage, {}).get("started_at") or time.strftime(STAMP)
         self.entries[stage] = self._key_fields(stage) | {
             "result": result,
             "elapsed_s": round(elapsed_s, 2),
             "started_at": started,
-            "finished_at": now(),
+            "finished_at": time.strftime(STAMP),
         }
         self._save()
 
@@ -232,7 +222,7 @@ def _continues(upstream: str | None, previous: tuple[str, dict] | None) -> bool:
     if previous is None:
         return False  # its chain starts in a folder that is not there
     where, entries = previous
-    head, _, identity = upstream.rpartition("@")  # stage_link: <folder>/<stage>@<identity>
+    head, _, identity = upstream.rpartition("@")  # optima.loop.link: <folder>/<stage>@<identity>
     link_where, _, stage = head.rpartition("/")
     if link_where != where:
         return False

@@ -32,7 +32,6 @@ from optima.lineage import (
     run_lock,
     set_aside,
     set_aside_beyond,
-    stage_link,
 )
 from optima.logging_utils import attach_driver_log
 from optima.methods import DPO, METHODS, SFT, TRAINER_STAGES, Stage
@@ -190,8 +189,8 @@ def part_keys(part: Part, upstream: str | None) -> dict[str, StageKey]:
 
 
 def link(part: Part, stage: str, key: StageKey) -> str:
-    """What the stage after ``stage`` records as its ``previous stage``: where it ran and its identity."""
-    return stage_link(f"iteration_{part.iteration}{'/' + part.name if part.name else ''}", stage, key.identity)
+    """What the stage after ``stage`` records as its ``previous stage``: ``<folder in the run>/<stage>@<identity>``."""
+    return f"iteration_{part.iteration}{'/' + part.name if part.name else ''}/{stage}@{key.identity}"
 
 
 def stage_outputs(part: Part, stage: Stage) -> list[Path]:

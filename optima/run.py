@@ -314,24 +314,12 @@ def stage_settings(part: Part) -> dict[Stage, Settings]:
         quantile = f"P{round(recipe.token_quantile * 100)} of their token counts"
         sizes = f"{recipe.mcts_selections} selections x {recipe.mcts_rollouts} rollouts, depth {recipe.max_turns}"
         search = loss_route(recipe, layout, Stage.SEARCH, part.model)
+        searched = {"questions": recipe.monte_sample_count, "per question": sizes, "LM loss": str(search)}
+        pairs = {"best child >": recipe.initial_dpo_epsilon, "best - worst >": recipe.initial_dpo_min_value}
         return {
             Stage.PROBE: Settings({"questions": recipe.probe_count, "T_max": quantile, "output": sp.probe}, probe),
-            Stage.SEARCH: Settings(
-                {
-                    "questions": recipe.monte_sample_count,
-                    "per question": sizes,
-                    "LM loss": str(search),
-                    "output": sp.rollouts,
-                },
-                loss=search,
-            ),  # fmt: skip
-            Stage.PAIRS: Settings(
-                {
-                    "best child >": recipe.initial_dpo_epsilon,
-                    "best - worst >": recipe.initial_dpo_min_value,
-                    "dataset": sp.dataset,
-                }
-            ),  # fmt: skip
+            Stage.SEARCH: Settings(searched | {"output": sp.rollouts}, loss=search),
+            Stage.PAIRS: Settings(pairs | {"dataset": sp.dataset}),
             Stage.TRAIN: train_settings(part),
         }
     g = generation_settings(recipe, part.iteration)
