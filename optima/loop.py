@@ -44,7 +44,9 @@ from optima.tasks import DataError, get_task, resolve_data_dir
 from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.scoring import SCORER_VERSION
 from optima.tracking import resolve_report_to
+from optima.training.common import is_complete
 from optima.training.hosts import verify_hosts
+from optima.training.launch import run_preflight
 from optima.training.nodes import ssh_resolver
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,11 @@ def run_loop(run: Run, skip_iteration: int = 0) -> str:
         start_run(run)
         set_aside_beyond(paths, recipe.iteration_times)
         with sigterm_as_exit(), run.servers:
+            # One trainer step at the longest rows, the loss server up, unless all is trained (docs/gpu.md#preflight)
+            if "train" in run.envs and not all(
+                p.iteration < skip_iteration or is_complete(p.out) for p in planned_parts(run)
+            ):
+                run_preflight(recipe, run.envs["train"], run.hardware, paths, run.servers.loss_urls)
             model, upstream = recipe.initial_model_path, None
             for iteration in range(recipe.iteration_times):
                 if iteration < skip_iteration:

@@ -38,7 +38,13 @@ from optima.serving.holder import ServerHolder
 from optima.tasks import Task, get_task
 from optima.tasks.math_equiv import MathVerifier
 from optima.tracking import trainer_overrides
-from optima.training.launch_config import TrainLaunch, describe_trainer_overrides, launch_for, render_trainer_config
+from optima.training.launch_config import (
+    TrainLaunch,
+    describe_trainer_overrides,
+    launch_for,
+    method_values,
+    render_trainer_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +300,7 @@ def train_settings(part: Part) -> Settings:
     if kind in run.hardware.accumulation:  # keeps the released global batch on the planned processes
         values["gradient_accumulation_steps"] = run.hardware.accumulation[kind]
     if kind == DPO:
-        values["rpo_alpha"] = recipe.rpo_alpha  # DPO + NLL on chosen (None: plain DPO)
+        values |= method_values(recipe, kind)  # DPO + NLL on chosen (rpo_alpha None: plain DPO)
         method = {"model": start, "reference": start, "rpo_alpha": recipe.rpo_alpha}
     else:
         method = {"model": start, "trainer yaml": sp.trainer_yaml}

@@ -249,7 +249,9 @@ def test_stopping_the_driver_in_training_stops_the_trainer_and_its_workers(tmp_p
     env.write_text(FAKE_TRAIN_ENV.format(python=sys.executable, fake_accelerate=tmp_path / "fake_accelerate.py"))
     env.chmod(0o755)
     (tmp_path / "model").mkdir()
-    recipe = write_sft_recipe(tmp_path, tmp_path / "model", fake_server.base_url, sample_count=4, cal_ppl=False)
+    recipe = write_sft_recipe(
+        tmp_path, tmp_path / "model", fake_server.base_url, sample_count=4, cal_ppl=False, preflight=False
+    )
     command = [*sft_command(recipe)[:-1], str(env)]  # --alignment_env: the fake
     pids = tmp_path / "pids"
     env = os.environ | {"FAKE_TRAINER_PIDS": str(pids)}

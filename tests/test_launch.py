@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -12,8 +13,12 @@ from optima.environments import resolve_env
 from optima.hardware.machine import ACCELERATE_CONFIGS, resolve_accelerate_config
 from optima.training.launch import TrainingError, run_training
 from optima.training.launch_config import TrainLaunch, render_trainer_config, write_trainer_config
+from tests._task_fixtures import resolve_test_data_dir
+from tests.conftest import requires_vllm
+from tests.helpers import tiny_trainer_yaml
 
 REPO = Path(__file__).resolve().parent.parent
+VLLM_ENV = REPO / ".venvs" / "vllm"
 BASE_YAMLS = sorted((REPO / "alignment-handbook/recipes").glob("*/*/base.yaml")) + sorted(
     (REPO / "alignment-handbook/recipes").glob("*/*/*/base.yaml")
 )
@@ -101,3 +106,115 @@ def test_handbook_recipes_parse_with_installed_trl(path):
     assert config.learning_rate > 0 and model.model_name_or_path
     if is_dpo:
         assert extras.max_prompt_length < config.max_length  # enforced for every shipped DPO recipe
+
+
+# ---------------------------------------------------------------- the preflight
+
+
+def preflight_values(tmp_path: Path, model: Path) -> dict:
+    """An iSFT recipe over a tiny trainer YAML (max_length 64), writing to ``tmp_path/run``."""
+    base = tiny_trainer_yaml(tmp_path / "base.yaml", model, tmp_path / "unused", tmp_path / "unused_out")
+    return {
+        "dataset_type": "arc",
+        "initial_model_path": str(model),
+        "data_dir": str(resolve_test_data_dir()),
+        "output_dir": str(tmp_path / "run"),
+        "origin_yaml_path": str(base),
+        "accelerate_config": "cpu",
+        "loss_backend": "hf",
+    }
+
+
+def test_preflight_rows_fill_the_length_limits(tiny_model):
+    """SFT: max_length tokens, all trained; DPO: the prompt at its limit, prompt + completion past max_length (the
+    trainer cuts them); one optimizer step of rows (batch x accumulation x processes)."""
+    pytest.importorskip("datasets")
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from optima.training.common import preflight_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    args = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=3, world_size=2)
+    sft = preflight_rows(tokenizer, args, 64)
+    assert len(sft) == 12 and {len(row["input_ids"]) for row in sft} == {64}
+    assert all(row["labels"] == row["input_ids"] and -100 not in row["labels"] for row in sft)
+    dpo = preflight_rows(tokenizer, args, 64, 24)
+    prompt = tokenizer.apply_chat_template(dpo[0]["prompt"], add_generation_prompt=True)["input_ids"]
+    chosen = tokenizer.apply_chat_template(dpo[0]["prompt"] + dpo[0]["chosen"])["input_ids"]
+    assert len(dpo) == 12 and 24 <= len(prompt) < 64 < len(chosen) - len(prompt)
+
+
+@pytest.mark.slow
+def test_the_preflight_takes_one_step_records_its_peak_and_a_rerun_skips_it(tiny_model, tmp_path, caplog):
+    from optima.config import SFTRecipe, load_recipe
+    from optima.run import build_run
+    from optima.training.launch import read_preflight, run_preflight
+
+    recipe = load_recipe(SFTRecipe, None, preflight_values(tmp_path, tiny_model), check_paths=False)
+    ctx = build_run(recipe, {"train": resolve_env(sys.executable, "train")}, gpu=False)
+    record = run_preflight(recipe, ctx.envs["train"], ctx.hardware, ctx.paths)
+    assert record == read_preflight(ctx.paths.output_dir)
+    sft = record["trainers"]["sft"]
+    assert sft["processes"] == 1 and record["peak_rss_bytes"] == sft["peak_rss_bytes"] > 200 * 2**20  # torch alone
+    assert not (ctx.paths.output_dir / "preflight").exists()  # the work folder goes, nothing was saved
+    log = ctx.paths.driver_log.parent / "preflight_sft.log"
+    text = log.read_text()
+    assert "'train_runtime'" in text and "train | process 1 of 1" in text  # it trained, under accelerate
+    assert "'epoch'" in text and "max_steps" not in text  # one step ("epoch" logged), no error
+    before = log.stat().st_mtime_ns
+    with caplog.at_level(logging.INFO):
+        assert run_preflight(recipe, ctx.envs["train"], ctx.hardware, ctx.paths) == record
+    assert "skipped" in caplog.text and log.stat().st_mtime_ns == before  # the rerun started nothing
+
+
+@requires_vllm
+def test_a_trainer_that_cannot_take_a_step_stops_the_run_before_the_first_generation(tiny_model, tmp_path, capsys):
+    """A trainer key TRL rejects (``--trainer_set``): the run stops in the preflight, with the trainer's own error,
+    before any server starts or any conversation is generated."""
+    import time
+
+    import sft_script
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(preflight_values(tmp_path, tiny_model)))
+    argv = ["--train_config_path", str(path), "--vllm_env", str(VLLM_ENV), "--alignment_env", sys.executable]
+    started = time.monotonic()
+    assert sft_script.main([*argv, "--trainer_set", "no_such_trl_key=1"]) == 1
+    assert time.monotonic() - started < 120  # imports and one parse: not a generation
+    err, run = capsys.readouterr().err, tmp_path / "run"
+    assert "preflight sft: sft training exited with 1" in err and str(run / "logs" / "preflight_sft.log") in err
+    assert "no_such_trl_key" in err  # TRL's own message, quoted from the trainer's log
+    assert not list(run.rglob("generations.jsonl")) and not list(run.rglob("vllm_*.log"))
+    assert not (run / "logs" / "loss_server.log").exists() and not (run / "preflight.json").exists()
+
+
+SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct"
+# The training env's python with its address space limited to ~6 GB (RLIMIT_AS): accelerate and the trainer run
+# under it, as a trainer on a machine with that much memory would.
+LIMITED_PYTHON = """#!/bin/sh
+ulimit -v 6000000
+exec {python} "$@"
+"""
+
+
+@pytest.mark.slow
+@requires_vllm
+@pytest.mark.skipif(not SMOLLM2.is_dir(), reason=f"no {SMOLLM2} (make setup)")
+def test_a_max_length_the_trainer_has_no_memory_for_stops_the_run_in_the_preflight(tmp_path, capsys):
+    """The demo's trainer at max_length 16384 in 6 GB: the step's first large allocation fails, with torch's own
+    message, before any server starts or any conversation is generated."""
+    import sft_script
+
+    python = tmp_path / "python"
+    python.write_text(LIMITED_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+    values = preflight_values(tmp_path, SMOLLM2) | {"initial_model_path": str(SMOLLM2)}
+    values |= {"origin_yaml_path": str(REPO / "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml")}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(values))
+    argv = ["--train_config_path", str(tmp_path / "recipe.yaml"), "--vllm_env", str(VLLM_ENV)]
+    assert sft_script.main([*argv, "--alignment_env", str(python), "--trainer_set", "max_length=16384"]) == 1
+    err, run = capsys.readouterr().err, tmp_path / "run"
+    assert "preflight sft: sft training exited with 1" in err and "DefaultCPUAllocator: can't allocate memory" in err
+    assert not list(run.rglob("generations.jsonl")) and not list(run.rglob("vllm_*.log"))

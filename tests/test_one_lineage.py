@@ -191,6 +191,7 @@ def loop(tmp_path, monkeypatch):
         "min_tokens": 5,
         "report_to": "none",
         "loss_placement": "after",  # no loss server here: the stand-in losses are scored by the score stage
+        "preflight": False,  # its trainer is a fake (fake_train)
     }
 
     def run_loop(folder: str, where: tuple | None = None, rows: int = 0, **settings) -> Path:

@@ -59,6 +59,7 @@ def make_recipe(tmp_path: Path, method: str, **overrides):
         "initial_model_path": str(tmp_path / "base_model"),
         "output_dir": str(tmp_path / "run"),
         "iteration_times": 2,
+        "preflight": False,  # the tests here replace the stages, the trainer's among them
     }
     if method in ("sft", "sft_dpo"):
         values["origin_yaml_path"] = str(

@@ -143,6 +143,11 @@ class _LoopRecipe(_BaseRecipe):
     num_processes: int | None = field(
         None, help="training processes in all nodes; null = every GPU the hardware allocation leaves for training"
     )
+    preflight: bool = field(
+        True,
+        help="before the first generation, each trainer takes one optimizer step at its max_length with the run's "
+        "launcher and sharding, saving nothing: a trainer that cannot stops the run then (docs/gpu.md#preflight)",
+    )
     train_hosts: list[str] = field(
         [],
         help="multi-node training: one host per node, the first is the main one (machine rank 0); [] = this machine",

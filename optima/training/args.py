@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PREFLIGHT_HELP = "one optimizer step on synthetic rows at the length limits, saving nothing (the run's preflight)"
+
 
 @dataclass
 class OptimaSFTArguments:
@@ -16,9 +18,11 @@ class OptimaSFTArguments:
 
     Parameters:
         mask_partner_turns (`bool`, defaults to `True`): Loss only on the trained agent's own utterances.
+        preflight (`bool`, defaults to `False`): One step on synthetic rows of `max_length`; save nothing.
     """
 
     mask_partner_turns: bool = field(default=True, metadata={"help": "loss only on the agent's own turns"})
+    preflight: bool = field(default=False, metadata={"help": PREFLIGHT_HELP})
 
 
 @dataclass
@@ -29,7 +33,9 @@ class OptimaDPOArguments:
         max_prompt_length (`int`, *optional*): Prompt tokens kept (from the end) before the completion; must be
             smaller than `max_length`.
         rpo_alpha (`float`, *optional*): Weight of the NLL term on the chosen completion (iDPO: 1.0).
+        preflight (`bool`, defaults to `False`): One step on synthetic pairs at the length limits; save nothing.
     """
 
     max_prompt_length: int | None = field(default=None, metadata={"help": "prompt tokens kept (< max_length)"})
     rpo_alpha: float | None = field(default=None, metadata={"help": "weight of NLL on chosen; null = plain DPO"})
+    preflight: bool = field(default=False, metadata={"help": PREFLIGHT_HELP})

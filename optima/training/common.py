@@ -13,6 +13,8 @@ from optima.identity import COMPLETE_MARKER, WEIGHTS_ID_KEY, new_weights_id, rea
 logger = logging.getLogger(__name__)
 
 STATE_ENV = "OPTIMA_TRAINER_STATE"  # where the trainer writes its TrainerState after every step (the driver's bar)
+PEAK_RSS_FILE = "peak_rss_{rank}.json"  # a preflight rank's peak resident memory, in its output_dir
+FILLER = " the"  # synthetic text: one token per word for the usual tokenizers
 
 
 def state_callback() -> Any:
@@ -119,6 +121,37 @@ def train_or_resume(trainer: Any, training_args: Any) -> Any:
         logger.info("train | resume_from_checkpoint is set but %s holds no trainer checkpoint yet: starting fresh",
                     training_args.output_dir)  # fmt: skip
     return trainer.train(resume_from_checkpoint=resume)
+
+
+def preflight_rows(tokenizer: Any, training_args: Any, max_length: int, prompt_length: int | None = None) -> Any:
+    """Rows for one optimizer step (batch x accumulation x processes) at the length limits.
+
+    SFT (``prompt_length`` None): ``max_length`` tokens, all trained. DPO: a prompt of ``prompt_length`` words and
+    completions that fill the rest, cut to ``max_length`` by the trainer's own truncation.
+    """
+    from datasets import Dataset
+
+    count = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    count *= training_args.world_size
+    if prompt_length is None:
+        token = tokenizer(FILLER, add_special_tokens=False)["input_ids"][-1]
+        return Dataset.from_list([{"input_ids": [token] * max_length, "labels": [token] * max_length}] * count)
+    prompt = [{"role": "user", "content": FILLER * prompt_length}]
+    completion = [{"role": "assistant", "content": FILLER * max_length}]
+    return Dataset.from_list([{"prompt": prompt, "chosen": completion, "rejected": completion}] * count)
+
+
+def record_peak_rss(training_args: Any) -> None:
+    """Write this rank's peak resident memory (rank 0 adds its launcher's) to ``PEAK_RSS_FILE`` in output_dir."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    if training_args.process_index == 0:  # accelerate launch (or torchrun's agent): VmHWM of the parent
+        status = Path(f"/proc/{os.getppid()}/status").read_text()
+        peak += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
+    out = Path(training_args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PEAK_RSS_FILE.format(rank=training_args.process_index)).write_text(json.dumps({"bytes": peak}))
 
 
 def evaluation_split(splits: Any, training_args: Any, split: str) -> Any:

@@ -163,7 +163,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from optima.logging_utils import setup_logging
     from optima.training.args import OptimaDPOArguments
-    from optima.training.common import load_model_and_tokenizer, save_checkpoint, train_or_resume
+    from optima.training.common import (
+        load_model_and_tokenizer,
+        preflight_rows,
+        record_peak_rss,
+        save_checkpoint,
+        train_or_resume,
+    )
 
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig, OptimaDPOArguments))
     script_args, training_args, model_args, optima_args = parser.parse_args_and_config(argv)
@@ -172,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     set_seed(training_args.seed)
     model, tokenizer = load_model_and_tokenizer(model_args, training_args)
-    train, test = load_pair_splits(script_args, training_args)
+    if optima_args.preflight:
+        max_length = training_args.max_length or model.config.max_position_embeddings
+        prompt = optima_args.max_prompt_length or max_length // 2
+        train, test = preflight_rows(tokenizer, training_args, max_length, prompt), None
+    else:
+        train, test = load_pair_splits(script_args, training_args)
     logger.info(
         "dpo | %d train pairs, %s test pairs | loss %s weights %s | %s",
         len(train), len(test) if test else 0, training_args.loss_type, training_args.loss_weights,
@@ -188,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt_length=optima_args.max_prompt_length,
     )
     result = train_or_resume(trainer, training_args)
+    if optima_args.preflight:
+        record_peak_rss(training_args)
+        return 0
     losses = logged_losses(trainer)
     metrics = dict(result.metrics) | {
         "train_rows": len(train),

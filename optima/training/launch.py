@@ -12,6 +12,11 @@ Before a start, the build locks of torch's JIT extensions that a killed build le
 ``run_ranks`` starts the ranks of a distributed program directly (no accelerate: ``make gpu-check``'s 2-process
 ZeRO-3 save on one GPU, the sharded-save tests on CPU processes), with the same clean-up.
 
+``run_preflight``, before a run's first generation: each trainer of the method takes ONE optimizer step at the
+trainer YAML's ``max_length`` on synthetic rows, with the run's own launcher, processes and sharding, saving
+nothing; a trainer that cannot fails the run then, with its own error. It records its peak memory in
+``<output_dir>/preflight.json``; a rerun with the same trainer settings skips it.
+
 The console's progress bar (off with ``--quiet``, or when stderr is not a terminal) follows the ``TrainerState``
 that the trainer script writes after every step (``optima.training.common.state_callback``); the trainer's own
 output goes only to its log.
@@ -20,9 +25,11 @@ output goes only to its log.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,16 +38,35 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from optima.environments import REPO_ROOT
+from optima.config import LoopRecipe
+from optima.config.rules import trainer_base_yaml, trainer_overrides_for
+from optima.environments import REPO_ROOT, PythonEnv
+from optima.hardware.claims import HardwareAllocation
+from optima.methods import METHODS, TrainerKind
+from optima.paths import RunPaths
 from optima.serving.processes import PR_SET_PDEATHSIG, signal_group, stop_group
-from optima.training.common import STATE_ENV
+from optima.store import write_json
+from optima.training.common import PEAK_RSS_FILE, STATE_ENV
 from optima.training.extensions import extensions_root, remove_stale_build_locks
-from optima.training.launch_config import TrainLaunch
+from optima.training.launch_config import (
+    TrainLaunch,
+    launch_for,
+    method_values,
+    render_trainer_config,
+    write_trainer_config,
+)
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"  # the trainer's state, beside its log, while it runs
 STOP_TIMEOUT_S = 30.0  # grace period between SIGTERM and SIGKILL of a trainer's process group
+PREFLIGHT_FILE = "preflight.json"
+# What turns a stage's trainer YAML into the preflight's: one step on synthetic rows, no evaluation, no save, no
+# tracker (the trainer scripts read ``preflight``).
+PREFLIGHT_VALUES = {
+    "preflight": True, "max_steps": 1, "save_strategy": "no", "eval_strategy": "no", "load_best_model_at_end": False,
+    "report_to": "none", "push_to_hub": False, "resume_from_checkpoint": None, "dataset_name": None,
+}  # fmt: skip
 POLL_S = 1.0  # how often the progress bar reads the trainer's state
 
 
@@ -110,6 +136,93 @@ def run_training(
             stop_group(proc, STOP_TIMEOUT_S, "the trainer")
     if returncode != 0:
         raise TrainingError(failure_message(f"{desc}: {launch.kind} training exited with {returncode}", log_path))
+
+
+def read_preflight(output_dir: Path) -> dict | None:
+    """``<output_dir>/preflight.json`` (``peak_rss_bytes``, ``seconds``, ``trainers``, ``key``), None without one."""
+    path = Path(output_dir) / PREFLIGHT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def preflight_launches(
+    recipe: LoopRecipe, env: PythonEnv, hardware: HardwareAllocation, work: Path
+) -> dict[TrainerKind, tuple[dict, TrainLaunch]]:
+    """The preflight's trainer YAML and launch of each trainer the method runs: a train stage's, from the initial
+    model, with ``PREFLIGHT_VALUES`` on top."""
+    launches = {}
+    for kind in METHODS[recipe.method].trainers:
+        values = {"model_name_or_path": str(recipe.initial_model_path), "output_dir": str(work / kind), "seed": 0}
+        if kind in hardware.accumulation:
+            values["gradient_accumulation_steps"] = hardware.accumulation[kind]
+        values |= method_values(recipe, kind) | PREFLIGHT_VALUES
+        config = render_trainer_config(
+            Path(trainer_base_yaml(recipe, kind)), values, trainer_overrides_for(recipe, kind)
+        )
+        yaml_path = work / f"{kind}_trainer.yaml"
+        launches[kind] = (
+            config,
+            launch_for(recipe, kind, env, yaml_path, hardware.hardware.has_gpu, hardware.training),
+        )
+    return launches
+
+
+def run_preflight(
+    recipe: LoopRecipe,
+    env: PythonEnv,
+    hardware: HardwareAllocation,
+    paths: RunPaths,
+    before: Callable[[], object] | None = None,
+) -> dict | None:
+    """One optimizer step of each trainer at its longest sequence, before the run's first generation.
+
+    Its key is the preflight's trainer YAMLs, accelerate configs and command lines: a rerun with the same key
+    skips it. ``before`` runs first when it does not (the run's loss server starts: training shares the machine
+    with it). The work folder ``<output_dir>/preflight`` is removed after; the logs stay in ``<output_dir>/logs``.
+
+    Returns:
+        What ``preflight.json`` holds (None with ``preflight: false``).
+
+    Raises:
+        TrainingError: a trainer failed (its log's path and tail).
+    """
+    if not recipe.preflight:
+        return None
+    work = paths.output_dir / "preflight"
+    launches = preflight_launches(recipe, env, hardware, work)
+    shown = {
+        k: [config, Path(launch.accelerate_config).read_text(), launch.argv()]
+        for k, (config, launch) in launches.items()
+    }
+    key = hashlib.sha256(json.dumps(shown, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    done = read_preflight(paths.output_dir)
+    if done is not None and done.get("key") == key:
+        logger.info(
+            "preflight | done before with these trainer settings (%s): skipped", paths.output_dir / PREFLIGHT_FILE
+        )
+        return done
+    if before is not None:
+        before()
+    trainers = {}
+    try:
+        for kind, (config, launch) in launches.items():
+            shutil.rmtree(work / kind, ignore_errors=True)
+            write_trainer_config(config, launch.trainer_yaml)
+            log, started = paths.driver_log.parent / f"preflight_{kind}.log", time.monotonic()
+            log.unlink(missing_ok=True)
+            logger.info("preflight | %s | one step at max_length %s | log %s", kind, config.get("max_length"), log)
+            run_training(launch, log, desc=f"preflight {kind}")
+            peaks = [json.loads(p.read_text())["bytes"] for p in (work / kind).glob(PEAK_RSS_FILE.format(rank="*"))]
+            seconds = round(time.monotonic() - started, 1)
+            trainers[kind] = {"peak_rss_bytes": sum(peaks), "seconds": seconds, "processes": launch.processes()}
+            logger.info(
+                "preflight | %s | passed in %.1f s, peak resident memory %.2f GiB", kind, seconds, sum(peaks) / 2**30
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    record = {"key": key, "peak_rss_bytes": max(t["peak_rss_bytes"] for t in trainers.values())}
+    record |= {"seconds": round(sum(t["seconds"] for t in trainers.values()), 1), "trainers": trainers}
+    write_json(paths.output_dir / PREFLIGHT_FILE, record)
+    return record
 
 
 def console_stream(enabled: bool) -> IO[str] | None:

@@ -19,16 +19,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from optima.config import LoopRecipe
 from optima.environments import REPO_ROOT, PythonEnv
 from optima.hardware.machine import read_accelerate_config, resolve_accelerate_config
 from optima.hardware.placement import TrainingPlacement
 from optima.methods import DPO, SFT, TrainerKind
 from optima.store import write_yaml
-
-if TYPE_CHECKING:
-    from optima.config import LoopRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +93,11 @@ def describe_trainer_overrides(base_yaml: Path, user: dict[str, Any]) -> str:
         base = {}  # a missing base YAML is reported by the plan's inputs
     parts = [f"{k}={v!r} ({f'base: {base[k]!r}' if k in base else 'new'})" for k, v in user.items()]
     return ", ".join(parts) or "none"
+
+
+def method_values(recipe: LoopRecipe, kind: TrainerKind) -> dict[str, Any]:
+    """The trainer YAML values a method adds to its base YAML: DPO's ``rpo_alpha`` (None deletes the key)."""
+    return {"rpo_alpha": recipe.rpo_alpha} if kind == DPO else {}
 
 
 def write_trainer_config(config: dict[str, Any], path: Path) -> Path:

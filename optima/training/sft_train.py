@@ -44,14 +44,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from optima.logging_utils import setup_logging
     from optima.training.args import OptimaSFTArguments
-    from optima.training.common import load_model_and_tokenizer, save_checkpoint, train_or_resume
+    from optima.training.common import (
+        load_model_and_tokenizer,
+        preflight_rows,
+        record_peak_rss,
+        save_checkpoint,
+        train_or_resume,
+    )
 
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, OptimaSFTArguments))
     script_args, training_args, model_args, optima_args = parser.parse_args_and_config(argv)
     setup_logging()
     set_seed(training_args.seed)
     model, tokenizer = load_model_and_tokenizer(model_args, training_args)
-    train, test = build_datasets(script_args, training_args, optima_args, tokenizer)
+    if optima_args.preflight:
+        max_length = training_args.max_length or model.config.max_position_embeddings
+        train, test = preflight_rows(tokenizer, training_args, max_length), None
+    else:
+        train, test = build_datasets(script_args, training_args, optima_args, tokenizer)
     logger.info(
         "sft | %d train rows, %s test rows | %s", len(train), len(test) if test else 0, training_args.output_dir
     )
@@ -64,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         peft_config=get_peft_config(model_args),
     )
     result = train_or_resume(trainer, training_args)
+    if optima_args.preflight:
+        record_peak_rss(training_args)
+        return 0
     metrics = dict(result.metrics) | {"train_rows": len(train)}
     save_checkpoint(trainer, tokenizer, training_args.output_dir, metrics)
     return 0
