@@ -41,7 +41,7 @@ from typing import IO
 from optima.config import LoopRecipe
 from optima.config.rules import trainer_base_yaml, trainer_overrides_for
 from optima.environments import REPO_ROOT, PythonEnv
-from optima.hardware.claims import HardwareAllocation
+from optima.hardware.allocation import HardwareAllocation
 from optima.methods import METHODS, TrainerKind
 from optima.paths import RunPaths
 from optima.serving.processes import PR_SET_PDEATHSIG, signal_group, stop_group
