@@ -45,9 +45,7 @@ from optima.tasks.answers import PARSER_VERSION
 from optima.tasks.scoring import SCORER_VERSION
 from optima.tracking import resolve_report_to
 from optima.training.common import is_complete
-from optima.training.hosts import verify_hosts
 from optima.training.launch import run_preflight
-from optima.training.nodes import ssh_resolver
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +61,6 @@ def run_loop(run: Run, skip_iteration: int = 0) -> str:
     for role, env in run.envs.items():
         check_env(env, role)
     run.hardware.check()  # an impossible placement stops here, before any server or trainer starts
-    training = run.hardware.training
-    if training is not None and training.multi_node and training.launcher == "ssh":
-        verify_hosts([n.host for n in training.nodes], ssh_resolver(training.executable))
     check_writable(paths.output_dir)
     with run_lock(paths.output_dir):
         start_run(run)

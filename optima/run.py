@@ -67,11 +67,6 @@ class Run:
     @cached_property
     def servers(self) -> ServerHolder:
         """The policy server (one model at a time) and the loss server beside it; constructing it starts nothing."""
-        training, node_launcher = self.hardware.training, None
-        if training is not None and training.multi_node:  # every node serves the policy (ServerLayout.nodes)
-            from optima.training.nodes import NodeCommands
-
-            node_launcher = NodeCommands(training)
         recipe = self.recipe
 
         def demand(model: str):
@@ -84,7 +79,6 @@ class Run:
             self.paths.driver_log.parent,
             layout=self.hardware.layout,
             demand=demand,
-            node_launcher=node_launcher,
         )
 
     @cached_property

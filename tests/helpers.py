@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -195,3 +196,47 @@ def finished_stages(manifest: Path) -> list[str]:
 
     stages = json.loads(manifest.read_text())["stages"] if manifest.exists() else {}
     return [name for name, entry in stages.items() if "result" in entry]
+
+
+FAKE_SRUN = '''#!{python}
+"""Stands in for srun inside a Slurm allocation of this machine's "nodes": srun [OPTIONS] COMMAND runs COMMAND once
+per node of the step (SLURM_NODEID, SLURM_PROCID set; the caller's environment goes along, as srun's --export=ALL),
+and records its arguments, one JSON list a line."""
+import json, os, subprocess, sys
+args = sys.argv[1:]
+with open({calls!r}, "a") as calls:
+    calls.write(json.dumps(args) + "\\n")
+nodes, relative = 1, 0
+while args and args[0].startswith("-"):
+    flag = args.pop(0)
+    if "=" not in flag and flag not in ("--overlap",):
+        value = args.pop(0)
+        nodes = int(value) if flag == "--nodes" else nodes
+        relative = int(value) if flag == "--relative" else relative
+env = dict(os.environ)
+procs = [subprocess.Popen(args, env=env | {{"SLURM_NODEID": str(relative + i), "SLURM_PROCID": str(i)}})
+         for i in range(nodes)]
+codes = [proc.wait() for proc in procs]
+raise SystemExit(next((code for code in codes if code), 0))
+'''
+FAKE_SCONTROL = """#!/bin/sh
+# scontrol show hostnames: every node of the fake allocation is this machine's loopback
+for i in $(seq {nodes}); do echo 127.0.0.1; done
+"""
+
+
+def write_fake_slurm(folder: Path, nodes: int) -> tuple[Path, Path]:
+    """``srun`` and ``scontrol`` stand-ins in ``folder`` (put it first on PATH); returns (folder, the calls file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    calls = folder / "srun_calls.jsonl"
+    (folder / "srun").write_text(FAKE_SRUN.format(python=sys.executable, calls=str(calls)))
+    (folder / "scontrol").write_text(FAKE_SCONTROL.format(nodes=nodes))
+    for name in ("srun", "scontrol"):
+        (folder / name).chmod(0o755)
+    return folder, calls
+
+
+def slurm_env(folder: Path) -> dict[str, str]:
+    """The environment of a driver inside the fake allocation: the stand-ins first on PATH, node 0's name."""
+    path = os.pathsep.join([str(folder), os.environ.get("PATH", "")])
+    return {"PATH": path, "SLURMD_NODENAME": "127.0.0.1", "SLURM_JOB_NODELIST": "127.0.0.1"}

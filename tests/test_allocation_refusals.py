@@ -58,7 +58,7 @@ def test_single_gpu_config_is_planned_as_one_process():
 
 
 def test_single_gpu_config_on_several_nodes_is_refused():
-    recipe = sft(accelerate_config="single_gpu", loss_placement="after", train_hosts=["n1", "n2"])
+    recipe = sft(accelerate_config="single_gpu", loss_placement="after", train_launcher="srun")
     allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
     assert any("single_gpu (distributed_type NO) runs one process on one node" in p for p in allocation.problems)
 

@@ -26,7 +26,7 @@ from tests.test_pipeline import TRAIN_ENV
 REPO = Path(__file__).resolve().parent.parent
 CLASSES = {"sft_recipes": SFTRecipe, "dpo_recipes": DPORecipe, "sft_dpo_recipes": SFTDPORecipe}
 LLAMA = sorted(p for p in (REPO / "train").glob("*/*.yaml") if "demo" not in p.name)
-MACHINES = {"8x80GB": {}, "4x80GB": {"devices": None}, "2x8x80GB": {"train_hosts": ["n1", "n2"]}}
+MACHINES = {"8x80GB": {}, "4x80GB": {"devices": None}, "2x8x80GB": {"train_launcher": "srun"}}
 LINE = re.compile(
     r"(sft|dpo) global batch (\d+) = (\d+) per device x (\d+) accumulation x (\d+) processes .* released (\d+)"
 )
@@ -97,7 +97,7 @@ def test_a_batch_that_no_process_count_keeps_is_refused():
     assert processes_per_node(batches, 7, 1) == 4
     assert processes_per_node(batches, 8, 2) == 8
     assert processes_per_node(batches, 7, 3) == 0  # 16 is no multiple of 3 nodes
-    recipe = load(REPO / "train/sft_recipes/arc.yaml", train_hosts=["a", "b", "c"], loss_placement="after")
+    recipe = load(REPO / "train/sft_recipes/arc.yaml", train_launcher="srun", loss_placement="after")
     allocation = allocate_hardware(recipe, parse_hardware("3x8x80GB"), [0])
     assert any("released global batch (sft 16 (1 per device)) cannot be split evenly over 3 node(s)" in p
                for p in allocation.problems)  # fmt: skip

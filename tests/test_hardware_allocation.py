@@ -136,22 +136,23 @@ def test_defect3_tensor_parallel_is_the_gpus_of_each_placement():
 
 def test_defect4_every_node_is_started_by_a_launcher():
     """Defect 4: only this node started (the others waited for a human), with num_processes unset the configs' 8
-    was split over the nodes. Now ``train_hosts`` starts every node through ssh (or srun) with the allocation's
-    process count."""
-    recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "n2"])
+    was split over the nodes. Now ``train_launcher: srun`` starts every node of the Slurm allocation in one srun step
+    (one task per node, each the same accelerate command with its own --machine_rank) with the allocation's process
+    count."""
+    private = {"api_key": "k", "private_hosts": ["n2"]}  # the other nodes' servers bind to their names
+    recipe = recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun", **private)
     allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
     assert not allocation.problems
     # 4 per node: the released global batch 16 is a multiple of 8 processes, not 14 (optima.hardware)
-    assert [(n.host, n.machine_rank, len(n.gpus)) for n in allocation.training.nodes] == [("n1", 0, 4), ("n2", 1, 4)]
+    assert [(n.host, n.machine_rank, len(n.gpus)) for n in allocation.training.nodes] == [("", 0, 4), ("", 1, 4)]
     train_env = resolve_env(sys.executable, "train")
     launch = launch_for(recipe, "sft", train_env, Path("/run/t.yaml"), True, allocation.training)
     argv = " ".join(launch.argv())
-    assert "-m optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4/0,1,2,3 --" in argv
-    assert "--num_processes 8 --num_machines 2 --machine_rank {machine_rank} --main_process_ip {main_host}" in argv
-    srun = recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun")
-    allocation = allocate_hardware(srun, parse_hardware("2x8x80GB"), [0])
-    argv = " ".join(launch_for(srun, "sft", train_env, Path("/t.yaml"), True, allocation.training).argv())
-    assert "--launcher srun" in argv and "--main_process_ip {main_host}" in argv
+    assert argv.startswith("srun --nodes 2 --ntasks 2 --ntasks-per-node 1 --cpus-per-task ")
+    assert " --gpus-per-node 8 --overlap --kill-on-bad-exit=1 env CUDA_VISIBLE_DEVICES=1,2,3,4 bash -c " in argv
+    assert '--machine_rank "$SLURM_PROCID"' in argv  # each task, its own node's rank
+    assert "-m accelerate.commands.launch --config_file" in argv
+    assert "--num_processes 8 --num_machines 2 --main_process_ip " in argv
 
 
 @pytest.mark.parametrize(

@@ -320,7 +320,6 @@ PURE = ("optima.selection", "optima.agents", "optima.tasks", "optima.reward", "o
 PROCESS_CODE = (
     "serving/",
     "training/launch.py",
-    "training/nodes.py",
     "hardware/machine.py",
     "install.py",
     "environments.py",

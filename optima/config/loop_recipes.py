@@ -148,24 +148,12 @@ class _LoopRecipe(_BaseRecipe):
         help="before the first generation, each trainer takes one optimizer step at its max_length with the run's "
         "launcher and sharding, saving nothing: a trainer that cannot stops the run then (docs/gpu.md#preflight)",
     )
-    train_hosts: list[str] = field(
-        [],
-        help="multi-node training: one host per node, the first is the main one (machine rank 0); [] = this machine",
+    train_launcher: Literal["local", "srun"] = field(
+        "local",
+        help="srun: train and serve on every node of the Slurm allocation the script runs in, one srun step per "
+        "node (docs/gpu.md#several-nodes); local: this machine only",
     )
-    train_hostfile: str | None = field(None, help="instead of train_hosts: a file with one host per line")
-    train_launcher: Literal["ssh", "srun"] = field(
-        "ssh",
-        help="how each node of a multi-node training starts: ssh to each host, or srun inside a Slurm allocation "
-        "(no hosts needed: the allocation's nodes)",
-    )
-    train_launcher_executable: str | None = field(None, help="the ssh or srun program; null = the one on PATH")
     main_process_port: int = field(29500, help="rendezvous port of a multi-node training, on the main host")
-    train_forward_env: list[str] | None = field(
-        None,
-        help="variables the ssh launcher carries to each node (names, or prefixes ending in *); null = the "
-        "built-in allow-list (NCCL_*, FI_*, UCX_*, GLOO_*, CUDA_HOME, PATH, LD_LIBRARY_PATH, HF_*, ...: "
-        "docs/gpu.md#several-nodes)",
-    )
     from_initial: bool = field(
         False, help="fine-tune the base model every iteration (data from the newest)", redoes=TRAINED
     )
@@ -192,7 +180,7 @@ class _LoopRecipe(_BaseRecipe):
 
     model_fields = (*_BaseRecipe.model_fields, "loss_model_path")
     folder_fields = ("check_point_root_path",)
-    path_fields = ("prompt_pool_path", "train_hostfile")
+    path_fields = ("prompt_pool_path",)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -213,11 +201,6 @@ class _LoopRecipe(_BaseRecipe):
         if self.num_processes is not None:
             require_positive(self, "num_processes")
         require_in("main_process_port", self.main_process_port, 1, 65535)
-        require(
-            not (self.train_hosts and self.train_hostfile),
-            "train_hostfile",
-            "set train_hosts or train_hostfile, not both",
-        )
         parse_report_to(self.report_to)
         self.trainer_overrides = yaml_numbers(self.trainer_overrides)
         check_trainer_overrides(self.trainer_overrides, METHODS[self.method].trainers)

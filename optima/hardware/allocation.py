@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optima.config import LOOPBACK_HOSTS, RecipeError
@@ -121,11 +120,11 @@ def allocate_hardware(
     else:
         allocate_servers(recipe, hardware, allocation, cpus or [0])
     if yamls and training:
-        hosts = read_hosts(recipe) or ([""] * hardware.nodes if recipe.train_launcher == "srun" else [])
+        hosts = [""] * hardware.nodes if recipe.train_launcher == "srun" else []  # "": a Slurm node
         if len(hosts) < 2 and hardware.nodes > 1:
             allocation.notes.append(
-                f"the hardware has {hardware.nodes} nodes but the recipe names none (train_hosts, train_hostfile, "
-                "or train_launcher: srun inside a Slurm allocation): training and serving use node 0 only"
+                f"the hardware has {hardware.nodes} nodes but the recipe trains on one (train_launcher: srun inside "
+                "a Slurm allocation trains on all): training and serving use node 0 only"
             )
         allocate_node_servers(recipe, hardware, allocation, hosts)
         allocate_training(recipe, hardware, size, yamls, allocation, hosts or ["localhost"])
@@ -136,15 +135,6 @@ def trainer_yamls(recipe: Recipe) -> list[dict]:
     """The base trainer YAMLs of the recipe's training stages, each with ``_dpo`` (none for an evaluation)."""
     trainers = METHODS[recipe.method].trainers if recipe.method in METHODS else ()
     return [read_yaml(getattr(recipe, TRAINER_YAML_FIELDS[t])) | {"_dpo": t == DPO} for t in trainers]
-
-
-def read_hosts(recipe: LoopRecipe) -> list[str]:
-    """``train_hosts``, or the first word of each line of ``train_hostfile`` (``host slots=8`` as DeepSpeed/MPI)."""
-    if not recipe.train_hostfile:
-        return list(recipe.train_hosts)
-    path = Path(recipe.train_hostfile)
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [ln.split()[0] for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
 def allocate_servers(recipe: Recipe, hardware: Hardware, allocation: HardwareAllocation, cpus: list[int]) -> None:
@@ -229,19 +219,8 @@ def allocate_training(
     batches = trainer_batches(
         recipe, yamls, int(config.get("num_processes") or 1) * int(config.get("num_machines") or 1)
     )
-    loopback = [h for h in hosts if h.rsplit("@", 1)[-1] in LOOPBACK_HOSTS or h.rsplit("@", 1)[-1].startswith("127.")]
-    if len(hosts) > 1 and loopback and len(loopback) < len(hosts):
-        allocation.problems.append(
-            f"train_hosts: {loopback[0]!r} is a loopback name beside other nodes ({', '.join(hosts)}): they would "
-            "wait for the rendezvous on their own loopback; name every node by a host or address the others reach"
-        )
     launcher = "local" if len(hosts) == 1 else recipe.train_launcher
-    extra = (
-        launcher,
-        recipe.train_launcher_executable,
-        recipe.main_process_port,
-        tuple(recipe.train_forward_env or ()),
-    )
+    extra = (launcher, recipe.main_process_port)
     if strategy == "cpu" or not hardware.has_gpu:
         per_node = max(1, (recipe.num_processes or 1) // len(hosts))
         allocation.training = TrainingPlacement(tuple(NodeRanks(h, r) for r, h in enumerate(hosts)), per_node, *extra)
@@ -253,8 +232,8 @@ def allocate_training(
     resident = (
         set(layout.loss.gpus) if layout is not None and layout.loss is not None and layout.loss_resident else set()
     )
-    free = [[g for g in hardware.gpu_ids if g not in resident]] + [list(hardware.gpu_ids)] * (len(hosts) - 1)
-    per_node = min(len(f) for f in free)
+    free = [g for g in hardware.gpu_ids if g not in resident]  # node 0's; the other nodes train on the same ids
+    per_node = len(free)
     per_node = min(per_node, max(1, recipe.num_processes // len(hosts))) if recipe.num_processes else per_node
     if strategy == "single":
         per_node = min(per_node, 1)
@@ -263,7 +242,7 @@ def allocate_training(
                 f"training: accelerate_config {recipe.accelerate_config} (distributed_type NO) runs one process on "
                 f"one node (accelerate's simple launcher ignores --num_processes and --num_machines), so each of the "
                 f"{len(hosts)} nodes would train alone into one folder: use multi_gpu, fsdp or deepspeed_zero3 for "
-                "several nodes, or name one host"
+                "several nodes, or train on one (train_launcher: local)"
             )
     if per_node == 0:
         allocation.problems.append(
@@ -275,8 +254,8 @@ def allocate_training(
     per_node = keep_global_batch(batches, per_node, len(hosts), allocation)
     if not per_node:
         return
-    nodes = tuple(NodeRanks(h, r, tuple(free[r][:per_node])) for r, h in enumerate(hosts))
-    allocation.training = TrainingPlacement(nodes, per_node, *extra)
+    nodes = tuple(NodeRanks(h, r, tuple(free[:per_node])) for r, h in enumerate(hosts))  # one srun step: one --gpu_ids
+    allocation.training = TrainingPlacement(nodes, per_node, *extra, hardware.gpus_per_node)
     where = "; ".join(f"node {n.machine_rank} ({n.host or 'Slurm'}) GPUs {','.join(n.gpus)}" for n in nodes)
     lora = " + LoRA" if any(y.get("use_peft") for y in yamls) else ""
     allocation.lines.append(

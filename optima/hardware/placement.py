@@ -21,9 +21,6 @@ from optima.methods import DPO, runs
 if TYPE_CHECKING:
     from optima.config import LoopRecipe, Recipe
 
-NODES_MODULE = "optima.training.nodes"  # runs on every node of a multi-node training (``TrainingPlacement.wrap``)
-RANK, MAIN_HOST = "{machine_rank}", "{main_host}"  # placeholders of the per-node command, filled at start
-
 
 @dataclass(frozen=True)
 class Placement:
@@ -85,14 +82,14 @@ class NodeRanks:
 @dataclass(frozen=True)
 class TrainingPlacement:
     """The training processes: ``nodes`` (rank 0 first), the same ``processes_per_node`` on each, started by
-    ``launcher`` (``local``, ``ssh``, ``srun``; ``executable``: its program), ``forward``: what ssh carries."""
+    ``launcher`` (``local``, or ``srun``: one step over the Slurm allocation, ``optima.training.launch_config``),
+    with ``main_port`` for the rendezvous of several nodes; ``gpus_per_node``: each node's GPUs (the step asks all)."""
 
     nodes: tuple[NodeRanks, ...]
     processes_per_node: int
     launcher: str = "local"
-    executable: str | None = None
     main_port: int = 29500
-    forward: tuple[str, ...] = ()
+    gpus_per_node: int = 0
 
     @property
     def num_processes(self) -> int:
@@ -102,27 +99,10 @@ class TrainingPlacement:
     def multi_node(self) -> bool:
         return len(self.nodes) > 1
 
-    def accelerate_args(self) -> list[str]:
-        """``accelerate launch`` flags: the process count, and on several nodes the rendezvous (rank placeholder)."""
-        args = ["--num_processes", str(self.num_processes)]
-        if self.multi_node:
-            args += ["--num_machines", str(len(self.nodes)), "--machine_rank", RANK]
-            args += ["--main_process_ip", MAIN_HOST, "--main_process_port", str(self.main_port)]
-        return args
-
     def local_env(self) -> dict[str, str]:
         """The GPUs of a one-node training (nothing on a CPU)."""
         gpus = self.nodes[0].gpus if len(self.nodes) == 1 else ()
         return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}
-
-    def wrap(self, python: Sequence[str], argv: Sequence[str]) -> list[str]:
-        """The command that starts ``argv`` (with ``RANK``) on every node, through ``NODES_MODULE``."""
-        flags = ["--launcher", self.launcher, "--hosts", ",".join(n.host for n in self.nodes)]
-        if any(n.gpus for n in self.nodes):
-            flags += ["--gpus", "/".join(",".join(n.gpus) for n in self.nodes)]
-        flags += ["--executable", self.executable] if self.executable else []
-        flags += ["--forward", ",".join(self.forward)] if self.forward else []
-        return [*python, "-m", NODES_MODULE, *flags, "--", *argv]
 
 
 def loss_server_wanted(recipe: Recipe) -> bool:

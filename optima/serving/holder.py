@@ -41,7 +41,6 @@ from optima.serving.vllm_server import (
 
 if TYPE_CHECKING:
     from optima.config import LoopRecipe
-    from optima.serving.node_servers import NodeLauncher
 
 logger = logging.getLogger(__name__)
 ENDPOINTS_LAYOUT = ServerLayout((Placement(),), None)  # external endpoints: nothing placed here
@@ -106,7 +105,6 @@ class ServerHolder:
         layout: The hardware allocation's placements (``HardwareAllocation.layout``); None only with ``endpoints``.
         demand: KV bytes the run's conversations in flight need of a policy server of a model (None: unknown).
         available_memory: Reads the memory available now (tests give their own).
-        node_launcher: Starts the other nodes' servers (``layout.nodes``); None on one node.
     """
 
     def __init__(
@@ -119,14 +117,13 @@ class ServerHolder:
         layout: ServerLayout | None,
         demand: Callable[[str], int | None] | None = None,
         available_memory: Callable[[], int] = available_memory_bytes,
-        node_launcher: NodeLauncher | None = None,
     ):
         if layout is None and not recipe.endpoints:
             raise ValueError("ServerHolder needs the hardware allocation's layout (None only with external endpoints)")
         self.recipe, self.vllm_env, self.loss_model = recipe, vllm_env, loss_model
         self.log_dir = log_dir or Path(recipe.output_dir) / "logs"
         self.layout: ServerLayout = layout or ENDPOINTS_LAYOUT
-        self.demand, self.available_memory, self.node_launcher = demand, available_memory, node_launcher
+        self.demand, self.available_memory = demand, available_memory
         self.model: str | None = None
         self.urls: list[str] = []
         self.asleep = False  # kept replicas, given back for training, wait for the next checkpoint's weights
@@ -218,13 +215,9 @@ class ServerHolder:
         """Start the other nodes' policy replicas (their logs from ``vllm_<first>.log``), stopped with ``stack``."""
         if not self.layout.nodes:
             return []
-        if self.node_launcher is None:
-            raise RuntimeError("the layout places servers on other nodes, but the run set no node launcher")
         from optima.serving.node_servers import node_server_specs, start_node_servers
 
-        specs = node_server_specs(
-            self.recipe, model, self.vllm_env, stage_paths, self.layout.nodes, self.node_launcher, busy, first
-        )
+        specs = node_server_specs(self.recipe, model, self.vllm_env, stage_paths, self.layout.nodes, busy, first)
         servers = start_node_servers(specs)
         for server in servers:
             stack.callback(server.stop)

@@ -7,15 +7,16 @@ model, dataset and output folder, written into the run directory and handed to
     <train python> -m accelerate.commands.launch --config_file <accelerate yaml> \
         alignment-handbook/scripts/run_sft.py --config <run>/iteration_<i>/trainer.yaml
 
-The process count, the GPUs and, on several nodes, accelerate's multi-node flags come from the hardware allocation's
-``TrainingPlacement`` (``optima.training.nodes``, which also starts every node). ``optima.training.launch`` runs the
-command.
+The process count, the GPUs and, on several nodes, accelerate's multi-node flags (one ``srun`` step,
+``optima.serving.node_servers.srun_step``, each task adding its node's ``--machine_rank``) come from the hardware
+allocation's ``TrainingPlacement``. ``optima.training.launch`` runs the command.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from optima.environments import REPO_ROOT, PythonEnv
 from optima.hardware.machine import read_accelerate_config, resolve_accelerate_config
 from optima.hardware.placement import TrainingPlacement
 from optima.methods import DPO, SFT, TrainerKind
+from optima.serving.node_servers import srun_step
 from optima.store import write_yaml
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,11 @@ CPU_ALLOCATOR_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(64 * 1024**3),
     "MALLOC_TOP_PAD_": str(1024**3),
 }
+
+
+# One srun step runs the same command on every node; each task puts its node's rank before accelerate's other flags
+# (SLURM_PROCID: one task per node). The script is constant: the command comes as arguments, its length first.
+WITH_NODE_RANK = ["bash", "-c", 'n=$1; shift; exec "${@:1:$n}" --machine_rank "$SLURM_PROCID" "${@:$((n + 1))}"', "-"]
 
 
 def cpu_allocator_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -128,11 +135,13 @@ class TrainLaunch:
     placement: TrainingPlacement | None = None
 
     def argv(self) -> list[str]:
-        """The exact command line (starts nothing; shown by ``--dry-run``); on several nodes, the nodes launcher's."""
-        argv = self.env.module_argv("accelerate.commands.launch", *self.launch_args(), *self.script_argv())
-        if self.placement is not None and self.placement.multi_node:
-            return self.placement.wrap(self.env.python_argv, argv)
-        return argv
+        """The exact command line (starts nothing; shown by ``--dry-run``); on several nodes inside one srun step."""
+        launcher = self.env.module_argv("accelerate.commands.launch")
+        if self.placement is None or not self.placement.multi_node:
+            return [*launcher, *self.launch_args(), *self.script_argv()]
+        nodes, gpus = self.placement.nodes, self.placement.nodes[0].gpus
+        step = srun_step(len(nodes), gpus, node_gpus=self.placement.gpus_per_node)
+        return [*step, *WITH_NODE_RANK, str(len(launcher)), *launcher, *self.launch_args(), *self.script_argv()]
 
     def script_argv(self) -> list[str]:
         """The handbook script and its arguments: what ``accelerate launch`` runs."""
@@ -142,7 +151,11 @@ class TrainLaunch:
         """The ``accelerate launch`` flags before the script."""
         launch = ["--config_file", str(self.accelerate_config)]
         if self.placement is not None:
-            launch += self.placement.accelerate_args()
+            launch += ["--num_processes", str(self.placement.num_processes)]
+            if self.placement.multi_node:  # torchrun's rendezvous on this node, the allocation's first
+                main = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+                launch += ["--num_machines", str(len(self.placement.nodes))]
+                launch += ["--main_process_ip", main, "--main_process_port", str(self.placement.main_port)]
         elif self.num_processes is not None:
             launch += ["--num_processes", str(self.num_processes)]
         if self.is_multi_cpu():
