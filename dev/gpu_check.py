@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+MARKER = ".gpu_check_folder"  # the folder gpu-check may delete is one that holds this file
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / ".venvs" / "train" / "bin" / "python"
 SMOLLM2 = REPO / "alignment-handbook" / "recipes" / "smollm2-135m"
@@ -247,9 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     if not has_gpu():
         say("GPU CHECK: FAIL (no NVIDIA GPU visible: nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)")
         return 1
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        say(f"gpu-check: {out} holds files gpu-check did not write (it deletes only its own): pick another")
+        return 2
     if out.exists():
-        shutil.rmtree(out)  # a fresh run each time: the loop scripts would resume from an old one
+        shutil.rmtree(out)  # its own folder, fresh each time: the loop scripts would resume from an old one
     out.mkdir(parents=True)
+    (out / MARKER).write_text("written by python -m dev.gpu_check: the next check deletes this folder\n")
     outcomes = run_stages(stages, out)
     say("stages: " + ", ".join(f"{o.name} {o.status} {o.seconds:.0f} s" for o in outcomes))
     line, code = summarize(outcomes)

@@ -179,7 +179,13 @@ def measure_run(run_dir: Path) -> dict:
     rows = []
     for path in manifests:
         iteration = int(path.parent.name.split("_")[1])
-        rows.append(measure_iteration(json.loads(path.read_text()), events, iteration, samples))
+        manifest = json.loads(path.read_text())
+        if "result" not in manifest["stages"].get("generate", {}):
+            logger.info("%s: iteration %d has not finished generating; it is left out", run_dir, iteration + 1)
+            continue
+        rows.append(measure_iteration(manifest, events, iteration, samples))
+    if not rows:
+        raise ValueError(f"{run_dir}: no iteration has finished generating yet (rerun when one has)")
     total_wall = sum(r["wall_s"] for r in rows)
     total_overhead = sum(r["overhead_s"] for r in rows)
     return {

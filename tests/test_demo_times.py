@@ -66,6 +66,17 @@ def test_a_stage_started_but_not_finished_counts_no_time(tmp_path):
     assert row["training_s"] == 0.0 and row["wall_s"] == 153.5  # generate, score and select only
 
 
+def test_an_iteration_still_generating_is_left_out_and_none_finished_is_an_error(tmp_path, caplog):
+    """A run stopped in its second iteration's generation: the first is timed; a run stopped in the first's is rc 2."""
+    run = make_run(tmp_path / "run", LOG, wait_s=None)
+    (run / "iteration_1").mkdir()
+    (run / "iteration_1" / "manifest.json").write_text(json.dumps({"stages": {"generate": {"config_hash": "h"}}}))
+    assert [row["iteration"] for row in measure_run(run)["iterations"]] == [0]
+    (run / "iteration_0" / "manifest.json").write_text(json.dumps({"stages": {}}))
+    assert run_times_command([str(run)]) == 2
+    assert f"{run}: no iteration has finished generating yet" in caplog.text
+
+
 def epoch(clock: str) -> float:
     return datetime.strptime(f"2026-12-01 {clock}", "%Y-%m-%d %H:%M:%S").timestamp()
 

@@ -155,3 +155,23 @@ def test_a_stage_outcome_reads_its_exit_code_and_its_log(code, log, status, reas
     path.write_text(log)
     outcome = gpu_check.stage_outcome("stage", code, 1.0, path)
     assert (outcome.status, outcome.reason) == (status, reason.format(log=path))
+
+
+def test_it_deletes_only_a_folder_it_wrote(tmp_path, monkeypatch, capsys):
+    """``--output-dir runs`` must not delete the runs in it: only a folder holding gpu-check's marker is replaced."""
+    import optima.hardware.machine
+
+    monkeypatch.setattr(optima.hardware.machine, "has_gpu", lambda: True)
+    monkeypatch.setattr(gpu_check, "run_stages", lambda stages, out: [])
+    monkeypatch.setattr(gpu_check, "summarize", lambda outcomes: ("GPU CHECK: PASS (stubbed)", 0))
+    runs = tmp_path / "runs"
+    (runs / "demo_arc_sft").mkdir(parents=True)
+    (runs / "demo_arc_sft" / "report.md").write_text("a run")
+    assert gpu_check.main(["--skip-setup", "--output-dir", str(runs)]) == 2
+    assert "holds files gpu-check did not write (it deletes only its own)" in capsys.readouterr().out
+    assert (runs / "demo_arc_sft" / "report.md").read_text() == "a run"
+    own = tmp_path / "check"
+    assert gpu_check.main(["--skip-setup", "--output-dir", str(own)]) == 0  # new: created with its marker
+    (own / "old_stage.log").write_text("from the last check")
+    assert gpu_check.main(["--skip-setup", "--output-dir", str(own)]) == 0  # its own: replaced
+    assert sorted(p.name for p in own.iterdir()) == [gpu_check.MARKER]
